@@ -1,0 +1,39 @@
+"""Paged KV cache for autoregressive video-diffusion models.
+
+``spec``       what a model needs, in pages (``KVSpec``, ``Branch``)
+``window``     the chunk-window eviction policy (pure)
+``pool``       the page allocator: where a page is allocated and freed
+``cache``      engine-owned storage, scratch, cross-attention slots, admission
+``session``    one session's two CFG branches, forward contexts, commit / abort / reset / close
+``attention``  paged attention backends and the fused write + attend custom op
+``dense``      upstream concat-and-slice semantics, the reference for tests and benchmarks
+"""
+
+from kv.attention import PagedLayerInputs, bind_cache, paged_attention, paged_write_attend
+from kv.cache import CrossAttentionSlots, KVCapacityError, PagedKVCache
+from kv.dense import DenseKVCache, DenseLayerKV
+from kv.pool import KVPoolExhausted, PagePool
+from kv.session import CrossKV, ForwardContext, SessionKV
+from kv.spec import Branch, KVSpec
+from kv.window import pages_to_evict, visible_pages
+
+__all__ = [
+    "Branch",
+    "CrossAttentionSlots",
+    "CrossKV",
+    "DenseKVCache",
+    "DenseLayerKV",
+    "ForwardContext",
+    "KVCapacityError",
+    "KVPoolExhausted",
+    "KVSpec",
+    "PagePool",
+    "PagedKVCache",
+    "PagedLayerInputs",
+    "SessionKV",
+    "bind_cache",
+    "paged_attention",
+    "paged_write_attend",
+    "pages_to_evict",
+    "visible_pages",
+]

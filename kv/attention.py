@@ -1,0 +1,269 @@
+"""Paged self-attention: write the current K/V into pages, attend over a block table.
+
+Attention is non-causal over ``[visible window | current chunk | extra tokens]`` (the extra
+tokens are DreamZero's action/state register). Two backends:
+
+* ``sdpa``: gather the pages a sequence uses and call ``scaled_dot_product_attention``. Runs on
+  CPU and GPU; every other backend is tested against it.
+* ``flash``: vLLM's ``vllm_flash_attn.flash_attn_varlen_func`` reading the pages in place via
+  ``block_table`` / ``seqused_k`` (no gather). Chosen automatically on CUDA when vLLM is
+  installed and the page size suits the kernel (FA3 on Hopper takes any page size; FA2 needs
+  a multiple of 256).
+
+The write + attend step is one ``torch.library`` custom op, so a ``torch.compile``-d DiT
+block stays a single graph; every per-layer input is a tensor, so new slots, block ids or a
+different layer index change values, never the graph. The pool tensors themselves are not
+graph inputs: the op reads them from the cache bound by :func:`bind_cache` (one cache per
+worker process), which keeps multi-GiB buffers out of the compiled graph's signature.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import NamedTuple, Protocol
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+
+class PagedStorage(Protocol):
+    """What the op needs from a cache (see :class:`kv.cache.PagedKVCache`)."""
+
+    attention_backend: str
+
+    def key_cache(self, layer: int) -> torch.Tensor: ...  # (num_pages, page_size, heads, head_dim)
+
+    def value_cache(self, layer: int) -> torch.Tensor: ...
+
+
+class PagedLayerInputs(NamedTuple):
+    """One layer's inputs to :func:`paged_write_attend`, built once per forward by the cache."""
+
+    layer: torch.Tensor  # 0-dim int64 CPU tensor (a tensor, not an int: one graph for all layers)
+    video_slots: torch.Tensor  # (Lv,) int64 flat slots of the current video tokens
+    extra_slots: torch.Tensor  # (Le,) int64 flat slots of the extra tokens (may be empty)
+    block_table: torch.Tensor  # (1, width) int32, padded with the null page
+    cu_seqlens_q: torch.Tensor  # (2,) int32
+    seq_lens: torch.Tensor  # (1,) int32: real key length (video + extra)
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+_BOUND_CACHE: PagedStorage | None = None
+
+
+def bind_cache(cache: PagedStorage | None) -> None:
+    """Make ``cache`` the storage the custom op writes and reads (set before each forward)."""
+    global _BOUND_CACHE
+    _BOUND_CACHE = cache
+
+
+def bound_cache() -> PagedStorage:
+    if _BOUND_CACHE is None:
+        raise RuntimeError("paged attention called before a KV cache was bound (call ForwardContext.prepare first)")
+    return _BOUND_CACHE
+
+
+# --------------------------------------------------------------------------- backends
+
+
+def sdpa_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Reference backend. ``query`` is (total_q, heads, head_dim); returns the same shape."""
+    page_size = key_cache.shape[1]
+    out = torch.empty_like(query)
+    for b in range(seq_lens.shape[0]):
+        q_start, q_end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        kv_len = int(seq_lens[b])
+        num_pages = -(-kv_len // page_size)
+        pages = block_table[b, :num_pages].to(device=key_cache.device, dtype=torch.long)
+        k = key_cache.index_select(0, pages).flatten(0, 1)[:kv_len]
+        v = value_cache.index_select(0, pages).flatten(0, 1)[:kv_len]
+        # (L, H, D) -> (H, L, D): SDPA attends over the second-to-last dim.
+        o = F.scaled_dot_product_attention(
+            query[q_start:q_end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale
+        )
+        out[q_start:q_end] = o.transpose(0, 1)
+    return out
+
+
+@functools.cache
+def flash_attention_version(device_index: int, page_size: int) -> int | None:
+    """FA version usable for this device and page size, or None (then sdpa is used)."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func  # noqa: F401
+    except Exception:  # vLLM absent or built for another CUDA: sdpa it is
+        return None
+    major, _ = torch.cuda.get_device_capability(device_index)
+    if major == 9:
+        return 3
+    if page_size % 256 == 0:
+        return 2
+    logger.warning("flash backend: page size %d needs FA3 (Hopper); falling back to sdpa", page_size)
+    return None
+
+
+def flash_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    fa_version: int,
+) -> torch.Tensor:
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    out = torch.empty_like(query)
+    flash_attn_varlen_func(
+        q=query,
+        k=key_cache,
+        v=value_cache,
+        out=out,
+        cu_seqlens_q=cu_seqlens_q,
+        max_seqlen_q=max_seqlen_q,
+        seqused_k=seq_lens,
+        max_seqlen_k=max_seqlen_k,
+        softmax_scale=scale,
+        causal=False,
+        block_table=block_table,
+        fa_version=fa_version,
+    )
+    return out
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    *,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Non-causal attention of ``query`` (total_q, H, D) over the pages in ``block_table``."""
+    if backend not in ("auto", "sdpa", "flash"):
+        raise ValueError(f"unknown attention backend {backend!r}; expected auto, sdpa or flash")
+    if backend != "sdpa" and query.is_cuda:
+        version = flash_attention_version(query.device.index or 0, key_cache.shape[1])
+        if version is not None:
+            return flash_paged_attention(
+                query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
+                max_seqlen_q, max_seqlen_k, scale, version,
+            )  # fmt: skip
+        if backend == "flash":
+            raise RuntimeError("attention backend 'flash' requested but vLLM flash-attention is unavailable here")
+    elif backend == "flash":
+        raise RuntimeError("attention backend 'flash' needs CUDA tensors")
+    return sdpa_paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale)
+
+
+# ------------------------------------------------------------- fused write + attend op
+
+
+def _write_attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    extra_key: torch.Tensor | None,
+    extra_value: torch.Tensor | None,
+    layer: torch.Tensor,
+    video_slots: torch.Tensor,
+    extra_slots: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+) -> torch.Tensor:
+    cache = bound_cache()
+    layer_index = int(layer)
+    key_cache, value_cache = cache.key_cache(layer_index), cache.value_cache(layer_index)
+    flat_k = key_cache.view(-1, *key_cache.shape[2:])
+    flat_v = value_cache.view(-1, *value_cache.shape[2:])
+    flat_k.index_copy_(0, video_slots, key.to(flat_k.dtype))
+    flat_v.index_copy_(0, video_slots, value.to(flat_v.dtype))
+    if extra_key is not None and extra_value is not None and extra_key.shape[0] > 0:
+        flat_k.index_copy_(0, extra_slots, extra_key.to(flat_k.dtype))
+        flat_v.index_copy_(0, extra_slots, extra_value.to(flat_v.dtype))
+    return paged_attention(
+        query.to(key_cache.dtype),
+        key_cache,
+        value_cache,
+        block_table=block_table,
+        cu_seqlens_q=cu_seqlens_q,
+        seq_lens=seq_lens,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        scale=scale,
+        backend=cache.attention_backend,
+    ).to(query.dtype)
+
+
+# Registration is guarded so re-importing this module (tests pop it from sys.modules) is a no-op.
+if not hasattr(torch.ops.ardiff, "paged_write_attend"):
+
+    @torch.library.custom_op("ardiff::paged_write_attend", mutates_args=())
+    def _paged_write_attend_op(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        extra_key: torch.Tensor | None,
+        extra_value: torch.Tensor | None,
+        layer: torch.Tensor,
+        video_slots: torch.Tensor,
+        extra_slots: torch.Tensor,
+        block_table: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        scale: float,
+    ) -> torch.Tensor:
+        return _write_attend(
+            query, key, value, extra_key, extra_value, layer, video_slots, extra_slots,
+            block_table, cu_seqlens_q, seq_lens, max_seqlen_q, max_seqlen_k, scale,
+        )  # fmt: skip
+
+    @_paged_write_attend_op.register_fake
+    def _(query, key, value, extra_key, extra_value, layer, video_slots, extra_slots,
+          block_table, cu_seqlens_q, seq_lens, max_seqlen_q, max_seqlen_k, scale):  # fmt: skip
+        return torch.empty_like(query)
+
+
+def paged_write_attend(
+    inputs: PagedLayerInputs,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    extra_key: torch.Tensor | None,
+    extra_value: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Write this layer's current K/V into its pages, then attend. Tensors are (L, H, D).
+
+    ``query`` holds the video queries followed by the extra (action/state) queries.
+    """
+    return torch.ops.ardiff.paged_write_attend(
+        query, key, value, extra_key, extra_value,
+        inputs.layer, inputs.video_slots, inputs.extra_slots, inputs.block_table,
+        inputs.cu_seqlens_q, inputs.seq_lens, inputs.max_seqlen_q, inputs.max_seqlen_k, scale,
+    )  # fmt: skip

@@ -1,0 +1,307 @@
+"""Per-session KV state: both CFG branches' page rings, forward contexts, cross-attention K/V.
+
+Life of a branch forward::
+
+    ctx = session.begin_forward(Branch.COND, num_video_tokens=2 * page, commit=True, extra_tokens=25)
+    layer_inputs = ctx.prepare(device)        # allocates pages now (lazily), builds the block table
+    model(..., self_kv=layer_inputs)          # each layer writes its K/V into the pages and attends
+    session.complete(Branch.COND)             # on success: commit the chunk (and evict old chunks)
+    session.abort(Branch.COND)                # on failure: free the chunk's pages
+
+Prefill forwards (``commit=True``) write into pages the branch will own; denoise forwards
+(``commit=False``) write into the rank's scratch pages, which are reused every forward and
+never committed. Extra (action/state) tokens always go to scratch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from kv.attention import PagedLayerInputs, bind_cache
+from kv.spec import Branch
+from kv.window import pages_to_evict, visible_pages
+
+if TYPE_CHECKING:
+    from kv.cache import PagedKVCache
+
+logger = logging.getLogger(__name__)
+
+
+class CrossKV(NamedTuple):
+    """One layer's cached cross-attention K/V, each (1, tokens, heads, head_dim) views."""
+
+    text_key: torch.Tensor
+    text_value: torch.Tensor
+    image_key: torch.Tensor | None
+    image_value: torch.Tensor | None
+
+
+class ForwardContext:
+    """One branch forward. Allocation is deferred to :meth:`prepare`, so building contexts for
+    both branches costs nothing for a branch this rank never runs."""
+
+    def __init__(
+        self,
+        session: SessionKV,
+        branch: Branch,
+        *,
+        num_video_tokens: int,
+        commit: bool,
+        extra_tokens: int,
+    ) -> None:
+        spec = session.cache.spec
+        if num_video_tokens <= 0 or num_video_tokens % spec.page_size:
+            raise ValueError(
+                f"a forward must bring whole frames: num_video_tokens={num_video_tokens} is not a positive "
+                f"multiple of the page size {spec.page_size}"
+            )
+        if num_video_tokens // spec.page_size > spec.max_new_pages:
+            raise ValueError(
+                f"a forward of {num_video_tokens // spec.page_size} frames exceeds max_new_pages={spec.max_new_pages}"
+            )
+        if not 0 <= extra_tokens <= spec.max_extra_tokens:
+            raise ValueError(f"extra_tokens={extra_tokens} outside [0, {spec.max_extra_tokens}]")
+        self.session = session
+        self.branch = branch
+        self.num_video_tokens = num_video_tokens
+        self.commit = commit
+        self.extra_tokens = extra_tokens
+        self.new_pages: list[int] = []  # pages this forward allocated (commit forwards only)
+        self.layer_inputs: list[PagedLayerInputs] | None = None
+
+    @property
+    def prepared(self) -> bool:
+        return self.layer_inputs is not None
+
+    @property
+    def num_new_pages(self) -> int:
+        return self.num_video_tokens // self.session.cache.spec.page_size
+
+    def prepare(self, device: torch.device | str | None = None) -> list[PagedLayerInputs]:
+        """Allocate the current chunk's pages and build the block-table metadata all layers share.
+
+        Host-side work done once per branch forward, outside any compiled region. Idempotent.
+        """
+        if self.layer_inputs is not None:
+            return self.layer_inputs
+        cache = self.session.cache
+        spec = cache.spec
+        device = torch.device(device) if device is not None else cache.device
+        branch_kv = self.session.branch(self.branch)
+        scratch = cache.scratch_pages(self.branch)
+        if self.commit:
+            self.new_pages = cache.pool.allocate(self.num_new_pages)
+            video_pages = self.new_pages
+        else:
+            video_pages = scratch[: self.num_new_pages]
+        extra_pages = scratch[spec.max_new_pages : spec.max_new_pages + -(-self.extra_tokens // spec.page_size)]
+
+        visible = visible_pages(branch_kv.resident, video_pages, window_pages=spec.window_pages, sink_pages=spec.sink_pages)
+        table = visible + extra_pages
+        table += [0] * (spec.block_table_width - len(table))
+        seq_len = len(visible) * spec.page_size + self.extra_tokens
+        query_len = self.num_video_tokens + self.extra_tokens
+
+        video_slots = _slots(video_pages, self.num_video_tokens, spec.page_size, device)
+        extra_slots = _slots(extra_pages, self.extra_tokens, spec.page_size, device)
+        block_table = torch.tensor([table], dtype=torch.int32, device=device)
+        cu_seqlens_q = torch.tensor([0, query_len], dtype=torch.int32, device=device)
+        seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
+        # max_seqlen_k is the padded capacity, not the real length, so it is the same for every
+        # forward of this geometry (a constant for torch.compile / CUDA graphs).
+        max_seqlen_k = spec.block_table_width * spec.page_size
+        self.layer_inputs = [
+            PagedLayerInputs(
+                layer=cache.layer_index_tensor(i),
+                video_slots=video_slots,
+                extra_slots=extra_slots,
+                block_table=block_table,
+                cu_seqlens_q=cu_seqlens_q,
+                seq_lens=seq_lens,
+                max_seqlen_q=query_len,
+                max_seqlen_k=max_seqlen_k,
+            )
+            for i in range(spec.num_layers)
+        ]
+        bind_cache(cache)
+        return self.layer_inputs
+
+
+def _slots(pages: list[int], num_tokens: int, page_size: int, device: torch.device) -> torch.Tensor:
+    """Flat pool slots (page * page_size + offset) of the first ``num_tokens`` tokens of ``pages``."""
+    if num_tokens == 0:
+        return torch.empty(0, dtype=torch.long, device=device)
+    page_ids = torch.tensor(pages, dtype=torch.long)
+    offsets = torch.arange(num_tokens, dtype=torch.long)
+    return (page_ids[offsets // page_size] * page_size + offsets % page_size).to(device)
+
+
+@dataclass
+class BranchKV:
+    """One CFG branch of one session."""
+
+    resident: list[int] = field(default_factory=list)  # committed pages, oldest first (sink first)
+    committed_tokens: int = 0  # advances once per committed chunk, never per denoise step
+    evicted_pages: int = 0
+    pending: ForwardContext | None = None
+    cross_slot: int | None = None
+    cross_text_ready: bool = False
+    cross_image_ready: bool = False
+
+
+class SessionKV:
+    """Everything one robot session holds in the cache, for both CFG branches."""
+
+    def __init__(self, cache: PagedKVCache, session_id: str) -> None:
+        self.cache = cache
+        self.session_id = session_id
+        self._branches = {branch: BranchKV() for branch in Branch}
+        self.closed = False
+
+    def branch(self, branch: Branch) -> BranchKV:
+        return self._branches[branch]
+
+    @property
+    def pages_held(self) -> int:
+        """Managed pages this session owns right now (resident plus an in-flight chunk)."""
+        total = 0
+        for state in self._branches.values():
+            total += len(state.resident)
+            if state.pending is not None:
+                total += len(state.pending.new_pages)
+        return total
+
+    # -- self-attention ---------------------------------------------------------------
+
+    def begin_forward(
+        self, branch: Branch, *, num_video_tokens: int, commit: bool, extra_tokens: int = 0
+    ) -> ForwardContext:
+        self._check_open()
+        self.cache.check_local(branch)
+        state = self._branches[branch]
+        if state.pending is not None:
+            if state.pending.commit and state.pending.prepared:
+                raise RuntimeError(
+                    f"session {self.session_id!r} {branch.name}: a new forward replaces one whose chunk was never "
+                    "committed; call complete() or abort() first"
+                )
+        state.pending = ForwardContext(
+            self, branch, num_video_tokens=num_video_tokens, commit=commit, extra_tokens=extra_tokens
+        )
+        return state.pending
+
+    def complete(self, branch: Branch) -> None:
+        """The forward succeeded: commit its chunk (if it was a prefill) and evict old chunks."""
+        state = self._branches[branch]
+        ctx = state.pending
+        if ctx is None:
+            return
+        state.pending = None
+        if not ctx.commit:
+            return
+        if not ctx.prepared:
+            raise RuntimeError(f"session {self.session_id!r} {branch.name}: complete() of a forward that never ran")
+        spec = self.cache.spec
+        state.resident.extend(ctx.new_pages)
+        state.committed_tokens += ctx.num_video_tokens
+        evict = pages_to_evict(
+            len(state.resident),
+            window_pages=spec.window_pages,
+            chunk_pages=spec.chunk_pages,
+            sink_chunks=spec.sink_chunks,
+            reset_at_boundary=spec.reset_at_boundary,
+        )
+        if evict:
+            sink = spec.sink_pages
+            victims = state.resident[sink : sink + evict]
+            del state.resident[sink : sink + evict]
+            state.evicted_pages += evict
+            self.cache.pool.free(victims)
+
+    def abort(self, branch: Branch) -> None:
+        """The forward failed: free the pages it allocated; nothing is committed."""
+        state = self._branches[branch]
+        ctx = state.pending
+        state.pending = None
+        if ctx is not None and ctx.new_pages:
+            self.cache.pool.free(ctx.new_pages)
+            ctx.new_pages = []
+
+    # -- cross-attention --------------------------------------------------------------
+
+    def write_cross(
+        self,
+        branch: Branch,
+        layer: int,
+        *,
+        text: tuple[torch.Tensor, torch.Tensor] | None = None,
+        image: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Store one layer's projected cross-attention K/V ((1, tokens, heads, head_dim) each)."""
+        self._check_open()
+        self.cache.check_local(branch)
+        state = self._branches[branch]
+        if state.cross_slot is None:
+            state.cross_slot = self.cache.cross.acquire()
+        self.cache.cross.write(state.cross_slot, layer, text=text, image=image)
+
+    def mark_cross_ready(self, branch: Branch, *, text: bool = False, image: bool = False) -> None:
+        state = self._branches[branch]
+        state.cross_text_ready |= text
+        state.cross_image_ready |= image
+
+    def cross_ready(self, branch: Branch) -> tuple[bool, bool]:
+        state = self._branches[branch]
+        return state.cross_text_ready, state.cross_image_ready
+
+    def cross_kv(self, branch: Branch) -> list[CrossKV]:
+        """Per-layer cached cross K/V. Reading before it was written is a bug: raise loudly."""
+        state = self._branches[branch]
+        needs_image = self.cache.spec.cross_image_tokens > 0
+        if state.cross_slot is None or not state.cross_text_ready or (needs_image and not state.cross_image_ready):
+            raise RuntimeError(
+                f"session {self.session_id!r} {branch.name}: cross-attention K/V read before it was populated "
+                f"(text={state.cross_text_ready}, image={state.cross_image_ready})"
+            )
+        return [self.cache.cross.read(state.cross_slot, layer) for layer in range(self.cache.spec.num_layers)]
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def reset(self, *, keep_cross_text: bool = False) -> None:
+        """Start a fresh window: free every page; the image conditioning must be re-populated.
+
+        ``keep_cross_text``: a window reset inside a session keeps the prompt, so its text K/V
+        stay valid; a session reset (new prompt, explicit reset) drops them too.
+        """
+        self._check_open()
+        for branch, state in self._branches.items():
+            self.abort(branch)
+            self.cache.pool.free(state.resident)
+            state.resident = []
+            state.committed_tokens = 0
+            state.evicted_pages = 0
+            state.cross_image_ready = False
+            if not keep_cross_text:
+                state.cross_text_ready = False
+
+    def close(self) -> None:
+        """Return every page and cross-attention slot this session owns. Idempotent."""
+        if self.closed:
+            return
+        for branch, state in self._branches.items():
+            self.abort(branch)
+            self.cache.pool.free(state.resident)
+            state.resident = []
+            if state.cross_slot is not None:
+                self.cache.cross.release(state.cross_slot)
+                state.cross_slot = None
+        self.closed = True
+        self.cache.forget_session(self)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"session {self.session_id!r} was closed; its KV can no longer be used")

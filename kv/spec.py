@@ -1,0 +1,103 @@
+"""What a model needs from the paged KV cache, in pages.
+
+A page holds the K/V of one latent frame (``page_size`` tokens) for every layer. All sizes
+the cache derives (pool floor, scratch, block-table width, cross-attention slots) come from
+this one description, so a model states its geometry once.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+class Branch(enum.IntEnum):
+    """Classifier-free-guidance branch: each has its own K/V for the same frames."""
+
+    COND = 0  # the real prompt (positive)
+    UNCOND = 1  # the negative prompt
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    page_size: int  # tokens per page: one latent frame (DreamZero-DROID: 880)
+    window_pages: int  # pages attention may see, sink included (DreamZero: local_attn_size = 9)
+    max_new_pages: int  # most video pages one forward adds (the in-flight chunk; DreamZero: 2)
+    max_extra_tokens: int = 0  # uncached tokens attended after the video (action/state register)
+    chunk_pages: int = 1  # eviction unit: a chunk is never half-evicted
+    sink_chunks: int = 0  # leading chunks that are never evicted
+    reset_at_boundary: bool = False  # window full -> drop everything past the sink
+    cross_text_tokens: int = 0  # text tokens cached once per session for cross-attention
+    cross_image_tokens: int = 0  # image tokens (I2V) cached once per window
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_heads", "head_dim", "page_size", "window_pages", "max_new_pages", "chunk_pages"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KVSpec.{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_extra_tokens", "sink_chunks", "cross_text_tokens", "cross_image_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"KVSpec.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_new_pages > self.window_pages:
+            raise ValueError(
+                f"KVSpec: a forward's new pages ({self.max_new_pages}) must fit in the window ({self.window_pages})"
+            )
+        if self.window_pages % self.chunk_pages:
+            raise ValueError(f"KVSpec: window_pages ({self.window_pages}) must be a whole number of chunks ({self.chunk_pages} pages)")
+        if self.sink_pages >= self.window_pages:
+            raise ValueError(f"KVSpec: sink ({self.sink_pages} pages) must be smaller than the window ({self.window_pages})")
+
+    @property
+    def sink_pages(self) -> int:
+        return self.sink_chunks * self.chunk_pages
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def token_bytes(self) -> int:
+        """K and V of one token, all layers."""
+        return 2 * self.num_layers * self.num_heads * self.head_dim * self.itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * self.token_bytes
+
+    @property
+    def extra_pages(self) -> int:
+        return math.ceil(self.max_extra_tokens / self.page_size)
+
+    @property
+    def scratch_pages_per_branch(self) -> int:
+        """Pages for uncommitted denoise-step video K/V plus the action/state register."""
+        return self.max_new_pages + self.extra_pages
+
+    @property
+    def pages_per_branch(self) -> int:
+        """Worst case a branch holds during a forward.
+
+        A full window, plus the part of a chunk that is still partly visible (chunks are never
+        half-evicted), plus the in-flight chunk.
+        """
+        return self.window_pages + self.chunk_pages - 1 + self.max_new_pages
+
+    @property
+    def block_table_width(self) -> int:
+        """Fixed width so that shapes never change as the window fills (compile / CUDA graphs)."""
+        return self.window_pages + max(1, self.extra_pages)
+
+    @property
+    def cross_tokens(self) -> int:
+        return self.cross_text_tokens + self.cross_image_tokens
+
+    @property
+    def cross_slot_bytes(self) -> int:
+        """Cross-attention K/V of one session branch, all layers."""
+        return self.cross_tokens * self.token_bytes

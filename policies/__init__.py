@@ -1,0 +1,1 @@
+"""Policies the session engine drives: the policy interface, the registry, and DreamZero."""

@@ -1,0 +1,240 @@
+"""Decode a RoboArena / DROID request dictionary into a typed :class:`PolicyRequest`.
+
+DESIGN §4 fixes the keys. The rules this module applies:
+
+- Unknown keys are ignored (clients send extras, e.g. ``_right`` stereo images); a known
+  key with a bad value is an :class:`ObservationError` naming the key, what was expected
+  and what arrived. A known key whose value is ``None`` (msgpack nil) counts as absent.
+- ``endpoint`` absent -> ``"infer"``. A ``"reset"`` request reads only ``session_id``:
+  its other keys are client reset info, never observations, and never fail a reset.
+- Exterior cameras come in two index conventions: ``_0_left`` present -> 0-indexed
+  (``_0_left``, ``_1_left``); else ``_2_left`` present -> 1-indexed (``_1_left``,
+  ``_2_left``); a lone ``_1_left`` is the first exterior camera.
+- Images are uint8 numpy arrays (H, W, 3) or frame stacks (T, H, W, 3), normalized to
+  (T, H, W, 3). Any size within :data:`MAX_IMAGE_SIDE` / :data:`MAX_FRAMES` is accepted:
+  policies resize, the declared resolution is a hint (DESIGN §4).
+- State vectors are numeric arrays or msgpack lists, returned as finite float32 1-D arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from ardiff_server.protocol import ProtocolError
+from policies.observation import RobotObservation
+
+__all__ = [
+    "MAX_FRAMES",
+    "MAX_IMAGE_SIDE",
+    "MAX_PROMPT_CHARS",
+    "MAX_SESSION_ID_CHARS",
+    "ObservationError",
+    "PolicyRequest",
+    "decode_request",
+]
+
+# Bounds on what one request may carry. A (64, 4096, 4096, 3) stack would be 3 GiB, but the
+# codec's frame limit (64 MiB) bounds the real total long before these do; these reject
+# nonsense shapes with a message about the key rather than about bytes.
+MAX_IMAGE_SIDE = 4096  # pixels, height and width
+MAX_FRAMES = 64  # frames in one (T, H, W, 3) stack; DreamZero sends 1 or 4
+MAX_PROMPT_CHARS = 4096
+MAX_SESSION_ID_CHARS = 256
+
+ENDPOINT_KEY = "endpoint"
+PROMPT_KEY = "prompt"
+SESSION_ID_KEY = "session_id"
+WRIST_IMAGE_KEY = "observation/wrist_image_left"
+# (key, length) of the proprioceptive state vectors, in RobotObservation field order.
+STATE_KEYS = {
+    "joint_position": ("observation/joint_position", 7),
+    "gripper_position": ("observation/gripper_position", 1),
+    "cartesian_position": ("observation/cartesian_position", 6),
+}
+
+
+def exterior_image_key(index: int) -> str:
+    return f"observation/exterior_image_{index}_left"
+
+
+class ObservationError(ProtocolError):
+    """A request whose known keys hold bad values; the message names the key."""
+
+
+@dataclass(frozen=True)
+class PolicyRequest:
+    endpoint: Literal["infer", "reset"]
+    session_id: str | None
+    observation: RobotObservation | None  # None for reset
+
+
+def decode_request(payload: Any) -> PolicyRequest:
+    """Validate one decoded wire message and turn it into a typed request."""
+    request = _require_request_map(payload)
+    endpoint = _decode_endpoint(request.get(ENDPOINT_KEY))
+    session_id = _decode_session_id(request.get(SESSION_ID_KEY))
+    if endpoint == "reset":
+        return PolicyRequest(endpoint="reset", session_id=session_id, observation=None)
+    return PolicyRequest(endpoint="infer", session_id=session_id, observation=_decode_observation(request))
+
+
+def _require_request_map(payload: Any) -> dict[str, Any]:
+    if not isinstance(payload, dict):
+        raise ObservationError(f"request must be a map of observation keys, got {_describe(payload)}")
+    for key in payload:
+        if not isinstance(key, str):
+            raise ObservationError(
+                f"request keys must be strings, got a key of type {type(key).__name__}: {_short_repr(key)}"
+            )
+    return payload
+
+
+def _decode_endpoint(value: Any) -> Literal["infer", "reset"]:
+    if value is None:
+        return "infer"  # plain openpi clients send no endpoint
+    if isinstance(value, str) and value in ("infer", "reset"):
+        return value  # type: ignore[return-value]
+    raise ObservationError(f"{ENDPOINT_KEY}: expected 'infer' or 'reset', got {_short_repr(value)}")
+
+
+def _decode_session_id(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ObservationError(f"{SESSION_ID_KEY}: expected a string, got {_describe(value)}")
+    session_id = value.strip()
+    if not session_id:
+        raise ObservationError(f"{SESSION_ID_KEY}: expected a non-empty string, got {_short_repr(value)}")
+    if len(session_id) > MAX_SESSION_ID_CHARS:
+        raise ObservationError(
+            f"{SESSION_ID_KEY}: expected at most {MAX_SESSION_ID_CHARS} characters, got {len(session_id)}"
+        )
+    if not session_id.isprintable():
+        raise ObservationError(f"{SESSION_ID_KEY}: expected printable characters, got {_short_repr(session_id)}")
+    # Surrounding whitespace never distinguishes sessions; the stripped id is the session's.
+    return session_id
+
+
+def _decode_prompt(value: Any) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ObservationError(f"{PROMPT_KEY}: expected a string, got {_describe(value)}")
+    if len(value) > MAX_PROMPT_CHARS:
+        raise ObservationError(f"{PROMPT_KEY}: expected at most {MAX_PROMPT_CHARS} characters, got {len(value)}")
+    return value  # unchanged: a changed prompt resets the session, so keep it exact
+
+
+def _decode_observation(request: dict[str, Any]) -> RobotObservation:
+    left_key, right_key = _exterior_camera_keys(request)
+    states = {field: _decode_state(key, request.get(key), length) for field, (key, length) in STATE_KEYS.items()}
+    return RobotObservation(
+        exterior_left=_decode_image(left_key, request.get(left_key)),
+        exterior_right=_decode_image(right_key, request.get(right_key)) if right_key else None,
+        wrist=_decode_image(WRIST_IMAGE_KEY, request.get(WRIST_IMAGE_KEY)),
+        prompt=_decode_prompt(request.get(PROMPT_KEY)),
+        **states,
+    )
+
+
+def _exterior_camera_keys(request: dict[str, Any]) -> tuple[str, str | None]:
+    """(first, second) exterior camera keys under the convention the client uses."""
+    if request.get(exterior_image_key(0)) is not None:
+        return exterior_image_key(0), exterior_image_key(1)
+    if request.get(exterior_image_key(2)) is not None:
+        return exterior_image_key(1), exterior_image_key(2)
+    # Neither 0 nor 2: a lone _1_left (or nothing) is the first camera. There is no second.
+    return exterior_image_key(1), None
+
+
+def _decode_image(key: str, value: Any) -> np.ndarray | None:
+    """uint8 (H, W, 3) or (T, H, W, 3) -> owned C-contiguous (T, H, W, 3); None if absent."""
+    if value is None:
+        return None
+    expected = "a uint8 RGB image array (H, W, 3) or frame stack (T, H, W, 3)"
+    if not isinstance(value, np.ndarray):
+        raise ObservationError(
+            f"{key}: expected {expected} (images must be numpy arrays, not lists), got {_describe(value)}"
+        )
+    if value.dtype != np.uint8:
+        raise ObservationError(f"{key}: expected {expected}, got dtype {value.dtype}")
+    if value.ndim not in (3, 4):
+        raise ObservationError(f"{key}: expected {expected}, got shape {value.shape}")
+    if value.shape[-1] != 3:
+        raise ObservationError(f"{key}: expected 3 color channels last (RGB), got shape {value.shape}")
+    frames = value if value.ndim == 4 else value[np.newaxis]
+    num_frames, height, width, _ = frames.shape
+    if not 1 <= num_frames <= MAX_FRAMES:
+        raise ObservationError(f"{key}: expected 1 to {MAX_FRAMES} frames, got shape {value.shape}")
+    if not (1 <= height <= MAX_IMAGE_SIDE and 1 <= width <= MAX_IMAGE_SIDE):
+        raise ObservationError(
+            f"{key}: expected height and width of 1 to {MAX_IMAGE_SIDE} pixels, got shape {value.shape}"
+        )
+    return _owned_c_contiguous(frames)
+
+
+def _decode_state(key: str, value: Any, length: int) -> np.ndarray | None:
+    """A numeric array or list of ``length`` numbers -> finite float32 (length,); None if absent."""
+    if value is None:
+        return None
+    expected = f"{length} numbers (float array or list)" if length > 1 else "1 number (float, float array or list)"
+    if length == 1 and _is_number(value):  # a bare gripper scalar
+        value = [value]
+    if isinstance(value, (list, tuple)):
+        if len(value) != length:
+            raise ObservationError(f"{key}: expected {expected}, got a list of {len(value)}")
+        value = np.array([_list_number(key, item, expected) for item in value], dtype=np.float64)
+    if not isinstance(value, np.ndarray):
+        raise ObservationError(f"{key}: expected {expected}, got {_describe(value)}")
+    if value.dtype.kind not in "fiu":
+        raise ObservationError(f"{key}: expected {expected}, got array of dtype {value.dtype}")
+    if value.shape != (length,) and not (length == 1 and value.shape == ()):
+        raise ObservationError(f"{key}: expected {expected}, got shape {value.shape}")
+    with np.errstate(over="ignore"):  # beyond float32's range becomes inf, rejected below
+        state = value.astype(np.float32).reshape(length)
+    if not np.isfinite(state).all():
+        raise ObservationError(f"{key}: expected finite numbers, got {state.tolist()}")
+    return state
+
+
+def _list_number(key: str, item: Any, expected: str) -> float:
+    if not _is_number(item):
+        raise ObservationError(f"{key}: expected {expected}, got a list containing {_describe(item)}")
+    try:
+        return float(item)
+    except OverflowError:  # an int beyond float64; the finiteness check rejects it
+        return math.inf
+
+
+def _is_number(value: Any) -> bool:
+    # bool is an int subclass but no joint reading (np.bool_ is no np.integer either).
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _owned_c_contiguous(array: np.ndarray) -> np.ndarray:
+    """``array`` itself if it (or the array it views) owns writable C-contiguous memory, else a copy.
+
+    ``protocol.unpack`` already returns owned copies, so the server path never copies twice;
+    read-only buffers (e.g. openpi's ``np.ndarray(buffer=...)``) and strided views are copied.
+    """
+    base = array if array.base is None else array.base
+    if array.flags.c_contiguous and array.flags.writeable and isinstance(base, np.ndarray) and base.flags.owndata:
+        return array
+    return np.array(array, order="C", copy=True)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        return f"array of dtype {value.dtype} and shape {value.shape}"
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)}"
+    return type(value).__name__
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,454 @@
+"""DreamZero's frozen conditioning encoders and the key maps from its checkpoint onto them.
+
+DreamZero (Wan2.1-I2V) conditions its DiT on three frozen encoders. Each is a thin wrapper around
+the library module that already implements it:
+
+- `TextEncoder`: the UMT5-XXL encoder (`transformers.UMT5EncoderModel`).
+- `ImageEncoder`: the open-CLIP XLM-RoBERTa ViT-H/14 visual tower
+  (`transformers.CLIPVisionModelWithProjection`), read after its second-to-last block.
+- `VideoVAE`: the Wan2.1 video VAE (`diffusers.AutoencoderKLWan`), returning normalized latents.
+
+The released checkpoint stores these modules in upstream DreamZero naming (Wan-T5, open-CLIP and
+original Wan-VAE names). `text_encoder_targets`, `image_encoder_targets` and `vae_targets` map one
+upstream key (component prefix stripped) onto the wrapper's own `state_dict()` keys, each with the
+tensor transform it needs. The maps are pure functions of names, so the same code streams real
+tensors and checks shapes on the meta device.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from diffusers import AutoencoderKLWan
+from torch import Tensor, nn
+from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection, UMT5Config, UMT5EncoderModel
+from transformers.models.clip.modeling_clip import CLIPEncoderLayer
+
+# Checkpoint prefixes of the three components; the key maps take names with these stripped.
+TEXT_ENCODER_PREFIX = "action_head.text_encoder."
+IMAGE_ENCODER_PREFIX = "action_head.image_encoder.model."
+VAE_PREFIX = "action_head.vae.model."
+
+# Wan's `umt5-xxl` encoder (upstream `WanTextEncoder` defaults): per-layer relative position
+# buckets (UMT5, not T5's shared table), gated tanh-GELU FFN, RMS norm eps 1e-6, no attention
+# scaling. `feed_forward_proj="gated-gelu"` makes transformers pick `gelu_new`, the tanh
+# approximation upstream's `GELU` computes. Dropout is off: the encoder is frozen.
+UMT5_XXL_ENCODER_CONFIG: dict[str, Any] = {
+    "vocab_size": 256384,
+    "d_model": 4096,
+    "d_kv": 64,
+    "d_ff": 10240,
+    "num_layers": 24,
+    "num_heads": 64,
+    "relative_attention_num_buckets": 32,
+    "relative_attention_max_distance": 128,
+    "feed_forward_proj": "gated-gelu",
+    "layer_norm_epsilon": 1e-6,
+    "dropout_rate": 0.0,
+}
+
+# open-CLIP `xlm-roberta-large-vit-huge-14` visual tower: pre-norm ViT, exact (erf) GELU,
+# LayerNorm eps 1e-5, class token, no patch-embedding bias, (1280 -> 1024) projection `head`.
+CLIP_VIT_H_14_CONFIG: dict[str, Any] = {
+    "hidden_size": 1280,
+    "intermediate_size": 5120,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 16,
+    "num_channels": 3,
+    "image_size": 224,
+    "patch_size": 14,
+    "projection_dim": 1024,
+    "hidden_act": "gelu",
+    "layer_norm_eps": 1e-5,
+    "attention_dropout": 0.0,
+}
+
+# Per-channel statistics of Wan2.1 VAE latents (upstream `WanVideoVAE.mean` / `.std`).
+# fmt: off
+WAN21_LATENTS_MEAN = (
+    -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+    0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
+)
+WAN21_LATENTS_STD = (
+    2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
+)
+# fmt: on
+
+# Wan2.1 VAE (upstream `VideoVAE_` defaults and `WanVideoVAE` latent statistics).
+WAN21_VAE_CONFIG: dict[str, Any] = {
+    "base_dim": 96,
+    "z_dim": 16,
+    "dim_mult": [1, 2, 4, 4],
+    "num_res_blocks": 2,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+    "dropout": 0.0,
+    "latents_mean": list(WAN21_LATENTS_MEAN),
+    "latents_std": list(WAN21_LATENTS_STD),
+}
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoders
+# ---------------------------------------------------------------------------------------------
+
+
+class TextEncoder(nn.Module):
+    """UMT5 encoder; returns per-token embeddings with padded positions zeroed."""
+
+    def __init__(self, model: UMT5EncoderModel) -> None:
+        super().__init__()
+        self.model = model
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any] | None = None) -> TextEncoder:
+        """Builds the encoder from `UMT5Config` fields; `cfg` overrides the UMT5-XXL defaults."""
+        config = UMT5Config(**{**UMT5_XXL_ENCODER_CONFIG, **(cfg or {})})
+        return cls(UMT5EncoderModel(config)).eval().requires_grad_(False)
+
+    @property
+    def dim(self) -> int:
+        return self.model.config.d_model
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """(B, L) token ids and mask -> (B, L, d_model) embeddings in the model's dtype."""
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        # Upstream `encode_prompt` zeroes every position at or past the attended-token count;
+        # the DiT cross-attends over all L positions, so these zeros are part of the condition.
+        seq_lens = attention_mask.gt(0).sum(dim=1)
+        positions = torch.arange(hidden.shape[1], device=hidden.device)
+        padded = positions[None, :] >= seq_lens[:, None]
+        return hidden.masked_fill(padded[..., None], 0.0)
+
+
+# transformers < 5 passes a required `causal_attention_mask` and returns a tuple; 5.x takes
+# `(hidden_states, attention_mask)` and returns the hidden states.
+_CLIP_LAYER_TAKES_CAUSAL_MASK = "causal_attention_mask" in inspect.signature(CLIPEncoderLayer.forward).parameters
+
+
+def _run_clip_layer(layer: nn.Module, hidden: Tensor) -> Tensor:
+    out = layer(hidden, None, None) if _CLIP_LAYER_TAKES_CAUSAL_MASK else layer(hidden, None)
+    return out[0] if isinstance(out, tuple) else out
+
+
+class ImageEncoder(nn.Module):
+    """CLIP ViT visual tower; returns the tokens after all but its last block (upstream `use_31_block`)."""
+
+    def __init__(self, model: CLIPVisionModelWithProjection) -> None:
+        super().__init__()
+        self.model = model
+        # open-CLIP's contrastive temperature (upstream `log_scale`). Conditioning never reads it;
+        # it is kept so that every checkpoint tensor has a home.
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any] | None = None) -> ImageEncoder:
+        """Builds the tower from `CLIPVisionConfig` fields; `cfg` overrides the ViT-H/14 defaults."""
+        config = CLIPVisionConfig(**{**CLIP_VIT_H_14_CONFIG, **(cfg or {})})
+        return cls(CLIPVisionModelWithProjection(config)).eval().requires_grad_(False)
+
+    @property
+    def image_size(self) -> int:
+        return self.model.config.image_size
+
+    @property
+    def num_tokens(self) -> int:
+        return 1 + (self.image_size // self.model.config.patch_size) ** 2
+
+    @property
+    def dim(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def num_used_layers(self) -> int:
+        """Blocks that run: all but the last. The last block, post-norm and projection are unused."""
+        return self.model.config.num_hidden_layers - 1
+
+    def rebuild_buffers(self, device: torch.device) -> None:
+        """Recreate the non-persistent `position_ids` buffer after a meta-device load (it is not in
+        any checkpoint; transformers derives it from the config)."""
+        embeddings = self.model.vision_model.embeddings
+        embeddings.position_ids = torch.arange(embeddings.num_positions, device=device).expand((1, -1))
+
+    def forward(self, images: Tensor) -> Tensor:
+        """(B, 3, H, W) images in [-1, 1] -> (B, 1 + (image_size / patch)^2, hidden) tokens."""
+        size = (self.image_size, self.image_size)
+        pixels = F.interpolate(images, size=size, mode="bicubic", align_corners=False)
+        # Upstream maps [-1, 1] to [0, 1], then applies torchvision's Normalize, whose mean/std
+        # take the input's dtype.
+        pixels = pixels * 0.5 + 0.5
+        mean = torch.tensor(CLIP_MEAN, dtype=pixels.dtype, device=pixels.device).view(1, 3, 1, 1)
+        std = torch.tensor(CLIP_STD, dtype=pixels.dtype, device=pixels.device).view(1, 3, 1, 1)
+        pixels = (pixels - mean) / std
+
+        vision = self.model.vision_model
+        hidden = vision.pre_layrnorm(vision.embeddings(pixels))
+        for layer in vision.encoder.layers[: self.num_used_layers]:
+            hidden = _run_clip_layer(layer, hidden)
+        return hidden
+
+
+class VideoVAE(nn.Module):
+    """Wan2.1 video VAE; `encode` returns normalized posterior means like upstream's non-tiled encode."""
+
+    def __init__(self, model: AutoencoderKLWan) -> None:
+        super().__init__()
+        _check_wan21_vae_config(model.config)
+        self.model = model
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any] | None = None) -> VideoVAE:
+        """Builds the VAE from `AutoencoderKLWan` config fields (e.g. a diffusers `vae/config.json`);
+        `cfg` overrides the Wan2.1 defaults."""
+        model = AutoencoderKLWan.from_config({**WAN21_VAE_CONFIG, **(cfg or {})})
+        return cls(model).eval().requires_grad_(False)
+
+    @property
+    def latent_channels(self) -> int:
+        return self.model.config.z_dim
+
+    @property
+    def temporal_compression(self) -> int:
+        return 2 ** sum(bool(t) for t in self.model.config.temperal_downsample)
+
+    @property
+    def spatial_compression(self) -> int:
+        return 2 ** (len(self.model.config.dim_mult) - 1)
+
+    def encode(self, video: Tensor) -> Tensor:
+        """(B, 3, 1 + 4k, H, W) video in [-1, 1] -> (B, z_dim, 1 + k, H/8, W/8) normalized latents."""
+        if video.ndim != 5 or (video.shape[2] - 1) % 4 != 0:
+            # The causal encoder consumes the first frame, then chunks of 4; a remainder would be
+            # silently dropped.
+            raise ValueError(f"expected video (B, C, 1 + 4k, H, W), got {tuple(video.shape)}")
+        mu = self.model.encode(video).latent_dist.mean
+        # Upstream keeps the statistics in fp32, inverts std there, and casts both to mu's dtype.
+        config = self.model.config
+        mean = torch.tensor(config.latents_mean, dtype=torch.float32, device=mu.device)
+        inv_std = 1.0 / torch.tensor(config.latents_std, dtype=torch.float32, device=mu.device)
+        shape = (1, -1, 1, 1, 1)
+        return (mu - mean.to(mu.dtype).view(shape)) * inv_std.to(mu.dtype).view(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Key maps
+# ---------------------------------------------------------------------------------------------
+
+
+def _identity(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+def _flatten(tensor: Tensor) -> Tensor:
+    return tensor.reshape(-1)
+
+
+def _drop_leading_dim(tensor: Tensor) -> Tensor:
+    return tensor.reshape(tensor.shape[1:])
+
+
+def _transpose(tensor: Tensor) -> Tensor:
+    return tensor.t().contiguous()
+
+
+def _chunk(tensor: Tensor, *, index: int, parts: int) -> Tensor:
+    return tensor.chunk(parts, dim=0)[index]
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one upstream tensor goes: a key of the wrapper's `state_dict()` and how to reshape it."""
+
+    name: str
+    transform: Callable[[Tensor], Tensor] = _identity
+
+
+def convert_state_dict(source: Mapping[str, Tensor], targets_of: Callable[[str], list[Target]]) -> dict[str, Tensor]:
+    """Maps a whole upstream-named state dict (prefix stripped) with one of the key maps."""
+    converted: dict[str, Tensor] = {}
+    for key, tensor in source.items():
+        for target in targets_of(key):
+            if target.name in converted:
+                raise ValueError(f"{target.name!r} is produced twice (again by {key!r})")
+            converted[target.name] = target.transform(tensor)
+    return converted
+
+
+def _unknown(component: str, key: str) -> KeyError:
+    return KeyError(f"unknown {component} checkpoint key {key!r}")
+
+
+# Wan-T5 block parameter -> UMT5 block parameter.
+_T5_BLOCK_PARAMS = {
+    "norm1.weight": "layer.0.layer_norm.weight",
+    "attn.q.weight": "layer.0.SelfAttention.q.weight",
+    "attn.k.weight": "layer.0.SelfAttention.k.weight",
+    "attn.v.weight": "layer.0.SelfAttention.v.weight",
+    "attn.o.weight": "layer.0.SelfAttention.o.weight",
+    "pos_embedding.embedding.weight": "layer.0.SelfAttention.relative_attention_bias.weight",
+    "norm2.weight": "layer.1.layer_norm.weight",
+    # Upstream FFN: fc2(fc1(x) * gelu(gate(x))); UMT5: wo(gelu(wi_0(x)) * wi_1(x)).
+    "ffn.gate.0.weight": "layer.1.DenseReluDense.wi_0.weight",
+    "ffn.fc1.weight": "layer.1.DenseReluDense.wi_1.weight",
+    "ffn.fc2.weight": "layer.1.DenseReluDense.wo.weight",
+}
+_BLOCK_KEY = re.compile(r"blocks\.(\d+)\.(.+)")
+
+
+def text_encoder_targets(key: str) -> list[Target]:
+    """Upstream `WanTextEncoder` key (no prefix) -> `TextEncoder` state-dict targets."""
+    if key == "token_embedding.weight":
+        # UMT5EncoderModel ties `shared` and `encoder.embed_tokens`; both appear in state_dict().
+        return [Target("model.shared.weight"), Target("model.encoder.embed_tokens.weight")]
+    if key == "norm.weight":
+        return [Target("model.encoder.final_layer_norm.weight")]
+    match = _BLOCK_KEY.fullmatch(key)
+    if match is not None and match[2] in _T5_BLOCK_PARAMS:
+        return [Target(f"model.encoder.block.{match[1]}.{_T5_BLOCK_PARAMS[match[2]]}")]
+    raise _unknown("text encoder", key)
+
+
+_CLIP_TOP_LEVEL: dict[str, Target] = {
+    "log_scale": Target("logit_scale"),
+    # open-CLIP keeps the class and position embeddings with leading batch dims: (1, 1, D), (1, N, D).
+    "visual.cls_embedding": Target("model.vision_model.embeddings.class_embedding", _flatten),
+    "visual.pos_embedding": Target("model.vision_model.embeddings.position_embedding.weight", _drop_leading_dim),
+    "visual.patch_embedding.weight": Target("model.vision_model.embeddings.patch_embedding.weight"),
+    "visual.pre_norm.weight": Target("model.vision_model.pre_layrnorm.weight"),
+    "visual.pre_norm.bias": Target("model.vision_model.pre_layrnorm.bias"),
+    "visual.post_norm.weight": Target("model.vision_model.post_layernorm.weight"),
+    "visual.post_norm.bias": Target("model.vision_model.post_layernorm.bias"),
+    # open-CLIP projects with `x @ head`; nn.Linear computes `x @ weight.T`.
+    "visual.head": Target("model.visual_projection.weight", _transpose),
+}
+_CLIP_BLOCK_PARAMS = {
+    "norm1.weight": "layer_norm1.weight",
+    "norm1.bias": "layer_norm1.bias",
+    "attn.proj.weight": "self_attn.out_proj.weight",
+    "attn.proj.bias": "self_attn.out_proj.bias",
+    "norm2.weight": "layer_norm2.weight",
+    "norm2.bias": "layer_norm2.bias",
+    "mlp.0.weight": "mlp.fc1.weight",
+    "mlp.0.bias": "mlp.fc1.bias",
+    "mlp.2.weight": "mlp.fc2.weight",
+    "mlp.2.bias": "mlp.fc2.bias",
+}
+_CLIP_BLOCK_KEY = re.compile(r"visual\.transformer\.(\d+)\.(.+)")
+
+
+def image_encoder_targets(key: str) -> list[Target]:
+    """Upstream `XLMRobertaCLIP` key (no prefix, e.g. `visual.head`) -> `ImageEncoder` targets."""
+    if key in _CLIP_TOP_LEVEL:
+        return [_CLIP_TOP_LEVEL[key]]
+    match = _CLIP_BLOCK_KEY.fullmatch(key)
+    if match is not None:
+        layer, param = f"model.vision_model.encoder.layers.{match[1]}", match[2]
+        if param in ("attn.to_qkv.weight", "attn.to_qkv.bias"):
+            # Fused rows are [q; k; v] (upstream splits with `.chunk(3, dim=-1)` on the output).
+            suffix = param.rsplit(".", 1)[1]
+            return [
+                Target(f"{layer}.self_attn.{proj}.{suffix}", functools.partial(_chunk, index=i, parts=3))
+                for i, proj in enumerate(("q_proj", "k_proj", "v_proj"))
+            ]
+        if param in _CLIP_BLOCK_PARAMS:
+            return [Target(f"{layer}.{_CLIP_BLOCK_PARAMS[param]}")]
+    raise _unknown("image encoder", key)
+
+
+# Parameters of the three Wan-VAE block kinds, upstream name -> diffusers name.
+_VAE_RESNET_PARAMS = {
+    "residual.0.gamma": "norm1.gamma",
+    "residual.2.weight": "conv1.weight",
+    "residual.2.bias": "conv1.bias",
+    "residual.3.gamma": "norm2.gamma",
+    "residual.6.weight": "conv2.weight",
+    "residual.6.bias": "conv2.bias",
+    "shortcut.weight": "conv_shortcut.weight",
+    "shortcut.bias": "conv_shortcut.bias",
+}
+_VAE_RESAMPLE_PARAMS = {p: p for p in ("resample.1.weight", "resample.1.bias", "time_conv.weight", "time_conv.bias")}
+_VAE_ATTENTION_PARAMS = {p: p for p in ("norm.gamma", "to_qkv.weight", "to_qkv.bias", "proj.weight", "proj.bias")}
+_VAE_BLOCK_PARAMS = {"resnet": _VAE_RESNET_PARAMS, "resample": _VAE_RESAMPLE_PARAMS, "attention": _VAE_ATTENTION_PARAMS}
+
+# Upstream `middle` is [resnet, attention, resnet]; diffusers splits it by kind.
+_VAE_MIDDLE = {
+    "0": ("mid_block.resnets.0", "resnet"),
+    "1": ("mid_block.attentions.0", "attention"),
+    "2": ("mid_block.resnets.1", "resnet"),
+}
+_VAE_HEAD = {"head.0.gamma": "norm_out.gamma", "head.2.weight": "conv_out.weight", "head.2.bias": "conv_out.bias"}
+_VAE_TOP_LEVEL = {
+    "conv1.weight": "quant_conv.weight",
+    "conv1.bias": "quant_conv.bias",
+    "conv2.weight": "post_quant_conv.weight",
+    "conv2.bias": "post_quant_conv.bias",
+}
+_VAE_STAGE_KEY = re.compile(r"(encoder|decoder)\.(.+)")
+_VAE_SEQUENCE_KEY = re.compile(r"(downsamples|upsamples|middle)\.(\d+)\.(.+)")
+
+
+def _check_wan21_vae_config(vae_config: Mapping[str, Any]) -> None:
+    if vae_config.get("is_residual") or vae_config.get("patch_size"):
+        raise ValueError("only the Wan2.1 VAE layout is supported (is_residual=False, patch_size=None)")
+    if vae_config.get("attn_scales"):
+        # diffusers' Wan decoder has no per-level attention blocks, so upstream's would have no home.
+        raise ValueError("Wan VAE attn_scales must be empty")
+
+
+@functools.lru_cache(maxsize=8)
+def _vae_sequences(num_levels: int, num_res_blocks: int) -> dict[str, tuple[tuple[str, str], ...]]:
+    """Upstream's flat `downsamples` / `upsamples` lists as (diffusers block path, kind) per index."""
+    last = num_levels - 1
+    encoder_kinds: list[str] = []
+    decoder: list[tuple[str, str]] = []
+    for level in range(num_levels):
+        encoder_kinds += ["resnet"] * num_res_blocks + (["resample"] if level < last else [])
+        # The decoder has num_res_blocks + 1 resnets per level, then an upsampler except at the last.
+        decoder += [(f"up_blocks.{level}.resnets.{j}", "resnet") for j in range(num_res_blocks + 1)]
+        if level < last:
+            decoder.append((f"up_blocks.{level}.upsamplers.0", "resample"))
+    # diffusers keeps the encoder's flat list (`down_blocks.N`) but groups the decoder's by level.
+    encoder = tuple((f"down_blocks.{n}", kind) for n, kind in enumerate(encoder_kinds))
+    return {"downsamples": encoder, "upsamples": tuple(decoder)}
+
+
+def vae_targets(key: str, vae_config: Mapping[str, Any]) -> list[Target]:
+    """Upstream `VideoVAE_` key (no prefix) -> `VideoVAE` targets, for the VAE built from `vae_config`."""
+    _check_wan21_vae_config(vae_config)
+    if key in _VAE_TOP_LEVEL:
+        return [Target(f"model.{_VAE_TOP_LEVEL[key]}")]
+    stage_match = _VAE_STAGE_KEY.fullmatch(key)
+    if stage_match is None:
+        raise _unknown("VAE", key)
+    stage, rest = stage_match[1], stage_match[2]
+    if rest in ("conv1.weight", "conv1.bias"):
+        return [Target(f"model.{stage}.conv_in.{rest.split('.')[1]}")]
+    if rest in _VAE_HEAD:
+        return [Target(f"model.{stage}.{_VAE_HEAD[rest]}")]
+
+    match = _VAE_SEQUENCE_KEY.fullmatch(rest)
+    if match is None:
+        raise _unknown("VAE", key)
+    sequence, index, param = match[1], match[2], match[3]
+    if sequence == "middle":
+        block = _VAE_MIDDLE.get(index)
+    elif (sequence == "downsamples") == (stage == "encoder"):
+        blocks = _vae_sequences(len(vae_config["dim_mult"]), vae_config["num_res_blocks"])[sequence]
+        block = blocks[int(index)] if int(index) < len(blocks) else None
+    else:
+        block = None  # `encoder.upsamples` / `decoder.downsamples`
+    if block is None or param not in _VAE_BLOCK_PARAMS[block[1]]:
+        raise _unknown("VAE", key)
+    return [Target(f"model.{stage}.{block[0]}.{_VAE_BLOCK_PARAMS[block[1]][param]}")]

@@ -14,13 +14,14 @@ The write + attend step is one ``torch.library`` custom op, so a ``torch.compile
 block stays a single graph; every per-layer input is a tensor, so new slots, block ids or a
 different layer index change values, never the graph. The pool tensors themselves are not
 graph inputs: the op reads them from the cache bound by :func:`bind_cache` (one cache per
-worker process), which keeps multi-GiB buffers out of the compiled graph's signature.
+worker process and thread), which keeps multi-GiB buffers out of the compiled graph's signature.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 from typing import NamedTuple, Protocol
 
 import torch
@@ -52,19 +53,20 @@ class PagedLayerInputs(NamedTuple):
     max_seqlen_k: int
 
 
-_BOUND_CACHE: PagedStorage | None = None
+# Per thread, so two caches driven from two threads (tests emulating CFG ranks) never mix.
+_BOUND = threading.local()
 
 
 def bind_cache(cache: PagedStorage | None) -> None:
     """Make ``cache`` the storage the custom op writes and reads (set before each forward)."""
-    global _BOUND_CACHE
-    _BOUND_CACHE = cache
+    _BOUND.cache = cache
 
 
 def bound_cache() -> PagedStorage:
-    if _BOUND_CACHE is None:
+    cache = getattr(_BOUND, "cache", None)
+    if cache is None:
         raise RuntimeError("paged attention called before a KV cache was bound (call ForwardContext.prepare first)")
-    return _BOUND_CACHE
+    return cache
 
 
 # --------------------------------------------------------------------------- backends

@@ -1,0 +1,459 @@
+"""The DreamZero policy: one call per observation, an AR rollout of video latents and actions.
+
+Per call (upstream ``WANPolicyHead.lazy_joint_video_action``):
+
+1. Frames: the first call of a session uses 1 frame, later calls the last 4 (padded by
+   repeating the oldest). A changed prompt resets the session; a full attention window
+   (``current_start_frame >= local_attn_size``) restarts the window, keeping the text K/V.
+2. Window start: CLIP tokens and the VAE image conditioning ``ys`` (first frame + 32 black
+   frames, 4-channel mask on latent 0) from the newest frame; cross-attention K/V cached.
+3. KV prefill: at a window start the first frame's latent, later the 2 newly observed latents
+   (VAE re-encode: repeat x2, prepend the first frame, keep the last 2). Committed only after
+   the forward succeeds.
+4. Denoise 2 latent frames + the 24-step action chunk with two flow-matching UniPC schedulers
+   (16 steps, shift 5, fixed seed). CFG (5.0) on video only; actions use the conditional
+   branch. The DiT step cache may reuse the previous velocity instead of running the DiT.
+5. Actions: q99-denormalized, joints relative to the last observed joint state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pydantic
+import torch
+import torch.nn.functional as F
+
+from kv import Branch, KVSpec, SessionKV
+from policies.base import Policy, RuntimeOptions, StepResult, register_policy
+from policies.dreamzero.model import DreamZeroModel
+from policies.dreamzero.scheduler import FlowUniPCScheduler
+from policies.dreamzero.transforms import (
+    DEFAULT_NEGATIVE_PROMPT,
+    NormStats,
+    crop_and_resize,
+    denormalize_actions,
+    droid_prompt,
+    normalize_state,
+    stitch_views,
+    to_absolute_joints,
+)
+from policies.observation import RobotObservation
+
+logger = logging.getLogger(__name__)
+
+# Upstream's default (NUM_DIT_STEPS=8): which of the 16 denoise steps run the DiT.
+UPSTREAM_STEP_MASK = [True, True, True, False, False, False, True, False, False, False, True, False, False, True, True, True]
+FRAMES_PER_CALL = 4  # frames a robot sends per call after the first (DreamZero's client contract)
+
+
+class DreamZeroConfig(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    name: Literal["dreamzero"] = "dreamzero"
+    checkpoint: str = pydantic.Field("builtin:tiny", description="checkpoint directory, or builtin:tiny")
+    tokenizer: str | None = pydantic.Field(None, description="tokenizer directory (default: <checkpoint>/tokenizer)")
+    view_size: tuple[int, int] = pydantic.Field((176, 320), description="per-view (height, width) fed to the model")
+    image_resolution: tuple[int, int] = pydantic.Field((180, 320), description="camera size advertised to clients")
+    num_inference_steps: int = pydantic.Field(16, ge=1, le=1000)
+    sigma_shift: float = pydantic.Field(5.0, gt=0)
+    cfg_scale: float = pydantic.Field(5.0, ge=1.0)
+    seed: int = 1140
+    dit_step_cache: Literal["off", "fixed", "dynamic"] = "fixed"
+    dit_step_mask: list[bool] = pydantic.Field(default_factory=lambda: list(UPSTREAM_STEP_MASK))
+    embodiment: str = "oxe_droid"
+    negative_prompt: str = DEFAULT_NEGATIVE_PROMPT
+    relative_action_dims: int = pydantic.Field(7, ge=0)
+
+    @pydantic.model_validator(mode="after")
+    def _check_mask(self) -> DreamZeroConfig:
+        if self.dit_step_cache == "fixed":
+            if len(self.dit_step_mask) != self.num_inference_steps:
+                raise ValueError(
+                    f"dit_step_mask has {len(self.dit_step_mask)} entries for {self.num_inference_steps} inference steps"
+                )
+            if not self.dit_step_mask[0]:
+                raise ValueError("dit_step_mask must run the DiT on the first step")
+        return self
+
+
+@dataclass
+class DreamZeroSession:
+    session_id: str
+    kv: SessionKV
+    frames: deque = field(default_factory=lambda: deque(maxlen=FRAMES_PER_CALL))  # stitched canvases
+    calls: int = 0
+    prompt: str | None = None
+    prompt_embeds: torch.Tensor | None = None
+    current_start_frame: int = 0
+    clip_feature: torch.Tensor | None = None
+    ys: torch.Tensor | None = None  # (1, 4 + z, latent frames, h, w) image conditioning
+    first_latent: torch.Tensor | None = None
+
+
+class PhaseTimer:
+    """Wall time per phase in ms (synchronizing CUDA so phases are not smeared)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.ms: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.ms[phase] = self.ms.get(phase, 0.0) + (now - self._last) * 1000.0
+        self._last = now
+
+
+class DreamZeroPolicy(Policy[DreamZeroSession]):
+    def __init__(self, config: DreamZeroConfig, options: RuntimeOptions, model: DreamZeroModel | None = None) -> None:
+        self.config = config
+        self.options = options
+        self.device = torch.device(options.device)
+        self.dtype = getattr(torch, options.dtype)
+        if model is None:
+            checkpoint = resolve_checkpoint(config.checkpoint)
+            model = DreamZeroModel.load(checkpoint, tokenizer=config.tokenizer, dtype=self.dtype, device=self.device)
+        self.model = model
+        self.dit = model.dit
+        self.dit_cfg = model.dit.cfg
+        self.head = model.action_head
+        self.cfg_group = options.cfg
+        self._check_geometry()
+        self.action_stats = NormStats.from_metadata(model.metadata, config.embodiment, "action")
+        self.state_stats = NormStats.from_metadata(model.metadata, config.embodiment, "state")
+        self.use_cfg = config.cfg_scale != 1.0
+        if self.cfg_group.is_parallel and not self.use_cfg:
+            raise ValueError("CFG-parallel needs cfg_scale != 1 (there is no second branch to run)")
+        self._negative_embeds: torch.Tensor | None = None  # a model constant: encoded once per process
+        if options.compile:
+            for block in self.dit.blocks:
+                block.compile(fullgraph=True, dynamic=False)
+
+    def _check_geometry(self) -> None:
+        h, w = self.config.view_size
+        s = self.model.vae.spatial_compression
+        _, ph, pw = self.dit_cfg.patch_size
+        tokens = (2 * h // s // ph) * (2 * w // s // pw)
+        if (2 * h) % (s * ph) or (2 * w) % (s * pw) or tokens != self.dit_cfg.frame_seqlen:
+            raise ValueError(
+                f"view_size {self.config.view_size} gives {tokens} tokens per latent frame; the checkpoint's DiT "
+                f"expects frame_seqlen={self.dit_cfg.frame_seqlen}"
+            )
+
+    # -- interface ----------------------------------------------------------------------
+
+    @property
+    def branches(self) -> tuple[Branch, ...]:
+        return self.cfg_group.local_branches if self.use_cfg else (Branch.COND,)
+
+    @property
+    def metadata(self) -> dict:
+        h, w = self.config.image_resolution
+        return {
+            # RoboArena PolicyServerConfig
+            "image_resolution": [h, w],
+            "needs_wrist_camera": True,
+            "n_external_cameras": 2,
+            "needs_stereo_camera": False,
+            "needs_session_id": True,
+            "action_space": "joint_position",
+            # extras (clients ignore unknown keys)
+            "action_horizon": self.head.action_horizon,
+            "action_dim": self.action_stats.dim,
+            "action_shape": [self.head.action_horizon, self.action_stats.dim],
+            "model": "dreamzero",
+            "checkpoint": Path(self.config.checkpoint).name,
+        }
+
+    def kv_spec(self) -> KVSpec:
+        cfg = self.dit_cfg
+        return KVSpec(
+            num_layers=cfg.num_layers,
+            num_heads=cfg.num_heads,
+            head_dim=cfg.head_dim,
+            page_size=cfg.frame_seqlen,  # one page = one latent frame
+            window_pages=cfg.local_attn_size,
+            max_new_pages=cfg.num_frame_per_block,
+            max_extra_tokens=cfg.action_register_length,
+            cross_text_tokens=cfg.text_len,
+            cross_image_tokens=cfg.num_image_tokens if cfg.model_type == "i2v" else 0,
+            dtype=self.dtype,
+        )
+
+    def start_session(self, session_id: str, kv: SessionKV | None) -> DreamZeroSession:
+        if kv is None:
+            raise ValueError("DreamZero needs a KV session from the engine")
+        return DreamZeroSession(session_id, kv)
+
+    def end_session(self, session: DreamZeroSession) -> None:
+        session.frames.clear()
+        session.prompt_embeds = session.clip_feature = session.ys = session.first_latent = None
+
+    def warmup_observations(self) -> Iterator[RobotObservation]:
+        """A session that fills one window and restarts it once: every shape a session meets."""
+        h, w = self.config.image_resolution
+        window_calls = 1 + -(-(self.dit_cfg.local_attn_size - 1) // self.dit_cfg.num_frame_per_block)
+        for call in range(window_calls + 1):
+            frames = np.zeros((1 if call == 0 else FRAMES_PER_CALL, h, w, 3), dtype=np.uint8)
+            yield RobotObservation(
+                exterior_left=frames, exterior_right=frames, wrist=frames,
+                joint_position=np.zeros(7, np.float32), gripper_position=np.zeros(1, np.float32), prompt="warm up",
+            )  # fmt: skip
+
+    # -- one call -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, session: DreamZeroSession, observation: RobotObservation) -> StepResult:
+        timer = PhaseTimer(self.device)
+        cfg, nfpb = self.dit_cfg, self.dit_cfg.num_frame_per_block
+        events = self._advance_session(session, observation)
+        video = self._video_tensor(session)  # (1, 3, T, 2h, 2w) in [-1, 1]
+
+        # text
+        prompt_embeds = self._prompt_embeds(session)
+        timer.mark("text")
+
+        # vision: image conditioning at a window start
+        if session.current_start_frame == 0:
+            newest = video[:, :, -1:]
+            session.clip_feature = self.model.image_encoder(newest[:, :, 0])
+            timer.mark("vision")
+            session.ys, session.first_latent = self._image_conditioning(newest)
+            self._populate_cross(session, prompt_embeds)
+            timer.mark("vae")
+            observed = None
+        else:
+            timer.mark("vision")
+            observed = self._observation_latents(video)  # (1, z, nfpb, h, w)
+            timer.mark("vae")
+
+        # KV prefill of what was observed (committed only if the forward succeeds)
+        if session.current_start_frame == 0:
+            self._prefill(session, session.first_latent, start=0)
+            session.current_start_frame = 1
+        else:
+            self._prefill(session, observed, start=session.current_start_frame - nfpb)
+        timer.mark("prefill")
+
+        # denoise the next chunk + actions
+        raw_state = self._raw_state(observation)
+        actions, dit_forwards = self._denoise(session, raw_state)
+        timer.mark("denoise")
+        session.current_start_frame += nfpb
+
+        out = self._postprocess(actions, raw_state)
+        timer.mark("decode")
+        return StepResult(
+            actions=out,
+            timing_ms=timer.ms,
+            info={"dit_forwards": dit_forwards, "current_start_frame": session.current_start_frame, **events},
+        )
+
+    def _advance_session(self, session: DreamZeroSession, observation: RobotObservation) -> dict[str, bool]:
+        """Buffer the new frames and apply upstream's reset rules. Returns what happened."""
+        prompt = droid_prompt(observation.prompt)
+        events = {"session_reset": False, "window_reset": False}
+        if session.prompt is not None and prompt != session.prompt:
+            session.kv.reset(keep_cross_text=False)
+            session.prompt_embeds = None
+            session.current_start_frame = 0
+            events["session_reset"] = True
+        elif session.current_start_frame >= self.dit_cfg.local_attn_size:
+            session.kv.reset(keep_cross_text=True)
+            session.current_start_frame = 0
+            events["window_reset"] = True
+        session.prompt = prompt
+        session.frames.extend(self._canvas(observation))
+        session.calls += 1
+        return events
+
+    def _canvas(self, observation: RobotObservation) -> np.ndarray:
+        size = tuple(self.config.view_size)
+        views = [None if v is None else crop_and_resize(v, size) for v in (observation.wrist, observation.exterior_left, observation.exterior_right)]
+        return stitch_views(*views, view_size=size)
+
+    def _video_tensor(self, session: DreamZeroSession) -> torch.Tensor:
+        frames = list(session.frames)
+        wanted = 1 if session.calls == 1 else FRAMES_PER_CALL
+        frames = frames[-wanted:]
+        frames = [frames[0]] * (wanted - len(frames)) + frames  # pad by repeating the oldest
+        video = torch.from_numpy(np.stack(frames)).to(self.device)
+        video = video.permute(3, 0, 1, 2).unsqueeze(0).float() / 255.0
+        return (video * 2.0 - 1.0).to(self.dtype)
+
+    def _tokenize(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self.model.tokenizer(
+            text, max_length=self.dit_cfg.text_len, padding="max_length", truncation=True,
+            return_tensors="pt", add_special_tokens=True,
+        )  # fmt: skip
+        return tokens["input_ids"].to(self.device), tokens["attention_mask"].to(self.device)
+
+    def _prompt_embeds(self, session: DreamZeroSession) -> dict[Branch, torch.Tensor]:
+        """Text embeddings of the branches this process runs (the prompt's are cached per session)."""
+        embeds = {}
+        if Branch.COND in self.branches:
+            if session.prompt_embeds is None:
+                session.prompt_embeds = self.model.text_encoder(*self._tokenize(session.prompt))
+            embeds[Branch.COND] = session.prompt_embeds
+        if Branch.UNCOND in self.branches:
+            if self._negative_embeds is None:
+                self._negative_embeds = self.model.text_encoder(*self._tokenize(self.config.negative_prompt))
+            embeds[Branch.UNCOND] = self._negative_embeds
+        return embeds
+
+    def _image_conditioning(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``ys``: VAE latents of [image, zeros x (num_frames - 1)] with a mask on latent 0."""
+        b, c, _, h, w = image.shape
+        zeros = torch.zeros(b, c, self.head.num_frames - 1, h, w, dtype=image.dtype, device=image.device)
+        latents = self.model.vae.encode(torch.cat([image, zeros], dim=2))
+        mask = torch.zeros_like(latents[:, :4])
+        mask[:, :, 0] = 1
+        return torch.cat([mask, latents], dim=1), latents[:, :, :1]
+
+    def _observation_latents(self, video: torch.Tensor) -> torch.Tensor:
+        """Upstream's re-encode: repeat each frame x2, prepend the first, keep the last latents."""
+        nfpb = self.dit_cfg.num_frame_per_block
+        t = video.shape[2]
+        if (t - 1) // 4 != nfpb:
+            if t // 4 != nfpb:
+                video = torch.repeat_interleave(video, nfpb // (t // 4), dim=2)
+            video = torch.cat([video[:, :, :1], video], dim=2)
+        return self.model.vae.encode(video)[:, :, -nfpb:]
+
+    def _populate_cross(self, session: DreamZeroSession, prompt_embeds: dict[Branch, torch.Tensor]) -> None:
+        for branch in self.branches:
+            text_ready, image_ready = session.kv.cross_ready(branch)
+            projected = self.dit.project_cross_kv(
+                context=None if text_ready else prompt_embeds[branch],
+                clip_feature=None if image_ready else session.clip_feature,
+            )
+            for layer, (text, image) in enumerate(projected):
+                session.kv.write_cross(branch, layer, text=text, image=image)
+            session.kv.mark_cross_ready(branch, text=True, image=True)
+
+    def _y(self, session: DreamZeroSession, start: int, frames: int) -> torch.Tensor:
+        ys = session.ys
+        return ys[:, :, start : start + frames] if start + frames <= ys.shape[2] else ys[:, :, -frames:]
+
+    def _dit(self, session: DreamZeroSession, branch: Branch, latents: torch.Tensor, timestep: torch.Tensor, *,
+             start: int, commit: bool, action=None, timestep_action=None, state=None):  # fmt: skip
+        frames = latents.shape[2]
+        extra = self.dit_cfg.action_register_length if action is not None else 0
+        ctx = session.kv.begin_forward(branch, num_video_tokens=frames * self.dit_cfg.frame_seqlen, commit=commit, extra_tokens=extra)
+        try:
+            out = self.dit(
+                latents.to(self.dtype), timestep, current_start_frame=start, self_kv=ctx.prepare(self.device),
+                y=self._y(session, start, frames), cross_kv=session.kv.cross_kv(branch),
+                action=action, timestep_action=timestep_action, state=state,
+            )  # fmt: skip
+        except BaseException:
+            session.kv.abort(branch)
+            raise
+        session.kv.complete(branch)
+        return out
+
+    def _prefill(self, session: DreamZeroSession, latents: torch.Tensor, start: int) -> None:
+        timestep = torch.zeros(1, latents.shape[2], dtype=torch.long, device=self.device)
+        for branch in self.branches:
+            self._dit(session, branch, latents, timestep, start=start, commit=True)
+
+    def _denoise(self, session: DreamZeroSession, raw_state: np.ndarray) -> tuple[torch.Tensor, int]:
+        cfg, head, conf = self.dit_cfg, self.head, self.config
+        z = self.model.vae.latent_channels
+        lh, lw = session.ys.shape[-2:]
+        video = _seeded_noise((1, z, cfg.num_frame_per_block, lh, lw), conf.seed).to(self.device, self.dtype)
+        actions = _seeded_noise((1, head.action_horizon, cfg.action_dim), conf.seed).to(self.device, self.dtype)
+        model_state = normalize_state(raw_state, self.state_stats, head.max_state_dim).reshape(1, 1, -1)
+        state = torch.from_numpy(model_state).to(self.device, self.dtype)
+        video_scheduler, action_scheduler = FlowUniPCScheduler(), FlowUniPCScheduler()
+        video_scheduler.set_timesteps(conf.num_inference_steps, shift=conf.sigma_shift)
+        action_scheduler.set_timesteps(conf.num_inference_steps, shift=conf.sigma_shift)
+
+        history: list[torch.Tensor] = []  # last video velocities (the dynamic step cache compares them)
+        countdown = 0
+        velocity = action_velocity = None
+        forwards = 0
+        start = session.current_start_frame
+        for i, (t_video, t_action) in enumerate(zip(video_scheduler.timesteps, action_scheduler.timesteps)):
+            run, countdown = self._should_run(i, history, countdown)
+            if run:
+                forwards += 1
+                timestep = torch.full((1, cfg.num_frame_per_block), int(t_video), dtype=torch.long, device=self.device)
+                timestep_action = torch.full((1, head.action_horizon), int(t_action), dtype=torch.long, device=self.device)
+                local_video, local_action = {}, None
+                for branch in self.branches:
+                    v, a = self._dit(session, branch, video, timestep, start=start, commit=False,
+                                     action=actions, timestep_action=timestep_action, state=state)  # fmt: skip
+                    local_video[branch] = v
+                    if branch == Branch.COND:
+                        local_action = a
+                action_velocity = self.cfg_group.broadcast_from_cond(local_action, like=actions)
+                if self.use_cfg:
+                    both = self.cfg_group.gather_video(local_video)
+                    velocity = both[Branch.UNCOND] + conf.cfg_scale * (both[Branch.COND] - both[Branch.UNCOND])
+                else:
+                    velocity = local_video[Branch.COND]
+                history = (history + [velocity])[-2:]
+            video = video_scheduler.step(velocity, video, i)
+            actions = action_scheduler.step(action_velocity, actions, i)
+        return actions, forwards
+
+    def _should_run(self, index: int, history: list[torch.Tensor], countdown: int) -> tuple[bool, int]:
+        """DiT step cache: (run the DiT this step?, new skip countdown)."""
+        mode = self.config.dit_step_cache
+        if mode == "off":
+            return True, 0
+        if mode == "fixed":
+            return self.config.dit_step_mask[index], 0
+        # dynamic (upstream's): after two real steps, skip 4 / 2 steps while the last two video
+        # velocities stay closer than cosine 0.95 / 0.93.
+        if len(history) < 2:
+            return True, countdown
+        if countdown > 1:
+            return False, countdown - 1
+        if countdown == 1:
+            return True, 0
+        similarity = F.cosine_similarity(history[-1].flatten(1).float(), history[-2].flatten(1).float(), dim=1).mean()
+        for threshold, skips in ((0.95, 4), (0.93, 2)):
+            if similarity > threshold:
+                return False, skips
+        return True, 0
+
+    def _raw_state(self, observation: RobotObservation) -> np.ndarray:
+        joints = observation.joint_position if observation.joint_position is not None else np.zeros(7)
+        gripper = observation.gripper_position if observation.gripper_position is not None else np.zeros(1)
+        return np.concatenate([np.asarray(joints, np.float64).ravel(), np.asarray(gripper, np.float64).ravel()])
+
+    def _postprocess(self, actions: torch.Tensor, raw_state: np.ndarray) -> np.ndarray:
+        chunk = actions[0].float().cpu().numpy().astype(np.float64)
+        real = denormalize_actions(chunk, self.action_stats)
+        real = to_absolute_joints(real, raw_state, self.config.relative_action_dims)
+        return real.astype(np.float32)
+
+
+def _seeded_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Gaussian noise from a fresh generator per call: the same seed gives the same chunk."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
+
+
+def resolve_checkpoint(checkpoint: str) -> Path:
+    if checkpoint == "builtin:tiny":
+        from policies.dreamzero.tiny import ensure_tiny_checkpoint
+
+        return ensure_tiny_checkpoint()
+    return Path(checkpoint).expanduser()
+
+
+@register_policy("dreamzero", DreamZeroConfig)
+def build_dreamzero(config: DreamZeroConfig, options: RuntimeOptions) -> DreamZeroPolicy:
+    return DreamZeroPolicy(config, options)

@@ -1,0 +1,133 @@
+"""DROID observation and action transforms for DreamZero (the ``oxe_droid`` embodiment).
+
+Views: each camera frame is center-cropped to 95% and resized (bilinear, antialiased) to the
+model's view size, then the three views are stitched into one 2x2 canvas::
+
+    +-------------------------------+
+    |  wrist, repeated to 2x width  |
+    +---------------+---------------+
+    | left exterior | right exterior|
+    +---------------+---------------+
+
+A camera that was not sent is a black view. State is the 7 joint positions + gripper, padded
+to ``max_state_dim`` and q99-normalized to [-1, 1] (clamped). Actions come back in [-1, 1] and
+are q99-denormalized; joints are relative to the last observed joint state, the gripper is
+absolute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+CROP_SCALE = 0.95
+
+DEFAULT_NEGATIVE_PROMPT = (
+    "Vibrant colors, overexposed, static, blurry details, text, subtitles, style, artwork, painting, "
+    "image, still, grayscale, dull, worst quality, low quality, JPEG artifacts, ugly, mutilated, extra "
+    "fingers, bad hands, bad face, deformed, disfigured, mutated limbs, fused fingers, stagnant image, "
+    "cluttered background, three legs, many people in the background, walking backwards."
+)
+
+
+def droid_prompt(instruction: str) -> str:
+    """The DROID multi-view prompt template DreamZero was trained with."""
+    task = (instruction or "").strip() or "Perform the default behavior."
+    task = task.lower()
+    return (
+        f"A multi-view video shows that a robot {task} The video is split into three views: The top view "
+        "shows the camera view from the robot's wrist, the bottom-left view shows the camera view from the "
+        "left exterior camera, and the bottom-right view shows the camera view from the right exterior "
+        "camera. During training, one of the two bottom exterior views may be a black screen (dropped "
+        f"view). The robot {task}"
+    )
+
+
+def crop_and_resize(frames: np.ndarray, size: tuple[int, int], crop_scale: float = CROP_SCALE) -> np.ndarray:
+    """(T, H, W, 3) uint8 -> (T, h, w, 3) uint8: center crop to ``crop_scale``, then resize.
+
+    Same arithmetic as torchvision's CenterCrop + Resize(antialias=True) on float [0, 1]
+    frames, and the same truncating conversion back to uint8 that the reference transform uses.
+    """
+    t, h, w, _ = frames.shape
+    crop_h, crop_w = int(h * crop_scale), int(w * crop_scale)
+    top, left = int(round((h - crop_h) / 2.0)), int(round((w - crop_w) / 2.0))
+    x = torch.from_numpy(np.ascontiguousarray(frames[:, top : top + crop_h, left : left + crop_w]))
+    x = x.permute(0, 3, 1, 2).float() / 255.0
+    if (crop_h, crop_w) != tuple(size):
+        x = F.interpolate(x, size=size, mode="bilinear", align_corners=False, antialias=True)
+    return (x.permute(0, 2, 3, 1) * 255.0).to(torch.uint8).numpy()
+
+
+def stitch_views(
+    wrist: np.ndarray | None,
+    left: np.ndarray | None,
+    right: np.ndarray | None,
+    view_size: tuple[int, int],
+) -> np.ndarray:
+    """Three (T, h, w, 3) views (already resized, or None for black) -> (T, 2h, 2w, 3) canvas."""
+    present = [v for v in (wrist, left, right) if v is not None]
+    frames = max((v.shape[0] for v in present), default=1)
+    for view in present:
+        if view.shape[0] != frames:
+            raise ValueError(f"camera frame stacks differ in length: {[v.shape[0] for v in present]}")
+    h, w = view_size
+    canvas = np.zeros((frames, 2 * h, 2 * w, 3), dtype=np.uint8)
+    if wrist is not None:
+        canvas[:, :h] = np.repeat(wrist, 2, axis=2)
+    if left is not None:
+        canvas[:, h:, :w] = left
+    if right is not None:
+        canvas[:, h:, w:] = right
+    return canvas
+
+
+@dataclass(frozen=True)
+class NormStats:
+    """q01 / q99 of the first ``len(q01)`` dims (DROID: 7 joints + gripper)."""
+
+    q01: np.ndarray
+    q99: np.ndarray
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, Any], embodiment: str, kind: str) -> NormStats:
+        """``kind`` is "action" or "state"; stats are joint_position then gripper_position."""
+        try:
+            stats = metadata[embodiment]["statistics"][kind]
+            q01 = [*stats["joint_position"]["q01"], *stats["gripper_position"]["q01"]]
+            q99 = [*stats["joint_position"]["q99"], *stats["gripper_position"]["q99"]]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"metadata.json has no {embodiment}.statistics.{kind} joint/gripper q01/q99 ({exc})") from None
+        return cls(np.asarray(q01, dtype=np.float64), np.asarray(q99, dtype=np.float64))
+
+    @property
+    def dim(self) -> int:
+        return len(self.q01)
+
+
+def normalize_state(state: np.ndarray, stats: NormStats, max_state_dim: int) -> np.ndarray:
+    """Raw (dim,) state -> (max_state_dim,) float64 in [-1, 1]; dims with q01 == q99 pass through."""
+    out = np.zeros(max_state_dim, dtype=np.float64)
+    out[: state.shape[0]] = state
+    span = stats.q99 - stats.q01
+    valid = span != 0
+    part = out[: stats.dim]
+    part[valid] = 2.0 * (part[valid] - stats.q01[valid]) / span[valid] - 1.0
+    out[: stats.dim] = np.clip(part, -1.0, 1.0)
+    return out
+
+
+def denormalize_actions(actions: np.ndarray, stats: NormStats) -> np.ndarray:
+    """(H, >= dim) in [-1, 1] -> (H, dim) real units: (x + 1) / 2 * (q99 - q01) + q01."""
+    return (actions[:, : stats.dim] + 1.0) / 2.0 * (stats.q99 - stats.q01) + stats.q01
+
+
+def to_absolute_joints(actions: np.ndarray, joint_state: np.ndarray, relative_dims: int) -> np.ndarray:
+    """Relative joint targets + the last observed joint state; later dims (gripper) untouched."""
+    out = actions.copy()
+    out[:, :relative_dims] += joint_state[:relative_dims]
+    return out

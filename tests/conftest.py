@@ -1,0 +1,21 @@
+"""Shared fixtures: the embedded tiny DreamZero, built once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from policies.dreamzero.tiny import ensure_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint() -> Path:
+    return ensure_tiny_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_checkpoint):
+    from policies.dreamzero.model import DreamZeroModel
+
+    return DreamZeroModel.load(tiny_checkpoint)

@@ -1,0 +1,208 @@
+"""The DreamZero policy on the tiny checkpoint: the AR rollout, resets, KV lifecycle, CFG."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kv import Branch, PagedKVCache
+from policies.base import RuntimeOptions
+from policies.cfg_parallel import CFGGroup
+from policies.dreamzero.policy import DreamZeroConfig, DreamZeroPolicy
+from policies.observation import RobotObservation
+
+TINY = {"view_size": (48, 80)}
+
+
+def observations(n: int, seed: int = 0, prompt: str = "pick up the cup"):
+    rng = np.random.default_rng(seed)
+    for call in range(n):
+        t = 1 if call == 0 else 4
+        cam = lambda: rng.integers(0, 256, (t, 90, 160, 3), dtype=np.uint8)  # noqa: E731
+        yield RobotObservation(
+            exterior_left=cam(), exterior_right=cam(), wrist=cam(),
+            joint_position=rng.uniform(-1, 1, 7).astype(np.float32), gripper_position=np.array([0.3], np.float32),
+            prompt=prompt,
+        )  # fmt: skip
+
+
+def make_policy(tiny_model, branches=None, cfg=None, **overrides) -> tuple[DreamZeroPolicy, PagedKVCache]:
+    options = RuntimeOptions(cfg=cfg or CFGGroup.single())
+    policy = DreamZeroPolicy(DreamZeroConfig(**{**TINY, **overrides}), options, model=tiny_model)
+    branches = branches or policy.branches
+    spec = policy.kv_spec()
+    cache = PagedKVCache(spec, num_pages=3 * len(branches) * spec.pages_per_branch + 1, max_sessions=3, branches=branches)
+    return policy, cache
+
+
+def rollout(policy, cache, obs, session_id="s"):
+    session = policy.start_session(session_id, cache.open_session(session_id))
+    results = [policy.step(session, o) for o in obs]
+    return session, results
+
+
+def test_thirteen_call_rollout_walks_the_window_and_frees_every_page(tiny_model):
+    policy, cache = make_policy(tiny_model)
+    session, results = rollout(policy, cache, observations(13))
+    frames = [r.info["current_start_frame"] for r in results]
+    assert frames == [3, 5, 7, 9] * 3 + [3]  # 0 -> 3 -> 5 -> 7 -> 9 -> (window restart) ...
+    assert [r.info["window_reset"] for r in results] == [False] * 4 + [True, False, False, False] * 2 + [True]
+    for r in results:
+        assert r.actions.shape == (24, 8) and r.actions.dtype == np.float32 and np.isfinite(r.actions).all()
+        assert set(r.timing_ms) == {"text", "vision", "vae", "prefill", "denoise", "decode"}
+    assert results[0].info["dit_forwards"] == 8  # upstream's default fixed step mask runs 8 of 16
+    # resident window before the window restart: 1 + 2 + 2 + 2 frames per branch
+    assert len(session.kv.branch(Branch.COND).resident) == 1  # after the last restart: the first frame
+    session.kv.close()
+    policy.end_session(session)
+    assert cache.pool.num_free == cache.pool.capacity and cache.cross.num_free == cache.cross.num_slots
+
+
+def test_repeated_rollouts_are_bit_identical(tiny_model):
+    policy, cache = make_policy(tiny_model)
+    _, first = rollout(policy, cache, observations(6), "a")
+    _, second = rollout(policy, cache, observations(6), "b")
+    for x, y in zip(first, second):
+        assert np.array_equal(x.actions, y.actions)
+    assert not np.array_equal(first[1].actions, first[2].actions)  # the observation matters
+
+
+def test_a_failure_mid_forward_leaves_no_page_and_the_next_call_starts_clean(tiny_model, monkeypatch):
+    policy, cache = make_policy(tiny_model)
+    obs = list(observations(3))
+    session, _ = rollout(policy, cache, obs[:2], "victim")
+    held = session.kv.pages_held
+    forward = policy.dit.forward
+    calls = {"n": 0}
+
+    def exploding(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:  # during the denoise loop of the third call
+            raise RuntimeError("layer 17 exploded")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(policy.dit, "forward", exploding)
+    with pytest.raises(RuntimeError, match="layer 17 exploded"):
+        policy.step(session, obs[2])
+    monkeypatch.setattr(policy.dit, "forward", forward)
+    # the prefill of the failed call committed (2 frames per branch); the aborted forward holds nothing
+    assert session.kv.pages_held == held + 4 and all(session.kv.branch(b).pending is None for b in Branch)
+    # what the engine does on failure: tear the session down
+    session.kv.close()
+    policy.end_session(session)
+    assert cache.pool.num_free == cache.pool.capacity
+    _, fresh = rollout(policy, cache, obs[:1], "victim")
+    _, reference = rollout(policy, cache, obs[:1], "reference")
+    assert np.array_equal(fresh[0].actions, reference[0].actions)
+
+
+def test_a_changed_prompt_resets_the_session(tiny_model):
+    policy, cache = make_policy(tiny_model)
+    obs = list(observations(3))
+    session, results = rollout(policy, cache, obs[:2])
+    other = RobotObservation(**{**obs[2].__dict__, "prompt": "open the drawer"})
+    result = policy.step(session, other)
+    assert result.info["session_reset"] and result.info["current_start_frame"] == 3
+    assert session.kv.cross_ready(Branch.COND) == (True, True)
+
+
+@pytest.mark.parametrize("mode, forwards", [("off", 16), ("fixed", 8)])
+def test_dit_step_cache_modes(tiny_model, mode, forwards):
+    policy, cache = make_policy(tiny_model, dit_step_cache=mode)
+    _, results = rollout(policy, cache, observations(2))
+    assert [r.info["dit_forwards"] for r in results] == [forwards, forwards]
+
+
+def test_dynamic_step_cache_runs_at_least_two_steps_and_stays_finite(tiny_model):
+    policy, cache = make_policy(tiny_model, dit_step_cache="dynamic")
+    _, results = rollout(policy, cache, observations(2))
+    assert all(2 <= r.info["dit_forwards"] <= 16 and np.isfinite(r.actions).all() for r in results)
+
+
+class ThreadPair:
+    """Two in-process 'ranks' meeting at a barrier: a stand-in for torch.distributed."""
+
+    def __init__(self) -> None:
+        self.barrier = threading.Barrier(2, timeout=60)
+        self.slots: list[torch.Tensor | None] = [None, None]
+
+    def endpoint(self, rank: int):
+        pair = self
+
+        class Endpoint:
+            def all_gather(self, tensor):
+                pair.slots[rank] = tensor.clone()
+                pair.barrier.wait()
+                out = [s.clone() for s in pair.slots]
+                pair.barrier.wait()
+                return out
+
+            def broadcast(self, tensor, src):
+                if rank == src:
+                    pair.slots[src] = tensor.clone()
+                pair.barrier.wait()
+                out = pair.slots[src].clone()
+                pair.barrier.wait()
+                return out
+
+        return Endpoint()
+
+
+def test_branches_computed_apart_and_combined_equal_one_process_cfg(tiny_model):
+    """The contract CFG-parallel relies on: each branch alone + exchanged predictions == both here."""
+    single, cache = make_policy(tiny_model)
+    _, expected = rollout(single, cache, observations(5))
+
+    pair = ThreadPair()
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            # Each rank owns its model, as separate processes do (diffusers' VAE keeps encode
+            # caches on the module, so one module must not be shared between threads).
+            model = copy.deepcopy(tiny_model)
+            policy, rank_cache = make_policy(model, branches=(Branch(r),), cfg=CFGGroup.parallel(r, pair.endpoint(r)))
+            assert policy.branches == (Branch(r),) and rank_cache.branches == (Branch(r),)
+            results[r] = rollout(policy, rank_cache, observations(5))[1]
+            assert rank_cache.cross.num_slots == 3  # one branch per session on this rank
+        except BaseException as exc:  # surface thread failures in the test
+            errors.append(exc)
+            pair.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for e, a, b in zip(expected, results[0], results[1]):
+        np.testing.assert_allclose(a.actions, e.actions, atol=1e-5, rtol=0)
+        assert np.array_equal(a.actions, b.actions)  # both ranks hold the same chunk
+
+
+def test_metadata_is_roboarenas_policy_server_config(tiny_model):
+    policy, _ = make_policy(tiny_model)
+    meta = policy.metadata
+    assert {k: meta[k] for k in ("image_resolution", "needs_wrist_camera", "n_external_cameras", "needs_stereo_camera",
+                                 "needs_session_id", "action_space")} == {
+        "image_resolution": [180, 320], "needs_wrist_camera": True, "n_external_cameras": 2,
+        "needs_stereo_camera": False, "needs_session_id": True, "action_space": "joint_position",
+    }  # fmt: skip
+    assert meta["action_shape"] == [24, 8]
+
+
+def test_a_view_size_that_does_not_fit_the_checkpoint_is_refused(tiny_model):
+    with pytest.raises(ValueError, match="frame_seqlen=60"):
+        DreamZeroPolicy(DreamZeroConfig(view_size=(176, 320)), RuntimeOptions(), model=tiny_model)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="dit_step_mask has 3 entries"):
+        DreamZeroConfig(dit_step_mask=[True, False, True])
+    with pytest.raises(ValueError, match="extra"):
+        DreamZeroConfig(mystery=1)

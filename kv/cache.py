@@ -129,6 +129,23 @@ class PagedKVCache:
                 f"({self.reservation_per_session} pages for {len(self.branches)} branch(es))"
             )
 
+    @staticmethod
+    def pages_for_budget(spec: KVSpec, budget_bytes: int, *, max_sessions: int, num_branches: int) -> int:
+        """Pool pages (null page excluded) a byte budget buys.
+
+        Cross-attention slots and scratch pages are deducted first; the pool never drops below
+        what one session needs for the branches this rank runs (1 under CFG-parallel, else 2).
+        """
+        fixed = max_sessions * num_branches * spec.cross_slot_bytes + num_branches * spec.scratch_pages_per_branch * spec.page_bytes
+        pages = max(0, budget_bytes - fixed) // spec.page_bytes
+        floor = num_branches * spec.pages_per_branch
+        if pages < floor:
+            logger.warning(
+                "KV budget %.1f MiB gives %d pages; raising to the %d-page floor one session needs",
+                budget_bytes / 2**20, pages, floor,
+            )  # fmt: skip
+        return max(pages, floor)
+
     @classmethod
     def from_budget(
         cls,
@@ -140,21 +157,7 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         attention_backend: str = "auto",
     ) -> PagedKVCache:
-        """Size the page pool from a byte budget.
-
-        Cross-attention slots and scratch pages are deducted first; the pool never drops below
-        what one session needs for the branches this rank runs (1 under CFG-parallel, else 2).
-        """
-        n_branches = len(branches)
-        fixed = max_sessions * n_branches * spec.cross_slot_bytes + n_branches * spec.scratch_pages_per_branch * spec.page_bytes
-        pages = max(0, budget_bytes - fixed) // spec.page_bytes
-        floor = n_branches * spec.pages_per_branch
-        if pages < floor:
-            logger.warning(
-                "KV budget %.1f MiB gives %d pages; raising to the %d-page floor one session needs",
-                budget_bytes / 2**20, pages, floor,
-            )  # fmt: skip
-            pages = floor
+        pages = cls.pages_for_budget(spec, budget_bytes, max_sessions=max_sessions, num_branches=len(branches))
         return cls(
             spec,
             num_pages=pages + 1,  # + the null page

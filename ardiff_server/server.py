@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 import numpy as np
+from prometheus_client import CONTENT_TYPE_LATEST
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
@@ -94,12 +95,9 @@ class PolicyServer:
             logger.warning("refused %s: missing or wrong API key", connection.remote_address)
             return connection.respond(http.HTTPStatus.UNAUTHORIZED, "missing or invalid API key (Authorization: Api-Key <key>)\n")
         if path == "/metrics":
-            response = connection.respond(http.HTTPStatus.OK, "")
             body = self.metrics.render()
-            response.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
-            response.headers["Content-Length"] = str(len(body))
-            response.body = body
-            return response
+            headers = Headers([("Content-Type", CONTENT_TYPE_LATEST), ("Content-Length", str(len(body)))])
+            return Response(http.HTTPStatus.OK.value, "OK", headers, body)
         if self._connections >= self.config.server.max_connections:
             return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, "too many connections\n")
         return None  # a websocket handshake

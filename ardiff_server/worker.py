@@ -79,8 +79,9 @@ def worker_main(rank: int, world_size: int, raw_config: dict, conn: Connection |
         if conn is not None:
             conn.send({"type": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
         raise SystemExit(1) from None
+    stats = _all_stats(engine, control)  # a collective: every rank takes part
     if conn is not None:
-        conn.send({"type": "ready", "metadata": engine.policy.metadata, "warmup": warmup, "stats": _all_stats(engine, control)})
+        conn.send({"type": "ready", "metadata": engine.policy.metadata, "warmup": warmup, "stats": stats})
     try:
         _serve(engine, conn, control)
     finally:

@@ -97,7 +97,8 @@ def register_policy(name: str, config_model: type[pydantic.BaseModel]) -> Callab
 
 
 def policy_entry(name: str) -> PolicyEntry:
-    _import_builtin_policies()
+    if name not in _REGISTRY:
+        _import_builtin_policies()  # lazily: DreamZero pulls in transformers and diffusers
     if name not in _REGISTRY:
         raise KeyError(f"unknown policy {name!r}; registered: {sorted(_REGISTRY)}")
     return _REGISTRY[name]

@@ -14,6 +14,7 @@ a 2-layer, width-64 DiT; 9-frame window, 2-frame chunks, 24 actions.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -171,9 +172,15 @@ def _write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def _definition_digest() -> str:
+    """Changes whenever anything that shapes the checkpoint's bytes changes (cache key)."""
+    spec = [TINY_VERSION, TINY_DIT.to_dict(), TINY_TEXT_ENCODER, TINY_IMAGE_ENCODER, TINY_VAE, _CORPUS, _metadata()]
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
+
+
 def default_cache_dir() -> Path:
     root = os.environ.get("ARDIFF_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ardiff-server"
-    return Path(root) / f"tiny-dreamzero-v{TINY_VERSION}"
+    return Path(root) / f"tiny-dreamzero-v{TINY_VERSION}-{_definition_digest()}"
 
 
 def ensure_tiny_checkpoint(path: str | Path | None = None) -> Path:

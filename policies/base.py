@@ -8,6 +8,7 @@ keeps whatever else a session needs (frame buffers, conditioning) in the object 
 from __future__ import annotations
 
 import abc
+import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -96,16 +97,21 @@ def register_policy(name: str, config_model: type[pydantic.BaseModel]) -> Callab
     return decorator
 
 
+# Built-in policies are imported on first use (DreamZero pulls in transformers and diffusers).
+_BUILTIN = {"dreamzero": "policies.dreamzero.policy", "noop": "policies.noop"}
+
+
 def policy_entry(name: str) -> PolicyEntry:
+    if name not in _REGISTRY and name in _BUILTIN:
+        importlib.import_module(_BUILTIN[name])
     if name not in _REGISTRY:
-        _import_builtin_policies()  # lazily: DreamZero pulls in transformers and diffusers
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown policy {name!r}; registered: {sorted(_REGISTRY)}")
+        raise KeyError(f"unknown policy {name!r}; available: {sorted(set(_REGISTRY) | set(_BUILTIN))}")
     return _REGISTRY[name]
 
 
 def registered_policies() -> list[str]:
-    _import_builtin_policies()
+    for module in _BUILTIN.values():
+        importlib.import_module(module)
     return sorted(_REGISTRY)
 
 
@@ -115,6 +121,3 @@ def build_policy(name: str, config: pydantic.BaseModel | dict, options: RuntimeO
         config = entry.config_model.model_validate(config)
     return entry.build(config, options)
 
-
-def _import_builtin_policies() -> None:
-    import policies.dreamzero.policy  # noqa: F401  (registers "dreamzero")

@@ -57,6 +57,7 @@ class EngineConfig(_Section):
     attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
     warmup: bool = True
     compile: bool = False  # torch.compile the DiT blocks (fullgraph)
+    compile_backend: str = "inductor"
     cuda_graphs: bool = False  # capture the denoise forward (CUDA only)
     threads: int | None = pydantic.Field(None, ge=1)  # torch intra-op threads per worker
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -68,6 +69,8 @@ class EngineConfig(_Section):
             raise ValueError(f"devices lists {len(self.devices)} devices for cfg_parallel_size={self.cfg_parallel_size}")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError("cuda_graphs needs a CUDA device")
+        if self.cuda_graphs and self.attention_backend == "sdpa":
+            raise ValueError("cuda_graphs needs the flash attention backend (sdpa reads lengths on the host)")
         return self
 
     def rank_device(self, rank: int) -> str:

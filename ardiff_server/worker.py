@@ -105,8 +105,9 @@ def build_engine(config, rank: int, world_size: int, control=None):
         torch.cuda.set_device(device)
     cfg = CFGGroup.single() if world_size == 1 else CFGGroup.parallel(rank)
     options = RuntimeOptions(
-        device=str(device), dtype=config.engine.dtype, cfg=cfg, compile=config.engine.compile, cuda_graphs=config.engine.cuda_graphs
-    )
+        device=str(device), dtype=config.engine.dtype, cfg=cfg, compile=config.engine.compile,
+        compile_backend=config.engine.compile_backend, cuda_graphs=config.engine.cuda_graphs,
+    )  # fmt: skip
     policy = build_policy(config.policy_name, config.policy_options(), options)
     spec = policy.kv_spec()
     cache = None

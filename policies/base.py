@@ -29,6 +29,7 @@ class RuntimeOptions:
     dtype: str = "float32"
     cfg: CFGGroup = field(default_factory=CFGGroup.single)
     compile: bool = False
+    compile_backend: str = "inductor"  # torch.compile backend ("eager" checks graph capture only)
     cuda_graphs: bool = False
 
 

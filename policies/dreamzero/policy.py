@@ -135,9 +135,16 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         if self.cfg_group.is_parallel and not self.use_cfg:
             raise ValueError("CFG-parallel needs cfg_scale != 1 (there is no second branch to run)")
         self._negative_embeds: torch.Tensor | None = None  # a model constant: encoded once per process
+        self.graphs = None
+        if options.cuda_graphs:
+            from policies.dreamzero.cuda_graphs import DenoiseGraphs
+
+            self.graphs = DenoiseGraphs(self.dit)
         if options.compile:
+            # Per block, fullgraph: the paged write + attend is one custom op, so a block is one
+            # graph; all blocks share the code object and slot/table/layer changes are values.
             for block in self.dit.blocks:
-                block.compile(fullgraph=True, dynamic=False)
+                block.compile(fullgraph=True, dynamic=False, backend=options.compile_backend)
 
     def _check_geometry(self) -> None:
         h, w = self.config.view_size
@@ -351,8 +358,17 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         extra = self.dit_cfg.action_register_length if action is not None else 0
         ctx = session.kv.begin_forward(branch, num_video_tokens=frames * self.dit_cfg.frame_seqlen, commit=commit, extra_tokens=extra)
         try:
-            out = self.dit(
-                latents.to(self.dtype), timestep, current_start_frame=start, self_kv=ctx.prepare(self.device),
+            layer_inputs = ctx.prepare(self.device)
+            out = None
+            if self.graphs is not None and not commit and action is not None:  # a denoise step
+                key = (int(branch), session.kv.branch(branch).cross_slot, start)
+                out = self.graphs.run(
+                    key, layer_inputs=layer_inputs, cross_kv=session.kv.cross_kv(branch), current_start_frame=start,
+                    x=latents.to(self.dtype), timestep=timestep, y=self._y(session, start, frames), action=action,
+                    timestep_action=timestep_action, state=state,
+                )  # fmt: skip
+            out = out or self.dit(
+                latents.to(self.dtype), timestep, current_start_frame=start, self_kv=layer_inputs,
                 y=self._y(session, start, frames), cross_kv=session.kv.cross_kv(branch),
                 action=action, timestep_action=timestep_action, state=state,
             )  # fmt: skip

@@ -385,6 +385,7 @@ class WorkerClient:
         except TimeoutError:
             self._pending.pop(request_id, None)
             logger.error("request %d exceeded %.0f s; killing the stuck worker", request_id, timeout)
+            self._ready.clear()  # later requests wait for the replacement, not the dying worker
             self.kill()
             raise WorkerTimeout(f"inference took longer than {timeout:.0f} s; the worker was restarted") from None
 

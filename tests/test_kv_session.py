@@ -213,3 +213,21 @@ def test_every_ending_returns_every_page(ending):
     s.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         s.begin_forward(Branch.COND, num_video_tokens=PAGE, commit=True)
+
+
+def test_slot_mapping_is_page_times_page_size_plus_offset():
+    from kv.session import _slots
+
+    assert _slots([5, 2, 9], 10, page_size=4, device=torch.device("cpu")).tolist() == [20, 21, 22, 23, 8, 9, 10, 11, 36, 37]
+    assert _slots([7], 0, page_size=4, device=torch.device("cpu")).shape == (0,)
+
+
+def test_committed_chunk_slots_land_in_the_pages_the_branch_now_owns():
+    cache, s = make()
+    prefill(s, frames=2)
+    ctx = s.begin_forward(Branch.COND, num_video_tokens=2 * PAGE, commit=True)
+    slots = ctx.prepare()[0].video_slots
+    pages = set((slots // PAGE).tolist())
+    assert len(slots) == 2 * PAGE and pages == set(ctx.new_pages) and 0 not in pages
+    s.complete(Branch.COND)
+    assert s.branch(Branch.COND).resident[-2:] == ctx.new_pages

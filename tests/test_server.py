@@ -228,3 +228,14 @@ def test_bad_config_fails_fast_with_a_named_key(tmp_path):
     assert process.proc.wait(60) == 2
     time.sleep(0.2)
     assert "engine.mystery: unknown key" in process.log()
+
+
+def test_a_request_past_its_timeout_gets_an_error_and_the_stuck_worker_is_replaced(tmp_path):
+    with ServerProcess(fake_config(server={"request_timeout_s": 1.0}), tmp_path) as process:
+        client = WebsocketClientPolicy(host="127.0.0.1", port=process.port)
+        pid = process.worker_pids()[0]
+        with pytest.raises(RuntimeError, match="longer than 1 s"):
+            client.infer(droid_observation(session_id="slow", prompt="sleep:30"))
+        assert client.infer(droid_observation(session_id="slow"))["actions"][0, 0] == 1
+        assert process.worker_pids()[0] != pid
+        assert process.metric('ardiff_requests_total{outcome="timeout"}') == 1

@@ -222,32 +222,10 @@ def _write_attend(
 
 # Registration is guarded so re-importing this module (tests pop it from sys.modules) is a no-op.
 if not hasattr(torch.ops.ardiff, "paged_write_attend"):
+    _op = torch.library.custom_op("ardiff::paged_write_attend", _write_attend, mutates_args=())
 
-    @torch.library.custom_op("ardiff::paged_write_attend", mutates_args=())
-    def _paged_write_attend_op(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        extra_key: torch.Tensor | None,
-        extra_value: torch.Tensor | None,
-        layer: torch.Tensor,
-        video_slots: torch.Tensor,
-        extra_slots: torch.Tensor,
-        block_table: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        seq_lens: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        scale: float,
-    ) -> torch.Tensor:
-        return _write_attend(
-            query, key, value, extra_key, extra_value, layer, video_slots, extra_slots,
-            block_table, cu_seqlens_q, seq_lens, max_seqlen_q, max_seqlen_k, scale,
-        )  # fmt: skip
-
-    @_paged_write_attend_op.register_fake
-    def _(query, key, value, extra_key, extra_value, layer, video_slots, extra_slots,
-          block_table, cu_seqlens_q, seq_lens, max_seqlen_q, max_seqlen_k, scale):  # fmt: skip
+    @_op.register_fake
+    def _(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return torch.empty_like(query)
 
 

@@ -43,6 +43,18 @@ class StepResult:
 S = TypeVar("S")
 
 
+def droid_server_config(image_resolution: tuple[int, int] = (180, 320)) -> dict[str, Any]:
+    """RoboArena's ``PolicyServerConfig`` for a DROID joint-position policy (the metadata frame)."""
+    return {
+        "image_resolution": list(image_resolution),
+        "needs_wrist_camera": True,
+        "n_external_cameras": 2,
+        "needs_stereo_camera": False,
+        "needs_session_id": True,
+        "action_space": "joint_position",
+    }
+
+
 class Policy(abc.ABC, Generic[S]):
     @property
     @abc.abstractmethod

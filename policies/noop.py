@@ -12,7 +12,7 @@ from typing import Literal
 import numpy as np
 import pydantic
 
-from policies.base import Policy, RuntimeOptions, StepResult, register_policy
+from policies.base import Policy, RuntimeOptions, StepResult, droid_server_config, register_policy
 from policies.observation import RobotObservation
 
 
@@ -30,11 +30,8 @@ class NoopPolicy(Policy[int]):
 
     @property
     def metadata(self) -> dict:
-        return {
-            "image_resolution": [180, 320], "needs_wrist_camera": True, "n_external_cameras": 2,
-            "needs_stereo_camera": False, "needs_session_id": True, "action_space": "joint_position",
-            "action_shape": [self.config.action_horizon, self.config.action_dim], "model": "noop",
-        }  # fmt: skip
+        shape = [self.config.action_horizon, self.config.action_dim]
+        return {**droid_server_config(), "action_shape": shape, "model": "noop"}
 
     def start_session(self, session_id: str, kv: None) -> int:
         return 0

@@ -23,7 +23,7 @@ import numpy as np
 import pydantic
 
 from kv import Branch, KVSpec, SessionKV
-from policies.base import Policy, RuntimeOptions, StepResult, register_policy
+from policies.base import Policy, RuntimeOptions, StepResult, droid_server_config, register_policy
 from policies.observation import RobotObservation
 
 
@@ -51,11 +51,7 @@ class FakePolicy(Policy[FakeSession]):
 
     @property
     def metadata(self) -> dict:
-        return {
-            "image_resolution": [180, 320], "needs_wrist_camera": True, "n_external_cameras": 2,
-            "needs_stereo_camera": False, "needs_session_id": True, "action_space": "joint_position",
-            "action_shape": [4, 8], "model": "fake",
-        }  # fmt: skip
+        return {**droid_server_config(), "action_shape": [4, 8], "model": "fake"}
 
     def kv_spec(self) -> KVSpec:
         return KVSpec(num_layers=1, num_heads=1, head_dim=8, page_size=4, window_pages=self.config.window_pages, max_new_pages=1)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from kv import Branch, KVSpec, SessionKV
-from policies.base import Policy, RuntimeOptions, StepResult, register_policy
+from policies.base import Policy, RuntimeOptions, StepResult, droid_server_config, register_policy
 from policies.dreamzero.model import DreamZeroModel
 from policies.dreamzero.scheduler import FlowUniPCScheduler
 from policies.dreamzero.transforms import (
@@ -165,15 +165,8 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
 
     @property
     def metadata(self) -> dict:
-        h, w = self.config.image_resolution
         return {
-            # RoboArena PolicyServerConfig
-            "image_resolution": [h, w],
-            "needs_wrist_camera": True,
-            "n_external_cameras": 2,
-            "needs_stereo_camera": False,
-            "needs_session_id": True,
-            "action_space": "joint_position",
+            **droid_server_config(self.config.image_resolution),
             # extras (clients ignore unknown keys)
             "action_horizon": self.head.action_horizon,
             "action_dim": self.action_stats.dim,

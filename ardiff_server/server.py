@@ -60,6 +60,10 @@ class PolicyServer:
             process_request=self._process_request,
             compression=None,  # images are already dense; deflate would burn event-loop CPU
             max_size=server_cfg.max_frame_bytes,
+            # Clients send one request and wait for its reply: stop reading a connection that has
+            # a second frame queued. The default (16) let one client that pipelines without
+            # reading replies park ~17 x max_frame_bytes (1 GiB at 64 MiB) in this process.
+            max_queue=1,
             ping_interval=server_cfg.ping_interval_s,
             ping_timeout=server_cfg.ping_timeout_s,
             server_header=f"ardiff-server/{__version__}",

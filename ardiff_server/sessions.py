@@ -14,10 +14,11 @@ The engine is told through ``release(session_id, reason)`` / ``detach(session_id
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class Connection:
 class _SessionEntry:
     holders: set[int] = field(default_factory=set)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0  # requests holding or waiting for the lock (lock.locked() misses waiters)
     expiry: asyncio.TimerHandle | None = None
 
 
@@ -88,8 +90,19 @@ class SessionRegistry:
         await self._end(session_id, "reset")
         return session_id
 
-    def lock(self, session_id: str) -> asyncio.Lock:
-        return self._sessions.setdefault(session_id, _SessionEntry()).lock
+    @contextlib.asynccontextmanager
+    async def lock(self, session_id: str) -> AsyncIterator[None]:
+        """One request of a session at a time. An entry nobody holds is dropped on the way out:
+        a reset ends its session under this lock, so ``_end`` cannot drop it itself."""
+        entry = self._sessions.setdefault(session_id, _SessionEntry())
+        entry.users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.users -= 1
+            if self._sessions.get(session_id) is entry and not entry.holders and not entry.users and entry.expiry is None:
+                del self._sessions[session_id]
 
     async def disconnect(self, conn: Connection) -> None:
         session_id = conn.current
@@ -101,11 +114,16 @@ class SessionRegistry:
         if entry.holders:
             return
         await self._detach(session_id)
+        # The detach was a round trip to the worker: meanwhile the robot may have come back (a
+        # timer set now would later end its session early) or the entry may be gone.
+        if self._sessions.get(session_id) is not entry or entry.holders:
+            return
         if self.ttl_s <= 0:
             await self._end(session_id, "ttl")
             return
-        loop = asyncio.get_running_loop()
-        entry.expiry = loop.call_later(self.ttl_s, self._expire, session_id)
+        if entry.expiry is not None:
+            entry.expiry.cancel()
+        entry.expiry = asyncio.get_running_loop().call_later(self.ttl_s, self._expire, session_id)
 
     def _expire(self, session_id: str) -> None:
         entry = self._sessions.get(session_id)
@@ -125,7 +143,8 @@ class SessionRegistry:
         entry = self._sessions.get(session_id)
         if entry is not None and entry.expiry is not None:
             entry.expiry.cancel()
-        if entry is not None and not entry.holders and not entry.lock.locked():
+            entry.expiry = None
+        if entry is not None and not entry.holders and not entry.users:
             del self._sessions[session_id]
         await self._release(session_id, reason)
 

@@ -28,7 +28,8 @@ import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,9 @@ from policies.dreamzero.dit import DiTConfig
 from policies.dreamzero.model import DreamZeroModel
 from policies.dreamzero.tiny import TINY_DIT, write_tiny_checkpoint
 from policies.dreamzero.upstream_layout import checkpoint_layout
+from tests.reference import REFERENCE_DIR
 
-REFERENCE_TENSORS = Path(__file__).resolve().parents[2] / "shared" / "reference" / "dreamzero_droid_tensors.json"
+REFERENCE_TENSORS = REFERENCE_DIR / "dreamzero_droid_tensors.json"
 
 
 @pytest.mark.skipif(not REFERENCE_TENSORS.exists(), reason=f"released checkpoint tensor list not found at {REFERENCE_TENSORS}")

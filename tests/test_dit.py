@@ -4,7 +4,6 @@ recorded outputs, and upstream's concat-and-slice KV path."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +11,9 @@ import torch
 from kv import Branch, DenseKVCache, KVSpec, PagedKVCache
 from policies.dreamzero.checkpoint import DIT_PREFIX, CheckpointError, WeightFiles, identity_targets, load_component
 from policies.dreamzero.dit import CausalWanModel, DiTConfig
+from tests.reference import REFERENCE_DIR
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "upstream_dit_tiny"
+REFERENCE = REFERENCE_DIR / "upstream_dit_tiny"
 
 TINY = DiTConfig(
     frame_seqlen=15, dim=64, ffn_dim=128, text_dim=32, num_heads=4, num_layers=2, hidden_size=32,

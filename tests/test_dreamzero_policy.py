@@ -21,8 +21,8 @@ TINY = {"view_size": (48, 80)}
 def observations(n: int, seed: int = 0, prompt: str = "pick up the cup"):
     rng = np.random.default_rng(seed)
     for call in range(n):
-        t = 1 if call == 0 else 4
-        cam = lambda: rng.integers(0, 256, (t, 90, 160, 3), dtype=np.uint8)  # noqa: E731
+        shape = (1 if call == 0 else 4, 90, 160, 3)
+        cam = lambda: rng.integers(0, 256, shape, dtype=np.uint8)  # noqa: E731, B023 (used at once)
         yield RobotObservation(
             exterior_left=cam(), exterior_right=cam(), wrist=cam(),
             joint_position=rng.uniform(-1, 1, 7).astype(np.float32), gripper_position=np.array([0.3], np.float32),

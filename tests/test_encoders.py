@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,8 +29,9 @@ from policies.dreamzero.encoders import (
     vae_targets,
 )
 from policies.dreamzero.upstream_layout import image_encoder_layout, text_encoder_layout, vae_layout
+from tests.reference import REFERENCE_DIR
 
-REFERENCE_TENSORS = Path(__file__).resolve().parents[2] / "shared/reference/dreamzero_droid_tensors.json"
+REFERENCE_TENSORS = REFERENCE_DIR / "dreamzero_droid_tensors.json"
 
 TINY_TEXT = {"vocab_size": 50, "d_model": 32, "d_kv": 8, "d_ff": 48, "num_layers": 2, "num_heads": 4}
 TINY_IMAGE = {

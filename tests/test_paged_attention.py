@@ -76,7 +76,7 @@ def test_rollout_matches_upstream_concat_and_slice_across_window_restarts():
     cache, s = make(window=window, layers=2, extra=3)
     dense = DenseKVCache(num_layers=2, window_tokens=window * PAGE)
     frames_in_window = 0
-    for call in range(12):
+    for _call in range(12):
         if frames_in_window >= window:  # DreamZero restarts the window when it is full
             s.reset()
             dense.reset()

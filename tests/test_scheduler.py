@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from policies.dreamzero.scheduler import FlowUniPCScheduler
+from tests.reference import REFERENCE_DIR
 
-REFERENCE_PATH = Path(__file__).resolve().parents[2] / "shared/reference/flow_unipc_reference.json"
+REFERENCE_PATH = REFERENCE_DIR / "flow_unipc_reference.json"
 CASES = ["steps16_shift5.0", "steps4_shift5.0", "steps1_shift5.0", "steps16_shift1.0"]
 ATOL = 1e-12
 

@@ -69,7 +69,7 @@ def test_roboarena_style_client_episodes(server):
     """websockets client, endpoint key, 1-indexed cameras, reset between episodes, new id per episode."""
     with connect(server.url, compression=None, max_size=None) as ws:
         assert msgpack_numpy.unpackb(ws.recv())["action_space"] == "joint_position"
-        for episode in range(2):
+        for _episode in range(2):
             session = f"{uuid.uuid4()}-A"
             for call in range(1, 4):
                 reply = infer(ws, droid_observation(1 if call == 1 else 4, session_id=session, one_indexed=True, endpoint="infer"))

@@ -215,7 +215,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
     @torch.no_grad()
     def step(self, session: DreamZeroSession, observation: RobotObservation) -> StepResult:
         timer = PhaseTimer(self.device)
-        cfg, nfpb = self.dit_cfg, self.dit_cfg.num_frame_per_block
+        nfpb = self.dit_cfg.num_frame_per_block
         events = self._advance_session(session, observation)
         video = self._video_tensor(session)  # (1, 3, T, 2h, 2w) in [-1, 1]
 

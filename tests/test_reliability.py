@@ -1,0 +1,589 @@
+"""Reliability: a soak of misbehaving robots against one real server, slow clients, huge frames.
+
+The soak runs ``ARDIFF_SOAK_SECONDS`` (default 15 s, so CI runs it; ``ARDIFF_SOAK_SECONDS=600``
+for the ten-minute version). Each robot is a thread with the real openpi client that mostly
+infers, and now and then switches session, resets, drops its connection mid-request, reconnects,
+sends malformed frames or makes the policy raise; one worker is SIGKILLed partway through.
+Every reply is checked against what the robot can know about its session's call count (see
+:class:`Robot`), and at the end every KV page must be back in the pool and RSS bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import random
+import select
+import signal
+import socket
+import struct
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+import pytest
+from openpi_client import msgpack_numpy
+from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+from ardiff_server.sessions import SessionRegistry
+from tests.fake_policy import session_tag
+from tests.server_harness import ServerProcess, droid_observation, fake_config
+
+SOAK_SECONDS = float(os.environ.get("ARDIFF_SOAK_SECONDS", "15"))
+SEED = int(os.environ.get("ARDIFF_SOAK_SEED", "20240611"))
+ROBOTS = 6
+TTL_S = 1.0
+# RSS bound for the server and the worker over the measured part of the soak. Steady state
+# holds nothing per request; what legitimately moves RSS is allocator retention of transient
+# buffers: per in-flight request a ~0.5 MB frame, its decoded copy and its pickled IPC copy
+# (6 robots -> ~10 MB), plus arena fragmentation. 30 MiB sits well above that noise yet
+# catches a leak of one observation per ~60 requests in the short run, and of ~300 bytes per
+# request (e.g. a bookkeeping entry per session) in the ten-minute one.
+RSS_BOUND_MIB = 30.0
+KV_FREE = 'ardiff_kv_blocks_free{rank="0"}'
+KV_TOTAL = 'ardiff_kv_blocks_total{rank="0"}'
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def metric_or_zero(server: ServerProcess, name: str) -> float:
+    try:
+        return server.metric(name)
+    except KeyError:  # labelled gauges appear only once a value was set
+        return 0.0
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def dump_log_on_failure(server: ServerProcess):
+    """Print the server log tail when the block fails (pytest shows captured stdout then)."""
+
+    class _Dump:
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, exc_type, exc, tb) -> None:
+            if exc_type is not None:
+                print(f"--- server log tail ---\n{server.log()}")
+
+    return _Dump()
+
+
+# =================================================================================== soak
+
+
+class KillClock:
+    """When the worker was killed. ``started`` is set *before* ``os.kill`` and ``done`` after it
+    returns: a request sent after ``done`` cannot be served by the old worker (SIGKILL is final
+    once queued), and any reply the kill affected is read after ``started``."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.done = threading.Event()
+
+
+@dataclass
+class Tally:
+    infer_ok: int = 0
+    switches: int = 0
+    resets: int = 0
+    drops_mid_request: int = 0
+    reconnects: int = 0
+    malformed: int = 0
+    policy_errors: int = 0
+    worker_died_errors: int = 0
+    restarts_seen: int = 0  # replies that legitimately restarted at 1 after the kill
+    ghosts_run: int = 0  # abandoned requests that we can tell the server still ran
+
+    def add(self, other: Tally) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+MALFORMED = [
+    "a text frame",
+    b"\xc1 not msgpack",
+    msgpack.packb([1, 2, 3]),
+    msgpack_numpy.packb(droid_observation(size=(8, 8)))[:-5],  # truncated
+]
+
+
+@dataclass
+class Robot:
+    """One robot. It tracks ``possible``: the call counts its session may have on the server.
+
+    A reply with ``calls = c`` is correct iff ``c - 1`` is possible; then exactly ``{c}`` is.
+    New session, reset, policy error, worker-died error: ``{0}``. A request abandoned by a
+    dropped connection may or may not have run: ``{p, p + 1}`` (the server serves a session's
+    requests in order, so it has run, or been dropped, before the next request of the session).
+    The worker kill: until this robot's first request sent after the kill is answered, 0 is
+    possible too (1 as well if an abandoned request may have run on the new worker).
+    Malformed frames and reconnects change nothing.
+    """
+
+    index: int
+    port: int
+    kill: KillClock
+    stop: threading.Event
+    failures: list[str]
+    rng: random.Random = field(init=False)
+    tally: Tally = field(default_factory=Tally)
+    episode: int = 0
+    session: str = ""
+    possible: set[int] = field(default_factory=lambda: {0})
+    ghost_pending: bool = False
+    kill_absorbed: bool = False
+    seq: int = 0
+    client: WebsocketClientPolicy | None = None
+    last_action: str = ""
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(SEED * 1000 + self.index)
+        self.images = {k: v for k, v in droid_observation(seed=self.index).items() if k.startswith("observation/") and "image" in k}
+        self.new_session()
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def new_session(self) -> None:
+        self.episode += 1
+        self.session = f"robot{self.index}-ep{self.episode}-{uuid.UUID(int=self.rng.getrandbits(128)).hex[:8]}"
+        self.possible = {0}
+        self.ghost_pending = False
+
+    def request(self, prompt: str = "pick up the cup", **extra) -> tuple[dict, float]:
+        self.seq += 1
+        joint0 = (self.seq % 4096) / 4.0  # exact in float32: identifies this request in the reply
+        obs = {
+            **self.images,
+            "observation/joint_position": np.array([joint0, 0.1, -0.2, -2.0, 0.0, 2.0, 0.5]),
+            "observation/gripper_position": np.array([0.2]),
+            "prompt": prompt,
+            "session_id": self.session,
+            **extra,
+        }
+        return obs, joint0
+
+    def connect(self) -> None:
+        self.client = WebsocketClientPolicy(host="127.0.0.1", port=self.port)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client._ws.close()  # the openpi client has no close()
+            self.client = None
+
+    def fail(self, message: str) -> None:
+        self.failures.append(f"robot {self.index} ({self.last_action}, session {self.session}, seq {self.seq}): {message}")
+        self.stop.set()
+
+    def base_for_reply(self, sent_after_kill: bool) -> set[int]:
+        base = set(self.possible)
+        if self.kill.started.is_set() and not self.kill_absorbed:
+            base |= {0, 1} if self.ghost_pending else {0}
+            if sent_after_kill:
+                self.kill_absorbed = True
+        return base
+
+    def worker_died(self, message: str) -> bool:
+        return "worker" in message and self.kill.started.is_set()
+
+    # -- actions ------------------------------------------------------------------------
+
+    def infer(self, prompt: str = "pick up the cup") -> None:
+        obs, joint0 = self.request(prompt)
+        sent_after_kill = self.kill.done.is_set()
+        try:
+            reply = self.client.infer(obs)
+        except RuntimeError as exc:
+            message = str(exc)
+            if prompt == "explode" and "exploded on purpose" in message:
+                self.tally.policy_errors += 1
+            elif self.worker_died(message):
+                self.tally.worker_died_errors += 1
+                self.kill_absorbed = True
+            else:
+                return self.fail(f"unexpected error frame: {message}")
+            self.possible, self.ghost_pending = {0}, False
+            return
+        if prompt == "explode":
+            return self.fail(f"a policy error was answered with actions: {reply}")
+        base = self.base_for_reply(sent_after_kill)
+        calls = reply["session"]["calls"]
+        actions = reply["actions"]
+        if reply["session"]["id"] != self.session or actions[0, 2] != session_tag(self.session):
+            return self.fail(f"reply for another session: {reply['session']} tag {actions[0, 2]}")
+        if actions[0, 1] != np.float32(joint0):
+            return self.fail(f"reply to another request: joint0 {actions[0, 1]} != {joint0}")
+        if actions[0, 0] != calls or calls - 1 not in base:
+            return self.fail(f"call count {calls} (actions {actions[0, 0]}), expected one of {sorted(p + 1 for p in base)}")
+        if calls - 1 not in self.possible:
+            self.tally.restarts_seen += 1
+        elif self.ghost_pending and calls - 1 == max(self.possible):
+            self.tally.ghosts_run += 1
+        self.possible, self.ghost_pending = {calls}, False
+        self.tally.infer_ok += 1
+
+    def reset(self) -> None:
+        reply = self.client.infer({"endpoint": "reset", "session_id": self.session})
+        if reply != {"status": "reset successful", "session_id": self.session}:
+            return self.fail(f"reset reply {reply}")
+        self.tally.resets += 1
+        self.possible, self.ghost_pending = {0}, False
+        if self.rng.random() < 0.5:
+            self.new_session()  # else: the same id starts over
+
+    def drop_mid_request(self) -> None:
+        """Send a request and close the connection before its reply, then come back."""
+        obs, _ = self.request("sleep:0.02")  # the close surely lands while the policy runs
+        ws = self.client._ws
+        ws.send(msgpack_numpy.packb(obs))
+        if self.rng.random() < 0.5:
+            ws.socket.shutdown(socket.SHUT_RDWR)  # abrupt: no close frame
+        ws.close()
+        self.client = None
+        self.possible |= {p + 1 for p in self.possible}
+        self.ghost_pending = True
+        self.tally.drops_mid_request += 1
+        self.connect()
+
+    def reconnect(self) -> None:
+        self.close()
+        self.tally.reconnects += 1
+        self.connect()
+
+    def malformed(self) -> None:
+        ws = self.client._ws  # the openpi client cannot send a broken frame; its socket can
+        ws.send(self.rng.choice(MALFORMED))
+        reply = ws.recv(timeout=30)
+        if not (isinstance(reply, str) and reply.startswith("bad request:")):
+            return self.fail(f"malformed frame answered with {reply!r:.200}")
+        self.tally.malformed += 1
+
+    ACTIONS = (
+        ("infer", 0.74), ("switch", 0.05), ("reset", 0.04), ("drop_mid_request", 0.04),
+        ("reconnect", 0.03), ("malformed", 0.06), ("explode", 0.04),
+    )  # fmt: skip
+
+    def run(self) -> None:
+        try:
+            self.connect()
+            names, weights = zip(*self.ACTIONS, strict=True)
+            while not self.stop.is_set():
+                self.last_action = self.rng.choices(names, weights)[0]
+                if self.last_action == "infer":
+                    self.infer()
+                elif self.last_action == "switch":
+                    self.new_session()
+                    self.tally.switches += 1
+                    self.infer()  # the switch takes effect with the first request of the new id
+                elif self.last_action == "explode":
+                    self.infer("explode")
+                else:
+                    getattr(self, self.last_action)()
+            self.last_action = "leave"
+            if self.rng.random() < 0.5:
+                self.reset()  # explicit end; the others end by disconnect TTL
+            self.close()
+        except Exception as exc:  # noqa: BLE001 - any exception is a test failure with context
+            self.fail(f"{type(exc).__name__}: {exc}")
+
+
+def test_soak_robots_sessions_resets_drops_and_a_worker_kill(tmp_path):
+    config = fake_config(server={"session_ttl_s": TTL_S}, max_sessions=4 * ROBOTS)
+    with ServerProcess(config, tmp_path) as server, dump_log_on_failure(server):
+        kill, stop, failures = KillClock(), threading.Event(), []
+        robots = [Robot(i, server.port, kill, stop, failures) for i in range(ROBOTS)]
+        threads = [threading.Thread(target=r.run, name=f"robot-{r.index}", daemon=True) for r in robots]
+        started = time.monotonic()
+        for t in threads:
+            t.start()
+        kill_at, baseline_at = max(3.0, 0.1 * SOAK_SECONDS), max(6.0, 0.2 * SOAK_SECONDS)
+
+        stop.wait(kill_at)
+        old_pid = server.worker_pids()[0]
+        kill.started.set()
+        os.kill(old_pid, signal.SIGKILL)
+        kill.done.set()
+        assert wait_for(lambda: server.worker_pids()[0] != old_pid, 120), "the worker was not restarted"
+        stop.wait(max(1.0, baseline_at - (time.monotonic() - started)))  # re-warm the new worker
+        new_pid = server.worker_pids()[0]
+        rss_before = {"server": rss_mib(server.proc.pid), "worker": rss_mib(new_pid)}
+
+        stop.wait(max(0.0, SOAK_SECONDS - (time.monotonic() - started)))
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        stuck = [r.index for r, t in zip(robots, threads, strict=True) if t.is_alive()]
+        assert not stuck, f"robots {stuck} never got a reply (a lost reply?)"
+        assert not failures, "\n".join(failures[:10])
+
+        # Every robot reset or left; after the TTL the engine must hold nothing.
+        def drained() -> bool:
+            return server.metric("ardiff_sessions_active") == 0 and server.metric(KV_FREE) == server.metric(KV_TOTAL)
+
+        assert wait_for(drained, TTL_S + 15), (
+            f"leak: {server.metric('ardiff_sessions_active')} sessions active, "
+            f"{server.metric(KV_FREE)} of {server.metric(KV_TOTAL)} KV pages free"
+        )
+        rss_after = {"server": rss_mib(server.proc.pid), "worker": rss_mib(new_pid)}
+
+        tally = Tally()
+        for r in robots:
+            tally.add(r.tally)
+        elapsed = time.monotonic() - started
+        print(f"soak {elapsed:.0f} s, {ROBOTS} robots: {tally}, {tally.infer_ok / elapsed:.0f} ok replies/s")
+        print(f"RSS MiB before {rss_before} after {rss_after}")
+        # The server's own counters agree with what the robots saw: nothing lost, nothing extra.
+        assert server.metric('ardiff_requests_total{outcome="bad_request"}') == tally.malformed
+        assert server.metric('ardiff_requests_total{outcome="policy_error"}') == tally.policy_errors
+        assert server.metric('ardiff_requests_total{outcome="reset"}') == tally.resets
+        ok = server.metric('ardiff_requests_total{outcome="ok"}')
+        assert tally.infer_ok <= ok <= tally.infer_ok + tally.drops_mid_request
+        assert server.metric("ardiff_worker_restarts_total") == 1
+        for reason in ("lru", "pressure"):  # the cap is sized so that no session is evicted
+            assert metric_or_zero(server, f'ardiff_session_endings{{reason="{reason}"}}') == 0
+        assert tally.infer_ok > 0 and tally.drops_mid_request > 0 and tally.resets > 0 and tally.malformed > 0
+        for name, before in rss_before.items():
+            assert rss_after[name] - before < RSS_BOUND_MIB, f"{name} RSS grew {before:.1f} -> {rss_after[name]:.1f} MiB"
+
+
+# =================================================================================== raw sockets
+
+
+class RawWebSocket:
+    """A bare websocket client on a plain socket: it can stop reading or send partial frames,
+    which library clients (with their own reader threads and buffering) cannot."""
+
+    def __init__(self, port: int, rcvbuf: int | None = None) -> None:
+        self.sock = socket.socket()
+        if rcvbuf is not None:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.sock.settimeout(10)
+        self.sock.connect(("127.0.0.1", port))
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.sock.sendall(
+            f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
+        )
+        response = b""
+        while not response.endswith(b"\r\n\r\n"):  # byte by byte: leave the metadata frame unread
+            response += self.sock.recv(1)
+        assert response.startswith(b"HTTP/1.1 101"), response
+
+    @staticmethod
+    def header(length: int, opcode: int = 0x2, fin: bool = True) -> bytes:
+        """A client frame header. Mask key 0 (valid per RFC 6455) leaves the payload as is."""
+        first = (0x80 if fin else 0) | opcode
+        if length < 126:
+            head = struct.pack("!BB", first, 0x80 | length)
+        elif length < 2**16:
+            head = struct.pack("!BBH", first, 0x80 | 126, length)
+        else:
+            head = struct.pack("!BBQ", first, 0x80 | 127, length)
+        return head + b"\x00\x00\x00\x00"
+
+    def read_frame(self, timeout: float) -> tuple[int, bytes]:
+        self.sock.settimeout(timeout)
+        first, second = self._read(2)
+        length = second & 0x7F
+        if length == 126:
+            (length,) = struct.unpack("!H", self._read(2))
+        elif length == 127:
+            (length,) = struct.unpack("!Q", self._read(8))
+        return first & 0x0F, self._read(length)
+
+    def _read(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError("the server closed the TCP connection")
+            data += chunk
+        return data
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def small_frames_server(tmp_path_factory):
+    config = fake_config(server={"session_ttl_s": TTL_S, "max_frame_bytes": 2**20})
+    with ServerProcess(config, tmp_path_factory.mktemp("reliability")) as process:
+        yield process
+
+
+def test_a_client_that_never_reads_does_not_stall_the_others(small_frames_server):
+    server = small_frames_server
+    stop, latencies, errors = threading.Event(), {i: [] for i in range(3)}, []
+
+    def robot(i: int) -> None:
+        client = WebsocketClientPolicy(host="127.0.0.1", port=server.port)
+        session = f"steady-{i}"
+        try:
+            while not stop.is_set():
+                start = time.perf_counter()
+                reply = client.infer(droid_observation(session_id=session, size=(90, 160)))
+                latencies[i].append(time.perf_counter() - start)
+                assert reply["session"]["id"] == session
+            client.infer({"endpoint": "reset", "session_id": session})
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"robot {i}: {exc!r}")
+        finally:
+            client._ws.close()
+
+    with dump_log_on_failure(server):
+        threads = [threading.Thread(target=robot, args=(i,), daemon=True) for i in range(3)]
+        for t in threads:
+            t.start()
+        rss_before = rss_mib(server.proc.pid)
+
+        # The slow client: a tiny receive buffer, never reads, sends requests as fast as the
+        # server takes them, until the server stops reading it (its sends block for 1 s).
+        slow = RawWebSocket(server.port, rcvbuf=4096)
+        payload = msgpack_numpy.packb(droid_observation(session_id="never-reads", size=(180, 320)))
+        frame = RawWebSocket.header(len(payload)) + payload
+        slow.sock.setblocking(False)
+        sent, pending, wedged_at = 0, b"", None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if not pending:
+                pending, sent = frame, sent + 1
+            _, writable, _ = select.select([], [slow.sock], [], 1.0)
+            if not writable:
+                wedged_at = time.monotonic()
+                break
+            pending = pending[slow.sock.send(pending) :]
+        assert wedged_at is not None, f"the server kept reading the slow client ({sent} requests)"
+
+        # Meanwhile, and for 2 s more, the others are served at normal latency.
+        before = {i: len(v) for i, v in latencies.items()}
+        time.sleep(2.0)
+        health = []
+        for _ in range(10):
+            start = time.perf_counter()
+            assert server.http("/healthz") == (200, "OK\n")
+            health.append(time.perf_counter() - start)
+        rss_wedged = rss_mib(server.proc.pid)
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        slow.close()
+        assert not errors, errors
+        during = [lat for i, v in latencies.items() for lat in v[before[i] :]]
+        print(f"slow client wedged after {sent} requests; others: {len(during)} replies in 2 s, "
+              f"p99 {np.percentile(during, 99) * 1000:.1f} ms; server RSS {rss_before:.0f} -> {rss_wedged:.0f} MiB")  # fmt: skip
+        assert all(len(v) - before[i] >= 10 for i, v in latencies.items()), {i: len(v) - before[i] for i, v in latencies.items()}
+        assert np.percentile(during, 99) < 0.5 and max(health) < 0.2
+        # What the server buffers for a client that does not read is bounded (a few frames).
+        assert rss_wedged - rss_before < RSS_BOUND_MIB
+
+        # The slow client's session goes away with its connection (TTL) like any other.
+        assert wait_for(lambda: server.metric("ardiff_connections_active") == 0, 10)
+        assert wait_for(lambda: server.metric("ardiff_sessions_active") == 0, TTL_S + 10)
+        assert server.metric(KV_FREE) == server.metric(KV_TOTAL)
+
+
+@pytest.mark.parametrize("fragmented", [False, True], ids=["one-frame", "fragments"])
+def test_an_oversize_message_is_refused_before_it_is_all_sent(small_frames_server, fragmented):
+    """The 1 MiB limit is enforced from the frame header (or the running total of fragments):
+    the close arrives while the client has sent only a fraction of its 8 MiB message."""
+    server = small_frames_server
+    ws = RawWebSocket(server.port)
+    assert ws.read_frame(10)[0] == 0x2  # metadata
+    total, chunk = 8 * 2**20, b"\x00" * 2**16
+    sent = 0
+    if fragmented:  # 256 KiB fragments: each under the limit, the message over it
+        fragment = 2**18
+        for n in range(total // fragment):
+            ws.sock.sendall(RawWebSocket.header(fragment, opcode=0x2 if n == 0 else 0x0, fin=False))
+            try:
+                for _ in range(fragment // len(chunk)):
+                    ws.sock.sendall(chunk)
+                    sent += len(chunk)
+            except OSError:
+                break
+            readable, _, _ = select.select([ws.sock], [], [], 0.2)
+            if readable:
+                break
+    else:
+        ws.sock.sendall(RawWebSocket.header(total))
+        ws.sock.sendall(chunk)
+        sent = len(chunk)
+    opcode, payload = ws.read_frame(10)
+    ws.close()
+    assert opcode == 0x8 and struct.unpack("!H", payload[:2])[0] == 1009, (opcode, payload)
+    assert sent <= 2 * 2**20, f"the server read {sent} bytes before refusing"
+    assert server.http("/healthz") == (200, "OK\n")
+
+
+# =================================================================================== registry
+
+
+def _registry(ttl_s: float, detach_s: float = 0.0) -> tuple[SessionRegistry, list[tuple[str, str, float]]]:
+    ended: list[tuple[str, str, float]] = []
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+
+    async def release(session_id: str, reason: str) -> None:
+        ended.append((session_id, reason, loop.time() - t0))
+
+    async def detach(session_id: str) -> None:
+        await asyncio.sleep(detach_s)  # a round trip to a busy worker
+
+    return SessionRegistry(ttl_s=ttl_s, release=release, detach=detach), ended
+
+
+def test_registry_forgets_sessions_ended_by_reset():
+    """``endpoint: reset`` (as server.py runs it: under the session's lock) must not leave an
+    entry behind, else every reset - or a reset of any made-up id - grows the server forever."""
+
+    async def scenario() -> int:
+        registry, _ = _registry(ttl_s=1.0)
+        conn = registry.connect()
+        for i in range(100):
+            session_id = await registry.resolve(conn, f"episode-{i}")
+            async with registry.lock(session_id):
+                await registry.reset(conn, session_id)
+        async with registry.lock("never-used"):
+            await registry.reset(conn, "never-used")
+        return registry.active
+
+    assert asyncio.run(scenario()) == 0
+
+
+def test_registry_reconnect_during_detach_does_not_shorten_the_ttl():
+    """A robot that reconnects while its old connection's detach is in flight, and later drops
+    again, still gets the full TTL after its *last* disconnect."""
+
+    async def scenario() -> list[tuple[str, str, float]]:
+        registry, ended = _registry(ttl_s=1.0, detach_s=0.05)
+        first = registry.connect()
+        await registry.resolve(first, "robot-1")
+        dropping = asyncio.ensure_future(registry.disconnect(first))
+        await asyncio.sleep(0.01)
+        second = registry.connect()
+        await registry.resolve(second, "robot-1")  # back within 10 ms, while the detach is in flight
+        await dropping
+        await asyncio.sleep(0.9)
+        await registry.disconnect(second)  # drops again at t = 0.96 s ...
+        await asyncio.sleep(0.1)  # ... and is back at t = 1.06 s, well within the TTL
+        await registry.resolve(registry.connect(), "robot-1")
+        return ended
+
+    assert asyncio.run(scenario()) == []

@@ -74,6 +74,7 @@ class PolicyServer:
         return self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
+        self.worker.begin_shutdown()
         if self._server is not None:
             self._server.close()  # closes connections with 1001 (going away)
             await self._server.wait_closed()

@@ -373,6 +373,8 @@ class WorkerClient:
 
     async def request(self, message: dict, timeout: float | None = None) -> dict:
         """Send one message and await its reply. Raises WorkerDied / WorkerTimeout."""
+        if self._stopping:
+            raise WorkerDied("the server is shutting down")
         try:
             await asyncio.wait_for(self._ready.wait(), self.config.engine.startup_timeout_s)
         except TimeoutError:
@@ -398,6 +400,10 @@ class WorkerClient:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests from now on (connections closing during shutdown need no replies)."""
+        self._stopping = True
 
     async def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True

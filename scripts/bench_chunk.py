@@ -366,7 +366,7 @@ def print_config(summary: dict[str, Any], peak_flops: float) -> None:
     ]
     for label, key, fmt in rows:
         print(f"{label:<26}" + "".join(f"{fmt.format(summary[c][key]):>15}" for c in cols))
-    print(f"calls measured: " + ", ".join(f"{summary[c]['calls']} {c.replace('_', ' ')}" for c in cols)
+    print("calls measured: " + ", ".join(f"{summary[c]['calls']} {c.replace('_', ' ')}" for c in cols)
           + f"; mm peak {peak_flops / 1e9:.1f} GFLOP/s")  # fmt: skip
     for kind, check in summary["flop_check"].items():
         print(

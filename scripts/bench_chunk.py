@@ -224,10 +224,10 @@ def observations(n: int, seed: int = 0) -> Iterator[RobotObservation]:
     """DROID-shaped observations: 1 frame first, then 4-frame stacks, one prompt."""
     rng = np.random.default_rng(seed)
     for call in range(n):
-        t = 1 if call == 0 else 4
+        shape = (1 if call == 0 else 4, *CAMERA, 3)
 
-        def cam() -> np.ndarray:
-            return rng.integers(0, 256, (t, *CAMERA, 3), dtype=np.uint8)
+        def cam(shape: tuple[int, ...] = shape) -> np.ndarray:
+            return rng.integers(0, 256, shape, dtype=np.uint8)
 
         yield RobotObservation(
             exterior_left=cam(), exterior_right=cam(), wrist=cam(),

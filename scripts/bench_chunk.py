@@ -67,7 +67,7 @@ from policies.dreamzero.tiny import (  # noqa: E402
 )
 from policies.observation import RobotObservation  # noqa: E402
 
-PHASES = ("text", "vision", "vae", "prefill", "denoise", "decode")
+PHASES = ("frames", "text", "vision", "vae", "prefill", "denoise", "decode")
 DROID_VIEW_SIZE = (176, 320)  # -> 352x640 canvas -> 44x80 latents -> 22x40 patches = 880 tokens
 CAMERA = (180, 320)  # what DROID clients send (image_resolution)
 
@@ -354,7 +354,7 @@ def print_config(summary: dict[str, Any], peak_flops: float) -> None:
     print(header)
     print("-" * len(header))
     for phase in PHASES:
-        label = "text ms (+ frame prep)" if phase == "text" else f"{phase} ms"  # the policy's first mark
+        label = f"{phase} ms"
         print(f"{label:<26}" + "".join(f"{summary[c]['phase_ms'][phase]:>15.1f}" for c in cols))
     rows = [
         ("total ms (phases)", "total_ms", "{:.1f}"),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +41,6 @@ class EngineSession:
     kv: SessionKV | None
     calls: int = 0
     attached: bool = True  # a connection is using it (detached sessions are evicted first)
-    created: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -138,7 +137,7 @@ class SessionEngine:
         logger.warning("evicting session %s (%s; %s)", victim.session_id, reason, "detached" if not victim.attached else "idle")
         return self._remove(victim.session_id, reason)
 
-    def _remove(self, session_id: str, reason: str) -> bool:
+    def _remove(self, session_id: str, reason: str, *, count: bool = True) -> bool:
         session = self.sessions.pop(session_id, None)
         if session is None:
             return False
@@ -147,7 +146,8 @@ class SessionEngine:
         finally:
             if session.kv is not None:
                 session.kv.close()  # every page and cross-attention slot back to the pool
-        self.removals[reason] += 1
+        if count:
+            self.removals[reason] += 1
         logger.info("session %s ended (%s) after %d calls", session_id, reason, session.calls)
         return True
 
@@ -167,8 +167,7 @@ class SessionEngine:
                 outcome = self.infer(session_id, observation)
                 timings[f"call{i}_ms"] = round(outcome.compute_ms, 1)
         finally:
-            self._remove(session_id, "warmup")
-            self.removals["warmup"] -= 1  # warm-up is not a real session ending
+            self._remove(session_id, "warmup", count=False)  # not a real session ending
             self.steps = 0
         if self.cache is not None and self.cache.pool.num_free != free_before:
             raise RuntimeError(f"warm-up leaked KV pages: {free_before} free before, {self.cache.pool.num_free} after")

@@ -175,8 +175,6 @@ def handle(engine, message: dict) -> dict[str, Any]:
         if kind == "detach":
             engine.detach(message["session_id"])
             return {"ok": True}
-        if kind == "stats":
-            return {"ok": True}
         return {"ok": False, "kind": "protocol", "error": f"unknown worker message {kind!r}"}
     except EngineCapacityError as exc:
         return {"ok": False, "kind": "capacity", "error": str(exc)}

@@ -61,10 +61,6 @@ class Policy(abc.ABC, Generic[S]):
     def metadata(self) -> dict[str, Any]:
         """The frame sent to every client on connect (RoboArena's PolicyServerConfig and more)."""
 
-    @property
-    def action_shape(self) -> tuple[int, int]:
-        return tuple(self.metadata["action_shape"])
-
     def kv_spec(self) -> KVSpec | None:
         """Pages the policy needs per session branch, or None if it keeps no KV."""
         return None
@@ -120,12 +116,6 @@ def policy_entry(name: str) -> PolicyEntry:
     if name not in _REGISTRY:
         raise KeyError(f"unknown policy {name!r}; available: {sorted(set(_REGISTRY) | set(_BUILTIN))}")
     return _REGISTRY[name]
-
-
-def registered_policies() -> list[str]:
-    for module in _BUILTIN.values():
-        importlib.import_module(module)
-    return sorted(_REGISTRY)
 
 
 def build_policy(name: str, config: pydantic.BaseModel | dict, options: RuntimeOptions) -> Policy:

@@ -206,7 +206,9 @@ class MultiEmbodimentActionEncoder(nn.Module):
 # ----------------------------------------------------------------------------- blocks
 
 
-class CausalWanSelfAttention(nn.Module):
+class WanAttentionProjections(nn.Module):
+    """q/k/v/o projections with q/k RMSNorm, shared by self- and cross-attention (upstream names)."""
+
     def __init__(self, dim: int, num_heads: int, qk_norm: bool, eps: float) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -218,6 +220,8 @@ class CausalWanSelfAttention(nn.Module):
         self.norm_q = WanRMSNorm(dim, eps) if qk_norm else nn.Identity()
         self.norm_k = WanRMSNorm(dim, eps) if qk_norm else nn.Identity()
 
+
+class CausalWanSelfAttention(WanAttentionProjections):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], num_extra: int, self_kv: LayerKV
     ) -> torch.Tensor:
@@ -243,20 +247,12 @@ class CausalWanSelfAttention(nn.Module):
         return self.o(out.flatten(2))
 
 
-class WanCrossAttention(nn.Module):
+class WanCrossAttention(WanAttentionProjections):
     """Cross-attention over the text tokens, plus (I2V) a parallel attention over image tokens."""
 
     def __init__(self, dim: int, num_heads: int, qk_norm: bool, eps: float, image: bool, num_image_tokens: int) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
+        super().__init__(dim, num_heads, qk_norm, eps)
         self.num_image_tokens = num_image_tokens if image else 0
-        self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(dim, dim)
-        self.v = nn.Linear(dim, dim)
-        self.o = nn.Linear(dim, dim)
-        self.norm_q = WanRMSNorm(dim, eps) if qk_norm else nn.Identity()
-        self.norm_k = WanRMSNorm(dim, eps) if qk_norm else nn.Identity()
         if image:
             self.k_img = nn.Linear(dim, dim)
             self.v_img = nn.Linear(dim, dim)

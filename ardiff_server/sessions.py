@@ -53,6 +53,11 @@ class SessionRegistry:
         self._sessions: dict[str, _SessionEntry] = {}
         self._tasks: set[asyncio.Task] = set()
 
+    @property
+    def active(self) -> int:
+        """Sessions the front end is tracking (held by a connection, locked, or awaiting their TTL)."""
+        return len(self._sessions)
+
     def connect(self, remote: str = "") -> Connection:
         conn_id = next(self._ids)
         return Connection(conn_id, default_session=f"conn{conn_id}-{uuid.uuid4().hex[:12]}", remote=remote)

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import pydantic
 import yaml
 
-from policies.base import policy_entry
+from policies.registry import policy_entry
 
 CONFIG_DIR = Path(os.environ.get("ARDIFF_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs"))
 
@@ -89,7 +89,7 @@ class AppConfig(_Section):
         return self.policy["name"]
 
     def policy_options(self) -> pydantic.BaseModel:
-        return policy_entry(self.policy_name).config_model.model_validate(self.policy)
+        return policy_entry(self.policy_name).config_model().model_validate(self.policy)
 
 
 def resolve_config_path(name_or_path: str | Path) -> Path:

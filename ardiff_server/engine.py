@@ -23,15 +23,11 @@ from typing import Any
 
 import torch
 
-from kv import KVCapacityError, PagedKVCache, SessionKV
+from kv import CapacityError, PagedKVCache, SessionKV
 from policies.base import Policy, StepResult
 from policies.observation import RobotObservation
 
 logger = logging.getLogger(__name__)
-
-
-class EngineCapacityError(RuntimeError):
-    """Every session slot is in use and none can be evicted."""
 
 
 @dataclass
@@ -105,16 +101,16 @@ class SessionEngine:
             return session, False
         while len(self.sessions) >= self.max_sessions:
             if not self._evict_one("lru", session_id):
-                raise EngineCapacityError(f"server at capacity: {len(self.sessions)} sessions, none idle")
+                raise CapacityError(f"server at capacity: {len(self.sessions)} sessions, none idle")
         kv = None
         if self.cache is not None:
             while True:
                 try:
                     kv = self.cache.open_session(session_id)
                     break
-                except KVCapacityError as exc:
+                except CapacityError as exc:
                     if not self._evict_one("pressure", session_id):
-                        raise EngineCapacityError(
+                        raise CapacityError(
                             f"server at capacity: {len(self.sessions)} sessions hold the KV cache and none is idle ({exc})"
                         ) from None
         try:

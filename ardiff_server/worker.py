@@ -82,7 +82,7 @@ def worker_main(rank: int, world_size: int, raw_config: dict, conn: Connection |
         raise SystemExit(1) from None
     stats = _all_stats(engine, control)  # a collective: every rank takes part
     if conn is not None:
-        conn.send({"type": "ready", "metadata": engine.policy.metadata, "warmup": warmup, "stats": stats})
+        conn.send({"type": "ready", "metadata": engine.policy.info.server_config, "warmup": warmup, "stats": stats})
     try:
         _serve(engine, conn, control)
     finally:
@@ -99,14 +99,14 @@ def build_engine(config, rank: int, world_size: int, control=None):
     from ardiff_server.engine import SessionEngine, kv_budget_bytes
     from kv import PagedKVCache
     from policies.base import RuntimeOptions, build_policy
-    from policies.cfg_parallel import CFGGroup
+    from policies.guidance import Guidance
 
     device = torch.device(config.engine.rank_device(rank))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    cfg = CFGGroup.single() if world_size == 1 else CFGGroup.parallel(rank)
+    guidance = Guidance.single() if world_size == 1 else Guidance.parallel(rank)
     options = RuntimeOptions(
-        device=str(device), dtype=config.engine.dtype, cfg=cfg, compile=config.engine.compile,
+        device=str(device), dtype=config.engine.dtype, guidance=guidance, compile=config.engine.compile,
         compile_backend=config.engine.compile_backend, cuda_graphs=config.engine.cuda_graphs,
     )  # fmt: skip
     policy = build_policy(config.policy_name, config.policy_options(), options)
@@ -159,7 +159,7 @@ def _serve(engine, conn: Connection | None, control) -> None:
 
 def handle(engine, message: dict) -> dict[str, Any]:
     """One request against the engine; never raises (errors become replies)."""
-    from ardiff_server.engine import EngineCapacityError
+    from kv import CapacityError as EngineCapacityError
 
     kind = message["type"]
     try:

@@ -9,29 +9,27 @@
 ``dense``      upstream concat-and-slice semantics, the reference for tests and benchmarks
 """
 
-from kv.attention import PagedLayerInputs, bind_cache, paged_attention, paged_write_attend
-from kv.cache import CrossAttentionSlots, KVCapacityError, PagedKVCache
+from kv.attention import PagedLayerInputs, paged_attention, paged_write_attend
+from kv.cache import CrossAttentionSlots, PagedKVCache
 from kv.dense import DenseKVCache, DenseLayerKV
-from kv.pool import KVPoolExhausted, PagePool
+from kv.pool import CapacityError, PagePool
 from kv.session import CrossKV, ForwardContext, SessionKV
 from kv.spec import Branch, KVSpec
 from kv.window import pages_to_evict, visible_pages
 
 __all__ = [
     "Branch",
+    "CapacityError",
     "CrossAttentionSlots",
     "CrossKV",
     "DenseKVCache",
     "DenseLayerKV",
     "ForwardContext",
-    "KVCapacityError",
-    "KVPoolExhausted",
     "KVSpec",
     "PagePool",
     "PagedKVCache",
     "PagedLayerInputs",
     "SessionKV",
-    "bind_cache",
     "paged_attention",
     "paged_write_attend",
     "pages_to_evict",

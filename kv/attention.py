@@ -11,18 +11,17 @@ tokens are DreamZero's action/state register). Two backends:
   a multiple of 256).
 
 The write + attend step is one ``torch.library`` custom op, so a ``torch.compile``-d DiT
-block stays a single graph; every per-layer input is a tensor, so new slots, block ids or a
-different layer index change values, never the graph. The pool tensors themselves are not
-graph inputs: the op reads them from the cache bound by :func:`bind_cache` (one cache per
-worker process and thread), which keeps multi-GiB buffers out of the compiled graph's signature.
+block stays a single graph. The layer's K and V pool tensors are explicit op arguments that
+the op declares it mutates (``mutates_args``), so the compiler sees the write; every layer's
+pool has the same shape, and slots, block ids and lengths are tensors, so a new layer, page or
+window position changes values, never the graph. Nothing reaches the op through global state.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import threading
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,20 +29,11 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 
-class PagedStorage(Protocol):
-    """What the op needs from a cache (see :class:`kv.cache.PagedKVCache`)."""
-
-    attention_backend: str
-
-    def key_cache(self, layer: int) -> torch.Tensor: ...  # (num_pages, page_size, heads, head_dim)
-
-    def value_cache(self, layer: int) -> torch.Tensor: ...
-
-
 class PagedLayerInputs(NamedTuple):
     """One layer's inputs to :func:`paged_write_attend`, built once per forward by the cache."""
 
-    layer: torch.Tensor  # 0-dim int64 CPU tensor (a tensor, not an int: one graph for all layers)
+    key_cache: torch.Tensor  # (num_pages, page_size, heads, head_dim): this layer's K pool, written in place
+    value_cache: torch.Tensor  # same for V
     video_slots: torch.Tensor  # (Lv,) int64 flat slots of the current video tokens
     extra_slots: torch.Tensor  # (Le,) int64 flat slots of the extra tokens (may be empty)
     block_table: torch.Tensor  # (1, width) int32, padded with the null page
@@ -51,22 +41,7 @@ class PagedLayerInputs(NamedTuple):
     seq_lens: torch.Tensor  # (1,) int32: real key length (video + extra)
     max_seqlen_q: int
     max_seqlen_k: int
-
-
-# Per thread, so two caches driven from two threads (tests emulating CFG ranks) never mix.
-_BOUND = threading.local()
-
-
-def bind_cache(cache: PagedStorage | None) -> None:
-    """Make ``cache`` the storage the custom op writes and reads (set before each forward)."""
-    _BOUND.cache = cache
-
-
-def bound_cache() -> PagedStorage:
-    cache = getattr(_BOUND, "cache", None)
-    if cache is None:
-        raise RuntimeError("paged attention called before a KV cache was bound (call ForwardContext.prepare first)")
-    return cache
+    backend: str  # "auto" | "sdpa" | "flash"
 
 
 # --------------------------------------------------------------------------- backends
@@ -187,7 +162,8 @@ def _write_attend(
     value: torch.Tensor,
     extra_key: torch.Tensor | None,
     extra_value: torch.Tensor | None,
-    layer: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
     video_slots: torch.Tensor,
     extra_slots: torch.Tensor,
     block_table: torch.Tensor,
@@ -196,10 +172,8 @@ def _write_attend(
     max_seqlen_q: int,
     max_seqlen_k: int,
     scale: float,
+    backend: str,
 ) -> torch.Tensor:
-    cache = bound_cache()
-    layer_index = int(layer)
-    key_cache, value_cache = cache.key_cache(layer_index), cache.value_cache(layer_index)
     flat_k = key_cache.view(-1, *key_cache.shape[2:])
     flat_v = value_cache.view(-1, *value_cache.shape[2:])
     flat_k.index_copy_(0, video_slots, key.to(flat_k.dtype))
@@ -217,13 +191,13 @@ def _write_attend(
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
         scale=scale,
-        backend=cache.attention_backend,
+        backend=backend,
     ).to(query.dtype)
 
 
 # Registration is guarded so re-importing this module (tests pop it from sys.modules) is a no-op.
 if not hasattr(torch.ops.ardiff, "paged_write_attend"):
-    _op = torch.library.custom_op("ardiff::paged_write_attend", _write_attend, mutates_args=())
+    _op = torch.library.custom_op("ardiff::paged_write_attend", _write_attend, mutates_args=("key_cache", "value_cache"))
 
     @_op.register_fake
     def _(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -244,7 +218,7 @@ def paged_write_attend(
     ``query`` holds the video queries followed by the extra (action/state) queries.
     """
     return torch.ops.ardiff.paged_write_attend(
-        query, key, value, extra_key, extra_value,
-        inputs.layer, inputs.video_slots, inputs.extra_slots, inputs.block_table,
-        inputs.cu_seqlens_q, inputs.seq_lens, inputs.max_seqlen_q, inputs.max_seqlen_k, scale,
+        query, key, value, extra_key, extra_value, inputs.key_cache, inputs.value_cache,
+        inputs.video_slots, inputs.extra_slots, inputs.block_table, inputs.cu_seqlens_q, inputs.seq_lens,
+        inputs.max_seqlen_q, inputs.max_seqlen_k, scale, inputs.backend,
     )  # fmt: skip

@@ -1,15 +1,14 @@
 """The engine-owned KV cache: paged self-attention storage, scratch pages, cross-attention slots.
 
-Layout per layer: one tensor ``(2, num_pages_total, page_size, heads, head_dim)`` holding K and
-V. ``key_cache(layer)`` is the ``(num_pages, page_size, heads, head_dim)`` view a block-table
-kernel reads in place; the sdpa path gathers from the same view.
+Layout per layer: a K tensor and a V tensor, each ``(num_pages_total, page_size, heads, head_dim)``,
+which a block-table kernel reads in place and the sdpa path gathers from.
 
 Page ids ``1 .. num_pages - 1`` belong to the :class:`PagePool` (0 is the null page); the pages
 after them are scratch, a fixed region per local CFG branch for K/V that is never committed.
 
 Admission: a session reserves its worst case (``local branches x pages_per_branch``) when it
 opens, so a forward never meets an exhausted pool half-way through. When nothing more can
-be reserved, :class:`KVCapacityError` tells the engine to evict an idle session first.
+be reserved, :class:`kv.pool.CapacityError` tells the engine to evict an idle session first.
 """
 
 from __future__ import annotations
@@ -19,15 +18,11 @@ from collections.abc import Sequence
 
 import torch
 
-from kv.pool import PagePool
+from kv.pool import CapacityError, PagePool
 from kv.session import CrossKV, SessionKV
 from kv.spec import Branch, KVSpec
 
 logger = logging.getLogger(__name__)
-
-
-class KVCapacityError(RuntimeError):
-    """No room for another session: every page (or cross-attention slot) is reserved."""
 
 
 class CrossAttentionSlots:
@@ -50,7 +45,7 @@ class CrossAttentionSlots:
 
     def acquire(self) -> int:
         if not self._free:
-            raise KVCapacityError(f"all {self.num_slots} cross-attention slots are in use")
+            raise CapacityError(f"all {self.num_slots} cross-attention slots are in use")
         return self._free.pop()
 
     def release(self, slot: int) -> None:
@@ -113,14 +108,16 @@ class PagedKVCache:
         self._scratch_base = num_pages
         total = num_pages + len(self.branches) * spec.scratch_pages_per_branch
         # Zeros, not empty: padded table entries may be read by a kernel; keep them finite.
-        self._kv = [
-            torch.zeros(2, total, spec.page_size, spec.num_heads, spec.head_dim, dtype=spec.dtype, device=self.device)
-            for _ in range(spec.num_layers)
-        ]
+        # K and V are separate base tensors per layer (not views of one): the paged op mutates them
+        # in place, and torch.compile can only re-inplace a mutation of a whole graph input; a
+        # view into a shared base makes inductor copy the whole layer pool around every call.
+        # Zeros, not empty: padded table entries may be read by a kernel; keep them finite.
+        shape = (total, spec.page_size, spec.num_heads, spec.head_dim)
+        self._keys = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]
+        self._values = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]
         self.cross = (
             CrossAttentionSlots(spec, max_sessions * len(self.branches), self.device) if spec.cross_tokens else None
         )
-        self._layer_index = [torch.tensor(i, dtype=torch.int64) for i in range(spec.num_layers)]
         self._sessions: dict[str, SessionKV] = {}
         self.reservation_per_session = len(self.branches) * spec.pages_per_branch
         if self.reservation_per_session > self.pool.capacity:
@@ -170,13 +167,10 @@ class PagedKVCache:
     # -- storage ---------------------------------------------------------------------
 
     def key_cache(self, layer: int) -> torch.Tensor:
-        return self._kv[layer][0]
+        return self._keys[layer]
 
     def value_cache(self, layer: int) -> torch.Tensor:
-        return self._kv[layer][1]
-
-    def layer_index_tensor(self, layer: int) -> torch.Tensor:
-        return self._layer_index[layer]
+        return self._values[layer]
 
     def check_local(self, branch: Branch) -> None:
         if branch not in self.branches:
@@ -192,7 +186,7 @@ class PagedKVCache:
     @property
     def storage_bytes(self) -> int:
         cross = 2 * sum(t.numel() * t.element_size() for t in self.cross._keys) if self.cross else 0
-        return sum(t.numel() * t.element_size() for t in self._kv) + cross
+        return sum(t.numel() * t.element_size() for t in self._keys + self._values) + cross
 
     # -- sessions --------------------------------------------------------------------
 
@@ -212,7 +206,7 @@ class PagedKVCache:
         if session_id in self._sessions:
             raise RuntimeError(f"session {session_id!r} already has KV state")
         if not self.can_open_session():
-            raise KVCapacityError(
+            raise CapacityError(
                 f"KV cache at capacity: {len(self._sessions)} sessions open, room for {self.session_capacity} "
                 f"({self.pool.capacity} pages, {self.reservation_per_session} reserved per session)"
             )

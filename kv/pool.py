@@ -11,8 +11,11 @@ and a count, which is smaller than the adapter it would take.
 from __future__ import annotations
 
 
-class KVPoolExhausted(RuntimeError):
-    """Raised when a forward needs more pages than the pool has free."""
+class CapacityError(RuntimeError):
+    """No room: every page, cross-attention slot or session slot is in use.
+
+    The one capacity error of the project: the cache raises it at admission, the engine when no
+    session can be evicted, and the server turns it into a "server at capacity" error frame."""
 
 
 class PagePool:
@@ -46,7 +49,7 @@ class PagePool:
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
         if n > len(self._free):
-            raise KVPoolExhausted(
+            raise CapacityError(
                 f"KV page pool exhausted: need {n} pages, {len(self._free)} of {self.capacity} free"
             )
         pages = [self._free.pop() for _ in range(n)]

@@ -7,6 +7,8 @@ Life of a branch forward::
     model(..., self_kv=layer_inputs)          # each layer writes its K/V into the pages and attends
     session.complete(Branch.COND)             # on success: commit the chunk (and evict old chunks)
     session.abort(Branch.COND)                # on failure: free the chunk's pages
+    session.restart_window()                  # a fresh window (prompt change, window full)
+    session.close()                           # the session ended: every page back to the pool
 
 Prefill forwards (``commit=True``) write into pages the branch will own; denoise forwards
 (``commit=False``) write into the rank's scratch pages, which are reused every forward and
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from kv.attention import PagedLayerInputs, bind_cache
+from kv.attention import PagedLayerInputs
 from kv.spec import Branch
 from kv.window import pages_to_evict, visible_pages
 
@@ -116,7 +118,8 @@ class ForwardContext:
         max_seqlen_k = spec.block_table_width * spec.page_size
         self.layer_inputs = [
             PagedLayerInputs(
-                layer=cache.layer_index_tensor(i),
+                key_cache=cache.key_cache(i),
+                value_cache=cache.value_cache(i),
                 video_slots=video_slots,
                 extra_slots=extra_slots,
                 block_table=block_table,
@@ -124,10 +127,10 @@ class ForwardContext:
                 seq_lens=seq_lens,
                 max_seqlen_q=query_len,
                 max_seqlen_k=max_seqlen_k,
+                backend=cache.attention_backend,
             )
             for i in range(spec.num_layers)
         ]
-        bind_cache(cache)
         return self.layer_inputs
 
 
@@ -271,7 +274,7 @@ class SessionKV:
 
     # -- lifecycle ----------------------------------------------------------------------
 
-    def reset(self, *, keep_cross_text: bool = False) -> None:
+    def restart_window(self, *, keep_cross_text: bool = False) -> None:
         """Start a fresh window: free every page; the image conditioning must be re-populated.
 
         ``keep_cross_text``: a window reset inside a session keeps the prompt, so its text K/V

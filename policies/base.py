@@ -1,4 +1,4 @@
-"""The policy interface the session engine drives, and the registry configs name policies by.
+"""The policy interface the session engine drives.
 
 A policy is built once per worker process. The engine owns the KV cache: it opens a
 :class:`kv.SessionKV` per robot session and hands it to :meth:`Policy.start_session`; the policy
@@ -8,7 +8,6 @@ keeps whatever else a session needs (frame buffers, conditioning) in the object 
 from __future__ import annotations
 
 import abc
-import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -17,7 +16,9 @@ import numpy as np
 import pydantic
 
 from kv import Branch, KVSpec, SessionKV
-from policies.cfg_parallel import CFGGroup
+from policies import registry
+from policies.guidance import Guidance
+from policies.info import PolicyInfo
 from policies.observation import RobotObservation
 
 
@@ -27,7 +28,7 @@ class RuntimeOptions:
 
     device: str = "cpu"
     dtype: str = "float32"
-    cfg: CFGGroup = field(default_factory=CFGGroup.single)
+    guidance: Guidance = field(default_factory=Guidance.single)  # which CFG branches run in this process
     compile: bool = False
     compile_backend: str = "inductor"  # torch.compile backend ("eager" checks graph capture only)
     cuda_graphs: bool = False
@@ -43,23 +44,11 @@ class StepResult:
 S = TypeVar("S")
 
 
-def droid_server_config(image_resolution: tuple[int, int] = (180, 320)) -> dict[str, Any]:
-    """RoboArena's ``PolicyServerConfig`` for a DROID joint-position policy (the metadata frame)."""
-    return {
-        "image_resolution": list(image_resolution),
-        "needs_wrist_camera": True,
-        "n_external_cameras": 2,
-        "needs_stereo_camera": False,
-        "needs_session_id": True,
-        "action_space": "joint_position",
-    }
-
-
 class Policy(abc.ABC, Generic[S]):
     @property
     @abc.abstractmethod
-    def metadata(self) -> dict[str, Any]:
-        """The frame sent to every client on connect (RoboArena's PolicyServerConfig and more)."""
+    def info(self) -> PolicyInfo:
+        """The metadata frame (RoboArena's PolicyServerConfig) and what ``/info`` shows."""
 
     def kv_spec(self) -> KVSpec | None:
         """Pages the policy needs per session branch, or None if it keeps no KV."""
@@ -70,13 +59,21 @@ class Policy(abc.ABC, Generic[S]):
         """CFG branches this process runs (both, or one under CFG-parallel)."""
         return (Branch.COND,)
 
+    def check_observation(self, observation: RobotObservation) -> None:  # noqa: B027 - optional hook
+        """Raise :class:`policies.observation.UnsupportedObservation` for an observation this policy
+        cannot take. The engine calls it before any session state changes, so a bad observation
+        is a ``bad request`` and never costs a robot its episode."""
+
     @abc.abstractmethod
     def start_session(self, session_id: str, kv: SessionKV | None) -> S: ...
 
     @abc.abstractmethod
     def step(self, session: S, observation: RobotObservation) -> StepResult:
         """One call: observation in, action chunk out. Raising leaves the session unusable; the
-        engine then ends it (and frees its KV) and the next request starts a fresh one."""
+        engine then ends it (and frees its KV) and the next request starts a fresh one.
+
+        Observation arrays are read-only views valid during this call only (they may live in
+        shared memory): copy what the session keeps."""
 
     def end_session(self, session: S) -> None:  # noqa: B027 - optional hook
         """Drop per-session model state. The engine closes the session's KV itself."""
@@ -86,41 +83,19 @@ class Policy(abc.ABC, Generic[S]):
         return iter(())
 
 
-# --------------------------------------------------------------------------- registry
-
-
-@dataclass(frozen=True)
-class PolicyEntry:
-    config_model: type[pydantic.BaseModel]
-    build: Callable[[Any, RuntimeOptions], Policy]
-
-
-_REGISTRY: dict[str, PolicyEntry] = {}
-
-
 def register_policy(name: str, config_model: type[pydantic.BaseModel]) -> Callable:
+    """Decorator for plugin policies: ``@register_policy("mine", MyConfig) def build(config, options)``."""
+
     def decorator(build: Callable[[Any, RuntimeOptions], Policy]) -> Callable:
-        _REGISTRY[name] = PolicyEntry(config_model, build)
+        registry.register_policy(name, config_model, build)
         return build
 
     return decorator
 
 
-# Built-in policies are imported on first use (DreamZero pulls in transformers and diffusers).
-_BUILTIN = {"dreamzero": "policies.dreamzero.policy", "noop": "policies.noop"}
-
-
-def policy_entry(name: str) -> PolicyEntry:
-    if name not in _REGISTRY and name in _BUILTIN:
-        importlib.import_module(_BUILTIN[name])
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown policy {name!r}; available: {sorted(set(_REGISTRY) | set(_BUILTIN))}")
-    return _REGISTRY[name]
-
-
 def build_policy(name: str, config: pydantic.BaseModel | dict, options: RuntimeOptions) -> Policy:
-    entry = policy_entry(name)
-    if not isinstance(config, entry.config_model):
-        config = entry.config_model.model_validate(config)
-    return entry.build(config, options)
-
+    entry = registry.policy_entry(name)
+    model = entry.config_model()
+    if not isinstance(config, model):
+        config = model.model_validate(config)
+    return entry.builder()(config, options)

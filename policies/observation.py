@@ -1,14 +1,22 @@
-"""The typed robot observation every policy receives.
+"""The typed robot observation every policy receives (torch-free).
 
-The server decodes RoboArena / DROID wire dictionaries into this (see
-``ardiff_server/observations.py``); policies never see raw wire keys.
+The server decodes RoboArena / DROID wire dictionaries into this (``ardiff_server/decode.py``);
+policies never see raw wire keys.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import numpy as np
+
+CAMERAS = ("wrist", "exterior_left", "exterior_right")
+
+
+class UnsupportedObservation(ValueError):
+    """An observation the configured policy cannot take (e.g. a 1-pixel image). The server
+    answers ``bad request`` with this message and the session is untouched."""
 
 
 @dataclass(frozen=True)
@@ -30,4 +38,11 @@ class RobotObservation:
 
     @property
     def cameras(self) -> dict[str, np.ndarray | None]:
-        return {"wrist": self.wrist, "exterior_left": self.exterior_left, "exterior_right": self.exterior_right}
+        return {name: getattr(self, name) for name in CAMERAS}
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every array field that is set, by field name."""
+        return {f.name: v for f in fields(self) if isinstance(v := getattr(self, f.name), np.ndarray)}
+
+    def with_arrays(self, arrays: dict[str, Any]) -> RobotObservation:
+        return replace(self, **arrays)

@@ -146,7 +146,7 @@ def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, 
 
 def flop_counter_check(dit: CausalWanModel, dtype: torch.dtype) -> dict[str, dict[str, int]]:
     """FlopCounterMode vs the formula on a full-window (9-frame) denoise forward and prefill."""
-    cfg = dit.cfg
+    cfg = dit.config
     torch.manual_seed(0)
     lh, lw = _latent_grid(cfg)
     nfpb = cfg.num_frame_per_block

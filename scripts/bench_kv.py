@@ -208,7 +208,7 @@ class PagedPath:
         self.attend = attend
 
     def reset_window(self) -> None:
-        self.session.reset(keep_cross_text=True)
+        self.session.restart_window(keep_cross_text=True)
 
     def forward(self, branch: Branch, fwd: Forward, layers: list[LayerTensors], scale: float) -> None:
         ctx = self.session.begin_forward(branch, num_video_tokens=fwd.frames * PAGE, commit=fwd.commit, extra_tokens=fwd.extra)

@@ -23,7 +23,8 @@ import numpy as np
 import pydantic
 
 from kv import Branch, KVSpec, SessionKV
-from policies.base import Policy, RuntimeOptions, StepResult, droid_server_config, register_policy
+from policies.base import Policy, RuntimeOptions, StepResult, register_policy
+from policies.info import PolicyInfo, droid_server_config
 from policies.observation import RobotObservation
 
 
@@ -50,8 +51,8 @@ class FakePolicy(Policy[FakeSession]):
         self.config = config
 
     @property
-    def metadata(self) -> dict:
-        return {**droid_server_config(), "action_shape": [4, 8], "model": "fake"}
+    def info(self) -> PolicyInfo:
+        return PolicyInfo(droid_server_config(), action_horizon=4, action_dim=8, model="fake")
 
     def kv_spec(self) -> KVSpec:
         return KVSpec(num_layers=1, num_heads=1, head_dim=8, page_size=4, window_pages=self.config.window_pages, max_new_pages=1)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kv import Branch, DenseKVCache, KVSpec, PagedKVCache
-from policies.dreamzero.checkpoint import DIT_PREFIX, CheckpointError, WeightFiles, identity_targets, load_component
+from policies.dreamzero.checkpoint import CheckpointError, WeightFiles, load_component
+from policies.dreamzero.naming import DIT_PREFIX, identity_targets
 from policies.dreamzero.dit import CausalWanModel, DiTConfig
 from tests.reference import REFERENCE_DIR
 
@@ -133,7 +134,7 @@ def test_reproduces_upstream_recorded_rollout_through_the_loader_and_paged_kv():
             if clip is None or branch == Branch.COND:
                 clip = rollout[f"window{call_index}.clip_feature"]
                 if call_index:
-                    session.reset(keep_cross_text=True)  # the window restart upstream does
+                    session.restart_window(keep_cross_text=True)  # the window restart upstream does
         x = rollout[f"{key}.x"]
         ctx = session.begin_forward(branch, num_video_tokens=x.shape[2] * cfg.frame_seqlen, commit=call["update_kv_cache"],
                                     extra_tokens=cfg.action_register_length if call["has_action"] else 0)  # fmt: skip
@@ -203,7 +204,7 @@ def dreamzero_rollout(model: CausalWanModel, cfg: DiTConfig, calls: int, use_pag
     for _ in range(calls):
         if csf >= cfg.local_attn_size:
             csf = 0
-            session.reset(keep_cross_text=True)
+            session.restart_window(keep_cross_text=True)
             for d in dense.values():
                 d.reset()
         prefill = [(1, 0)] if csf == 0 else [(2, csf - 2)]

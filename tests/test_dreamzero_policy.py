@@ -11,7 +11,7 @@ import torch
 
 from kv import Branch, PagedKVCache
 from policies.base import RuntimeOptions
-from policies.cfg_parallel import CFGGroup
+from policies.guidance import Guidance
 from policies.dreamzero.policy import DreamZeroConfig, DreamZeroPolicy
 from policies.observation import RobotObservation
 
@@ -30,8 +30,8 @@ def observations(n: int, seed: int = 0, prompt: str = "pick up the cup"):
         )  # fmt: skip
 
 
-def make_policy(tiny_model, branches=None, cfg=None, **overrides) -> tuple[DreamZeroPolicy, PagedKVCache]:
-    options = RuntimeOptions(cfg=cfg or CFGGroup.single())
+def make_policy(tiny_model, branches=None, guidance=None, **overrides) -> tuple[DreamZeroPolicy, PagedKVCache]:
+    options = RuntimeOptions(guidance=guidance or Guidance.single())
     policy = DreamZeroPolicy(DreamZeroConfig(**{**TINY, **overrides}), options, model=tiny_model)
     branches = branches or policy.branches
     spec = policy.kv_spec()
@@ -166,7 +166,7 @@ def test_branches_computed_apart_and_combined_equal_one_process_cfg(tiny_model):
             # Each rank owns its model, as separate processes do (diffusers' VAE keeps encode
             # caches on the module, so one module must not be shared between threads).
             model = copy.deepcopy(tiny_model)
-            policy, rank_cache = make_policy(model, branches=(Branch(r),), cfg=CFGGroup.parallel(r, pair.endpoint(r)))
+            policy, rank_cache = make_policy(model, branches=(Branch(r),), guidance=Guidance.parallel(r, pair.endpoint(r)))
             assert policy.branches == (Branch(r),) and rank_cache.branches == (Branch(r),)
             results[r] = rollout(policy, rank_cache, observations(5))[1]
             assert rank_cache.cross.num_slots == 3  # one branch per session on this rank
@@ -185,15 +185,31 @@ def test_branches_computed_apart_and_combined_equal_one_process_cfg(tiny_model):
         assert np.array_equal(a.actions, b.actions)  # both ranks hold the same chunk
 
 
-def test_metadata_is_roboarenas_policy_server_config(tiny_model):
+def test_metadata_is_exactly_roboarenas_policy_server_config(tiny_model):
     policy, _ = make_policy(tiny_model)
-    meta = policy.metadata
-    assert {k: meta[k] for k in ("image_resolution", "needs_wrist_camera", "n_external_cameras", "needs_stereo_camera",
-                                 "needs_session_id", "action_space")} == {
+    assert policy.info.server_config == {
         "image_resolution": [180, 320], "needs_wrist_camera": True, "n_external_cameras": 2,
         "needs_stereo_camera": False, "needs_session_id": True, "action_space": "joint_position",
     }  # fmt: skip
-    assert meta["action_shape"] == [24, 8]
+    assert policy.info.action_shape == [24, 8] and policy.info.describe()["model"] == "dreamzero"
+
+
+@pytest.mark.parametrize(
+    ("cameras", "match"),
+    [
+        ({"wrist": (1, 1, 320, 3)}, "at least 2 pixels"),
+        ({"exterior_left": (4, 180, 1, 3)}, "at least 2 pixels"),
+        ({"wrist": (1, 180, 320, 3), "exterior_left": (4, 180, 320, 3)}, "differ in length"),
+    ],
+)
+def test_observations_dreamzero_cannot_take_are_refused_before_the_step(tiny_model, cameras, match):
+    from policies.observation import UnsupportedObservation
+
+    policy, _ = make_policy(tiny_model)
+    observation = RobotObservation(**{name: np.zeros(shape, np.uint8) for name, shape in cameras.items()})
+    with pytest.raises(UnsupportedObservation, match=match):
+        policy.check_observation(observation)
+    policy.check_observation(RobotObservation(wrist=np.zeros((4, 2, 2, 3), np.uint8)))  # the smallest that works
 
 
 def test_a_view_size_that_does_not_fit_the_checkpoint_is_refused(tiny_model):

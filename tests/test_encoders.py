@@ -12,17 +12,12 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKLWan
 from torch import Tensor
 
-from policies.dreamzero.encoders import (
-    CLIP_MEAN,
-    CLIP_STD,
+from policies.dreamzero.encoders import CLIP_MEAN, CLIP_STD, WAN21_VAE_CONFIG, ImageEncoder, TextEncoder, VideoVAE
+from policies.dreamzero.naming import (
     IMAGE_ENCODER_PREFIX,
     TEXT_ENCODER_PREFIX,
     VAE_PREFIX,
-    WAN21_VAE_CONFIG,
-    ImageEncoder,
     Target,
-    TextEncoder,
-    VideoVAE,
     convert_state_dict,
     image_encoder_targets,
     text_encoder_targets,

@@ -8,7 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from ardiff_server.engine import EngineCapacityError, SessionEngine
+from ardiff_server.engine import SessionEngine
+from kv import CapacityError
 from kv import PagedKVCache
 from policies.base import RuntimeOptions
 from policies.observation import RobotObservation
@@ -60,7 +61,7 @@ def test_at_capacity_with_nothing_idle_is_a_clear_error():
     engine = make_engine(sessions_in_pool=1)
     calls(engine, "a")
     engine._serving = "a"
-    with pytest.raises(EngineCapacityError, match="server at capacity"):
+    with pytest.raises(CapacityError, match="server at capacity"):
         engine._get_or_open("b")
 
 

@@ -6,7 +6,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kv import Branch, KVCapacityError, KVSpec, PagedKVCache
+from kv import Branch, CapacityError, KVSpec, PagedKVCache
 
 SPEC = KVSpec(num_layers=1, num_heads=1, head_dim=8, page_size=2, window_pages=4, max_new_pages=2,
               max_extra_tokens=3, chunk_pages=2, cross_text_tokens=2, cross_image_tokens=1)  # fmt: skip
@@ -23,7 +23,7 @@ class KVLifecycle(RuleBasedStateMachine):
     def open(self):
         try:
             s = self.cache.open_session(f"s{self.counter}")
-        except KVCapacityError:
+        except CapacityError:
             assert len(self.sessions) == self.cache.session_capacity
             return
         self.sessions[s.session_id] = s
@@ -49,7 +49,7 @@ class KVLifecycle(RuleBasedStateMachine):
     @precondition(lambda self: self.sessions)
     @rule(data=st.data(), keep_text=st.booleans())
     def reset(self, data, keep_text):
-        self.sessions[data.draw(st.sampled_from(sorted(self.sessions)))].reset(keep_cross_text=keep_text)
+        self.sessions[data.draw(st.sampled_from(sorted(self.sessions)))].restart_window(keep_cross_text=keep_text)
 
     @precondition(lambda self: self.sessions)
     @rule(data=st.data(), branch=st.sampled_from(list(Branch)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv import Branch, KVCapacityError, KVSpec, PagedKVCache
+from kv import Branch, CapacityError, KVSpec, PagedKVCache
 
 SPEC = KVSpec(
     num_layers=2, num_heads=4, head_dim=16, page_size=8, window_pages=9, max_new_pages=2,
@@ -57,7 +57,7 @@ def test_admission_reserves_the_worst_case_and_refuses_with_a_clear_error():
     cache = PagedKVCache(SPEC, num_pages=2 * 2 * SPEC.pages_per_branch + 1, max_sessions=8)
     assert cache.session_capacity == 2
     a, b = cache.open_session("a"), cache.open_session("b")
-    with pytest.raises(KVCapacityError, match="at capacity"):
+    with pytest.raises(CapacityError, match="at capacity"):
         cache.open_session("c")
     a.close()
     cache.open_session("c").close()
@@ -68,7 +68,7 @@ def test_admission_reserves_the_worst_case_and_refuses_with_a_clear_error():
 def test_max_sessions_caps_admission():
     cache = PagedKVCache(SPEC, num_pages=500, max_sessions=1)
     cache.open_session("a")
-    with pytest.raises(KVCapacityError):
+    with pytest.raises(CapacityError):
         cache.open_session("b")
 
 

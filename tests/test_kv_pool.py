@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv.pool import KVPoolExhausted, PagePool
+from kv.pool import CapacityError, PagePool
 
 
 def test_null_page_is_never_handed_out():
@@ -22,7 +22,7 @@ def test_fresh_pool_hands_out_contiguous_pages():
 def test_exhaustion_is_a_clear_error_and_changes_nothing():
     pool = PagePool(4)
     pool.allocate(2)
-    with pytest.raises(KVPoolExhausted, match="need 2 pages, 1 of 3 free"):
+    with pytest.raises(CapacityError, match="need 2 pages, 1 of 3 free"):
         pool.allocate(2)
     assert pool.num_free == 1
 

@@ -80,8 +80,9 @@ def test_prepare_is_idempotent_and_layers_share_metadata():
     first = ctx.prepare()
     assert ctx.prepare() is first
     assert first[0].block_table is first[1].block_table and first[0].video_slots is first[1].video_slots
-    # layer index is a 0-dim tensor (not an int) so one compiled graph serves every layer
-    assert isinstance(first[1].layer, torch.Tensor) and first[1].layer.dim() == 0 and int(first[1].layer) == 1
+    # each layer gets its own pool views (same shape: one compiled graph serves every layer)
+    assert first[1].key_cache.data_ptr() == s.cache.key_cache(1).data_ptr()
+    assert first[0].key_cache.shape == first[1].key_cache.shape and first[0].key_cache.data_ptr() != first[1].key_cache.data_ptr()
 
 
 def test_eviction_bounds_the_resident_window_and_memory_plateaus():
@@ -182,11 +183,11 @@ def test_window_reset_keeps_text_cross_and_frees_pages():
     _write_cross(s, Branch.COND, 1.0)
     prefill(s, frames=2)
     prefill(s, Branch.UNCOND)
-    s.reset(keep_cross_text=True)
+    s.restart_window(keep_cross_text=True)
     assert cache.pool.num_allocated == 0
     assert s.cross_ready(Branch.COND) == (True, False)
     assert s.branch(Branch.COND).committed_tokens == 0
-    s.reset()
+    s.restart_window()
     assert s.cross_ready(Branch.COND) == (False, False)
     prefill(s)  # usable after a reset
     assert len(s.branch(Branch.COND).resident) == 1
@@ -202,7 +203,7 @@ def test_every_ending_returns_every_page(ending):
         prefill(s, branch, frames=2)
         prefill(s, branch, frames=2)
     if ending == "reset_then_close":
-        s.reset()
+        s.restart_window()
     ctx = s.begin_forward(Branch.UNCOND, num_video_tokens=2 * PAGE, commit=True)
     ctx.prepare()
     if ending == "abort_then_close":

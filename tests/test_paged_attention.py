@@ -78,7 +78,7 @@ def test_rollout_matches_upstream_concat_and_slice_across_window_restarts():
     frames_in_window = 0
     for _call in range(12):
         if frames_in_window >= window:  # DreamZero restarts the window when it is full
-            s.reset()
+            s.restart_window()
             dense.reset()
             frames_in_window = 0
         steps = [(1 if frames_in_window == 0 else 2, True)] + [(2, False)] * 3  # prefill, then denoise steps
@@ -197,3 +197,23 @@ def test_gpu_flash_backend_matches_sdpa_backend_at_droid_page_size():
     flash = paged_attention(q, cache.key_cache(0), cache.value_cache(0), backend="flash", **args)
     sdpa = paged_attention(q, cache.key_cache(0), cache.value_cache(0), backend="sdpa", **args)
     torch.testing.assert_close(flash.float(), sdpa.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_inductor_writes_the_pool_in_place_without_copying_it():
+    """The op declares the K/V pools it mutates; each is a whole tensor (not a view of a shared
+    base), so inductor calls the op on the pool itself: no clone-and-copy-back of a layer's pool."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    cache, s = make(window=4, layers=2)
+    compiled = torch.compile(lambda inputs, q, k, v: paged_write_attend(inputs, q, k, v, None, None, SCALE) * 1.0, fullgraph=True)
+    torch._dynamo.reset()
+    inputs = s.begin_forward(Branch.COND, num_video_tokens=PAGE, commit=True).prepare()
+    k = rand(PAGE)
+    expected = cache.key_cache(1).clone()
+    expected.view(-1, *expected.shape[2:]).index_copy_(0, inputs[1].video_slots, k)
+    with inductor_config.patch(force_disable_caches=True):
+        _, code = run_and_get_code(compiled, inputs[1], rand(PAGE), k, rand(PAGE))
+    torch.testing.assert_close(cache.key_cache(1), expected, atol=0, rtol=0)  # written in place
+    source = "\n".join(code)
+    assert "clone" not in source and "copy_" not in source, source

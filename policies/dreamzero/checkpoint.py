@@ -26,16 +26,9 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-from policies.dreamzero.encoders import Target
+from policies.dreamzero.naming import COMPONENT_PREFIXES, Target
 
 logger = logging.getLogger(__name__)
-
-DIT_PREFIX = "action_head.model."
-TEXT_ENCODER_PREFIX = "action_head.text_encoder."
-IMAGE_ENCODER_PREFIX = "action_head.image_encoder.model."
-VAE_PREFIX = "action_head.vae.model."
-COMPONENT_PREFIXES = (DIT_PREFIX, TEXT_ENCODER_PREFIX, IMAGE_ENCODER_PREFIX, VAE_PREFIX)
-
 
 class CheckpointError(RuntimeError):
     """The checkpoint directory is incomplete, corrupted or does not fit the model."""
@@ -100,11 +93,6 @@ def _open(path: Path) -> Any:
         return safe_open(str(path), framework="pt")
     except Exception as exc:
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
-
-
-def identity_targets(key: str) -> list[Target]:
-    """Checkpoint names equal module names (the DiT keeps upstream's names)."""
-    return [Target(key)]
 
 
 def load_component(

@@ -348,7 +348,7 @@ class CausalWanModel(nn.Module):
             raise ValueError(f"model_type must be 't2v' or 'i2v', got {cfg.model_type!r}")
         if cfg.dim % cfg.num_heads or cfg.head_dim % 2:
             raise ValueError(f"dim {cfg.dim} must split into {cfg.num_heads} heads of even width")
-        self.cfg = cfg
+        self.config = cfg
         dim = cfg.dim
         self.patch_embedding = nn.Conv3d(cfg.in_dim, dim, kernel_size=cfg.patch_size, stride=cfg.patch_size)
         self.text_embedding = nn.Sequential(nn.Linear(cfg.text_dim, dim), nn.GELU(approximate="tanh"), nn.Linear(dim, dim))
@@ -368,7 +368,7 @@ class CausalWanModel(nn.Module):
     def _tables(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """Angle tables: frame, height, width axes (1024 positions) and action (10240) / state (1024)."""
         if device not in self._rope_tables:
-            d = self.cfg.head_dim
+            d = self.config.head_dim
             axis_dims = (d - 4 * (d // 6), 2 * (d // 6), 2 * (d // 6))
             tables = [rope_angles(1024, a) for a in axis_dims] + [rope_angles(1024 * 10, d), rope_angles(1024, d)]
             self._rope_tables[device] = tuple(t.to(device) for t in tables)
@@ -394,7 +394,7 @@ class CausalWanModel(nn.Module):
         ).reshape(f * h * w, -1)
         parts = [video]
         if action_block is not None:
-            n_a, n_s = self.cfg.num_action_per_block, self.cfg.num_state_per_block
+            n_a, n_s = self.config.num_action_per_block, self.config.num_state_per_block
             parts += [t_action[action_block * n_a : (action_block + 1) * n_a], t_state[action_block * n_s : (action_block + 1) * n_s]]
         angles = torch.cat(parts).unsqueeze(1)
         return torch.cos(angles).float(), torch.sin(angles).float()
@@ -404,7 +404,7 @@ class CausalWanModel(nn.Module):
     def embed_context(self, context: torch.Tensor | None, clip_feature: torch.Tensor | None) -> torch.Tensor:
         """The cross-attention context upstream builds: (image tokens | projected text)."""
         text = self.text_embedding(context)
-        if self.cfg.model_type == "i2v":
+        if self.config.model_type == "i2v":
             return torch.cat([self.img_emb(clip_feature), text], dim=1)
         return text
 
@@ -415,7 +415,7 @@ class CausalWanModel(nn.Module):
         """Per layer (text K/V, image K/V) to cache: the text half once per session, the image half
         once per window. Pass only what needs (re)projecting; the other half comes back None."""
         text = self.text_embedding(context) if context is not None else None
-        image = self.img_emb(clip_feature) if clip_feature is not None and self.cfg.model_type == "i2v" else None
+        image = self.img_emb(clip_feature) if clip_feature is not None and self.config.model_type == "i2v" else None
         out = []
         for block in self.blocks:
             ca = block.cross_attn
@@ -446,7 +446,7 @@ class CausalWanModel(nn.Module):
         (B, num_action_per_block) and state (B, num_state_per_block, max_state_dim).
         Returns (video prediction like x, action prediction or None).
         """
-        cfg = self.cfg
+        cfg = self.config
         if y is not None:
             x = torch.cat([x, y.to(x.dtype)], dim=1)
         elif cfg.model_type == "i2v":
@@ -500,7 +500,7 @@ class CausalWanModel(nn.Module):
         return self.unpatchify(video, grid), action_pred
 
     def unpatchify(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
-        c, (pf, ph, pw) = self.cfg.out_dim, self.cfg.patch_size
+        c, (pf, ph, pw) = self.config.out_dim, self.config.patch_size
         f, h, w = grid
         x = x.view(x.shape[0], f, h, w, pf, ph, pw, c)
         x = torch.einsum("bfhwpqrc->bcfphqwr", x)

@@ -15,21 +15,15 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from policies.dreamzero.checkpoint import (
+from policies.dreamzero.checkpoint import CheckpointDir, CheckpointError, load_component
+from policies.dreamzero.dit import CausalWanModel, DiTConfig
+from policies.dreamzero.encoders import ImageEncoder, TextEncoder, VideoVAE
+from policies.dreamzero.naming import (
     DIT_PREFIX,
     IMAGE_ENCODER_PREFIX,
     TEXT_ENCODER_PREFIX,
     VAE_PREFIX,
-    CheckpointDir,
-    CheckpointError,
     identity_targets,
-    load_component,
-)
-from policies.dreamzero.dit import CausalWanModel, DiTConfig
-from policies.dreamzero.encoders import (
-    ImageEncoder,
-    TextEncoder,
-    VideoVAE,
     image_encoder_targets,
     text_encoder_targets,
     vae_targets,
@@ -69,7 +63,7 @@ class DreamZeroModel:
     image_encoder: ImageEncoder
     vae: VideoVAE
     tokenizer: Any
-    action_head: ActionHeadConfig
+    action_head_config: ActionHeadConfig
     metadata: dict[str, Any]
 
     @classmethod

@@ -24,19 +24,18 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
-import pydantic
 import torch
 import torch.nn.functional as F
 
 from kv import Branch, KVSpec, SessionKV
-from policies.base import Policy, RuntimeOptions, StepResult, droid_server_config, register_policy
+from policies.base import Policy, RuntimeOptions, StepResult
+from policies.dreamzero.config import BUILTIN_TINY, DreamZeroConfig
 from policies.dreamzero.model import DreamZeroModel
 from policies.dreamzero.scheduler import FlowUniPCScheduler
 from policies.dreamzero.transforms import (
-    DEFAULT_NEGATIVE_PROMPT,
+    CROP_SCALE,
     NormStats,
     crop_and_resize,
     denormalize_actions,
@@ -45,43 +44,14 @@ from policies.dreamzero.transforms import (
     stitch_views,
     to_absolute_joints,
 )
-from policies.observation import RobotObservation
+from policies.info import PolicyInfo, droid_server_config
+from policies.observation import RobotObservation, UnsupportedObservation
 
 logger = logging.getLogger(__name__)
 
-# Upstream's default (NUM_DIT_STEPS=8): which of the 16 denoise steps run the DiT.
-UPSTREAM_STEP_MASK = [True, True, True, False, False, False, True, False, False, False, True, False, False, True, True, True]
 FRAMES_PER_CALL = 4  # frames a robot sends per call after the first (DreamZero's client contract)
-
-
-class DreamZeroConfig(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
-
-    name: Literal["dreamzero"] = "dreamzero"
-    checkpoint: str = pydantic.Field("builtin:tiny", description="checkpoint directory, or builtin:tiny")
-    tokenizer: str | None = pydantic.Field(None, description="tokenizer directory (default: <checkpoint>/tokenizer)")
-    view_size: tuple[int, int] = pydantic.Field((176, 320), description="per-view (height, width) fed to the model")
-    image_resolution: tuple[int, int] = pydantic.Field((180, 320), description="camera size advertised to clients")
-    num_inference_steps: int = pydantic.Field(16, ge=1, le=1000)
-    sigma_shift: float = pydantic.Field(5.0, gt=0)
-    cfg_scale: float = pydantic.Field(5.0, ge=1.0)
-    seed: int = 1140
-    dit_step_cache: Literal["off", "fixed", "dynamic"] = "fixed"
-    dit_step_mask: list[bool] = pydantic.Field(default_factory=lambda: list(UPSTREAM_STEP_MASK))
-    embodiment: str = "oxe_droid"
-    negative_prompt: str = DEFAULT_NEGATIVE_PROMPT
-    relative_action_dims: int = pydantic.Field(7, ge=0)
-
-    @pydantic.model_validator(mode="after")
-    def _check_mask(self) -> DreamZeroConfig:
-        if self.dit_step_cache == "fixed":
-            if len(self.dit_step_mask) != self.num_inference_steps:
-                raise ValueError(
-                    f"dit_step_mask has {len(self.dit_step_mask)} entries for {self.num_inference_steps} inference steps"
-                )
-            if not self.dit_step_mask[0]:
-                raise ValueError("dit_step_mask must run the DiT on the first step")
-        return self
+# The 95 % center crop must keep at least one pixel: int(side * 0.95) >= 1.
+MIN_IMAGE_SIDE = 2
 
 
 @dataclass
@@ -125,14 +95,14 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             model = DreamZeroModel.load(checkpoint, tokenizer=config.tokenizer, dtype=self.dtype, device=self.device)
         self.model = model
         self.dit = model.dit
-        self.dit_cfg = model.dit.cfg
-        self.head = model.action_head
-        self.cfg_group = options.cfg
+        self.dit_config = model.dit.config
+        self.action_head_config = model.action_head_config
+        self.guidance = options.guidance
         self._check_geometry()
         self.action_stats = NormStats.from_metadata(model.metadata, config.embodiment, "action")
         self.state_stats = NormStats.from_metadata(model.metadata, config.embodiment, "state")
-        self.use_cfg = config.cfg_scale != 1.0
-        if self.cfg_group.is_parallel and not self.use_cfg:
+        self.use_guidance = config.cfg_scale != 1.0
+        if self.guidance.is_parallel and not self.use_guidance:
             raise ValueError("CFG-parallel needs cfg_scale != 1 (there is no second branch to run)")
         self._negative_embeds: torch.Tensor | None = None  # a model constant: encoded once per process
         self.graphs = None
@@ -149,44 +119,55 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
     def _check_geometry(self) -> None:
         h, w = self.config.view_size
         s = self.model.vae.spatial_compression
-        _, ph, pw = self.dit_cfg.patch_size
+        _, ph, pw = self.dit_config.patch_size
         tokens = (2 * h // s // ph) * (2 * w // s // pw)
-        if (2 * h) % (s * ph) or (2 * w) % (s * pw) or tokens != self.dit_cfg.frame_seqlen:
+        if (2 * h) % (s * ph) or (2 * w) % (s * pw) or tokens != self.dit_config.frame_seqlen:
             raise ValueError(
                 f"view_size {self.config.view_size} gives {tokens} tokens per latent frame; the checkpoint's DiT "
-                f"expects frame_seqlen={self.dit_cfg.frame_seqlen}"
+                f"expects frame_seqlen={self.dit_config.frame_seqlen}"
             )
 
     # -- interface ----------------------------------------------------------------------
 
     @property
     def branches(self) -> tuple[Branch, ...]:
-        return self.cfg_group.local_branches if self.use_cfg else (Branch.COND,)
+        return self.guidance.local_branches if self.use_guidance else (Branch.COND,)
 
     @property
-    def metadata(self) -> dict:
-        return {
-            **droid_server_config(self.config.image_resolution),
-            # extras (clients ignore unknown keys)
-            "action_horizon": self.head.action_horizon,
-            "action_dim": self.action_stats.dim,
-            "action_shape": [self.head.action_horizon, self.action_stats.dim],
-            "model": "dreamzero",
-            "checkpoint": Path(self.config.checkpoint).name,
-        }
+    def info(self) -> PolicyInfo:
+        return PolicyInfo(
+            server_config=droid_server_config(self.config.image_resolution),
+            action_horizon=self.action_head_config.action_horizon,
+            action_dim=self.action_stats.dim,
+            model="dreamzero",
+            checkpoint=self.config.checkpoint,
+            details={"dit_step_cache": self.config.dit_step_cache, "num_inference_steps": self.config.num_inference_steps},
+        )
+
+    def check_observation(self, observation: RobotObservation) -> None:
+        """What :meth:`step` cannot take, refused before any session state changes."""
+        lengths = {name: frames.shape[0] for name, frames in observation.cameras.items() if frames is not None}
+        if len(set(lengths.values())) > 1:
+            raise UnsupportedObservation(f"camera frame stacks differ in length: {lengths}")
+        for name, frames in observation.cameras.items():
+            if frames is not None and min(frames.shape[1:3]) < MIN_IMAGE_SIDE:
+                raise UnsupportedObservation(
+                    f"{name}: images need at least {MIN_IMAGE_SIDE} pixels per side (DreamZero center-crops "
+                    f"to {CROP_SCALE:.0%}), got shape {frames.shape}"
+                )
 
     def kv_spec(self) -> KVSpec:
-        cfg = self.dit_cfg
+        dit = self.dit_config
         return KVSpec(
-            num_layers=cfg.num_layers,
-            num_heads=cfg.num_heads,
-            head_dim=cfg.head_dim,
-            page_size=cfg.frame_seqlen,  # one page = one latent frame
-            window_pages=cfg.local_attn_size,
-            max_new_pages=cfg.num_frame_per_block,
-            max_extra_tokens=cfg.action_register_length,
-            cross_text_tokens=cfg.text_len,
-            cross_image_tokens=cfg.num_image_tokens if cfg.model_type == "i2v" else 0,
+            num_layers=dit.num_layers,
+            num_heads=dit.num_heads,
+            head_dim=dit.head_dim,
+            page_size=dit.frame_seqlen,  # one page = one latent frame
+            window_pages=dit.local_attn_size,
+            max_new_pages=dit.num_frame_per_block,
+            max_extra_tokens=dit.action_register_length,
+            cross_text_tokens=dit.text_len,
+            cross_image_tokens=dit.num_image_tokens if dit.model_type == "i2v" else 0,
             dtype=self.dtype,
         )
 
@@ -202,7 +183,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
     def warmup_observations(self) -> Iterator[RobotObservation]:
         """A session that fills one window and restarts it once: every shape a session meets."""
         h, w = self.config.image_resolution
-        window_calls = 1 + -(-(self.dit_cfg.local_attn_size - 1) // self.dit_cfg.num_frame_per_block)
+        window_calls = 1 + -(-(self.dit_config.local_attn_size - 1) // self.dit_config.num_frame_per_block)
         for call in range(window_calls + 1):
             frames = np.zeros((1 if call == 0 else FRAMES_PER_CALL, h, w, 3), dtype=np.uint8)
             yield RobotObservation(
@@ -215,7 +196,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
     @torch.no_grad()
     def step(self, session: DreamZeroSession, observation: RobotObservation) -> StepResult:
         timer = PhaseTimer(self.device)
-        nfpb = self.dit_cfg.num_frame_per_block
+        nfpb = self.dit_config.num_frame_per_block
         events = self._advance_session(session, observation)
         video = self._video_tensor(session)  # (1, 3, T, 2h, 2w) in [-1, 1]
         timer.mark("frames")
@@ -265,12 +246,12 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         prompt = droid_prompt(observation.prompt)
         events = {"session_reset": False, "window_reset": False}
         if session.prompt is not None and prompt != session.prompt:
-            session.kv.reset(keep_cross_text=False)
+            session.kv.restart_window(keep_cross_text=False)
             session.prompt_embeds = None
             session.current_start_frame = 0
             events["session_reset"] = True
-        elif session.current_start_frame >= self.dit_cfg.local_attn_size:
-            session.kv.reset(keep_cross_text=True)
+        elif session.current_start_frame >= self.dit_config.local_attn_size:
+            session.kv.restart_window(keep_cross_text=True)
             session.current_start_frame = 0
             events["window_reset"] = True
         session.prompt = prompt
@@ -294,7 +275,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
 
     def _tokenize(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = self.model.tokenizer(
-            text, max_length=self.dit_cfg.text_len, padding="max_length", truncation=True,
+            text, max_length=self.dit_config.text_len, padding="max_length", truncation=True,
             return_tensors="pt", add_special_tokens=True,
         )  # fmt: skip
         return tokens["input_ids"].to(self.device), tokens["attention_mask"].to(self.device)
@@ -315,7 +296,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
     def _image_conditioning(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``ys``: VAE latents of [image, zeros x (num_frames - 1)] with a mask on latent 0."""
         b, c, _, h, w = image.shape
-        zeros = torch.zeros(b, c, self.head.num_frames - 1, h, w, dtype=image.dtype, device=image.device)
+        zeros = torch.zeros(b, c, self.action_head_config.num_frames - 1, h, w, dtype=image.dtype, device=image.device)
         latents = self.model.vae.encode(torch.cat([image, zeros], dim=2))
         mask = torch.zeros_like(latents[:, :4])
         mask[:, :, 0] = 1
@@ -323,7 +304,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
 
     def _observation_latents(self, video: torch.Tensor) -> torch.Tensor:
         """Upstream's re-encode: repeat each frame x2, prepend the first, keep the last latents."""
-        nfpb = self.dit_cfg.num_frame_per_block
+        nfpb = self.dit_config.num_frame_per_block
         t = video.shape[2]
         if (t - 1) // 4 != nfpb:
             if t // 4 != nfpb:
@@ -349,8 +330,8 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
     def _dit(self, session: DreamZeroSession, branch: Branch, latents: torch.Tensor, timestep: torch.Tensor, *,
              start: int, commit: bool, action=None, timestep_action=None, state=None):  # fmt: skip
         frames = latents.shape[2]
-        extra = self.dit_cfg.action_register_length if action is not None else 0
-        ctx = session.kv.begin_forward(branch, num_video_tokens=frames * self.dit_cfg.frame_seqlen, commit=commit, extra_tokens=extra)
+        extra = self.dit_config.action_register_length if action is not None else 0
+        ctx = session.kv.begin_forward(branch, num_video_tokens=frames * self.dit_config.frame_seqlen, commit=commit, extra_tokens=extra)
         try:
             layer_inputs = ctx.prepare(self.device)
             out = None
@@ -378,16 +359,16 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             self._dit(session, branch, latents, timestep, start=start, commit=True)
 
     def _denoise(self, session: DreamZeroSession, raw_state: np.ndarray) -> tuple[torch.Tensor, int]:
-        cfg, head, conf = self.dit_cfg, self.head, self.config
+        dit_config, head, config = self.dit_config, self.action_head_config, self.config
         z = self.model.vae.latent_channels
         lh, lw = session.ys.shape[-2:]
-        video = _seeded_noise((1, z, cfg.num_frame_per_block, lh, lw), conf.seed).to(self.device, self.dtype)
-        actions = _seeded_noise((1, head.action_horizon, cfg.action_dim), conf.seed).to(self.device, self.dtype)
+        video = _seeded_noise((1, z, dit_config.num_frame_per_block, lh, lw), config.seed).to(self.device, self.dtype)
+        actions = _seeded_noise((1, head.action_horizon, dit_config.action_dim), config.seed).to(self.device, self.dtype)
         model_state = normalize_state(raw_state, self.state_stats, head.max_state_dim).reshape(1, 1, -1)
         state = torch.from_numpy(model_state).to(self.device, self.dtype)
         video_scheduler, action_scheduler = FlowUniPCScheduler(), FlowUniPCScheduler()
-        video_scheduler.set_timesteps(conf.num_inference_steps, shift=conf.sigma_shift)
-        action_scheduler.set_timesteps(conf.num_inference_steps, shift=conf.sigma_shift)
+        video_scheduler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
+        action_scheduler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
 
         history: list[torch.Tensor] = []  # last video velocities (the dynamic step cache compares them)
         countdown = 0
@@ -398,7 +379,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             run, countdown = self._should_run(i, history, countdown)
             if run:
                 forwards += 1
-                timestep = torch.full((1, cfg.num_frame_per_block), int(t_video), dtype=torch.long, device=self.device)
+                timestep = torch.full((1, dit_config.num_frame_per_block), int(t_video), dtype=torch.long, device=self.device)
                 timestep_action = torch.full((1, head.action_horizon), int(t_action), dtype=torch.long, device=self.device)
                 local_video, local_action = {}, None
                 for branch in self.branches:
@@ -407,10 +388,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                     local_video[branch] = v
                     if branch == Branch.COND:
                         local_action = a
-                action_velocity = self.cfg_group.broadcast_from_cond(local_action, like=actions)
-                if self.use_cfg:
-                    both = self.cfg_group.gather_video(local_video)
-                    velocity = both[Branch.UNCOND] + conf.cfg_scale * (both[Branch.COND] - both[Branch.UNCOND])
+                action_velocity = self.guidance.broadcast_from_cond(local_action, like=actions)
+                if self.use_guidance:
+                    both = self.guidance.gather_video(local_video)
+                    velocity = both[Branch.UNCOND] + config.cfg_scale * (both[Branch.COND] - both[Branch.UNCOND])
                 else:
                     velocity = local_video[Branch.COND]
                 history = (history + [velocity])[-2:]
@@ -457,13 +438,12 @@ def _seeded_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 def resolve_checkpoint(checkpoint: str) -> Path:
-    if checkpoint == "builtin:tiny":
+    if checkpoint == BUILTIN_TINY:
         from policies.dreamzero.tiny import ensure_tiny_checkpoint
 
         return ensure_tiny_checkpoint()
     return Path(checkpoint).expanduser()
 
 
-@register_policy("dreamzero", DreamZeroConfig)
 def build_dreamzero(config: DreamZeroConfig, options: RuntimeOptions) -> DreamZeroPolicy:
     return DreamZeroPolicy(config, options)

@@ -26,14 +26,6 @@ import torch.nn.functional as F
 
 CROP_SCALE = 0.95
 
-DEFAULT_NEGATIVE_PROMPT = (
-    "Vibrant colors, overexposed, static, blurry details, text, subtitles, style, artwork, painting, "
-    "image, still, grayscale, dull, worst quality, low quality, JPEG artifacts, ugly, mutilated, extra "
-    "fingers, bad hands, bad face, deformed, disfigured, mutated limbs, fused fingers, stagnant image, "
-    "cluttered background, three legs, many people in the background, walking backwards."
-)
-
-
 def droid_prompt(instruction: str) -> str:
     """The DROID multi-view prompt template DreamZero was trained with."""
     task = (instruction or "").strip() or "Perform the default behavior."

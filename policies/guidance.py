@@ -1,4 +1,4 @@
-"""Classifier-free guidance across processes.
+"""Classifier-free guidance (CFG) branches, in one process or across two.
 
 Single process: both branches run here and nothing is exchanged. CFG-parallel (two ranks of a
 ``torch.distributed`` group, gloo on CPU, NCCL on GPU): rank 0 runs the conditional branch,
@@ -44,17 +44,17 @@ class TorchDistributed:
 
 
 @dataclass(frozen=True)
-class CFGGroup:
+class Guidance:
     local_branches: tuple[Branch, ...]
     rank: int = 0
     transport: Transport | None = None  # None: single process
 
     @classmethod
-    def single(cls) -> CFGGroup:
+    def single(cls) -> Guidance:
         return cls(local_branches=(Branch.COND, Branch.UNCOND))
 
     @classmethod
-    def parallel(cls, rank: int, transport: Transport | None = None) -> CFGGroup:
+    def parallel(cls, rank: int, transport: Transport | None = None) -> Guidance:
         """Rank 0 runs the conditional branch, rank 1 the unconditional one."""
         if rank not in (0, 1):
             raise ValueError(f"CFG-parallel uses exactly two ranks, got rank {rank}")

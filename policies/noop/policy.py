@@ -7,21 +7,13 @@ server's own overhead (``scripts/bench_server.py``). Not a model: its actions ar
 from __future__ import annotations
 
 import time
-from typing import Literal
 
 import numpy as np
-import pydantic
 
-from policies.base import Policy, RuntimeOptions, StepResult, droid_server_config, register_policy
+from policies.base import Policy, RuntimeOptions, StepResult
+from policies.info import PolicyInfo, droid_server_config
+from policies.noop.config import NoopConfig
 from policies.observation import RobotObservation
-
-
-class NoopConfig(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
-    name: Literal["noop"] = "noop"
-    action_horizon: int = pydantic.Field(24, ge=1)
-    action_dim: int = pydantic.Field(8, ge=1)
-    compute_ms: float = pydantic.Field(0.0, ge=0)  # simulated inference time (sleeps)
 
 
 class NoopPolicy(Policy[int]):
@@ -29,9 +21,8 @@ class NoopPolicy(Policy[int]):
         self.config = config
 
     @property
-    def metadata(self) -> dict:
-        shape = [self.config.action_horizon, self.config.action_dim]
-        return {**droid_server_config(), "action_shape": shape, "model": "noop"}
+    def info(self) -> PolicyInfo:
+        return PolicyInfo(droid_server_config(), self.config.action_horizon, self.config.action_dim, model="noop")
 
     def start_session(self, session_id: str, kv: None) -> int:
         return 0
@@ -44,6 +35,5 @@ class NoopPolicy(Policy[int]):
         return StepResult(actions, {"compute": (time.perf_counter() - start) * 1000.0})
 
 
-@register_policy("noop", NoopConfig)
 def build_noop(config: NoopConfig, options: RuntimeOptions) -> NoopPolicy:
     return NoopPolicy(config, options)

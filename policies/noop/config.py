@@ -1,0 +1,15 @@
+"""Settings of the zero-compute ``noop`` policy (torch-free: the front end validates them)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pydantic
+
+
+class NoopConfig(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    name: Literal["noop"] = "noop"
+    action_horizon: int = pydantic.Field(24, ge=1)
+    action_dim: int = pydantic.Field(8, ge=1)
+    compute_ms: float = pydantic.Field(0.0, ge=0)  # simulated inference time (sleeps)

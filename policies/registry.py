@@ -1,0 +1,55 @@
+"""Policies by name: where each one's config model and builder live (torch-free).
+
+The front end validates ``policy:`` sections without loading a model, so the registry holds
+import paths: ``config`` points into a torch-free module (a pydantic model), ``build`` into the
+policy module the worker imports. Plugins (``plugins:`` in a config) register more policies,
+by path or with the objects themselves (``policies.base.register_policy``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pydantic
+
+
+@dataclass(frozen=True)
+class PolicyEntry:
+    config: str | type[pydantic.BaseModel]  # "module:Class" or the class
+    build: str | Callable[..., Any]  # "module:function(config, RuntimeOptions) -> Policy" or the function
+
+    def config_model(self) -> type[pydantic.BaseModel]:
+        return _resolve(self.config)
+
+    def builder(self) -> Callable[..., Any]:
+        return _resolve(self.build)
+
+
+_REGISTRY: dict[str, PolicyEntry] = {
+    "dreamzero": PolicyEntry("policies.dreamzero.config:DreamZeroConfig", "policies.dreamzero.policy:build_dreamzero"),
+    "noop": PolicyEntry("policies.noop.config:NoopConfig", "policies.noop.policy:build_noop"),
+}
+
+
+def register_policy(name: str, config: str | type[pydantic.BaseModel], build: str | Callable[..., Any]) -> None:
+    _REGISTRY[name] = PolicyEntry(config, build)
+
+
+def policy_entry(name: str) -> PolicyEntry:
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown policy {name!r}; available: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def registered_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _resolve(target: Any) -> Any:
+    if not isinstance(target, str):
+        return target
+    module, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module), attribute)

@@ -1,15 +1,22 @@
-"""``ardiff-serve`` / ``python -m ardiff_server``: load a config, start the worker, serve."""
+"""``ardiff-serve`` / ``python -m ardiff_server``: load a config, start the engine, serve.
+
+Everything that can be checked without a worker (config keys and types, API keys, devices, the
+checkpoint and tokenizer directories) is checked first, and a problem is one line with the fix,
+exit code 2, before any process is spawned. This module does not import torch.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
 from ardiff_server import __version__
-from ardiff_server.config import ConfigError, load_config
+from ardiff_server.auth import ENV_VAR, gather_api_keys
+from ardiff_server.config import AppConfig, ConfigError, load_config, preflight
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -23,17 +30,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 to serve robots on the LAN)")
     parser.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one)")
     parser.add_argument("--api-key", dest="api_keys", action="append", default=[],
-                        help="require 'Authorization: Api-Key <key>' (repeatable)")  # fmt: skip
+                        help="require 'Authorization: Api-Key <key>' or 'Bearer <key>' (repeatable; visible in the "
+                             f"process list: prefer --api-key-file or {ENV_VAR})")  # fmt: skip
+    parser.add_argument("--api-key-file", help="file with one API key per line (# comments allowed)")
+    parser.add_argument("--ray", action="store_true", help="deploy on Ray Serve instead (pip install -e '.[ray]'; docs/deploy.md)")
+    parser.add_argument("--ray-address", help="a running Ray cluster (e.g. auto or ray://head:10001); default: start a local one")
     parser.add_argument("--debug", action="store_true", help="tracebacks in error frames, debug logs")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--version", action="version", version=f"ardiff-server {__version__}")
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    level = logging.DEBUG if args.debug else getattr(logging, args.log_level)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def build_config(args: argparse.Namespace) -> AppConfig:
+    """The effective config: the file, then ``--set``, then the dedicated flags. Raises ConfigError."""
     overrides = list(args.overrides)
     if args.host is not None:
         overrides.append(f"server.host={args.host}")
@@ -41,13 +50,35 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"server.port={args.port}")
     if args.debug:
         overrides.append("server.debug=true")
+    if args.ray_address:
+        overrides.append(f"ray.address={args.ray_address}")
+    config = load_config(args.config, overrides)
     try:
-        config = load_config(args.config, overrides)
+        extra_keys = gather_api_keys(args.api_keys, args.api_key_file)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+    if extra_keys:
+        try:
+            config.server.api_keys = [*config.server.api_keys, *extra_keys]
+        except ValueError as exc:  # pydantic: an empty or whitespace key
+            raise ConfigError(f"API keys: {_first_error(exc)}") from None
+    preflight(config)
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    level = logging.DEBUG if args.debug else getattr(logging, args.log_level)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = build_config(args)
     except ConfigError as exc:
         print(f"ardiff-serve: {exc}", file=sys.stderr)
         return 2
-    if args.api_keys:
-        config.server.api_keys = [*config.server.api_keys, *args.api_keys]
+    if args.ray:
+        from ardiff_server.ray_serve import run_ray
+
+        return run_ray(config)
     try:
         asyncio.run(_serve(config))
     except KeyboardInterrupt:
@@ -55,24 +86,52 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-async def _serve(config) -> None:
+async def _serve(config: AppConfig) -> None:
+    from ardiff_server.engine.messages import EngineError
     from ardiff_server.server import PolicyServer
-    from ardiff_server.worker import WorkerStartError
 
     log = logging.getLogger("ardiff_server")
     server = PolicyServer(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():  # a second SIGTERM / Ctrl-C: do not wait for anything
+            log.warning("second signal: exiting now")
+            for replica in server.engine.replicas():
+                for pid in replica.pids:
+                    if pid != os.getpid():
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+            os._exit(1)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     log.info("loading %s (policy %s) on %s ...", config.source, config.policy_name, config.engine.device)
+    start = asyncio.ensure_future(server.start())
+    await asyncio.wait([start, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if not start.done():  # a signal during start-up
+        start.cancel()
+        await server.stop()
+        return
     try:
-        await server.start()
-    except WorkerStartError as exc:
+        start.result()
+    except EngineError as exc:
         log.error("%s", exc)
+        await server.stop()
         raise SystemExit(1) from None
     keys = f", {len(config.server.api_keys)} API key(s) required" if config.server.api_keys else ""
     print(f"listening on ws://{config.server.host}:{server.port}{keys}", flush=True)
     await stop.wait()
     log.info("shutting down")
     await server.stop()
+
+
+def _first_error(exc: ValueError) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        return "; ".join(str(e.get("msg", e)) for e in errors())
+    return str(exc)

@@ -1,17 +1,20 @@
 """Typed, validated deploy configuration: YAML files in ``configs/`` plus ``--set`` overrides.
 
-A config has four sections::
+A config has five sections::
 
-    server:  websocket front end (host, port, keys, limits, keepalive, TTLs)
-    engine:  the worker: device, dtype, KV budget, session cap, CFG-parallel, warm-up, compile
+    server:  websocket front end (host, port, keys, limits, keepalive, TTLs, reply format)
+    engine:  the workers: device(s), dtype, KV budget, session cap, CFG-parallel, replicas, warm-up
     policy:  ``name`` picks a registered policy; the rest is validated by that policy's model
+    ray:     the Ray Serve deployment (``ardiff-serve --ray``)
     plugins: modules imported first (they may register more policies)
 
-Every error names the file, the dotted key, what was expected and what was given.
+Every error names the file, the dotted key, what was expected and what was given. Nothing here
+imports torch: configs are validated (and bad ones refused) before any worker is spawned.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
 from pathlib import Path
@@ -37,13 +40,28 @@ class ServerConfig(_Section):
     host: str = "127.0.0.1"  # localhost unless told otherwise; 0.0.0.0 for robots on a LAN
     port: int = pydantic.Field(8000, ge=0, le=65535)
     api_keys: list[str] = []  # empty: no authentication
+    reply_format: Literal["dict", "array"] = "dict"  # array: the bare (N, 8) actions, as DreamZero's server
     max_frame_bytes: int = pydantic.Field(64 * 2**20, ge=1024)
+    max_frame_items: int = pydantic.Field(1024, ge=64)  # msgpack list/map entries per frame (DROID: < 100)
     max_connections: int = pydantic.Field(64, ge=1)
     ping_interval_s: float | None = pydantic.Field(20.0, gt=0)  # None disables keepalive pings
     ping_timeout_s: float | None = pydantic.Field(60.0, gt=0)
-    request_timeout_s: float = pydantic.Field(300.0, gt=0)  # a stuck worker is restarted after this
-    session_ttl_s: float = pydantic.Field(300.0, ge=0)  # a disconnected robot may resume within this
+    write_limit_bytes: int = pydantic.Field(16 * 2**20, ge=2**16)  # unsent bytes one connection may pile up
+    idle_timeout_s: float | None = pydantic.Field(600.0, gt=0)  # close connections with no request this long
+    request_timeout_s: float = pydantic.Field(300.0, gt=0)  # one step's compute; past it the worker is restarted
+    session_ttl_s: float = pydantic.Field(300.0, ge=0)  # a session nobody uses lives this long
+    shutdown_grace_s: float = pydantic.Field(3.0, ge=0)  # SIGTERM: how long the worker may finish its step
     debug: bool = False  # tracebacks in error frames
+
+    @pydantic.field_validator("api_keys")
+    @classmethod
+    def _keys_are_real(cls, keys: list[str]) -> list[str]:
+        for index, key in enumerate(keys):
+            if not key.strip():
+                raise ValueError(f"api_keys[{index}] is empty: an unset variable would turn authentication off")
+            if key != key.strip() or any(c.isspace() for c in key):
+                raise ValueError(f"api_keys[{index}] contains whitespace")
+        return keys
 
 
 class EngineConfig(_Section):
@@ -62,11 +80,20 @@ class EngineConfig(_Section):
     threads: int | None = pydantic.Field(None, ge=1)  # torch intra-op threads per worker
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
     startup_timeout_s: float = pydantic.Field(900.0, gt=0)
+    replicas: int = pydantic.Field(1, ge=1)  # independent engines behind one port (sessions stay on theirs)
+    replica_devices: list[list[str]] | None = None  # per replica, one device per CFG rank
+    shm_mib: int = pydantic.Field(128, ge=0)  # shared memory for camera frames per replica (0: through the pipe)
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> EngineConfig:
         if self.devices is not None and len(self.devices) != self.cfg_parallel_size:
             raise ValueError(f"devices lists {len(self.devices)} devices for cfg_parallel_size={self.cfg_parallel_size}")
+        if self.replica_devices is not None:
+            if len(self.replica_devices) != self.replicas:
+                raise ValueError(f"replica_devices lists {len(self.replica_devices)} replicas for replicas={self.replicas}")
+            for index, devices in enumerate(self.replica_devices):
+                if len(devices) != self.cfg_parallel_size:
+                    raise ValueError(f"replica_devices[{index}] lists {len(devices)} devices for cfg_parallel_size={self.cfg_parallel_size}")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError("cuda_graphs needs a CUDA device")
         if self.cuda_graphs and self.attention_backend == "sdpa":
@@ -76,13 +103,59 @@ class EngineConfig(_Section):
     def rank_device(self, rank: int) -> str:
         return self.devices[rank] if self.devices else self.device
 
+    def replica_device_lists(self) -> list[list[str]]:
+        """Devices of each replica, one per CFG rank. Default: ``cuda`` (no index) spreads replicas
+        and ranks over consecutive GPUs (8 GPUs, cfg_parallel_size 2: 4 pairs); anything else is
+        shared by every replica (``cpu``) or taken from ``devices``."""
+        if self.replica_devices is not None:
+            return [list(devices) for devices in self.replica_devices]
+        ranks = self.cfg_parallel_size
+        if self.replicas > 1 and self.devices is None and self.device == "cuda":
+            return [[f"cuda:{r * ranks + k}" for k in range(ranks)] for r in range(self.replicas)]
+        if self.replicas > 1 and self.device.startswith("cuda"):
+            raise ValueError(
+                "engine.replicas > 1 on CUDA: give each replica its devices with engine.replica_devices "
+                "(e.g. [[cuda:0], [cuda:1]]) or set engine.device: cuda to spread them over consecutive GPUs"
+            )
+        return [[self.rank_device(k) for k in range(ranks)] for _ in range(self.replicas)]
+
+
+class RayConfig(_Section):
+    """``ardiff-serve --ray``: the same endpoint as a Ray Serve application (see docs/deploy.md)."""
+
+    address: str | None = None  # a running cluster ("auto", "ray://host:10001"); None starts a local one
+    num_replicas: int | None = pydantic.Field(None, ge=1)  # fixed count; default: engine.replicas
+    min_replicas: int | None = pydantic.Field(None, ge=0)  # autoscaling bounds (both or neither)
+    max_replicas: int | None = pydantic.Field(None, ge=1)
+    num_gpus: float | None = pydantic.Field(None, ge=0)  # per model replica; default: cfg_parallel_size on CUDA, else 0
+    num_cpus: float = pydantic.Field(1.0, gt=0)  # per model replica
+    max_ongoing_requests: int = pydantic.Field(64, ge=1)  # per replica; one step runs at a time regardless
+    app_name: str = "ardiff"
+
+    @pydantic.model_validator(mode="after")
+    def _check(self) -> RayConfig:
+        if (self.min_replicas is None) != (self.max_replicas is None):
+            raise ValueError("set both min_replicas and max_replicas (autoscaling) or neither")
+        if self.min_replicas is not None and self.max_replicas < max(1, self.min_replicas):
+            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas}) and >= 1")
+        if self.min_replicas is not None and self.num_replicas is not None:
+            raise ValueError("num_replicas and min/max_replicas exclude each other")
+        return self
+
 
 class AppConfig(_Section):
     server: ServerConfig = ServerConfig()
     engine: EngineConfig = EngineConfig()
     policy: dict[str, Any]
+    ray: RayConfig = RayConfig()
     plugins: list[str] = []
     source: str = "<defaults>"  # where it was loaded from, for messages
+
+    def public(self) -> dict[str, Any]:
+        """The effective config without secrets (``GET /info``)."""
+        data = self.model_dump(mode="json")
+        data["server"]["api_keys"] = f"<{len(self.server.api_keys)} key(s)>"
+        return data
 
     @property
     def policy_name(self) -> str:
@@ -154,6 +227,45 @@ def validate_config(raw: dict[str, Any], source: str = "<config>") -> AppConfig:
     except pydantic.ValidationError as exc:
         raise ConfigError(_describe(source, exc, prefix="policy")) from None
     return config
+
+
+def preflight(config: AppConfig) -> None:
+    """What would make every worker fail, checked before any is spawned (no torch needed):
+    devices that are not there, and the policy's own files (checkpoint, tokenizer). Raises
+    ConfigError with one line naming the problem and the fix."""
+    try:
+        device_lists = config.engine.replica_device_lists()
+    except ValueError as exc:
+        raise ConfigError(f"{config.source}: {exc}") from None
+    wanted = sorted({d for devices in device_lists for d in devices if d.startswith("cuda")})
+    if wanted:
+        count = cuda_device_count()
+        for device in wanted:
+            index = int(device.partition(":")[2] or 0)
+            if index >= count:
+                have = f"{count} CUDA device(s)" if count else "no CUDA device"
+                raise ConfigError(
+                    f"{config.source}: engine device {device}: this machine has {have}; "
+                    "serve the CPU default (--config tiny) or --set engine.device=cpu"
+                )
+    check = getattr(config.policy_options(), "preflight", None)
+    if check is not None:
+        try:
+            check()
+        except ValueError as exc:
+            raise ConfigError(f"{config.source}: {exc}") from None
+
+
+def cuda_device_count() -> int:
+    """CUDA devices visible to this process, from the driver library (no torch, no context)."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
 
 
 def _describe(source: str, exc: pydantic.ValidationError, prefix: str = "") -> str:

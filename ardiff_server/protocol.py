@@ -18,10 +18,10 @@ produces, but treats the frame as untrusted input:
    second line of defence), and the object hook turns array/scalar marker maps into numpy
    values after validating dtype, shape and data length. Nothing is ever unpickled.
 
-Decoded arrays are *owned, writable, aligned, C-contiguous copies*: openpi returns
-read-only arrays aliasing the decoded ``bytes``; copying costs one memcpy per array (about
-0.1 ms for a 180x320 RGB frame) and means policies may modify their inputs in place and
-never hold a view into a wire buffer.
+By default decoded arrays are *owned, writable, aligned, C-contiguous copies*. The server
+decodes with ``copy=False`` instead: read-only C-contiguous views of the (immutable) frame
+``bytes``, as openpi returns them, because it copies each camera array exactly once anyway -
+into shared memory for the worker (``engine/shm.py``).
 
 Every failure raises :class:`ProtocolError` with a one-line message.
 """
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -55,7 +56,10 @@ _WIRE_DTYPES: dict[str, np.dtype] = {
     prefix + code: np.dtype(prefix + code) for code in _ALLOWED_CODES for prefix in "<|="
 }
 _ALLOWED_DTYPES = frozenset(_WIRE_DTYPES.values())
-_ALLOWED_DTYPE_NAMES = "bool, int8..int64, uint8..uint64, float16/32/64"
+_ALLOWED_DTYPE_NAMES = "bool, int8..int64, uint8..uint64, float16/32/64, fixed-width strings U<n>/S<n>"
+# Fixed-width strings (a session id sent as ``np.array(["ep-1"])``): "<U12", "|S12"; n is bounded
+# and parsed here, so np.dtype never sees an untrusted string.
+_STRING_DTYPE = re.compile(r"(?:[<=](U)|\|(S))([1-9][0-9]{0,3})")
 
 
 class ProtocolError(ValueError):
@@ -69,8 +73,9 @@ class DecodeLimits:
     The defaults admit any RoboArena / DROID request (a few cameras with frame stacks of
     a few MiB, short strings, a handful of keys) with a wide margin while bounding what a
     hostile frame can cost: about twice ``max_message_bytes`` for array data (msgpack's
-    bin copy, then ours) plus ``max_items`` small Python objects (~16 MiB), and a
-    structure scan of at most ``max_items`` headers (~0.1 s).
+    bin copy, then ours) plus ``max_items`` small Python objects, and a structure scan of at
+    most ``max_items`` headers (~0.3 us each: a pathological frame of tiny objects is refused
+    within ~0.3 ms at the default, instead of stalling the event loop for every robot).
     """
 
     max_message_bytes: int = 64 * _MiB  # whole frame; matches the websocket frame bound (DESIGN §3)
@@ -80,7 +85,7 @@ class DecodeLimits:
     max_map_len: int = 4096  # entries in one map
     max_list_len: int = 65536  # elements in one list
     max_str_len: int = 1 * _MiB  # bytes of one UTF-8 string
-    max_items: int = 1 << 18  # list elements + map keys/values in the whole frame
+    max_items: int = 1024  # list elements + map keys/values in the whole frame (a DROID request has < 100)
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -138,10 +143,11 @@ def _check_encodable_dtype(dtype: np.dtype, what: str) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def unpack(data: bytes | bytearray | memoryview, limits: DecodeLimits = DecodeLimits()) -> Any:
+def unpack(data: bytes | bytearray | memoryview, limits: DecodeLimits = DecodeLimits(), *, copy: bool = True) -> Any:
     """Decode one frame produced by openpi's ``packb`` (or ``pack``) into Python/numpy values.
 
     ``limits`` defaults to one shared ``DecodeLimits()``; it is frozen, so sharing is safe.
+    ``copy=False``: arrays are read-only views of the frame instead of owned copies.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"expected a binary frame (bytes), got {type(data).__name__}")
@@ -155,7 +161,7 @@ def unpack(data: bytes | bytearray | memoryview, limits: DecodeLimits = DecodeLi
     try:
         return msgpack.unpackb(
             data,
-            object_hook=functools.partial(_decode_marker_map, limits=limits),
+            object_hook=functools.partial(_decode_marker_map, limits=limits, copy=copy),
             ext_hook=_refuse_ext,
             raw=False,
             use_list=True,
@@ -291,16 +297,16 @@ def _check_container(kind: str, length: int, count: int, pos: int, end: int, dep
         )
 
 
-def _decode_marker_map(obj: dict[Any, Any], limits: DecodeLimits) -> Any:
+def _decode_marker_map(obj: dict[Any, Any], limits: DecodeLimits, copy: bool = True) -> Any:
     """msgpack ``object_hook``: openpi's array/scalar marker maps -> numpy; others unchanged."""
     if b"__ndarray__" in obj:
-        return _decode_ndarray(obj, limits)
+        return _decode_ndarray(obj, limits, copy)
     if b"__npgeneric__" in obj:
         return _decode_npgeneric(obj)
     return obj
 
 
-def _decode_ndarray(obj: dict[Any, Any], limits: DecodeLimits) -> np.ndarray:
+def _decode_ndarray(obj: dict[Any, Any], limits: DecodeLimits, copy: bool = True) -> np.ndarray:
     _check_marker_keys(obj, _NDARRAY_KEYS, "__ndarray__")
     dtype = _wire_dtype(obj[b"dtype"], "array")
     shape = _wire_shape(obj[b"shape"], limits)
@@ -317,14 +323,20 @@ def _decode_ndarray(obj: dict[Any, Any], limits: DecodeLimits) -> np.ndarray:
         raise ProtocolError(f"array of shape {shape} and dtype {dtype.str} needs {nbytes} data bytes, got {len(data)}")
     if dtype.kind == "b" and nbytes and np.frombuffer(data, dtype=np.uint8).max() > 1:
         raise ProtocolError("bool array data must hold only 0 and 1 bytes")
-    # An owned, writable, aligned copy (see module docstring).
-    return np.frombuffer(data, dtype=dtype).reshape(shape).copy(order="C")
+    array = np.frombuffer(data, dtype=dtype).reshape(shape)  # read-only: data is bytes
+    # An owned, writable, aligned copy unless asked for views (see module docstring).
+    return array.copy(order="C") if copy else array
 
 
 def _decode_npgeneric(obj: dict[Any, Any]) -> np.generic:
     _check_marker_keys(obj, _NPGENERIC_KEYS, "__npgeneric__")
     dtype = _wire_dtype(obj[b"dtype"], "numpy scalar")
     value = obj[b"data"]
+    if dtype.kind in "US":
+        wanted = str if dtype.kind == "U" else bytes
+        if type(value) is not wanted or len(value) > dtype.itemsize // (4 if dtype.kind == "U" else 1):
+            raise ProtocolError(f"numpy scalar of dtype {dtype.str} needs a {wanted.__name__} that fits it")
+        return dtype.type(value)
     if dtype.kind == "b":
         if type(value) is not bool:
             raise ProtocolError(f"numpy scalar of dtype {dtype.str} needs a bool, got {type(value).__name__}")
@@ -357,6 +369,9 @@ def _wire_dtype(value: Any, what: str) -> np.dtype:
     if not isinstance(value, str):
         raise ProtocolError(f"{what} dtype must be a string like '<f4', got {type(value).__name__}")
     dtype = _WIRE_DTYPES.get(value)
+    string = _STRING_DTYPE.fullmatch(value) if dtype is None else None
+    if string is not None:
+        dtype = np.dtype(f"<U{int(string[3])}" if string[1] else f"|S{int(string[3])}")
     if dtype is None:
         expected = f"{_ALLOWED_DTYPE_NAMES} as numpy dtype.str, e.g. '<f4' or '|u1'"
         raise ProtocolError(f"{what} dtype {_short_repr(value)} is not allowed: expected one of {expected}")

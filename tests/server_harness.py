@@ -69,15 +69,13 @@ class ServerProcess:
             return exc.code, exc.read().decode()
 
     def metric(self, name: str) -> float:
-        _, text = self.http("/metrics")
-        for line in text.splitlines():
-            if line.rsplit(" ", 1)[0] == name:
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
+        """A metric's value: ``name`` may carry a subset of its labels (``x{rank="0"}``); the values
+        of every series that has them are summed (e.g. over replicas). KeyError if none."""
+        return metric_value(self.http("/metrics")[1], name)
 
     def worker_pids(self) -> list[int]:
         for line in reversed(self.lines):
-            match = re.search(r"worker ready in .* \(pids \[([\d, ]+)\]\)", line)
+            match = re.search(r"worker ready in .* \(pids \[([\d, ]+)\]", line)
             if match:
                 return [int(p) for p in match.group(1).split(",")]
         raise RuntimeError("no worker pid in the log")
@@ -104,6 +102,22 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def metric_value(text: str, name: str) -> float:
+    base, _, labels = name.partition("{")
+    wanted = set(re.findall(r'(\w+)="([^"]*)"', labels))
+    values = []
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        series, value = line.rsplit(" ", 1)
+        series_name, _, series_labels = series.partition("{")
+        if series_name == base and wanted <= set(re.findall(r'(\w+)="([^"]*)"', series_labels)):
+            values.append(float(value))
+    if not values:
+        raise KeyError(name)
+    return sum(values)
 
 
 def droid_observation(

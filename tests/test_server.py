@@ -37,7 +37,10 @@ def infer(ws, obs: dict) -> dict | str:
 def test_openpi_client_metadata_infer_reset_and_session_switch(server):
     client = WebsocketClientPolicy(host="127.0.0.1", port=server.port)
     meta = client.get_server_metadata()
-    assert meta["needs_session_id"] is True and meta["image_resolution"] == [180, 320] and meta["model"] == "fake"
+    assert meta == {
+        "image_resolution": [180, 320], "needs_wrist_camera": True, "n_external_cameras": 2,
+        "needs_stereo_camera": False, "needs_session_id": True, "action_space": "joint_position",
+    }  # fmt: skip
 
     first = client.infer(droid_observation(session_id="ep1-A", joint0=0.5))
     assert first["actions"].dtype == np.float32 and first["actions"].shape == (4, 8)
@@ -51,9 +54,9 @@ def test_openpi_client_metadata_infer_reset_and_session_switch(server):
     assert client.infer(droid_observation(session_id="ep1-A", endpoint="reset"))["status"] == "reset successful"
     assert client.infer(droid_observation(session_id="ep1-A"))["actions"][0, 0] == 1.0  # fresh after reset
 
-    # RoboArena resets by switching session id: the previous session is released
+    # A new id is a fresh episode; switching back continues the earlier one (sessions are keyed by id)
     assert client.infer(droid_observation(session_id="ep2-A"))["actions"][0, 0] == 1.0
-    assert client.infer(droid_observation(session_id="ep1-A"))["actions"][0, 0] == 1.0
+    assert client.infer(droid_observation(session_id="ep1-A"))["actions"][0, 0] == 2.0
 
 
 def test_connections_without_session_ids_get_their_own_sessions(server):
@@ -74,7 +77,9 @@ def test_roboarena_style_client_episodes(server):
             for call in range(1, 4):
                 reply = infer(ws, droid_observation(1 if call == 1 else 4, session_id=session, one_indexed=True, endpoint="infer"))
                 assert reply["actions"][0, 0] == call and reply["actions"][0, 2] == session_tag(session)
-            assert infer(ws, {"endpoint": "reset", "session_id": session}) == {"status": "reset successful", "session_id": session}
+            assert infer(ws, {"endpoint": "reset", "session_id": session}) == {
+                "status": "reset successful", "session_ids": [session], "session_id": session,
+            }  # fmt: skip
 
 
 def test_policy_failure_is_an_error_frame_and_the_session_starts_over(server):

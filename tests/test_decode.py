@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openpi_client import msgpack_numpy as openpi
 
-from ardiff_server.observations import (
+from ardiff_server.decode import (
     MAX_FRAMES,
     MAX_IMAGE_SIDE,
     MAX_PROMPT_CHARS,
     MAX_SESSION_ID_CHARS,
-    ObservationError,
+    RequestError,
     PolicyRequest,
     decode_request,
 )
@@ -50,7 +50,7 @@ def droid_request(first: int = 0, **overrides: Any) -> dict[str, Any]:
 
 
 def rejected(payload: Any) -> str:
-    with pytest.raises(ObservationError) as info:
+    with pytest.raises(RequestError) as info:
         decode_request(payload)
     message = str(info.value)
     assert "\n" not in message and len(message) < 300
@@ -83,17 +83,20 @@ def test_zero_indexed_wins_and_its_unread_keys_are_ignored() -> None:
     assert observation.exterior_right[0, 0, 0, 0] == 2
 
 
+def test_a_request_without_any_observation_is_refused() -> None:
+    for payload in ({}, {"prompt": "hi"}, {"\x00" * 10: 0}, {"observation/joint_position": None}):
+        with pytest.raises(RequestError, match="no observation in the request"):
+            decode_request(payload)
+
+
 def test_missing_cameras_and_state_are_none() -> None:
-    request = decode_request({})
+    request = decode_request({GRIPPER: [0.5]})
     assert request == PolicyRequest(endpoint="infer", session_id=None, observation=request.observation)
     observation = request.observation
     assert observation is not None
     assert observation.cameras == {"wrist": None, "exterior_left": None, "exterior_right": None}
-    assert (
-        observation.joint_position is None
-        and observation.gripper_position is None
-        and observation.cartesian_position is None
-    )
+    assert observation.joint_position is None and observation.cartesian_position is None
+    assert observation.gripper_position.tolist() == [0.5]
     assert observation.prompt == ""
 
 
@@ -137,17 +140,17 @@ def test_any_image_size_is_accepted(height: int, width: int) -> None:
     assert observation is not None and observation.wrist.shape == (1, height, width, 3)  # type: ignore[union-attr]
 
 
-def test_images_are_owned_c_contiguous_and_not_views_of_caller_buffers() -> None:
+def test_images_are_c_contiguous_and_views_are_kept_when_they_already_are() -> None:
+    """The engine client copies every array once (into shared memory); decoding copies only
+    what is not C-contiguous, and read-only views of the frame stay views."""
     strided = np.zeros((4, 10, 3), np.uint8)[:, ::2]
     readonly = np.frombuffer(bytes(5 * 6 * 3), dtype=np.uint8).reshape(5, 6, 3)
     observation = decode_request({EXT.format(0): strided, EXT.format(1): readonly}).observation
     assert observation is not None
     for frames in (observation.exterior_left, observation.exterior_right):
-        assert frames is not None and frames.flags.c_contiguous and frames.flags.writeable
+        assert frames is not None and frames.flags.c_contiguous
     assert not np.shares_memory(observation.exterior_left, strided)
-    frames = observation.exterior_right
-    assert frames is not None
-    frames[0, 0, 0, 0] = 1  # writable: no longer the read-only buffer
+    assert np.shares_memory(observation.exterior_right, readonly)
 
 
 def test_decoded_wire_arrays_are_not_copied_twice() -> None:
@@ -197,8 +200,41 @@ def test_reset_needs_no_images_and_ignores_reset_info() -> None:
     assert decode_request({"endpoint": "reset"}) == PolicyRequest(endpoint="reset", session_id=None, observation=None)
     # RoboArena clients put arbitrary reset info next to the endpoint; it is no observation.
     decoded = decode_request({"endpoint": "reset", "session_id": "uuid-A", WRIST: "not an image", "success": 1.0})
-    assert decoded == PolicyRequest(endpoint="reset", session_id="uuid-A", observation=None)
-    assert "session_id" in rejected({"endpoint": "reset", "session_id": 5})
+    assert decoded == PolicyRequest("reset", "uuid-A", None, reset_scope="named", session_ids=("uuid-A",))
+    assert "session_id" in rejected({"endpoint": "reset", "session_id": 5.5})
+
+
+def test_reset_forms() -> None:
+    """session_id, session_ids: [...] (exactly those), session_ids: None (every session of the
+    connection: IsaacLab-Arena), neither (the connection's current session: DreamZero's reset({}))."""
+    named = decode_request({"endpoint": "reset", "session_ids": ["a", np.int64(7), "a", " b "]})
+    assert (named.reset_scope, named.session_ids) == ("named", ("a", "7", "b"))
+    both = decode_request({"endpoint": "reset", "session_id": "x", "session_ids": ["y"]})
+    assert (both.reset_scope, both.session_ids) == ("named", ("x", "y"))
+    everything = decode_request({"endpoint": "reset", "session_ids": None})
+    assert (everything.reset_scope, everything.session_ids) == ("all", ())
+    current = decode_request({"endpoint": "reset"})
+    assert (current.reset_scope, current.session_ids) == ("current", ())
+    assert "session_ids: expected a list" in rejected({"endpoint": "reset", "session_ids": "a"})
+    assert "session_ids[1]: expected a non-empty string" in rejected({"endpoint": "reset", "session_ids": ["a", ""]})
+    assert "session_ids: expected at most" in rejected({"endpoint": "reset", "session_ids": ["a"] * 1000})
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["17", 17, np.int32(17), np.uint64(17), np.array([17]), np.array(17), np.array(["17"]), np.str_("17"),
+     b"17", np.bytes_(b"17"), [17], [" 17 "], np.array([b"17"])],
+)  # fmt: skip
+def test_session_ids_of_every_type_clients_send_are_one_session(value: Any) -> None:
+    assert decode_request({"session_id": value, GRIPPER: [0.0]}).session_id == "17"
+
+
+def test_session_ids_in_string_arrays_survive_the_wire() -> None:
+    """RoboArena's docs declare session_id: (1,); a client may send np.array(["<uuid>-A"])."""
+    frame = openpi.packb({"session_id": np.array(["c0ffee-A"]), GRIPPER: [0.0]})
+    assert decode_request(unpack(frame)).session_id == "c0ffee-A"
+    scalar = openpi.packb({"session_id": np.str_("c0ffee-B"), GRIPPER: [0.0]})
+    assert decode_request(unpack(scalar)).session_id == "c0ffee-B"
 
 
 def test_a_full_openpi_round_trip() -> None:
@@ -282,8 +318,14 @@ def test_bad_state_is_rejected_naming_the_key(key: str, value: Any, needle: str)
         ("prompt", ["pick"], "prompt: expected a string, got a list of 1"),
         ("prompt", b"pick", "prompt: expected a string, got bytes"),
         ("prompt", "x" * (MAX_PROMPT_CHARS + 1), f"prompt: expected at most {MAX_PROMPT_CHARS} characters"),
-        ("session_id", 42, "session_id: expected a string, got int"),
-        ("session_id", b"uuid", "session_id: expected a string, got bytes"),
+        ("session_id", 4.5, "session_id: expected a string or integer (or a 1-element array of one), got float"),
+        ("session_id", True, "session_id: expected a string or integer (or a 1-element array of one), got a bool"),
+        ("session_id", ["a", "b"], "session_id: expected a string or integer (or a 1-element array of one), got a list of 2"),
+        ("session_id", [["a"]], "session_id: expected a string or integer (or a 1-element array of one), got a nested list"),
+        ("session_id", {"id": 1}, "session_id: expected a string or integer (or a 1-element array of one), got dict"),
+        ("session_id", np.zeros((1, 1), np.int64), "got array of dtype int64 and shape (1, 1)"),
+        ("session_id", np.array([1.5]), "got float64"),
+        ("session_id", b"\xff\xfe", "session_id: bytes must be UTF-8"),
         ("session_id", "   ", "session_id: expected a non-empty string"),
         ("session_id", "", "session_id: expected a non-empty string"),
         (
@@ -319,7 +361,7 @@ def test_non_map_payloads_are_rejected(payload: Any, needle: str) -> None:
 
 def test_observation_error_is_a_protocol_error() -> None:
     # The server catches ProtocolError once for both codec and request errors.
-    assert issubclass(ObservationError, ProtocolError)
+    assert issubclass(RequestError, ProtocolError)
 
 
 # --- property tests --------------------------------------------------------------------------
@@ -402,8 +444,9 @@ def malformed_requests(draw: st.DrawFn) -> tuple[dict[str, Any], str]:
     else:
         value = draw(
             st.one_of(
-                st.integers(),
-                st.binary(max_size=4),
+                st.floats(),
+                st.booleans(),
+                st.binary(max_size=4).filter(_not_utf8),
                 st.just(""),
                 st.just(" \t"),
                 st.just("a\nb"),
@@ -414,11 +457,19 @@ def malformed_requests(draw: st.DrawFn) -> tuple[dict[str, Any], str]:
     return request, key
 
 
+def _not_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
 @settings(max_examples=300, deadline=None)
 @given(case=malformed_requests())
 def test_malformed_requests_raise_an_error_naming_the_key(case: tuple[dict[str, Any], str]) -> None:
     request, key = case
-    with pytest.raises(ObservationError) as info:
+    with pytest.raises(RequestError) as info:
         decode_request(request)
     assert str(info.value).startswith(f"{key}: ")
 

@@ -1,18 +1,24 @@
-"""Decode a RoboArena / DROID request dictionary into a typed :class:`PolicyRequest`.
+"""Where an observation is decoded: a RoboArena / DROID request dictionary -> :class:`PolicyRequest`.
 
 DESIGN §4 fixes the keys. The rules this module applies:
 
 - Unknown keys are ignored (clients send extras, e.g. ``_right`` stereo images); a known
-  key with a bad value is an :class:`ObservationError` naming the key, what was expected
+  key with a bad value is a :class:`RequestError` naming the key, what was expected
   and what arrived. A known key whose value is ``None`` (msgpack nil) counts as absent.
-- ``endpoint`` absent -> ``"infer"``. A ``"reset"`` request reads only ``session_id``:
-  its other keys are client reset info, never observations, and never fail a reset.
+- ``endpoint`` absent -> ``"infer"``. A ``"reset"`` request reads only ``session_id`` /
+  ``session_ids``: its other keys are client reset info, never observations, and never fail a
+  reset. ``session_ids: [...]`` names sessions, ``session_ids: None`` means every session the
+  connection used (IsaacLab-Arena sends both), neither means the connection's current one.
+- Session ids come as str, bytes, ints, numpy scalars or 1-element arrays (RoboArena's server
+  docs declare ``session_id: (1,)``) and are canonicalised to one string: ``17``,
+  ``np.int32(17)``, ``np.array([17])`` and ``"17"`` are the same session.
 - Exterior cameras come in two index conventions: ``_0_left`` present -> 0-indexed
   (``_0_left``, ``_1_left``); else ``_2_left`` present -> 1-indexed (``_1_left``,
   ``_2_left``); a lone ``_1_left`` is the first exterior camera.
 - Images are uint8 numpy arrays (H, W, 3) or frame stacks (T, H, W, 3), normalized to
-  (T, H, W, 3). Any size within :data:`MAX_IMAGE_SIDE` / :data:`MAX_FRAMES` is accepted:
-  policies resize, the declared resolution is a hint (DESIGN §4).
+  C-contiguous (T, H, W, 3) (views of the frame where possible: the engine client copies them
+  once, into shared memory). Any size within :data:`MAX_IMAGE_SIDE` / :data:`MAX_FRAMES` is
+  accepted: policies resize, the declared resolution is a hint (DESIGN §4).
 - State vectors are numeric arrays or msgpack lists, returned as finite float32 1-D arrays.
 """
 
@@ -32,8 +38,8 @@ __all__ = [
     "MAX_IMAGE_SIDE",
     "MAX_PROMPT_CHARS",
     "MAX_SESSION_ID_CHARS",
-    "ObservationError",
     "PolicyRequest",
+    "RequestError",
     "decode_request",
 ]
 
@@ -48,6 +54,8 @@ MAX_SESSION_ID_CHARS = 256
 ENDPOINT_KEY = "endpoint"
 PROMPT_KEY = "prompt"
 SESSION_ID_KEY = "session_id"
+SESSION_IDS_KEY = "session_ids"
+MAX_RESET_IDS = 256
 WRIST_IMAGE_KEY = "observation/wrist_image_left"
 # (key, length) of the proprioceptive state vectors, in RobotObservation field order.
 STATE_KEYS = {
@@ -61,7 +69,7 @@ def exterior_image_key(index: int) -> str:
     return f"observation/exterior_image_{index}_left"
 
 
-class ObservationError(ProtocolError):
+class RequestError(ProtocolError):
     """A request whose known keys hold bad values; the message names the key."""
 
 
@@ -70,24 +78,34 @@ class PolicyRequest:
     endpoint: Literal["infer", "reset"]
     session_id: str | None
     observation: RobotObservation | None  # None for reset
+    # reset only: "named" (session_id / session_ids), "all" (session_ids: None), "current" (neither)
+    reset_scope: Literal["named", "all", "current"] = "current"
+    session_ids: tuple[str, ...] = ()
 
 
 def decode_request(payload: Any) -> PolicyRequest:
     """Validate one decoded wire message and turn it into a typed request."""
     request = _require_request_map(payload)
     endpoint = _decode_endpoint(request.get(ENDPOINT_KEY))
-    session_id = _decode_session_id(request.get(SESSION_ID_KEY))
+    session_id = decode_session_id(request.get(SESSION_ID_KEY))
     if endpoint == "reset":
-        return PolicyRequest(endpoint="reset", session_id=session_id, observation=None)
+        named = (session_id,) if session_id else ()
+        if SESSION_IDS_KEY in request and request[SESSION_IDS_KEY] is None:
+            return PolicyRequest("reset", session_id, None, reset_scope="all", session_ids=named)
+        listed = _decode_session_ids(request.get(SESSION_IDS_KEY))
+        if listed is not None:
+            ids = tuple(dict.fromkeys((*named, *listed)))  # unique, in order
+            return PolicyRequest("reset", session_id, None, reset_scope="named", session_ids=ids)
+        return PolicyRequest("reset", session_id, None, reset_scope="named" if named else "current", session_ids=named)
     return PolicyRequest(endpoint="infer", session_id=session_id, observation=_decode_observation(request))
 
 
 def _require_request_map(payload: Any) -> dict[str, Any]:
     if not isinstance(payload, dict):
-        raise ObservationError(f"request must be a map of observation keys, got {_describe(payload)}")
+        raise RequestError(f"request must be a map of observation keys, got {_describe(payload)}")
     for key in payload:
         if not isinstance(key, str):
-            raise ObservationError(
+            raise RequestError(
                 f"request keys must be strings, got a key of type {type(key).__name__}: {_short_repr(key)}"
             )
     return payload
@@ -98,47 +116,92 @@ def _decode_endpoint(value: Any) -> Literal["infer", "reset"]:
         return "infer"  # plain openpi clients send no endpoint
     if isinstance(value, str) and value in ("infer", "reset"):
         return value  # type: ignore[return-value]
-    raise ObservationError(f"{ENDPOINT_KEY}: expected 'infer' or 'reset', got {_short_repr(value)}")
+    raise RequestError(f"{ENDPOINT_KEY}: expected 'infer' or 'reset', got {_short_repr(value)}")
 
 
-def _decode_session_id(value: Any) -> str | None:
+def decode_session_id(value: Any, key: str = SESSION_ID_KEY) -> str | None:
+    """One canonical string for a session id in any form clients send; None if absent."""
     if value is None:
         return None
+    expected = "a string or integer (or a 1-element array of one)"
+    if isinstance(value, list | tuple) or (isinstance(value, np.ndarray) and value.ndim > 0):
+        if len(value) != 1 or (isinstance(value, np.ndarray) and value.ndim != 1):
+            raise RequestError(f"{key}: expected {expected}, got {_describe(value)}")
+        value = _element(value, 0, key)
+        if isinstance(value, np.ndarray | list | tuple | dict):
+            raise RequestError(f"{key}: expected {expected}, got a nested {type(value).__name__}")
+    if isinstance(value, np.ndarray):  # 0-d
+        value = _element(value, (), key)
+    if isinstance(value, bool | np.bool_):
+        raise RequestError(f"{key}: expected {expected}, got a bool")
+    if isinstance(value, int | np.integer):
+        return str(int(value))
+    if isinstance(value, bytes | np.bytes_):
+        try:
+            value = bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError(f"{key}: bytes must be UTF-8, got {_short_repr(value)}") from None
+    if isinstance(value, np.str_):
+        value = str(value)
     if not isinstance(value, str):
-        raise ObservationError(f"{SESSION_ID_KEY}: expected a string, got {_describe(value)}")
+        raise RequestError(f"{key}: expected {expected}, got {_describe(value)}")
     session_id = value.strip()
     if not session_id:
-        raise ObservationError(f"{SESSION_ID_KEY}: expected a non-empty string, got {_short_repr(value)}")
+        raise RequestError(f"{key}: expected a non-empty string, got {_short_repr(value)}")
     if len(session_id) > MAX_SESSION_ID_CHARS:
-        raise ObservationError(
-            f"{SESSION_ID_KEY}: expected at most {MAX_SESSION_ID_CHARS} characters, got {len(session_id)}"
-        )
+        raise RequestError(f"{key}: expected at most {MAX_SESSION_ID_CHARS} characters, got {len(session_id)}")
     if not session_id.isprintable():
-        raise ObservationError(f"{SESSION_ID_KEY}: expected printable characters, got {_short_repr(session_id)}")
+        raise RequestError(f"{key}: expected printable characters, got {_short_repr(session_id)}")
     # Surrounding whitespace never distinguishes sessions; the stripped id is the session's.
     return session_id
+
+
+def _element(container: Any, index: Any, key: str) -> Any:
+    try:
+        return container[index]
+    except (ValueError, UnicodeError) as exc:  # e.g. a U-array holding an invalid code point
+        raise RequestError(f"{key}: unreadable value ({exc})") from None
+
+
+def _decode_session_ids(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, np.ndarray) and value.ndim == 1:
+        value = list(value)
+    if not isinstance(value, list | tuple):
+        raise RequestError(f"{SESSION_IDS_KEY}: expected a list of session ids or null, got {_describe(value)}")
+    if len(value) > MAX_RESET_IDS:
+        raise RequestError(f"{SESSION_IDS_KEY}: expected at most {MAX_RESET_IDS} ids, got {len(value)}")
+    ids = [decode_session_id(item, f"{SESSION_IDS_KEY}[{i}]") for i, item in enumerate(value)]
+    return [sid for sid in ids if sid is not None]
 
 
 def _decode_prompt(value: Any) -> str:
     if value is None:
         return ""
     if not isinstance(value, str):
-        raise ObservationError(f"{PROMPT_KEY}: expected a string, got {_describe(value)}")
+        raise RequestError(f"{PROMPT_KEY}: expected a string, got {_describe(value)}")
     if len(value) > MAX_PROMPT_CHARS:
-        raise ObservationError(f"{PROMPT_KEY}: expected at most {MAX_PROMPT_CHARS} characters, got {len(value)}")
+        raise RequestError(f"{PROMPT_KEY}: expected at most {MAX_PROMPT_CHARS} characters, got {len(value)}")
     return value  # unchanged: a changed prompt resets the session, so keep it exact
 
 
 def _decode_observation(request: dict[str, Any]) -> RobotObservation:
     left_key, right_key = _exterior_camera_keys(request)
     states = {field: _decode_state(key, request.get(key), length) for field, (key, length) in STATE_KEYS.items()}
-    return RobotObservation(
+    observation = RobotObservation(
         exterior_left=_decode_image(left_key, request.get(left_key)),
         exterior_right=_decode_image(right_key, request.get(right_key)) if right_key else None,
         wrist=_decode_image(WRIST_IMAGE_KEY, request.get(WRIST_IMAGE_KEY)),
         prompt=_decode_prompt(request.get(PROMPT_KEY)),
         **states,
     )
+    if not observation.arrays():  # a map of unrelated keys (or garbage that happens to be a map)
+        raise RequestError(
+            f"no observation in the request: expected images ({exterior_image_key(0)}, {WRIST_IMAGE_KEY}, ...) "
+            f"and/or state ({STATE_KEYS['joint_position'][0]}, ...), got keys {_short_repr(sorted(request)[:8])}"
+        )
+    return observation
 
 
 def _exterior_camera_keys(request: dict[str, Any]) -> tuple[str, str | None]:
@@ -157,24 +220,24 @@ def _decode_image(key: str, value: Any) -> np.ndarray | None:
         return None
     expected = "a uint8 RGB image array (H, W, 3) or frame stack (T, H, W, 3)"
     if not isinstance(value, np.ndarray):
-        raise ObservationError(
+        raise RequestError(
             f"{key}: expected {expected} (images must be numpy arrays, not lists), got {_describe(value)}"
         )
     if value.dtype != np.uint8:
-        raise ObservationError(f"{key}: expected {expected}, got dtype {value.dtype}")
+        raise RequestError(f"{key}: expected {expected}, got dtype {value.dtype}")
     if value.ndim not in (3, 4):
-        raise ObservationError(f"{key}: expected {expected}, got shape {value.shape}")
+        raise RequestError(f"{key}: expected {expected}, got shape {value.shape}")
     if value.shape[-1] != 3:
-        raise ObservationError(f"{key}: expected 3 color channels last (RGB), got shape {value.shape}")
+        raise RequestError(f"{key}: expected 3 color channels last (RGB), got shape {value.shape}")
     frames = value if value.ndim == 4 else value[np.newaxis]
     num_frames, height, width, _ = frames.shape
     if not 1 <= num_frames <= MAX_FRAMES:
-        raise ObservationError(f"{key}: expected 1 to {MAX_FRAMES} frames, got shape {value.shape}")
+        raise RequestError(f"{key}: expected 1 to {MAX_FRAMES} frames, got shape {value.shape}")
     if not (1 <= height <= MAX_IMAGE_SIDE and 1 <= width <= MAX_IMAGE_SIDE):
-        raise ObservationError(
+        raise RequestError(
             f"{key}: expected height and width of 1 to {MAX_IMAGE_SIDE} pixels, got shape {value.shape}"
         )
-    return _owned_c_contiguous(frames)
+    return frames if frames.flags.c_contiguous else np.ascontiguousarray(frames)
 
 
 def _decode_state(key: str, value: Any, length: int) -> np.ndarray | None:
@@ -186,24 +249,24 @@ def _decode_state(key: str, value: Any, length: int) -> np.ndarray | None:
         value = [value]
     if isinstance(value, (list, tuple)):
         if len(value) != length:
-            raise ObservationError(f"{key}: expected {expected}, got a list of {len(value)}")
+            raise RequestError(f"{key}: expected {expected}, got a list of {len(value)}")
         value = np.array([_list_number(key, item, expected) for item in value], dtype=np.float64)
     if not isinstance(value, np.ndarray):
-        raise ObservationError(f"{key}: expected {expected}, got {_describe(value)}")
+        raise RequestError(f"{key}: expected {expected}, got {_describe(value)}")
     if value.dtype.kind not in "fiu":
-        raise ObservationError(f"{key}: expected {expected}, got array of dtype {value.dtype}")
+        raise RequestError(f"{key}: expected {expected}, got array of dtype {value.dtype}")
     if value.shape != (length,) and not (length == 1 and value.shape == ()):
-        raise ObservationError(f"{key}: expected {expected}, got shape {value.shape}")
+        raise RequestError(f"{key}: expected {expected}, got shape {value.shape}")
     with np.errstate(over="ignore"):  # beyond float32's range becomes inf, rejected below
         state = value.astype(np.float32).reshape(length)
     if not np.isfinite(state).all():
-        raise ObservationError(f"{key}: expected finite numbers, got {state.tolist()}")
+        raise RequestError(f"{key}: expected finite numbers, got {state.tolist()}")
     return state
 
 
 def _list_number(key: str, item: Any, expected: str) -> float:
     if not _is_number(item):
-        raise ObservationError(f"{key}: expected {expected}, got a list containing {_describe(item)}")
+        raise RequestError(f"{key}: expected {expected}, got a list containing {_describe(item)}")
     try:
         return float(item)
     except OverflowError:  # an int beyond float64; the finiteness check rejects it
@@ -213,18 +276,6 @@ def _list_number(key: str, item: Any, expected: str) -> float:
 def _is_number(value: Any) -> bool:
     # bool is an int subclass but no joint reading (np.bool_ is no np.integer either).
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-
-
-def _owned_c_contiguous(array: np.ndarray) -> np.ndarray:
-    """``array`` itself if it (or the array it views) owns writable C-contiguous memory, else a copy.
-
-    ``protocol.unpack`` already returns owned copies, so the server path never copies twice;
-    read-only buffers (e.g. openpi's ``np.ndarray(buffer=...)``) and strided views are copied.
-    """
-    base = array if array.base is None else array.base
-    if array.flags.c_contiguous and array.flags.writeable and isinstance(base, np.ndarray) and base.flags.owndata:
-        return array
-    return np.array(array, order="C", copy=True)
 
 
 def _describe(value: Any) -> str:

@@ -1,0 +1,173 @@
+"""Typed messages between the front end and an engine (they cross a process boundary).
+
+Requests go to the engine; every request carries a ``request_id`` and gets exactly one reply
+with the same id. ``Started`` is not a reply: the engine sends it when it begins a step, which
+is what the front end's progress watchdog and a request's compute timeout are measured from.
+
+Control requests (:class:`Release`, :class:`Detach`, :class:`GetStats`) are served between steps
+ahead of queued :class:`Infer` requests: a reset never waits behind other robots' inference.
+
+Observation arrays may travel through shared memory (``shm.py``): then the observation's array
+fields hold :class:`shm.SharedArray` references instead of numpy arrays. Nothing here is ever
+sent over the websocket (that is ``protocol.py``), so pickling these between our own processes
+is fine.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from policies.info import PolicyInfo
+from policies.observation import RobotObservation
+
+
+class ErrorKind(enum.Enum):
+    BAD_REQUEST = "bad_request"  # the observation does not suit the policy; the session is untouched
+    CAPACITY = "capacity"  # no session slot or KV page can be freed for a new session
+    POLICY = "policy_error"  # the step raised; the session was torn down
+    TIMEOUT = "timeout"  # the step ran past the step timeout; the worker was restarted
+    WORKER_DIED = "worker_died"  # the worker process died mid-request; it is being restarted
+    UNAVAILABLE = "unavailable"  # shutting down, or no worker could be started
+
+
+class EngineError(RuntimeError):
+    """A request the engine could not serve; ``kind`` says how the server answers it."""
+
+    def __init__(self, kind: ErrorKind, message: str, traceback: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.traceback = traceback
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """One rank's engine state, refreshed with every reply (``/metrics``)."""
+
+    rank: int = 0
+    sessions: int = 0
+    sessions_attached: int = 0
+    steps: int = 0
+    failures: int = 0
+    removals: dict[str, int] = field(default_factory=dict)  # reason -> sessions ended that way
+    kv_pages_total: int = 0
+    kv_pages_free: int = 0
+
+
+# -------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True, slots=True)
+class Infer:
+    request_id: int
+    session_id: str
+    observation: RobotObservation
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """End a session (reset, TTL expiry): its KV pages go back to the pool."""
+
+    request_id: int
+    session_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Detach:
+    """No connection is on this session right now: evict it before others under pressure."""
+
+    request_id: int
+    session_id: str
+    why: Literal["switched", "disconnected"]
+
+
+@dataclass(frozen=True, slots=True)
+class GetStats:
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    request_id: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """Liveness: answered by the worker's reader thread at once, even mid-step (not a progress signal)."""
+
+    request_id: int
+
+
+Request = Infer | Release | Detach | GetStats | Shutdown
+CONTROL = (Release, Detach, GetStats, Shutdown)
+
+
+# ---------------------------------------------------------------------------- replies
+
+
+@dataclass(frozen=True, slots=True)
+class InferReply:
+    request_id: int
+    session_id: str
+    actions: np.ndarray  # (horizon, action_dim) float32
+    timing_ms: dict[str, float]  # per phase (the reply's policy_timing)
+    info: dict[str, Any]  # policy's per-call facts, e.g. dit_forwards
+    new_session: bool
+    calls: int
+    compute_ms: float
+    stats: tuple[EngineStats, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ControlReply:
+    request_id: int
+    done: bool = True  # Release: whether the session existed
+    stats: tuple[EngineStats, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    request_id: int
+    kind: ErrorKind
+    message: str
+    traceback: str | None = None
+    stats: tuple[EngineStats, ...] = ()
+
+    def error(self) -> EngineError:
+        return EngineError(self.kind, self.message, self.traceback)
+
+
+Reply = InferReply | ControlReply | ErrorReply
+
+
+# ------------------------------------------------------------ worker life (process only)
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    info: PolicyInfo
+    stats: tuple[EngineStats, ...]
+    warmup_ms: dict[str, float]
+    startup_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class StartFailed:
+    error: str
+    traceback: str
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """The engine began the step of this request (progress, and the start of its timeout)."""
+
+    request_id: int

@@ -1,0 +1,264 @@
+"""The OpenPI policy service, independent of the transport.
+
+One code path for the protocol and the session rules, shared by the websockets server
+(``server.py``) and the Ray Serve ingress (``ray_serve.py``); only the transport differs.
+
+Per connection: one binary metadata frame (exactly RoboArena's ``PolicyServerConfig``), then
+strictly one binary request frame -> one reply frame. A bad request gets a one-line text frame
+naming the problem and the connection stays open with the session untouched; an internal
+failure gets a text frame too (tracebacks only with ``--debug``) and the failed session is torn
+down by the engine. HTTP: ``GET /healthz`` (no key needed), ``/metrics`` and ``/info``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ardiff_server import __version__
+from ardiff_server.auth import ApiKeys, Unauthorized
+from ardiff_server.config import AppConfig
+from ardiff_server.decode import PolicyRequest, decode_request
+from ardiff_server.engine.client import EngineClient
+from ardiff_server.engine.messages import EngineError, ErrorKind, InferReply
+from ardiff_server.metrics import Metrics
+from ardiff_server.protocol import DecodeLimits, ProtocolError, pack, unpack
+from ardiff_server.sessions import Connection, SessionForbidden, SessionTable
+
+logger = logging.getLogger(__name__)
+
+WEBSOCKET_PATHS = ("/", "/v1/realtime/robot/openpi")  # openpi/RoboArena/DreamZero; vLLM-Omni's example client
+DECODE_IN_THREAD_BYTES = 4 * 2**20  # larger frames are decoded off the event loop
+
+
+class Transport(Protocol):
+    """One client connection as the service needs it."""
+
+    async def send(self, frame: bytes | str) -> None: ...
+
+    async def recv(self) -> bytes | str: ...  # raises TransportClosed when the client is gone
+
+    async def close(self, code: int, reason: str) -> None: ...
+
+
+class TransportClosed(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class HttpResponse:
+    status: int
+    body: bytes
+    content_type: str = "text/plain; charset=utf-8"
+
+
+@dataclass(frozen=True)
+class Accept:
+    """A websocket handshake to accept, authenticated as ``key`` (None without API keys)."""
+
+    key: str | None
+
+
+class PolicyService:
+    def __init__(self, config: AppConfig, engine: EngineClient, *, metrics: Metrics | None = None) -> None:
+        self.config = config
+        self.engine = engine
+        self.metrics = metrics or Metrics(engine)
+        self.keys = ApiKeys(config.server.api_keys)
+        self.sessions = SessionTable(engine, ttl_s=config.server.session_ttl_s)
+        self.limits = DecodeLimits(
+            max_message_bytes=config.server.max_frame_bytes,
+            max_array_bytes=config.server.max_frame_bytes,
+            max_items=config.server.max_frame_items,
+        )
+        self.started = time.time()
+        self.connections = 0
+
+    # -- HTTP ---------------------------------------------------------------------------
+
+    def authenticate(self, authorization: Sequence[str], remote: str) -> str | None:
+        """The key id of a handshake, or raises Unauthorized (logged once, no traceback)."""
+        try:
+            return self.keys.check(authorization)
+        except Unauthorized as exc:
+            logger.warning("refused %s: %s", remote, exc)
+            raise
+
+    def http(self, path: str, authorization: Sequence[str], remote: str) -> HttpResponse | Accept:
+        """The answer to a plain HTTP request, or :class:`Accept` for a websocket handshake."""
+        path = path.split("?", 1)[0]
+        if path == "/healthz":
+            state = self.engine.state
+            if state == "ready":
+                return HttpResponse(200, b"OK\n")
+            detail = "; ".join(f"replica {r.index}: {r.state}" for r in self.engine.replicas())
+            return HttpResponse(503, f"unavailable ({state}): {detail}\n".encode())
+        if path not in (*WEBSOCKET_PATHS, "/metrics", "/info"):
+            return HttpResponse(404, f"not found: {path[:100]} (websocket on {', '.join(WEBSOCKET_PATHS)})\n".encode())
+        try:
+            key = self.authenticate(authorization, remote)
+        except Unauthorized:
+            return HttpResponse(401, b"missing or invalid API key (Authorization: Api-Key <key> or Bearer <key>)\n")
+        if path == "/metrics":
+            return HttpResponse(200, self.metrics.render(), self.metrics.content_type)
+        if path == "/info":
+            return HttpResponse(200, json.dumps(self.describe(), indent=2).encode() + b"\n", "application/json")
+        if self.connections >= self.config.server.max_connections:
+            return HttpResponse(503, b"too many connections\n")
+        return Accept(key)
+
+    def describe(self) -> dict[str, Any]:
+        """``GET /info``: everything about this server a client or operator may want."""
+        info = self.engine.info
+        return {
+            "server": {"name": "ardiff-server", "version": __version__, "uptime_s": round(time.time() - self.started, 1)},
+            "websocket_paths": list(WEBSOCKET_PATHS),
+            "policy": info.describe() if info is not None else None,
+            "replicas": [
+                {
+                    "index": r.index, "devices": r.devices, "state": r.state, "pids": r.pids, "restarts": r.restarts,
+                    "sessions": r.stats[0].sessions if r.stats else 0, "sessions_placed": r.sessions_placed,
+                    "kv_pages_free": [s.kv_pages_free for s in r.stats], "kv_pages_total": [s.kv_pages_total for s in r.stats],
+                }  # fmt: skip
+                for r in self.engine.replicas()
+            ],
+            "config": self.config.public(),
+        }
+
+    # -- websocket ------------------------------------------------------------------------
+
+    async def serve_connection(self, transport: Transport, *, key: str | None, remote: str) -> None:
+        conn = self.sessions.connect(remote=remote, key=key)
+        self.connections += 1
+        self.metrics.connections.set(self.connections)
+        logger.info("connection %d from %s", conn.conn_id, remote)
+        idle = self.config.server.idle_timeout_s
+        try:
+            await transport.send(pack(self.engine.info.server_config))
+            prev_total_ms: float | None = None
+            while True:
+                try:
+                    frame = await asyncio.wait_for(transport.recv(), idle)
+                except TimeoutError:
+                    logger.info("connection %d: closing after %.0f s without a request", conn.conn_id, idle)
+                    self.metrics.closed.labels("idle").inc()
+                    await transport.close(1000, f"idle for {idle:.0f} s without a request (server.idle_timeout_s)")
+                    break
+                started = time.perf_counter()
+                reply = await self.serve_frame(conn, frame, prev_total_ms, started)
+                await transport.send(reply)
+                if isinstance(reply, bytes):
+                    prev_total_ms = (time.perf_counter() - started) * 1000.0
+        except TransportClosed:
+            pass
+        finally:
+            self.connections -= 1
+            self.metrics.connections.set(self.connections)
+            await self.sessions.disconnect(conn)
+            logger.info("connection %d closed after %d requests", conn.conn_id, conn.requests)
+
+    async def serve_frame(self, conn: Connection, frame: bytes | str, prev_total_ms: float | None, started: float) -> bytes | str:
+        """One request frame -> one reply frame (binary reply, or a one-line text error)."""
+        conn.requests += 1
+        if isinstance(frame, str):
+            self.metrics.requests.labels("bad_request").inc()
+            return "bad request: expected a binary msgpack frame, got a text frame"
+        try:
+            if len(frame) > DECODE_IN_THREAD_BYTES:  # big copies would stall every other robot
+                request = await asyncio.to_thread(self._decode, frame)
+            else:
+                request = self._decode(frame)
+        except ProtocolError as exc:
+            self.metrics.requests.labels("bad_request").inc()
+            logger.info("connection %d: bad request: %s", conn.conn_id, exc)
+            return f"bad request: {exc}"
+        try:
+            if request.endpoint == "reset":
+                return await self._reset(conn, request)
+            return await self._infer(conn, request, prev_total_ms, started)
+        except SessionForbidden as exc:
+            self.metrics.requests.labels("forbidden").inc()
+            logger.warning("connection %d: %s", conn.conn_id, exc)
+            return f"forbidden: {exc}"
+
+    def _decode(self, frame: bytes) -> PolicyRequest:
+        return decode_request(unpack(frame, self.limits, copy=False))
+
+    async def _reset(self, conn: Connection, request: PolicyRequest) -> bytes | str:
+        if request.reset_scope == "all":
+            ids = sorted({*self.sessions.used_by(conn), *request.session_ids})
+        elif request.reset_scope == "named":
+            ids = list(request.session_ids)
+        else:  # DreamZero's reset({}): the connection's current session
+            ids = [self.sessions.resolve(conn, None)]
+        try:
+            await self.sessions.reset(conn, ids)
+        except EngineError as exc:
+            return self._error_frame(exc, ", ".join(ids))
+        self.metrics.requests.labels("reset").inc()
+        reply: dict[str, Any] = {"status": "reset successful", "session_ids": ids}
+        if request.session_id is not None and ids == [request.session_id]:
+            reply["session_id"] = request.session_id
+        return pack(reply)
+
+    async def _infer(self, conn: Connection, request: PolicyRequest, prev_total_ms: float | None, started: float) -> bytes | str:
+        session_id = self.sessions.resolve(conn, request.session_id)
+        sent = time.perf_counter()
+        try:
+            reply = await self.sessions.infer(conn, session_id, request.observation)
+        except EngineError as exc:
+            return self._error_frame(exc, session_id)
+        now = time.perf_counter()
+        total_ms, round_trip_ms = (now - started) * 1000.0, (now - sent) * 1000.0
+        self.metrics.requests.labels("ok").inc()
+        self.metrics.infer_seconds.observe(reply.compute_ms / 1000.0)
+        self.metrics.request_seconds.observe(total_ms / 1000.0)
+        server_timing = {"infer_ms": reply.compute_ms, "queue_ms": max(0.0, round_trip_ms - reply.compute_ms)}
+        if prev_total_ms is not None:
+            server_timing["prev_total_ms"] = prev_total_ms
+        logger.info(
+            "session %s call %d: infer %.0f ms, queue %.0f ms, %s",
+            session_id, reply.calls, reply.compute_ms, server_timing["queue_ms"],
+            " ".join(f"{k}={v:.0f}" for k, v in reply.timing_ms.items()),
+        )  # fmt: skip
+        actions = np.asarray(reply.actions, dtype=np.float32)
+        if self.config.server.reply_format == "array":
+            return pack(actions)
+        return pack({
+            "actions": actions,
+            "server_timing": server_timing,
+            "policy_timing": reply.timing_ms,
+            "session": _session_info(session_id, reply),
+        })  # fmt: skip
+
+    def _error_frame(self, exc: EngineError, session_id: str) -> str:
+        self.metrics.requests.labels(exc.kind.value).inc()
+        if exc.kind is ErrorKind.BAD_REQUEST:
+            return f"bad request: {exc}"
+        if exc.kind is ErrorKind.CAPACITY:
+            return f"server at capacity: {exc}"
+        if exc.kind is ErrorKind.POLICY:
+            message = f"internal error: inference failed for session {session_id} ({exc}); the session was reset"
+        elif exc.kind is ErrorKind.WORKER_DIED:
+            message = f"internal error: {exc}; session {session_id} starts over on the next request"
+        else:
+            message = f"internal error: {exc}"
+        if self.config.server.debug and exc.traceback:
+            message += "\n" + exc.traceback
+        return message
+
+
+def _session_info(session_id: str, reply: InferReply) -> dict[str, Any]:
+    extra = {k: v for k, v in _jsonable(reply.info).items() if k not in ("id", "new", "calls")}
+    return {"id": session_id, "new": reply.new_session, "calls": reply.calls, **extra}
+
+
+def _jsonable(info: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in info.items() if isinstance(v, bool | int | float | str)}

@@ -33,6 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="require 'Authorization: Api-Key <key>' or 'Bearer <key>' (repeatable; visible in the "
                              f"process list: prefer --api-key-file or {ENV_VAR})")  # fmt: skip
     parser.add_argument("--api-key-file", help="file with one API key per line (# comments allowed)")
+    parser.add_argument("--record", metavar="DIR", help="record every session under DIR (rollout.mp4, actions.npz, ...; needs .[viz])")
     parser.add_argument("--ray", action="store_true", help="deploy on Ray Serve instead (pip install -e '.[ray]'; docs/deploy.md)")
     parser.add_argument("--ray-address", help="a running Ray cluster (e.g. auto or ray://head:10001); default: start a local one")
     parser.add_argument("--debug", action="store_true", help="tracebacks in error frames, debug logs")
@@ -52,6 +53,8 @@ def build_config(args: argparse.Namespace) -> AppConfig:
         overrides.append("server.debug=true")
     if args.ray_address:
         overrides.append(f"ray.address={args.ray_address}")
+    if args.record:
+        overrides.append(f"server.record_dir={args.record}")
     config = load_config(args.config, overrides)
     try:
         extra_keys = gather_api_keys(args.api_keys, args.api_key_file)
@@ -98,13 +101,7 @@ async def _serve(config: AppConfig) -> None:
     def on_signal() -> None:
         if stop.is_set():  # a second SIGTERM / Ctrl-C: do not wait for anything
             log.warning("second signal: exiting now")
-            for replica in server.engine.replicas():
-                for pid in replica.pids:
-                    if pid != os.getpid():
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
+            server.engine.kill_now()
             os._exit(1)
         stop.set()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -51,6 +52,8 @@ class ServerConfig(_Section):
     request_timeout_s: float = pydantic.Field(300.0, gt=0)  # one step's compute; past it the worker is restarted
     session_ttl_s: float = pydantic.Field(300.0, ge=0)  # a session nobody uses lives this long
     shutdown_grace_s: float = pydantic.Field(3.0, ge=0)  # SIGTERM: how long the worker may finish its step
+    record_dir: str | None = None  # per-session recordings (rollout.mp4, actions.npz, ...); needs the viz extra
+    record_max_gib: float = pydantic.Field(10.0, gt=0)  # oldest recordings are pruned past this
     debug: bool = False  # tracebacks in error frames
 
     @pydantic.field_validator("api_keys")
@@ -248,6 +251,14 @@ def preflight(config: AppConfig) -> None:
                     f"{config.source}: engine device {device}: this machine has {have}; "
                     "serve the CPU default (--config tiny) or --set engine.device=cpu"
                 )
+    if config.server.record_dir is not None:
+        missing = [name for name in ("av", "matplotlib", "PIL") if importlib.util.find_spec(name) is None]
+        if missing:
+            raise ConfigError(f"server.record_dir needs {', '.join(missing)}: pip install -e '.[viz]'")
+        try:
+            Path(config.server.record_dir).expanduser().mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"server.record_dir: cannot create {config.server.record_dir}: {exc.strerror}") from None
     check = getattr(config.policy_options(), "preflight", None)
     if check is not None:
         try:

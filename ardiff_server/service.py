@@ -256,8 +256,8 @@ class PolicyService:
 
 
 def _session_info(session_id: str, reply: InferReply) -> dict[str, Any]:
-    extra = {k: v for k, v in _jsonable(reply.info).items() if k not in ("id", "new", "calls")}
-    return {"id": session_id, "new": reply.new_session, "calls": reply.calls, **extra}
+    extra = {k: v for k, v in _jsonable(reply.info).items() if k not in ("id", "new", "calls", "replica")}
+    return {"id": session_id, "new": reply.new_session, "calls": reply.calls, "replica": reply.replica, **extra}
 
 
 def _jsonable(info: Mapping[str, Any]) -> dict[str, Any]:

@@ -32,6 +32,17 @@ class RuntimeOptions:
     compile: bool = False
     compile_backend: str = "inductor"  # torch.compile backend ("eager" checks graph capture only)
     cuda_graphs: bool = False
+    record: bool = False  # fill StepResult.recording (server.record_dir)
+
+
+@dataclass
+class ChunkRecording:
+    """What a step saw and imagined, for session recordings (only when RuntimeOptions.record)."""
+
+    canvas: np.ndarray  # (T, H, W, 3) uint8: the frames the model saw this call
+    predicted: Any  # the policy's prediction of the chunk; Policy.decode_prediction turns it into frames
+    raw_actions: np.ndarray  # (horizon, model action dim) before denormalization
+    state: np.ndarray  # (state dim,) the raw state the actions are relative to
 
 
 @dataclass
@@ -39,6 +50,7 @@ class StepResult:
     actions: np.ndarray  # (horizon, action_dim) float32
     timing_ms: dict[str, float]  # per phase, for the reply's policy_timing
     info: dict[str, Any] = field(default_factory=dict)  # e.g. DiT forwards run, window position
+    recording: ChunkRecording | None = None
 
 
 S = TypeVar("S")
@@ -81,6 +93,11 @@ class Policy(abc.ABC, Generic[S]):
     def warmup_observations(self) -> Iterator[RobotObservation]:
         """Synthetic observations that walk every shape a session goes through (engine warm-up)."""
         return iter(())
+
+    def decode_prediction(self, predicted: Any) -> np.ndarray | None:
+        """A recorded prediction as (T, H, W, 3) uint8 frames (None: the policy predicts no video).
+        Runs between requests, never inside a step."""
+        return None
 
 
 def register_policy(name: str, config_model: type[pydantic.BaseModel]) -> Callable:

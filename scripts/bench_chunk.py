@@ -48,13 +48,11 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
-
-from kv import CrossKV, DenseKVCache, PagedKVCache  # noqa: E402
-from policies.base import RuntimeOptions  # noqa: E402
-from policies.dreamzero.dit import CausalWanModel, DiTConfig  # noqa: E402
-from policies.dreamzero.policy import DreamZeroConfig, DreamZeroPolicy  # noqa: E402
-from policies.dreamzero.tiny import (  # noqa: E402
+from ardiff_server.config import validate_config
+from ardiff_server.engine.core import build_engine
+from kv import CrossKV, DenseKVCache
+from policies.dreamzero.dit import CausalWanModel, DiTConfig
+from policies.dreamzero.tiny import (
     TINY_DIT,
     TINY_IMAGE_ENCODER,
     TINY_TEXT_ENCODER,
@@ -63,7 +61,7 @@ from policies.dreamzero.tiny import (  # noqa: E402
     ensure_tiny_checkpoint,
     write_checkpoint,
 )
-from policies.observation import RobotObservation  # noqa: E402
+from policies.observation import RobotObservation
 from benchlib import ForeignLoad, contended
 
 PHASES = ("frames", "text", "vision", "vae", "prefill", "denoise", "decode")
@@ -256,19 +254,19 @@ class ConfigResult:
 
 def run_config(name: str, description: str, checkpoint: Path, view_size: tuple[int, int], calls: int,
                dtype: str, step_cache: str) -> ConfigResult:  # fmt: skip
-    options = RuntimeOptions(dtype=dtype)
-    policy = DreamZeroPolicy(
-        DreamZeroConfig(checkpoint=str(checkpoint), view_size=view_size, image_resolution=CAMERA, dit_step_cache=step_cache),
-        options,
-    )
-    spec = policy.kv_spec()
-    branches = policy.branches
-    cache = PagedKVCache(spec, num_pages=len(branches) * spec.pages_per_branch + 1, max_sessions=1, branches=branches)
-    session = policy.start_session("bench", cache.open_session("bench"))
-    result = ConfigResult(name, description, policy.dit_cfg, len(branches))
+    # The serving path: the engine build_engine() makes for a one-session config (the KV pool is
+    # raised to the one-session floor), driven request by request as the worker drives it.
+    config = validate_config({
+        "engine": {"dtype": dtype, "max_sessions": 1, "kv_budget_gib": 1e-6, "warmup": False},
+        "policy": {"name": "dreamzero", "checkpoint": str(checkpoint), "view_size": list(view_size),
+                   "image_resolution": list(CAMERA), "dit_step_cache": step_cache},
+    }, source=f"bench_chunk:{name}")  # fmt: skip
+    engine = build_engine(config)
+    policy = engine.policy
+    result = ConfigResult(name, description, policy.dit_config, len(policy.branches))
     for index, obs in enumerate(observations(calls)):
         start = time.perf_counter()
-        step = policy.step(session, obs)
+        step = engine.infer("bench", obs).result
         wall = (time.perf_counter() - start) * 1000.0
         info = step.info
         window_start = index == 0 or info["window_reset"] or info["session_reset"]
@@ -276,8 +274,7 @@ def run_config(name: str, description: str, checkpoint: Path, view_size: tuple[i
             f"{info['dit_forwards']} DiT steps)")  # fmt: skip
         if index > 0:  # the first call is a warm-up (first-time allocations, prompt encodes)
             result.records.append(CallRecord(window_start, dict(step.timing_ms), wall, info["dit_forwards"], info["current_start_frame"]))
-    session.kv.close()
-    policy.end_session(session)
+    engine.release("bench", "done")
     log(f"[{name}] FLOP count cross-check (FlopCounterMode)")
     result.flop_check = flop_counter_check(policy.dit, policy.dtype)
     return result

@@ -1,11 +1,20 @@
-"""Shared by the benchmarks: how much CPU other processes used while we measured."""
+"""Shared by the benchmarks: servers in subprocesses, DROID requests, and how much CPU other
+processes used while we measured."""
 
 from __future__ import annotations
 
 import os
 import resource
+import signal
+import subprocess
+import threading
 import time
+from collections import deque
 from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class ForeignLoad:
@@ -38,3 +47,66 @@ def contended(foreign_cores: float | None, threads: int) -> bool:
     """True when neighbours left fewer free cores than we run threads (with some slack)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return foreign_cores is not None and foreign_cores > max(0, cores - threads) + 0.2
+
+
+class ServerSubprocess:
+    """A server in a subprocess: started, awaited until it prints its port, stopped with SIGTERM."""
+
+    def __init__(self, name: str, argv: list[str]) -> None:
+        self.name = name
+        self.tail: deque[str] = deque(maxlen=50)
+        self.port: int | None = None
+        self._ready = threading.Event()
+        env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # Drain its output continuously: a full pipe would block the server's logging mid-run.
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.tail.append(line.rstrip("\n"))
+            if self.port is None and line.startswith("listening on ws://"):
+                self.port = int(line.split()[2].rsplit(":", 1)[1].rstrip(","))
+                self._ready.set()
+        self._ready.set()
+
+    def wait_ready(self, timeout: float = 120.0) -> ServerSubprocess:
+        if not self._ready.wait(timeout) or self.port is None:
+            self.stop()
+            raise RuntimeError(f"{self.name} server did not start:\n" + "\n".join(self.tail))
+        return self
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def __enter__(self) -> ServerSubprocess:
+        return self.wait_ready()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def droid_request(session_id: str, seed: int) -> dict:
+    """A DROID observation as RoboArena sends it (one frame per camera)."""
+    rng = np.random.default_rng(seed)
+    image = lambda: rng.integers(0, 256, (180, 320, 3), dtype=np.uint8)  # noqa: E731
+    return {
+        "observation/exterior_image_0_left": image(),
+        "observation/exterior_image_1_left": image(),
+        "observation/wrist_image_left": image(),
+        "observation/joint_position": rng.uniform(-1, 1, 7),
+        "observation/gripper_position": rng.uniform(0, 1, 1),
+        "prompt": "pick up the red cup and put it in the bowl",
+        "session_id": session_id,
+    }
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")

@@ -78,3 +78,95 @@ def test_cfg_parallel_on_two_gloo_ranks_equals_one_process(tmp_path):
     # each rank's pool holds one branch: 7 resident frames (1 + 2 + 2 + 2) per rank vs 14 in one process
     assert used == (7, 7) and single_used == 14
     assert re.search(r"\[worker 0\].*branches \['COND'\]", log) and re.search(r"\[worker 1\].*branches \['UNCOND'\]", log)
+
+
+# ----------------------------------------------------------- in-process server, tiny DreamZero
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    from tests.inproc_server import InprocServer
+
+    with InprocServer({"engine": {"warmup": False}, "policy": {"name": "dreamzero", "view_size": [48, 80]}}) as running:
+        yield running
+
+
+def test_isaaclab_interleaving_on_one_connection_equals_each_id_alone(tiny_server):
+    """Three environments' ids interleaved over one websocket for 5 rounds: every id's episode is
+    exactly what it is alone (the KV, frame buffer and window of each session are its own)."""
+    from websockets.sync.client import connect
+
+    from openpi_client import msgpack_numpy
+
+    def call(ws, obs):
+        ws.send(msgpack_numpy.packb(obs))
+        return msgpack_numpy.unpackb(ws.recv())
+
+    episodes = {f"env{i}": episode(40 + i, 5) for i in range(3)}
+    alone = {env: run(tiny_server.port, f"alone-{env}", obs) for env, obs in episodes.items()}
+    with connect(tiny_server.url, compression=None, max_size=None) as ws:
+        ws.recv()
+        together = {env: [] for env in episodes}
+        for round_ in range(5):
+            for env, obs in episodes.items():
+                together[env].append(call(ws, {**obs[round_], "session_id": f"mixed-{env}"}))
+        reply = call(ws, {"endpoint": "reset", "session_ids": ["mixed-env0", "mixed-env1"]})
+        assert reply["session_ids"] == ["mixed-env0", "mixed-env1"]
+        assert call(ws, {**episodes["env2"][0], "session_id": "mixed-env2"})["session"]["calls"] == 6
+    for env in episodes:
+        assert [r["session"]["calls"] for r in together[env]] == [1, 2, 3, 4, 5]
+        for a, b in zip(alone[env], together[env], strict=True):
+            np.testing.assert_array_equal(a["actions"], b["actions"])
+
+
+@pytest.mark.parametrize(
+    ("bad", "needle"),
+    [
+        ({"observation/wrist_image_left": np.zeros((1, 320, 3), np.uint8)}, "at least 2 pixels"),
+        ({"observation/wrist_image_left": np.zeros((4, 180, 320, 3), np.uint8)}, "differ in length"),
+    ],
+)
+def test_observations_dreamzero_cannot_take_are_bad_requests_and_cost_no_episode(tiny_server, bad, needle):
+    client = WebsocketClientPolicy(host="127.0.0.1", port=tiny_server.port)
+    session = f"robust-{needle[:5]}"
+    first = client.infer(droid_observation(session_id=session, size=SIZE))
+    assert first["session"]["calls"] == 1
+    with pytest.raises(RuntimeError, match=f"bad request: .*{needle}"):
+        client.infer({**droid_observation(session_id=session, size=(180, 320)), **bad})
+    second = client.infer(droid_observation(4, session_id=session, size=SIZE))
+    assert second["session"]["calls"] == 2 and not second["session"]["new"]  # the episode went on
+    client.infer({"endpoint": "reset", "session_id": session})
+
+
+def test_the_front_end_process_never_loads_torch(tmp_path):
+    with ServerProcess("tiny", tmp_path, args=["--set", "engine.warmup=false"]) as process:
+        maps = open(f"/proc/{process.proc.pid}/maps").read()
+        assert "libtorch" not in maps, "the front end mapped libtorch"
+        assert WebsocketClientPolicy(host="127.0.0.1", port=process.port).infer(droid_observation(size=SIZE))["actions"].shape == (24, 8)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        ([], "this machine has no CUDA device"),
+        (["--set", "engine.device=cpu", "--set", "engine.dtype=float32"], "policy.checkpoint: /models/DreamZero-DROID does not exist"),
+    ],
+)
+def test_dreamzero_droid_without_its_machine_fails_fast_with_one_line(tmp_path, overrides, needle):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.server_harness import REPO
+
+    if overrides == [] and os.path.exists("/dev/nvidiactl"):
+        pytest.skip("this machine has a CUDA device")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "ardiff_server", "--config", "dreamzero_droid", *overrides],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
+    elapsed = time.monotonic() - started
+    assert out.returncode == 2 and needle in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert elapsed < 2.0 + 1.0, f"{elapsed:.1f} s"  # the interpreter start included; < 2 s on an idle machine
+    print(f"failed in {elapsed:.2f} s: {out.stderr.strip()}")

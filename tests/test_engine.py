@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from ardiff_server.engine import SessionEngine
+from ardiff_server.engine.core import SessionEngine
 from kv import CapacityError
 from kv import PagedKVCache
 from policies.base import RuntimeOptions

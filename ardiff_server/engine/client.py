@@ -17,6 +17,7 @@ This module imports no torch: the front end process never loads it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
@@ -80,6 +81,9 @@ class EngineClient(Protocol):
     async def detach(self, session_id: str, why: Literal["switched", "disconnected"]) -> None: ...
 
     async def stop(self, grace_s: float = 3.0) -> None: ...
+
+    def kill_now(self) -> None:
+        """SIGKILL every engine process at once (a second Ctrl-C): no waiting, no cleanup."""
 
     def replicas(self) -> list[ReplicaStatus]: ...
 
@@ -154,6 +158,7 @@ class ProcessClient:
         self._ids = itertools.count()
         self._pending: dict[int, _Pending] = {}
         self._gen: _Generation | None = None
+        self._stopping_gen: _Generation | None = None  # the one stop() is waiting for
         self._arena: SharedArena | None = None
         self._ready = asyncio.Event()
         self._state: EngineState = "starting"
@@ -166,8 +171,9 @@ class ProcessClient:
 
     @property
     def state(self) -> EngineState:
-        if self._state == "ready" and time.monotonic() - self._last_pong > HEARTBEAT_TIMEOUT_S:
-            return "unresponsive"
+        silent = time.monotonic() - self._last_pong
+        if self._state == "ready" and silent > min(HEARTBEAT_TIMEOUT_S, max(self.step_timeout_s, 2 * HEARTBEAT_INTERVAL_S)):
+            return "unresponsive"  # not even the reader thread answers: stopped, or wedged holding the GIL
         return self._state
 
     @property
@@ -258,6 +264,7 @@ class ProcessClient:
         if self._watchdog is not None:
             self._watchdog.cancel()
         gen, self._gen = self._gen, None
+        self._stopping_gen = gen
         self._fail_all(EngineError(ErrorKind.UNAVAILABLE, "the server is shutting down"))
         if gen is not None:
             try:
@@ -276,6 +283,13 @@ class ProcessClient:
             self._arena.close()
             self._arena = None
 
+    def kill_now(self) -> None:
+        for gen in (self._gen, self._stopping_gen):
+            if gen is not None:
+                gen.kill()
+        if self._arena is not None:
+            self._arena.close()  # unlink: nothing else will
+
     # -- requests -----------------------------------------------------------------------
 
     async def infer(self, session_id: str, observation: RobotObservation) -> InferReply:
@@ -286,7 +300,8 @@ class ProcessClient:
             placed = self._arena.put(observation)
             if placed is not None:
                 observation, allocations = placed
-        return await self._call(gen, Infer(request_id, session_id, observation), allocations, infer=True)
+        reply = await self._call(gen, Infer(request_id, session_id, observation), allocations, infer=True)
+        return dataclasses.replace(reply, replica=self.replica)
 
     async def release(self, session_id: str, reason: str) -> None:
         await self._control(Release(next(self._ids), session_id, reason))
@@ -460,10 +475,12 @@ class ProcessClient:
                 self._declare_stuck(gen, f"the inference worker made no progress for {self.step_timeout_s:.0f} s; it was restarted")
 
     def _declare_stuck(self, gen: _Generation, message: str) -> None:
+        """Kill a stuck worker. The request it is stuck on (or, if none started, every waiting one)
+        gets ``message``; requests queued behind a running one learn that the worker restarted."""
         logger.error("replica %d: worker stuck (%s); killing pids %s", self.replica, message, gen.pids)
         self._state = "stuck"
         running = [rid for rid, p in self._pending.items() if p.started_at is not None]
-        for request_id in running:
+        for request_id in running or [rid for rid, p in self._pending.items() if p.infer]:
             self._settle(request_id, EngineError(ErrorKind.TIMEOUT, message))
         self._on_exit(gen)
 
@@ -540,8 +557,12 @@ class InprocClient:
                 future.exception()
         self._pending.clear()
 
+    def kill_now(self) -> None:
+        pass  # nothing to kill: the engine is this process
+
     async def infer(self, session_id: str, observation: RobotObservation) -> InferReply:
-        return await self._call(Infer(next(self._ids), session_id, observation))
+        reply = await self._call(Infer(next(self._ids), session_id, observation))
+        return dataclasses.replace(reply, replica=self.replica)
 
     async def release(self, session_id: str, reason: str) -> None:
         await self._call(Release(next(self._ids), session_id, reason))
@@ -562,8 +583,11 @@ class InprocClient:
 
     def _serve(self) -> None:
         while True:
+            if self._inbox.empty() and self.engine.idle_work():  # recording: only while no request waits
+                continue
             request = self._inbox.get()
             if isinstance(request, Shutdown):
+                self.engine.close()
                 return
             reply = self.engine.handle(request)
             self._loop.call_soon_threadsafe(self._resolve, reply)
@@ -628,6 +652,10 @@ class ReplicaSet:
 
     async def stop(self, grace_s: float = 3.0) -> None:
         await asyncio.gather(*(client.stop(grace_s) for client in self.clients))
+
+    def kill_now(self) -> None:
+        for client in self.clients:
+            client.kill_now()
 
     async def infer(self, session_id: str, observation: RobotObservation) -> InferReply:
         index = self._placement.get(session_id)

@@ -53,6 +53,7 @@ from policies.observation import RobotObservation, UnsupportedObservation
 logger = logging.getLogger(__name__)
 
 Status = Literal["active", "switched", "disconnected"]
+WARMUP_SESSION = "__warmup__"  # a synthetic session: never recorded
 # Eviction order: a robot that went away, then a session its robot switched away from, then the rest.
 _EVICTION_RANK: dict[str, int] = {"disconnected": 0, "switched": 1, "active": 2}
 
@@ -76,11 +77,12 @@ class StepOutcome:
 
 
 class SessionEngine:
-    def __init__(self, policy: Policy, cache: PagedKVCache | None, *, max_sessions: int, rank: int = 0) -> None:
+    def __init__(self, policy: Policy, cache: PagedKVCache | None, *, max_sessions: int, rank: int = 0, recorder=None) -> None:
         self.policy = policy
         self.cache = cache
         self.max_sessions = max_sessions
         self.rank = rank
+        self.recorder = recorder  # engine/recorder.py, when server.record_dir is set (rank 0)
         self.sessions: OrderedDict[str, EngineSession] = OrderedDict()
         self.removals: Counter[str] = Counter()  # reason -> count
         self.steps = 0
@@ -136,7 +138,30 @@ class SessionEngine:
             self._serving = None
         session.calls += 1
         self.steps += 1
-        return StepOutcome(result, session_id, new, session.calls, (time.perf_counter() - start) * 1000.0)
+        compute_ms = (time.perf_counter() - start) * 1000.0
+        if self.recorder is not None and result.recording is not None and session_id != WARMUP_SESSION:
+            self._record(session, observation, result, compute_ms)
+        return StepOutcome(result, session_id, new, session.calls, compute_ms)
+
+    def _record(self, session: EngineSession, observation: RobotObservation, result: StepResult, compute_ms: float) -> None:
+        from ardiff_server.engine.recorder import Chunk
+
+        rec = result.recording
+        self.recorder.add(session.session_id, Chunk(
+            call=session.calls, prompt=observation.prompt, canvas=rec.canvas, predicted=rec.predicted,
+            actions=result.actions, raw_actions=rec.raw_actions, state=rec.state, policy_timing=dict(result.timing_ms),
+            compute_ms=compute_ms, info=dict(result.info),
+        ))  # fmt: skip
+
+    def idle_work(self) -> bool:
+        """Background work between requests (recording); False when there is none."""
+        return self.recorder is not None and self.recorder.idle_work()
+
+    def close(self) -> None:
+        """End every session and finish background work (shutdown)."""
+        self.release_all("shutdown")
+        if self.recorder is not None:
+            self.recorder.close()
 
     def release(self, session_id: str, reason: str) -> bool:
         """End a session (explicit reset, disconnect TTL, ...). False if unknown."""
@@ -208,6 +233,8 @@ class SessionEngine:
                 session.kv.close()  # every page and cross-attention slot back to the pool
         if count:
             self.removals[reason] += 1
+        if self.recorder is not None and session_id != WARMUP_SESSION:
+            self.recorder.end(session_id, reason)
         logger.info("session %s ended (%s) after %d calls", session_id, reason, session.calls)
         return True
 
@@ -220,7 +247,7 @@ class SessionEngine:
         if not observations:
             return {}
         free_before = self.cache.pool.num_free if self.cache else 0
-        session_id = "__warmup__"
+        session_id = WARMUP_SESSION
         timings: dict[str, float] = {}
         try:
             for i, observation in enumerate(observations):
@@ -278,6 +305,10 @@ class RequestInbox:
                 self._ready.wait()
             return (self._control or self._infer).popleft()
 
+    def empty(self) -> bool:
+        with self._ready:
+            return not self._control and not self._infer
+
 
 # ------------------------------------------------------------------------------ building
 
@@ -301,6 +332,7 @@ def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> Se
         device=str(device), dtype=engine_config.dtype,
         guidance=Guidance.single() if world_size == 1 else Guidance.parallel(rank),
         compile=engine_config.compile, compile_backend=engine_config.compile_backend, cuda_graphs=engine_config.cuda_graphs,
+        record=config.server.record_dir is not None and rank == 0,
     )  # fmt: skip
     policy = build_policy(config.policy_name, config.policy_options(), options)
     spec = policy.kv_spec()
@@ -323,7 +355,12 @@ def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> Se
             cache.pool.capacity, spec.page_size, spec.page_bytes / 2**20, cache.session_capacity,
             [b.name for b in policy.branches], cache.storage_bytes / 2**20,
         )  # fmt: skip
-    return SessionEngine(policy, cache, max_sessions=engine_config.max_sessions, rank=rank)
+    recorder = None
+    if options.record:
+        from ardiff_server.engine.recorder import Recorder
+
+        recorder = Recorder(config.server.record_dir, max_bytes=int(config.server.record_max_gib * 2**30), decode=policy.decode_prediction)
+    return SessionEngine(policy, cache, max_sessions=engine_config.max_sessions, rank=rank, recorder=recorder)
 
 
 def set_threads(config, world_size: int) -> None:

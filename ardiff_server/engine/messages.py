@@ -120,6 +120,7 @@ class InferReply:
     calls: int
     compute_ms: float
     stats: tuple[EngineStats, ...] = ()
+    replica: int = 0  # which engine replica served it (set by the client that talked to it)
 
 
 @dataclass(frozen=True, slots=True)

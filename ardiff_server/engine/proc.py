@@ -99,7 +99,7 @@ def worker_main(
         else:
             _follow(engine, control, arena)
     finally:
-        engine.release_all("shutdown")
+        engine.close()
         if world_size > 1:
             dist.destroy_process_group()
 
@@ -129,6 +129,8 @@ def _serve(engine, channel: Channel, control, arena) -> None:
     inbox = RequestInbox()
     threading.Thread(target=_read_requests, args=(channel, inbox), name="ardiff-worker-inbox", daemon=True).start()
     while True:
+        if inbox.empty() and engine.idle_work():  # recording: only while no request waits
+            continue
         request = inbox.get()
         if control is not None:
             _broadcast(request, control)

@@ -1,0 +1,775 @@
+"""``ardiff-client`` / ``python -m ardiff_server.replay``: replay one episode against a policy server.
+
+It speaks the wire protocol of DESIGN §3 the way the clients in the wild do, so it can drive
+this server, openpi-style servers, DreamZero's own server and vLLM-Omni's (``--path
+/v1/realtime/robot/openpi``) alike, and report what a robot would see:
+
+1. connect (optional ``Authorization: Api-Key <key>``) and read the metadata frame, RoboArena's
+   ``PolicyServerConfig``: its ``image_resolution`` is the default frame size, its
+   ``n_external_cameras`` / ``needs_wrist_camera`` choose the cameras sent;
+2. one episode under a fresh ``session_id`` (a new id per episode is how RoboArena and
+   DreamZero's client start an episode): the first call sends one (H, W, 3) frame per
+   camera, each later call the next ``--frames-per-call`` frames as a (T, H, W, 3) stack
+   (DreamZero's client contract: T = 4), plus the joint and gripper state of a simulated
+   robot that follows the returned chunks (``--feedback``);
+3. ``{"endpoint": "reset", "session_id": ...}`` at the end; whatever comes back (a map, text,
+   nothing within 10 s) is reported, never treated as a failure;
+4. a latency table (round trip, the server's ``server_timing`` and ``policy_timing``), or one
+   JSON object with ``--json``; ``--record`` saves the arrays, ``--plot`` the trajectories.
+
+Frames come from ``--video-dir`` (DROID layout: ``exterior_image_1_left.mp4``,
+``exterior_image_2_left.mp4``, ``wrist_image_left.mp4``; .avi/.mkv/.mov/.webm, or a folder of
+PNG/JPEG frames per camera) or are synthetic: a smooth moving pattern per camera, the same
+for the same ``--seed``. Video frames are used in order, every ``--frame-stride``-th one,
+stretched to the frame size; when the shortest camera runs out the episode ends there
+(default) or, with ``--loop``, every video starts over.
+
+Replies are either a map (``actions`` plus timings: this server, openpi) or a bare float32
+(N, 8) array (DreamZero's server; then there are no server timings). A text frame in reply
+to an infer request is the server's error message: it is printed and the run stops with exit
+status 1. Exit status: 0 done, 1 server or connection error, 2 usage error or a missing
+optional package, 130 interrupted.
+
+Torch-free: this module imports numpy, msgpack (through the codec) and websockets; video
+reading and plotting load their optional packages (see ``ardiff_server/viz.py``) on use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import re
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import numpy as np
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.sync.client import ClientConnection, connect
+
+from ardiff_server import __version__, viz
+from ardiff_server.protocol import DecodeLimits, ProtocolError, pack, unpack
+
+__all__ = ["CallRecord", "Episode", "ReplayError", "ServerError", "main", "summarize"]
+
+DEFAULT_SIZE = (180, 320)  # DROID / DreamZero-DROID, when the metadata declares no image_resolution
+DEFAULT_SYNTHETIC_CALLS = 8
+DEFAULT_PROMPT = "pick up the cup and put it in the bowl"
+# Franka Panda's "ready" pose (libfranka's examples): a plausible start state for a DROID arm.
+READY_JOINTS = np.array([0.0, -math.pi / 4, 0.0, -3 * math.pi / 4, 0.0, math.pi / 2, math.pi / 4])
+RESET_TIMEOUT_S = 10.0  # DreamZero's server may not answer a reset at all
+# Replies come from the server we chose to talk to, not from an untrusted robot: decode them with
+# room for large extras (debug arrays, predicted frames, long lists) the server-side limits refuse.
+REPLY_LIMITS = DecodeLimits(
+    max_message_bytes=1 << 30, max_array_bytes=1 << 30, max_list_len=1 << 20, max_map_len=1 << 16, max_items=1 << 22
+)
+# DreamZero's client keepalive: its server may hold the event loop while it computes a chunk.
+PING_INTERVAL_S, PING_TIMEOUT_S = 60.0, 600.0
+
+Feedback = Literal["end", "first", "hold"]
+Ended = Literal["calls", "video", "error", "interrupted"]
+
+
+class ReplayError(RuntimeError):
+    """The run cannot go on (connection, protocol, input); the message is one line."""
+
+
+class ServerError(ReplayError):
+    """The server answered a request with a text frame: its error message."""
+
+
+# ---------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="ardiff-client",
+        description="Replay one episode (camera videos or synthetic frames) against an OpenPI/RoboArena/"
+        "DreamZero websocket policy server and report action chunks and latency.",
+        epilog="Joint state fed back (--feedback): 'end' (default) sends the last row of the previous chunk, "
+        "a robot that executed the whole chunk; 'first' its first row, a robot that replans after one step; "
+        "'hold' keeps the start pose. The gripper follows column 7 the same way. "
+        "Exit status: 0 done, 1 server/connection error, 2 usage error or missing package, 130 interrupted.",
+    )
+    add = parser.add_argument
+    add("--host", default="127.0.0.1", help="server host (default 127.0.0.1)")
+    add("--port", type=int, default=8000, help="server port (default 8000)")
+    add("--path", default="/", help="websocket path (default /; vLLM-Omni: /v1/realtime/robot/openpi)")
+    add("--api-key", help="send 'Authorization: Api-Key <key>'")
+    add("--calls", type=_positive_int, help=f"infer calls (default: until the videos end; {DEFAULT_SYNTHETIC_CALLS} with synthetic frames)")  # fmt: skip
+    add("--video-dir", type=Path, help="per-camera videos or frame folders, named as in DROID (exterior_image_1_left.mp4, ...); default: synthetic frames")  # fmt: skip
+    add("--frame-stride", type=_positive_int, default=1, help="use every N-th video frame (default 1)")
+    add("--frames-per-call", type=_positive_int, default=4, help="frames per camera on calls after the first, as a (T, H, W, 3) stack; 1 sends single frames like openpi clients (default 4, DreamZero)")  # fmt: skip
+    add("--loop", action="store_true", help="start the videos over when they end (default: end the episode)")
+    add("--prompt", default=DEFAULT_PROMPT, help=f"task instruction (default {DEFAULT_PROMPT!r})")
+    add("--camera-index", type=int, choices=(0, 1), default=0, help="exterior camera keys: 0 -> _0_left, _1_left (RoboArena server test, DreamZero); 1 -> _1_left, _2_left (RoboArena evaluator, openpi DROID) (default 0)")  # fmt: skip
+    add("--size", type=_parse_size, help="frame size HxW sent (default: the server's image_resolution)")
+    add("--feedback", choices=("end", "first", "hold"), default="end", help="joint state fed back from each chunk (default end; see below)")  # fmt: skip
+    add("--seed", type=int, default=0, help="synthetic frame pattern seed (default 0)")
+    add("--timeout", type=float, help="seconds to wait for each reply (default: no limit)")
+    add("--record", type=Path, metavar="OUT.npz", help="save actions (calls, N, 8), the states sent and per-call timings")  # fmt: skip
+    add("--plot", type=Path, metavar="actions.png", help="plot joint and gripper trajectories, one subplot per dimension")  # fmt: skip
+    add("--json", action="store_true", help="print one JSON object (summary and per-call records) instead of the table")  # fmt: skip
+    add("--quiet", action="store_true", help="no progress output")
+    add("--version", action="version", version=f"ardiff-client {__version__}")
+    return parser.parse_args(argv)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _parse_size(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"\s*(\d+)\s*[xX,]\s*(\d+)\s*", text)
+    if not match or 0 in (int(match.group(1)), int(match.group(2))):
+        raise argparse.ArgumentTypeError(f"expected HxW such as 180x320, got {text!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def server_url(host: str, port: int, path: str) -> str:
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # IPv6 literal
+    return f"ws://{host}:{port}/{path.lstrip('/')}"
+
+
+# ---------------------------------------------------------------------------------------
+# Cameras
+# ---------------------------------------------------------------------------------------
+
+
+class Camera(Protocol):
+    def take(self, count: int) -> list[np.ndarray] | None:
+        """The next ``count`` uint8 (H, W, 3) frames, or None once the source has run out."""
+
+
+class SyntheticCamera:
+    """A smooth moving pattern: drifting colour waves plus a blob on a Lissajous path.
+
+    Smooth so a video model sees plausible motion rather than noise, and a pure function of
+    (seed, camera, frame index) so two runs with one seed send identical frames. Every term
+    is separable in (y, x) and built from outer products of 1-D vectors: about 1 ms per
+    180x320 frame, so frame generation never dominates a replay.
+    """
+
+    def __init__(self, size: tuple[int, int], seed: int, camera: int, stride: int = 1) -> None:
+        rng = np.random.default_rng([seed, camera])
+        self._y = np.linspace(0.0, 1.0, size[0], dtype=np.float32)
+        self._x = np.linspace(0.0, 1.0, size[1], dtype=np.float32)
+        self._waves = rng.uniform(0.5, 2.5, size=(3, 2))  # cycles across the frame, per channel (y, x)
+        self._phase = rng.uniform(0, 2 * math.pi, size=3)
+        self._speed = rng.uniform(0.02, 0.06, size=3)  # cycles per frame
+        self._orbit = rng.uniform(0.01, 0.04, size=2)  # blob path frequencies, cycles per frame
+        self._colour = rng.uniform(0.2, 1.0, size=3)
+        self._stride = stride
+        self._t = 0
+
+    def frame(self, t: int) -> np.ndarray:
+        cy = 0.5 + 0.3 * math.sin(2 * math.pi * self._orbit[0] * t)
+        cx = 0.5 + 0.35 * math.cos(2 * math.pi * self._orbit[1] * t)
+        blob = np.outer(np.exp(-((self._y - cy) ** 2) / 0.01), np.exp(-((self._x - cx) ** 2) / 0.01))
+        image = np.empty((self._y.size, self._x.size, 3), dtype=np.float32)
+        for c, ((fy, fx), speed, phase, colour) in enumerate(
+            zip(self._waves, self._speed, self._phase, self._colour, strict=True)
+        ):
+            ay = 2 * math.pi * fy * self._y
+            bx = 2 * math.pi * (fx * self._x + speed * t) + phase
+            wave = np.outer(np.sin(ay), np.cos(bx)) + np.outer(np.cos(ay), np.sin(bx))  # sin(ay + bx)
+            image[:, :, c] = 0.45 + 0.3 * wave + (0.5 * colour) * blob
+        return (np.clip(image, 0.0, 1.0) * 255).astype(np.uint8)
+
+    def take(self, count: int) -> list[np.ndarray]:
+        frames = [self.frame(self._t + i * self._stride) for i in range(count)]
+        self._t += count * self._stride
+        return frames
+
+
+class VideoCamera:
+    """Frames of one camera's video file or frame folder, decoded lazily and stretched to ``size``."""
+
+    def __init__(self, source: Path, size: tuple[int, int], stride: int = 1, loop: bool = False) -> None:
+        self.source, self._size, self._stride, self._loop = source, size, stride, loop
+        self._frames = self._open()
+        self._delivered = 0
+
+    def _open(self) -> Iterator[np.ndarray]:
+        return itertools.islice(viz.iter_frames(self.source), 0, None, self._stride)
+
+    def _next(self) -> np.ndarray | None:
+        try:
+            frame = next(self._frames, None)
+            if frame is None and self._loop and self._delivered:
+                self._frames = self._open()
+                frame = next(self._frames, None)
+        except viz.MissingDependency:
+            raise
+        except Exception as exc:  # noqa: BLE001  av/imageio/PIL raise their own types; one line each
+            raise ReplayError(f"cannot read {self.source}: {type(exc).__name__}: {exc}") from None
+        if frame is None and not self._delivered:
+            raise ReplayError(f"{self.source} holds no frames")
+        if frame is not None:
+            self._delivered += 1
+            frame = viz.resize_frame(frame, self._size)
+        return frame
+
+    def take(self, count: int) -> list[np.ndarray] | None:
+        frames = []
+        for _ in range(count):
+            frame = self._next()
+            if frame is None:
+                return None
+            frames.append(frame)
+        return frames
+
+
+def camera_keys(metadata: Mapping[str, Any], camera_index: int) -> dict[str, str]:
+    """DROID camera name -> request key for the cameras the server asks for.
+
+    The names are DROID's file names (1-indexed exterior cameras); the request keys follow
+    ``--camera-index``. Without metadata, two exterior cameras and the wrist camera are sent.
+    """
+    n_external = metadata.get("n_external_cameras", 2)
+    n_external = n_external if isinstance(n_external, int) and not isinstance(n_external, bool) else 2
+    keys = {
+        f"exterior_image_{i + 1}_left": f"observation/exterior_image_{i + camera_index}_left" for i in range(n_external)
+    }
+    if metadata.get("needs_wrist_camera", True) is not False:
+        keys["wrist_image_left"] = "observation/wrist_image_left"
+    return keys
+
+
+def open_cameras(
+    keys: Mapping[str, str], size: tuple[int, int], args: argparse.Namespace, warn: Callable[[str], None]
+) -> dict[str, Camera]:
+    """Request key -> frame source. A camera missing from --video-dir is left out (the server
+    renders it black) with a warning, since DROID episodes sometimes lack a view."""
+    if args.video_dir is None:
+        return {key: SyntheticCamera(size, args.seed, i, args.frame_stride) for i, key in enumerate(keys.values())}
+    if not args.video_dir.is_dir():
+        raise ReplayError(f"--video-dir {args.video_dir} is not a directory")
+    offset = 0 if viz.find_camera_source(args.video_dir, "exterior_image_0_left") else 1  # 0-indexed file names
+    cameras: dict[str, Camera] = {}
+    for name, key in keys.items():
+        file_name = name
+        if name.startswith("exterior_image_"):
+            file_name = f"exterior_image_{int(name.split('_')[2]) - 1 + offset}_left"
+        source = viz.find_camera_source(args.video_dir, file_name)
+        if source is None:
+            warn(f"no {file_name}.mp4/.avi/.mkv or frame folder in {args.video_dir}: {key} is not sent")
+            continue
+        cameras[key] = VideoCamera(source, size, args.frame_stride, args.loop)
+    if not cameras:
+        wanted = ", ".join(f"{name}.mp4" for name in keys)
+        raise ReplayError(f"no camera videos in {args.video_dir}: expected {wanted} (or .avi/.mkv, or frame folders)")
+    return cameras
+
+
+def take_frames(cameras: Mapping[str, Camera], count: int) -> dict[str, np.ndarray] | None:
+    """One image value per camera: (H, W, 3) for one frame, (T, H, W, 3) for a stack."""
+    images = {}
+    for key, camera in cameras.items():
+        frames = camera.take(count)
+        if frames is None:
+            return None
+        images[key] = frames[0] if count == 1 else np.stack(frames)
+    return images
+
+
+# ---------------------------------------------------------------------------------------
+# One connection, one episode
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class CallRecord:
+    """What one infer call sent and got back."""
+
+    call: int  # 1-based
+    frames: int  # frames per camera sent
+    rtt_ms: float  # send -> reply received, encode/decode excluded
+    actions: np.ndarray  # float32 (N, D)
+    joint_position: np.ndarray  # (7,) sent
+    gripper_position: np.ndarray  # (1,) sent
+    reply_format: Literal["dict", "array"]
+    server_timing: dict[str, float] = field(default_factory=dict)
+    policy_timing: dict[str, float] = field(default_factory=dict)
+    session: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "call": self.call,
+            "frames": self.frames,
+            "rtt_ms": self.rtt_ms,
+            "actions_shape": list(self.actions.shape),
+            "reply_format": self.reply_format,
+            "server_timing": self.server_timing,
+            "policy_timing": self.policy_timing,
+            "session": _jsonable(self.session),
+            "joint_position": self.joint_position.tolist(),
+            "gripper_position": self.gripper_position.tolist(),
+        }
+
+
+@dataclass
+class Episode:
+    url: str
+    metadata: dict[str, Any]
+    session_id: str
+    prompt: str
+    size: tuple[int, int]
+    camera_keys: list[str]
+    records: list[CallRecord] = field(default_factory=list)
+    ended: Ended = "calls"
+    error: str | None = None
+    reset_reply: Any = None
+
+
+def _connect(url: str, api_key: str | None) -> ClientConnection:
+    """Open the websocket with openpi's client options; handshake failures -> ReplayError."""
+    headers = {"Authorization": f"Api-Key {api_key}"} if api_key else None
+    try:
+        return connect(
+            url, compression=None, max_size=None, additional_headers=headers,
+            ping_interval=PING_INTERVAL_S, ping_timeout=PING_TIMEOUT_S,
+        )  # fmt: skip
+    except InvalidStatus as exc:
+        status = exc.response.status_code
+        body = exc.response.body.decode(errors="replace").strip() if exc.response.body else ""
+        raise ReplayError(f"{url} refused the connection: HTTP {status} {body}".rstrip()) from None
+    except (OSError, InvalidHandshake, TimeoutError) as exc:
+        raise ReplayError(f"cannot connect to {url}: {exc}") from None
+
+
+@contextmanager
+def open_client(url: str, api_key: str | None = None, timeout: float | None = None) -> Iterator[PolicyClient]:
+    """Connect, read the metadata frame, and close the connection on exit."""
+    with _connect(url, api_key) as ws:
+        yield PolicyClient(ws, timeout)
+
+
+class PolicyClient:
+    """One websocket connection: the metadata frame, then strictly one request -> one reply."""
+
+    def __init__(self, ws: ClientConnection, timeout: float | None = None) -> None:
+        self.ws, self.timeout, self.in_flight = ws, timeout, False
+        self.metadata = self._read_metadata()
+
+    def _read_metadata(self) -> dict[str, Any]:
+        first = self.ws.recv(self.timeout)
+        if isinstance(first, str):
+            raise ServerError(f"server sent text instead of the metadata frame: {first}")
+        try:
+            metadata = unpack(first, REPLY_LIMITS)
+        except ProtocolError as exc:
+            raise ReplayError(f"cannot decode the metadata frame: {exc}") from None
+        if not isinstance(metadata, dict):
+            raise ReplayError(f"metadata frame is a {type(metadata).__name__}, expected a map")
+        return metadata
+
+    def request(self, message: Mapping[str, Any], timeout: float | None = None) -> tuple[bytes | str, float]:
+        """Send one request and wait for its reply; returns (reply frame, round trip ms)."""
+        data = pack(dict(message))
+        started = time.perf_counter()
+        self.in_flight = True
+        self.ws.send(data)
+        reply = self.ws.recv(timeout if timeout is not None else self.timeout)
+        self.in_flight = False
+        return reply, (time.perf_counter() - started) * 1000.0
+
+
+def build_request(
+    images: Mapping[str, np.ndarray], joints: np.ndarray, gripper: np.ndarray, prompt: str, session_id: str
+) -> dict[str, Any]:
+    return {
+        **images,
+        "observation/joint_position": joints,
+        "observation/gripper_position": gripper,
+        "prompt": prompt,
+        "session_id": session_id,
+        "endpoint": "infer",
+    }
+
+
+def parse_reply(reply: bytes | str, call: int) -> CallRecord:
+    """Decode an infer reply: a map with ``actions`` (+ timings) or a bare (N, D) array.
+
+    The returned record's call-side fields (frames, rtt, states) are left for the caller.
+    """
+    if isinstance(reply, str):
+        raise ServerError(f"call {call}: server error: {reply}")
+    try:
+        obj = unpack(reply, REPLY_LIMITS)
+    except ProtocolError as exc:
+        raise ReplayError(f"call {call}: cannot decode the reply: {exc}") from None
+    if isinstance(obj, dict) and "actions" in obj:
+        actions, reply_format = obj["actions"], "dict"
+    elif isinstance(obj, np.ndarray):
+        actions, reply_format, obj = obj, "array", {}
+    else:
+        got = f"a map with keys {sorted(map(str, obj))}" if isinstance(obj, dict) else type(obj).__name__
+        raise ReplayError(f"call {call}: expected a map with 'actions' or a bare (N, 8) array, got {got}")
+    try:
+        actions = np.asarray(actions, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise ReplayError(f"call {call}: 'actions' is not a numeric array") from None
+    if actions.ndim != 2 or 0 in actions.shape:
+        raise ReplayError(f"call {call}: expected actions of shape (N, 8), got {actions.shape}")
+    session = obj.get("session")
+    return CallRecord(
+        call=call, frames=0, rtt_ms=0.0, actions=actions,
+        joint_position=np.zeros(7), gripper_position=np.zeros(1), reply_format=reply_format,
+        server_timing=_numbers(obj.get("server_timing")), policy_timing=_numbers(obj.get("policy_timing")),
+        session=session if isinstance(session, dict) else None,
+    )  # fmt: skip
+
+
+def next_state(
+    actions: np.ndarray, feedback: Feedback, joints: np.ndarray, gripper: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The state a robot following ``actions`` reports next (see ``--feedback``).
+
+    Joints are columns 0-6 and the gripper column 7 (DROID's absolute joint-position action
+    space), fed back verbatim; a chunk with fewer columns leaves the rest of the state as is.
+    """
+    if feedback == "hold":
+        return joints, gripper
+    row = np.asarray(actions[-1] if feedback == "end" else actions[0], dtype=np.float64)
+    joints = row[:7].copy() if row.size >= 7 else joints
+    gripper = row[7:8].copy() if row.size >= 8 else gripper
+    return joints, gripper
+
+
+def run_episode(
+    client: PolicyClient, cameras: Mapping[str, Camera], episode: Episode, args: argparse.Namespace, progress: Progress
+) -> None:
+    """Run the infer calls of one episode, then reset its session; fills ``episode`` in place
+    (so what completed before an error or Ctrl-C is still reported)."""
+    joints, gripper = READY_JOINTS.copy(), np.zeros(1)
+    try:
+        while args.calls is None or len(episode.records) < args.calls:
+            count = 1 if not episode.records else args.frames_per_call
+            images = take_frames(cameras, count)
+            if images is None:
+                episode.ended = "video"
+                break
+            call = len(episode.records) + 1
+            reply, rtt_ms = client.request(build_request(images, joints, gripper, args.prompt, episode.session_id))
+            record = parse_reply(reply, call)
+            record.frames, record.rtt_ms = count, rtt_ms
+            record.joint_position, record.gripper_position = joints, gripper
+            episode.records.append(record)
+            progress.update(record)
+            joints, gripper = next_state(record.actions, args.feedback, joints, gripper)
+    except KeyboardInterrupt:
+        episode.ended = "interrupted"
+    except ConnectionClosed as exc:
+        episode.ended, episode.error = "error", f"the server closed the connection ({exc})"
+        return
+    except TimeoutError:
+        episode.ended, episode.error = "error", f"no reply within --timeout {args.timeout} s"
+        return
+    except ReplayError as exc:
+        episode.ended, episode.error = "error", str(exc)
+    finally:
+        progress.close()
+    episode.reset_reply = reset_session(client, episode.session_id)
+
+
+def reset_session(client: PolicyClient, session_id: str) -> Any:
+    """End the episode's session; any answer is accepted (DESIGN §3: servers differ here)."""
+    if client.in_flight:  # interrupted while waiting: the next frame would be the old reply
+        return "(not sent: a request was still in flight; the server expires the session)"
+    try:
+        reply, _ = client.request({"endpoint": "reset", "session_id": session_id}, timeout=RESET_TIMEOUT_S)
+    except TimeoutError:
+        return f"(no reply within {RESET_TIMEOUT_S:.0f} s)"
+    except ConnectionClosed:
+        return "(the connection closed)"
+    if isinstance(reply, str):
+        return reply
+    try:
+        return _jsonable(unpack(reply, REPLY_LIMITS))
+    except ProtocolError:
+        return f"(undecodable {len(reply)}-byte reply)"
+
+
+# ---------------------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------------------
+
+
+class Progress:
+    """One update per call on stderr: a tqdm bar on a terminal, else a plain line (for logs)."""
+
+    def __init__(self, total: int | None, enabled: bool = True) -> None:
+        self._total, self._enabled, self._bar = total, enabled, None
+        if enabled and sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self._bar = tqdm(total=total, unit="call", file=sys.stderr, dynamic_ncols=True)
+
+    def update(self, record: CallRecord) -> None:
+        if not self._enabled:
+            return
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"rtt {record.rtt_ms:.0f} ms", refresh=False)
+            self._bar.update(1)
+            return
+        total = f"/{self._total}" if self._total else ""
+        timing = ", ".join(f"{k.removesuffix('_ms')} {v:.1f}" for k, v in record.server_timing.items())
+        shape = "x".join(map(str, record.actions.shape))
+        print(f"call {record.call}{total}: actions {shape} in {record.rtt_ms:.1f} ms"
+              + (f" (server {timing})" if timing else ""), file=sys.stderr, flush=True)  # fmt: skip
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def summarize(records: Sequence[CallRecord]) -> dict[str, dict[str, float]]:
+    """Latency statistics per column: ``round_trip_ms``, ``server.<key>``, ``policy.<phase>``.
+
+    A column only counts the calls that reported it (bare-array replies report no timings).
+    """
+    columns: dict[str, list[float]] = {"round_trip_ms": [r.rtt_ms for r in records]}
+    for prefix, attr in (("server", "server_timing"), ("policy", "policy_timing")):
+        for record in records:
+            for key, value in getattr(record, attr).items():
+                columns.setdefault(f"{prefix}.{key}", []).append(value)
+    return {name: _stats(values) for name, values in columns.items() if values}
+
+
+def _stats(values: Sequence[float]) -> dict[str, float]:
+    array = np.asarray(values, dtype=np.float64)
+    return {
+        "n": int(array.size),
+        "mean": float(array.mean()),
+        "p50": float(np.percentile(array, 50)),
+        "p99": float(np.percentile(array, 99)),
+        "max": float(array.max()),
+    }
+
+
+def format_table(summary: Mapping[str, Mapping[str, float]]) -> str:
+    width = max(len("latency (ms)"), *(len(name) for name in summary))
+    lines = [f"{'latency (ms)':<{width}} {'n':>5} {'mean':>9} {'p50':>9} {'p99':>9} {'max':>9}"]
+    for name, s in summary.items():
+        lines.append(
+            f"{name:<{width}} {s['n']:>5} {s['mean']:>9.1f} {s['p50']:>9.1f} {s['p99']:>9.1f} {s['max']:>9.1f}"
+        )
+    return "\n".join(lines)
+
+
+def episode_json(episode: Episode) -> dict[str, Any]:
+    return {
+        "url": episode.url,
+        "metadata": _jsonable(episode.metadata),
+        "session_id": episode.session_id,
+        "prompt": episode.prompt,
+        "image_size": list(episode.size),
+        "camera_keys": episode.camera_keys,
+        "calls": len(episode.records),
+        "ended": episode.ended,
+        "error": episode.error,
+        "reset_reply": _jsonable(episode.reset_reply),
+        "summary": summarize(episode.records),
+        "records": [record.to_json() for record in episode.records],
+    }
+
+
+_ENDED = {"calls": "all done", "video": "the video ended", "error": "stopped by an error", "interrupted": "interrupted"}
+
+
+def print_report(episode: Episode) -> None:
+    shapes = sorted({"x".join(map(str, r.actions.shape)) for r in episode.records})
+    formats = sorted({r.reply_format for r in episode.records})
+    print(f"{episode.url}  session {episode.session_id}")
+    print(f"{len(episode.records)} calls ({_ENDED[episode.ended]}), frames {episode.size[0]}x{episode.size[1]}, "
+          f"cameras {', '.join(episode.camera_keys)}, actions {', '.join(shapes) or '-'}, "
+          f"replies {', '.join(formats) or '-'}")  # fmt: skip
+    print(f"reset: {episode.reset_reply}")
+    if episode.records:
+        print(format_table(summarize(episode.records)))
+
+
+def save_record(path: Path, episode: Episode) -> Path:
+    """Write the episode's arrays to ``path`` (npz): actions (calls, N, D), states sent,
+    per-call timings (NaN where a call did not report a column) and run metadata."""
+    records = episode.records
+    arrays: dict[str, np.ndarray] = {
+        "call": np.array([r.call for r in records], dtype=np.int64),
+        "frames": np.array([r.frames for r in records], dtype=np.int64),
+        "actions": _stack_chunks([r.actions for r in records]),
+        "joint_position": np.array([r.joint_position for r in records], dtype=np.float64).reshape(len(records), 7),
+        "gripper_position": np.array([r.gripper_position for r in records], dtype=np.float64).reshape(len(records), 1),
+        "rtt_ms": np.array([r.rtt_ms for r in records], dtype=np.float64),
+        "session_id": np.array(episode.session_id),
+        "prompt": np.array(episode.prompt),
+        "metadata_json": np.array(json.dumps(_jsonable(episode.metadata))),
+    }
+    for prefix, attr in (("server", "server_timing"), ("policy", "policy_timing")):
+        names = dict.fromkeys(key for r in records for key in getattr(r, attr))
+        for name in names:
+            values = [getattr(r, attr).get(name, math.nan) for r in records]
+            arrays[f"{prefix}_{re.sub(r'[^A-Za-z0-9_]', '_', name)}"] = np.array(values, dtype=np.float64)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as file:  # a file object: numpy would append .npz to a bare name
+        np.savez_compressed(file, **arrays)
+    return path
+
+
+def _stack_chunks(chunks: Sequence[np.ndarray]) -> np.ndarray:
+    """(calls, N, D) float32; chunks of different lengths are NaN-padded to the longest."""
+    if not chunks:
+        return np.zeros((0, 0, 8), dtype=np.float32)
+    horizon = max(c.shape[0] for c in chunks)
+    dim = max(c.shape[1] for c in chunks)
+    out = np.full((len(chunks), horizon, dim), np.nan, dtype=np.float32)
+    for i, chunk in enumerate(chunks):
+        out[i, : chunk.shape[0], : chunk.shape[1]] = chunk
+    return out
+
+
+def plot_episode(path: Path, episode: Episode) -> Path:
+    records = episode.records
+    state = np.concatenate(
+        [np.array([r.joint_position for r in records]), np.array([r.gripper_position for r in records])], axis=1
+    )
+    title = f"{episode.prompt!r}: {len(records)} calls, session {episode.session_id}"
+    return viz.plot_actions(_stack_chunks([r.actions for r in records]), path, state=state, title=title)
+
+
+def _numbers(value: Any) -> dict[str, float]:
+    """The numeric entries of a timing map (other entries and non-maps are ignored)."""
+    if not isinstance(value, dict):
+        return {}
+    return {
+        str(k): float(v)
+        for k, v in value.items()
+        if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    """Decoded msgpack values (numpy arrays/scalars, bytes, nested maps) -> JSON values."""
+    if isinstance(value, dict):
+        return {str(k.decode(errors="replace") if isinstance(k, bytes) else k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return _jsonable(value.tolist())
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+# ---------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------
+
+
+def _warn(message: str) -> None:
+    print(f"ardiff-client: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _check_optional_packages(args: argparse.Namespace) -> None:
+    """Fail before connecting when an output or input needs a package that is not installed."""
+    if args.plot is not None:
+        viz.require_plotting()
+    if args.video_dir is not None:
+        viz.require_video_reader(args.video_dir)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        _check_optional_packages(args)
+    except viz.MissingDependency as exc:
+        print(f"ardiff-client: {exc}", file=sys.stderr)
+        return 2
+    url = server_url(args.host, args.port, args.path)
+    try:
+        with open_client(url, args.api_key, args.timeout) as client:
+            return _run(client, url, args)
+    except (ReplayError, ConnectionClosed, TimeoutError) as exc:
+        print(f"ardiff-client: error: {exc or 'no reply within --timeout'}", file=sys.stderr)
+        return 1
+
+
+def _run(client: PolicyClient, url: str, args: argparse.Namespace) -> int:
+    size = args.size or _declared_size(client.metadata) or DEFAULT_SIZE
+    keys = camera_keys(client.metadata, args.camera_index)
+    try:
+        cameras = open_cameras(keys, size, args, _warn)
+    except ReplayError as exc:
+        print(f"ardiff-client: error: {exc}", file=sys.stderr)
+        return 2
+    if args.calls is None and args.video_dir is None:
+        args.calls = DEFAULT_SYNTHETIC_CALLS
+    episode = Episode(url, client.metadata, f"replay-{uuid.uuid4()}", args.prompt, size, list(cameras))
+    try:
+        run_episode(client, cameras, episode, args, Progress(args.calls, enabled=not args.quiet))
+    except viz.MissingDependency as exc:
+        print(f"ardiff-client: {exc}", file=sys.stderr)
+        return 2
+    status = _write_outputs(episode, args)
+    if episode.error:
+        print(f"ardiff-client: error: {episode.error}", file=sys.stderr)
+        return 1
+    if episode.ended == "interrupted":
+        return 130
+    return status
+
+
+def _write_outputs(episode: Episode, args: argparse.Namespace) -> int:
+    """Report, record and plot whatever completed (also after an error). Returns 0, or 2 when
+    an output could not be written."""
+    if args.json:
+        print(json.dumps(_jsonable(episode_json(episode)), allow_nan=False))
+    else:
+        print_report(episode)
+    status = 0
+    if args.record is not None:
+        _info(args, f"recorded {save_record(args.record, episode)}")
+    if args.plot is not None:
+        if episode.records:
+            _info(args, f"plotted {plot_episode(args.plot, episode)}")
+        else:
+            _warn(f"no calls completed: {args.plot} not written")
+            status = 2
+    return status
+
+
+def _info(args: argparse.Namespace, message: str) -> None:
+    """Side notes go to stderr under --json so stdout stays one JSON object."""
+    print(message, file=sys.stderr if args.json else sys.stdout)
+
+
+def _declared_size(metadata: Mapping[str, Any]) -> tuple[int, int] | None:
+    value = metadata.get("image_resolution")
+    try:
+        height, width = (int(v) for v in value)
+    except (TypeError, ValueError):
+        return None
+    return (height, width) if height > 0 and width > 0 else None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,145 @@
+#!/usr/bin/env python
+"""Throughput with engine replicas: robots/s and latency for 1, 2, 4 robots on 1 vs 2 replicas.
+
+    python scripts/bench_replicas.py            # about 3 minutes on 2 cores
+    python scripts/bench_replicas.py --quick    # smoke run
+    python scripts/bench_replicas.py --json     # last stdout line: one JSON object
+
+The embedded tiny DreamZero (configs/tiny.yaml, real compute: VAE, DiT, paged KV, both CFG
+branches) served by ``ardiff-serve`` with ``engine.replicas`` 1 and 2, one torch thread per
+replica. Each robot is the real openpi client in its own process, with its own session: the
+first call of an episode sends one frame per camera, later calls 4-frame stacks, as DreamZero's
+client does. All robots start together after a warm-up; reported over all measured calls:
+calls per second (all robots together) and the round-trip latency a robot sees (p50 / p99).
+With one replica the robots queue for one engine; with two, sessions are spread over both and
+run in parallel, so at 2+ robots throughput should approach 2x on a machine with 2 free cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from multiprocessing import get_context
+from typing import Any
+
+import numpy as np
+from benchlib import ForeignLoad, ServerSubprocess, percentile
+
+
+def robot(port: int, index: int, warmup: int, calls: int, barrier: Any) -> dict[str, Any]:
+    """One robot (a pool process): an episode of 1 frame then 4-frame stacks, timed after warm-up."""
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    rng = np.random.default_rng(index)
+    client = WebsocketClientPolicy(host="127.0.0.1", port=port)
+    session = f"bench-replicas-{index}-{time.monotonic_ns()}"
+
+    def observation(frames: int) -> dict:
+        shape = (180, 320, 3) if frames == 1 else (frames, 180, 320, 3)
+        return {
+            "observation/exterior_image_0_left": rng.integers(0, 256, shape, dtype=np.uint8),
+            "observation/exterior_image_1_left": rng.integers(0, 256, shape, dtype=np.uint8),
+            "observation/wrist_image_left": rng.integers(0, 256, shape, dtype=np.uint8),
+            "observation/joint_position": rng.uniform(-1, 1, 7),
+            "observation/gripper_position": rng.uniform(0, 1, 1),
+            "prompt": "pick up the cup",
+            "session_id": session,
+        }
+
+    replicas = set()
+    for i in range(warmup):
+        replicas.add(client.infer(observation(1 if i == 0 else 4))["session"]["replica"])
+    barrier.wait(timeout=600)
+    latency, window = [], [time.monotonic(), 0.0]
+    for _ in range(calls):
+        start = time.perf_counter()
+        replicas.add(client.infer(observation(4))["session"]["replica"])
+        latency.append((time.perf_counter() - start) * 1000.0)
+    window[1] = time.monotonic()
+    client.infer({"endpoint": "reset", "session_id": session})
+    client._ws.close()
+    return {"latency_ms": latency, "window": window, "replicas": sorted(replicas)}
+
+
+@dataclass
+class Result:
+    replicas: int
+    robots: int
+    calls: int
+    calls_per_s: float
+    latency_p50_ms: float
+    latency_p99_ms: float
+    spread: str  # which replica each robot used
+
+
+def measure(pool, manager, port: int, replicas: int, robots: int, warmup: int, calls: int) -> Result:
+    barrier = manager.Barrier(robots + 1)
+    futures = [pool.submit(robot, port, i, warmup, calls, barrier) for i in range(robots)]
+    barrier.wait(timeout=600)
+    runs = [f.result(timeout=1800) for f in futures]
+    latency = [x for r in runs for x in r["latency_ms"]]
+    elapsed = max(r["window"][1] for r in runs) - min(r["window"][0] for r in runs)
+    return Result(
+        replicas, robots, len(latency), len(latency) / elapsed, statistics.median(latency), percentile(latency, 99),
+        " ".join("/".join(map(str, r["replicas"])) for r in runs),
+    )
+
+
+def table(results: list[Result]) -> str:
+    head = f"{'robots':>6} {'replicas':>8} {'calls':>5} {'calls/s':>8} {'vs 1 rep':>8} {'p50 ms':>8} {'p99 ms':>8}  replica per robot"
+    lines = [head, "-" * len(head)]
+    base = {r.robots: r.calls_per_s for r in results if r.replicas == 1}
+    for r in sorted(results, key=lambda r: (r.robots, r.replicas)):
+        ratio = r.calls_per_s / base[r.robots] if r.robots in base else float("nan")
+        lines.append(
+            f"{r.robots:>6} {r.replicas:>8} {r.calls:>5} {r.calls_per_s:>8.2f} {ratio:>7.2f}x "
+            f"{r.latency_p50_ms:>8.1f} {r.latency_p99_ms:>8.1f}  {r.spread}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--robots", default="1,2,4")
+    parser.add_argument("--replicas", default="1,2")
+    parser.add_argument("--calls", type=int, default=12, help="measured calls per robot (default 12)")
+    parser.add_argument("--warmup", type=int, default=3, help="unmeasured calls per robot first (default 3)")
+    parser.add_argument("--config", default="tiny")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.calls, args.warmup = 3, 2
+    robot_counts = [int(x) for x in args.robots.split(",")]
+    replica_counts = [int(x) for x in args.replicas.split(",")]
+    results: list[Result] = []
+    load = ForeignLoad()
+    started = time.perf_counter()
+    ctx = get_context("spawn")
+    with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=max(robot_counts), mp_context=ctx) as pool:
+        for replicas in replica_counts:
+            argv = [sys.executable, "-m", "ardiff_server", "--config", args.config, "--port", "0", "--log-level", "WARNING",
+                    "--set", f"engine.replicas={replicas}", "--set", "engine.threads=1", "--set", "engine.max_sessions=8"]  # fmt: skip
+            with ServerSubprocess(f"{replicas} replica(s)", argv) as server:
+                for robots in robot_counts:
+                    result = measure(pool, manager, server.port, replicas, robots, args.warmup, args.calls)
+                    print(f"  {replicas} replica(s), {robots} robot(s): {result.calls_per_s:.2f} calls/s, "
+                          f"p50 {result.latency_p50_ms:.0f} ms", file=sys.stderr, flush=True)  # fmt: skip
+                    results.append(result)
+    foreign = load.cores()
+    print(f"\n{args.config} DreamZero, 1 torch thread per replica, {os.cpu_count()} CPU cores, "
+          f"{time.perf_counter() - started:.0f} s; other processes used {foreign or 0:.2f} cores meanwhile\n")  # fmt: skip
+    print(table(results))
+    if args.json:
+        print(json.dumps({"cpu_cores": os.cpu_count(), "foreign_cores": foreign, "results": [asdict(r) for r in results]}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

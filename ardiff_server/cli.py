@@ -65,7 +65,7 @@ def build_config(args: argparse.Namespace) -> AppConfig:
             config.server.api_keys = [*config.server.api_keys, *extra_keys]
         except ValueError as exc:  # pydantic: an empty or whitespace key
             raise ConfigError(f"API keys: {_first_error(exc)}") from None
-    preflight(config)
+    preflight(config, local=not args.ray)  # under Ray the engines run on the cluster's nodes
     return config
 
 

@@ -232,14 +232,17 @@ def validate_config(raw: dict[str, Any], source: str = "<config>") -> AppConfig:
     return config
 
 
-def preflight(config: AppConfig) -> None:
+def preflight(config: AppConfig, *, local: bool = True) -> None:
     """What would make every worker fail, checked before any is spawned (no torch needed):
     devices that are not there, and the policy's own files (checkpoint, tokenizer). Raises
-    ConfigError with one line naming the problem and the fix."""
+    ConfigError with one line naming the problem and the fix. ``local=False`` (Ray Serve: the
+    engines run on other nodes) checks only what does not depend on this machine."""
     try:
         device_lists = config.engine.replica_device_lists()
     except ValueError as exc:
         raise ConfigError(f"{config.source}: {exc}") from None
+    if not local:
+        return
     wanted = sorted({d for devices in device_lists for d in devices if d.startswith("cuda")})
     if wanted:
         count = cuda_device_count()

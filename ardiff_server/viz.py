@@ -39,7 +39,7 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 _VIDEO_PACKAGES = "reading video files needs PyAV: pip install av  (or: pip install imageio imageio-ffmpeg)"
 
 # DROID's action layout: 7 absolute joint positions, then the gripper.
-_DROID_LABELS = tuple(f"joint {i}" for i in range(7)) + ("gripper",)
+_DROID_LABELS = (*(f"joint {i}" for i in range(7)), "gripper")
 
 
 class MissingDependency(RuntimeError):

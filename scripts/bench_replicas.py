@@ -13,6 +13,10 @@ client does. All robots start together after a warm-up; reported over all measur
 calls per second (all robots together) and the round-trip latency a robot sees (p50 / p99).
 With one replica the robots queue for one engine; with two, sessions are spread over both and
 run in parallel, so at 2+ robots throughput should approach 2x on a machine with 2 free cores.
+
+``--recording`` instead compares one robot's latency with ``--record DIR`` off and on (one
+replica): the recorder decodes and writes between requests, so replies should not slow down
+while the robot leaves the usual gap between calls (``--gap-ms``, a robot executing its chunk).
 """
 
 from __future__ import annotations
@@ -26,13 +30,14 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing import get_context
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from benchlib import ForeignLoad, ServerSubprocess, percentile
 
 
-def robot(port: int, index: int, warmup: int, calls: int, barrier: Any) -> dict[str, Any]:
+def robot(port: int, index: int, warmup: int, calls: int, barrier: Any, gap_ms: float = 0.0) -> dict[str, Any]:
     """One robot (a pool process): an episode of 1 frame then 4-frame stacks, timed after warm-up."""
     from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
@@ -61,6 +66,7 @@ def robot(port: int, index: int, warmup: int, calls: int, barrier: Any) -> dict[
         start = time.perf_counter()
         replicas.add(client.infer(observation(4))["session"]["replica"])
         latency.append((time.perf_counter() - start) * 1000.0)
+        time.sleep(gap_ms / 1000.0)  # the robot executes its chunk
     window[1] = time.monotonic()
     client.infer({"endpoint": "reset", "session_id": session})
     client._ws.close()
@@ -104,6 +110,28 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def recording(pool, manager, args) -> list[dict[str, Any]]:
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ardiff-bench-record-") as folder:
+        for record in (False, True):
+            argv = [sys.executable, "-m", "ardiff_server", "--config", args.config, "--port", "0", "--log-level", "WARNING",
+                    "--set", "engine.threads=1"] + (["--record", folder] if record else [])  # fmt: skip
+            with ServerSubprocess(f"record={record}", argv) as server:
+                barrier = manager.Barrier(2)
+                future = pool.submit(robot, server.port, 0, args.warmup, args.calls, barrier, args.gap_ms)
+                barrier.wait(timeout=600)
+                run = future.result(timeout=1800)
+            latency = run["latency_ms"]
+            rows.append({"recording": record, "calls": len(latency), "p50_ms": statistics.median(latency), "p99_ms": percentile(latency, 99)})
+            print(f"  recording {'on' if record else 'off'}: p50 {rows[-1]['p50_ms']:.0f} ms", file=sys.stderr, flush=True)
+        written = sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+    for row in rows:
+        row["bytes_written"] = written if row["recording"] else 0
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--robots", default="1,2,4")
@@ -111,11 +139,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=12, help="measured calls per robot (default 12)")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured calls per robot first (default 3)")
     parser.add_argument("--config", default="tiny")
+    parser.add_argument("--recording", action="store_true", help="instead: reply latency with --record off vs on")
+    parser.add_argument("--gap-ms", type=float, default=500.0, help="--recording: pause between a robot's calls (default 500)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
         args.calls, args.warmup = 3, 2
+    if args.recording:
+        ctx = get_context("spawn")
+        with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+            rows = recording(pool, manager, args)
+        print(f"\n{args.config} DreamZero, 1 replica, 1 robot, {args.gap_ms:.0f} ms between calls\n")
+        print(f"{'recording':>9} {'calls':>5} {'p50 ms':>8} {'p99 ms':>8} {'MiB written':>12}")
+        for r in rows:
+            print(f"{'on' if r['recording'] else 'off':>9} {r['calls']:>5} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['bytes_written'] / 2**20:>12.1f}")
+        if args.json:
+            print(json.dumps({"recording": rows}))
+        return 0
     robot_counts = [int(x) for x in args.robots.split(",")]
     replica_counts = [int(x) for x in args.replicas.split(",")]
     results: list[Result] = []

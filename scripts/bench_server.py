@@ -45,11 +45,9 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing import get_context
@@ -262,6 +260,63 @@ def table(results: list[Result]) -> str:
 # =========================================================================== main
 
 
+# =========================================================================== flood
+
+
+def flood_frame(items: int = 260_000) -> bytes:
+    """~780 KB of tiny msgpack objects: cheap to send, costly to scan item by item."""
+    import msgpack
+
+    return msgpack.packb({"observation/joint_position": [0] * 7, "junk": [[0, 1]] * (items // 3)})
+
+
+def attacker(port: int, stop: Any) -> int:
+    """Sends pathological frames back to back (reading each error reply) until ``stop`` is set."""
+    from websockets.sync.client import connect
+
+    frame, sent = flood_frame(), 0
+    with connect(f"ws://127.0.0.1:{port}", compression=None, max_size=None) as ws:
+        ws.recv()
+        while not stop.is_set():
+            ws.send(frame)
+            ws.recv()
+            sent += 1
+    return sent
+
+
+def flood(pool: ProcessPoolExecutor, manager: Any, attackers: int, warmup: int, requests: int) -> list[dict[str, Any]]:
+    """A robot's latency alone and with ``attackers`` flooding, at the old item bound (262144,
+    every frame scanned in full on the event loop) and the new default (1024: refused at once)."""
+    rows = []
+    for items in (262144, 1024):
+        argv = [sys.executable, "-m", "ardiff_server", "--config", "noop", "--port", "0", "--log-level", "WARNING",
+                "--set", f"server.max_frame_items={items}"]  # fmt: skip
+        with ServerSubprocess(f"max_frame_items={items}", argv) as server:
+            for n in (0, attackers):
+                stop = manager.Event()
+                floods = [pool.submit(attacker, server.port, stop) for _ in range(n)]
+                time.sleep(1.0 if n else 0.0)  # the flood is on
+                barrier = manager.Barrier(2)
+                robot = pool.submit(run_client, server.port, 0, warmup, requests, barrier)
+                barrier.wait(timeout=300)
+                run = robot.result(timeout=600)
+                stop.set()
+                frames = sum(f.result(timeout=60) for f in floods)
+                rows.append({
+                    "max_frame_items": items, "attackers": n, "flood_frames": frames,
+                    "robot_p50_ms": statistics.median(run["total_ms"]), "robot_p99_ms": percentile(run["total_ms"], 99),
+                })  # fmt: skip
+                print(f"  max_frame_items={items} attackers={n}: robot p50 {rows[-1]['robot_p50_ms']:.2f} ms", file=sys.stderr, flush=True)
+    return rows
+
+
+def flood_table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'max_frame_items':>15} {'attackers':>9} {'flood frames':>12} {'robot p50':>10} {'robot p99':>10}"]
+    for r in rows:
+        lines.append(f"{r['max_frame_items']:>15} {r['attackers']:>9} {r['flood_frames']:>12} {r['robot_p50_ms']:>10.2f} {r['robot_p99_ms']:>10.2f}")
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", default="1,4,16", help="comma-separated concurrent client counts (default 1,4,16)")
@@ -270,6 +325,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests-with-compute", type=int, default=25,
                         help="measured requests per client when compute-ms > 0 (default 25: 16 clients x 25 x 50 ms = 20 s)")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=10, help="unmeasured requests per client first (default 10)")
+    parser.add_argument("--flood", type=int, metavar="N", default=0,
+                        help="instead: one robot's latency while N clients flood ~780 KB frames of 260k msgpack items")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke run: few requests (< 60 s)")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object on the last stdout line")
     parser.add_argument("--serve-reference", action="store_true", help=argparse.SUPPRESS)  # internal: the reference server
@@ -284,6 +341,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.serve_reference:
         asyncio.run(_serve_reference(args.port, float(args.compute_ms)))
+        return 0
+    if args.flood:
+        ctx = get_context("spawn")
+        with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=args.flood + 1, mp_context=ctx) as pool:
+            rows = flood(pool, manager, args.flood, args.warmup, args.requests)
+        print(f"\none robot (noop policy, DROID requests) while {args.flood} clients flood pathological frames, {os.cpu_count()} CPU cores\n")
+        print(flood_table(rows))
+        if args.json:
+            print(json.dumps({"flood": rows}))
         return 0
     client_counts = [int(c) for c in args.clients.split(",")]
     compute_values = [float(c) for c in args.compute_ms.split(",")]

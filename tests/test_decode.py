@@ -15,8 +15,8 @@ from ardiff_server.decode import (
     MAX_IMAGE_SIDE,
     MAX_PROMPT_CHARS,
     MAX_SESSION_ID_CHARS,
-    RequestError,
     PolicyRequest,
+    RequestError,
     decode_request,
 )
 from ardiff_server.protocol import ProtocolError, unpack

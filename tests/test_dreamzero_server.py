@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -94,9 +95,8 @@ def tiny_server():
 def test_isaaclab_interleaving_on_one_connection_equals_each_id_alone(tiny_server):
     """Three environments' ids interleaved over one websocket for 5 rounds: every id's episode is
     exactly what it is alone (the KV, frame buffer and window of each session are its own)."""
-    from websockets.sync.client import connect
-
     from openpi_client import msgpack_numpy
+    from websockets.sync.client import connect
 
     def call(ws, obs):
         ws.send(msgpack_numpy.packb(obs))
@@ -140,7 +140,7 @@ def test_observations_dreamzero_cannot_take_are_bad_requests_and_cost_no_episode
 
 def test_the_front_end_process_never_loads_torch(tmp_path):
     with ServerProcess("tiny", tmp_path, args=["--set", "engine.warmup=false"]) as process:
-        maps = open(f"/proc/{process.proc.pid}/maps").read()
+        maps = Path(f"/proc/{process.proc.pid}/maps").read_text()
         assert "libtorch" not in maps, "the front end mapped libtorch"
         assert WebsocketClientPolicy(host="127.0.0.1", port=process.port).infer(droid_observation(size=SIZE))["actions"].shape == (24, 8)
 

@@ -240,13 +240,12 @@ def test_idle_connections_are_closed_with_a_reason(tmp_path):
 
 def test_a_frame_of_tiny_objects_is_refused_at_once(tmp_path):
     """780 KB of ~260k msgpack items took 60-100 ms each to scan on the event loop."""
-    with ServerProcess(fake_config(), tmp_path) as server:
-        with open_ws(server) as ws:
-            hostile = msgpack.packb({"observation/joint_position": [0] * 65535, "x": [[0] * 4] * 50000})
-            ws.send(hostile)
-            reply = ws.recv()
-            assert reply.startswith("bad request: message has more than 1024 list elements"), reply
-            assert infer(ws, droid_observation())["actions"][0, 0] == 1
+    with ServerProcess(fake_config(), tmp_path) as server, open_ws(server) as ws:
+        hostile = msgpack.packb({"observation/joint_position": [0] * 65535, "x": [[0] * 4] * 50000})
+        ws.send(hostile)
+        reply = ws.recv()
+        assert reply.startswith("bad request: message has more than 1024 list elements"), reply
+        assert infer(ws, droid_observation())["actions"][0, 0] == 1
 
 
 # ------------------------------------------------------------------------------- shutdown

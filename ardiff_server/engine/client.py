@@ -166,6 +166,7 @@ class ProcessClient:
         self._last_progress = time.monotonic()
         self._last_pong = time.monotonic()
         self._watchdog: asyncio.Task | None = None
+        self._restarting: asyncio.Task | None = None
 
     # -- state --------------------------------------------------------------------------
 
@@ -434,7 +435,7 @@ class ProcessClient:
     def _begin_restart(self) -> None:
         self.restarts += 1
         self._state = "restarting"
-        asyncio.ensure_future(self._restart())
+        self._restarting = asyncio.ensure_future(self._restart())
         if self.on_restart is not None:
             self.on_restart(self)
 
@@ -506,13 +507,17 @@ def _join_all(procs: list[Any]) -> None:
 class InprocClient:
     """An engine in this process, served by one thread so the event loop never runs model code.
 
-    No watchdog: a stuck step cannot be killed in-process (use :class:`ProcessClient` for that).
+    A stuck step cannot be killed in-process (use :class:`ProcessClient` for that): ``state`` says
+    ``stuck`` once a step has run past ``step_timeout_s``, and whoever hosts the engine decides
+    (a Ray replica fails its health check and is replaced).
     """
 
-    def __init__(self, engine: Any, *, replica: int = 0, devices: list[str] | None = None) -> None:
+    def __init__(self, engine: Any, *, replica: int = 0, devices: list[str] | None = None, step_timeout_s: float | None = None) -> None:
         self.engine = engine
         self.replica = replica
         self.devices = devices or ["in-process"]
+        self.step_timeout_s = step_timeout_s
+        self.busy_since: float | None = None  # when the step in progress began
         self.info: PolicyInfo | None = engine.policy.info
         self.stats: tuple[EngineStats, ...] = (engine.stats(),)
         self._ids = itertools.count()
@@ -535,6 +540,12 @@ class InprocClient:
 
     @property
     def state(self) -> EngineState:
+        if self._state == "ready":
+            if self._thread is None or not self._thread.is_alive():
+                return "stopped"
+            busy = self.busy_since
+            if busy is not None and self.step_timeout_s is not None and time.monotonic() - busy > self.step_timeout_s:
+                return "stuck"
         return self._state
 
     def replicas(self) -> list[ReplicaStatus]:
@@ -589,7 +600,11 @@ class InprocClient:
             if isinstance(request, Shutdown):
                 self.engine.close()
                 return
-            reply = self.engine.handle(request)
+            self.busy_since = time.monotonic()
+            try:
+                reply = self.engine.handle(request)
+            finally:
+                self.busy_since = None
             self._loop.call_soon_threadsafe(self._resolve, reply)
 
     def _resolve(self, reply: Reply) -> None:

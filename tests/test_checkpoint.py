@@ -79,7 +79,7 @@ def _copy(tiny_dir: Path, tmp_path: Path) -> Path:
 def test_missing_shard_is_named(tiny_dir, tmp_path):
     broken = _copy(tiny_dir, tmp_path)
     (broken / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors"):
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00002\.safetensors"):
         DreamZeroModel.load(broken)
 
 
@@ -87,7 +87,7 @@ def test_truncated_shard_is_named(tiny_dir, tmp_path):
     broken = _copy(tiny_dir, tmp_path)
     shard = broken / "model-00001-of-00002.safetensors"
     shard.write_bytes(shard.read_bytes()[:1000])
-    with pytest.raises(CheckpointError, match="model-00001-of-00002.safetensors"):
+    with pytest.raises(CheckpointError, match=r"model-00001-of-00002\.safetensors"):
         DreamZeroModel.load(broken)
 
 
@@ -96,7 +96,7 @@ def test_tensor_dropped_from_the_index_is_reported_missing(tiny_dir, tmp_path):
     index = json.loads((broken / "model.safetensors.index.json").read_text())
     del index["weight_map"]["action_head.model.head.head.bias"]
     (broken / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match="missing 1: head.head.bias"):
+    with pytest.raises(CheckpointError, match=r"missing 1: head\.head\.bias"):
         DreamZeroModel.load(broken)
 
 
@@ -114,3 +114,140 @@ def test_bad_config_is_named(tiny_dir, tmp_path):
     (broken / "config.json").write_text('{"action_head_cfg": {}}')
     with pytest.raises(CheckpointError, match="diffusion_model_cfg"):
         DreamZeroModel.load(broken)
+
+
+# ------------------------------------------------------------------------------------------- config.json
+
+
+def _config(tiny_dir: Path) -> dict:
+    return json.loads((tiny_dir / "config.json").read_text())
+
+
+def _read(config: dict):
+    """read_config on an in-memory config.json (what CheckpointDir exposes of it)."""
+    from types import SimpleNamespace
+
+    from policies.dreamzero.model import read_config
+
+    head = config["action_head_cfg"]["config"]
+    return read_config(SimpleNamespace(root_config=config, action_head=head, diffusion_model_cfg=head["diffusion_model_cfg"]))
+
+
+def test_tiny_config_carries_every_released_key_in_its_section(tiny_dir):
+    from policies.dreamzero.upstream_layout import (
+        RELEASED_ACTION_HEAD_KEYS,
+        RELEASED_DIT_KEYS,
+        RELEASED_ENCODER_KEYS,
+        RELEASED_HEAD_WRAPPER_KEYS,
+        RELEASED_ROOT_KEYS,
+    )
+
+    config = _config(tiny_dir)
+    head = config["action_head_cfg"]["config"]
+    assert set(config) >= RELEASED_ROOT_KEYS
+    assert set(config["action_head_cfg"]) == RELEASED_HEAD_WRAPPER_KEYS
+    assert set(head) == RELEASED_ACTION_HEAD_KEYS
+    assert set(head["diffusion_model_cfg"]) >= RELEASED_DIT_KEYS
+    for section, keys in RELEASED_ENCODER_KEYS.items():
+        assert set(head[section]) == keys | {"architecture"}, section
+    # the keys the brief names, where upstream reads them
+    assert head["diffusion_model_cfg"]["num_frame_per_block"] == head["num_frame_per_block"] == 2
+    assert head["action_dim"] == head["max_action_dim"] == 32 and head["max_state_dim"] == 64
+    assert head["decouple_inference_noise"] is False and head["video_inference_final_noise"] == 0.8
+
+
+def test_every_released_action_head_key_is_read_refused_or_listed_as_ignored(tiny_dir, caplog):
+    from policies.dreamzero.model import (
+        FIXED_ACTION_HEAD_KEYS,
+        IGNORED_ACTION_HEAD_KEYS,
+        READ_ACTION_HEAD_KEYS,
+        SECTIONS,
+    )
+    from policies.dreamzero.upstream_layout import RELEASED_ACTION_HEAD_KEYS
+
+    handled = [READ_ACTION_HEAD_KEYS, set(FIXED_ACTION_HEAD_KEYS), IGNORED_ACTION_HEAD_KEYS, set(SECTIONS)]
+    assert set().union(*handled) >= RELEASED_ACTION_HEAD_KEYS
+    assert sum(len(group) for group in handled) == len(set().union(*handled))  # each key in one group only
+    with caplog.at_level("WARNING"):
+        head, _ = _read(_config(tiny_dir))
+    assert caplog.records == []  # the released key set raises no warning
+    assert (head.num_frames, head.num_frame_per_block, head.action_horizon) == (33, 2, 24)
+
+
+def test_dit_keys_come_from_the_dit_section_with_upstreams_defaults(tiny_dir):
+    from policies.dreamzero.model import UPSTREAM_DIT_DEFAULTS
+    from policies.dreamzero.upstream_layout import RELEASED_DIT_KEYS
+
+    config = _config(tiny_dir)
+    head = config["action_head_cfg"]["config"]
+    _, dit = _read(config)
+    assert head["hidden_size"] == 64 and dit.hidden_size == TINY_DIT.hidden_size == 32  # the head's is not the DiT's
+    # a key the released file leaves out gets upstream's CausalWanModel default, which is DiTConfig's default too
+    defaults = DiTConfig()
+    for key, value in UPSTREAM_DIT_DEFAULTS.items():
+        if key not in RELEASED_DIT_KEYS:
+            assert getattr(defaults, key) == value, key
+    del head["diffusion_model_cfg"]["action_dim"], head["diffusion_model_cfg"]["max_state_dim"]
+    _, dit = _read(config)
+    assert (dit.action_dim, dit.max_state_dim) == (32, 64)
+    del head["diffusion_model_cfg"]["num_action_per_block"]  # upstream default 32 != the head's 24 actions
+    with pytest.raises(CheckpointError, match="num_action_per_block = 32"):
+        _read(config)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "needle"),
+    [
+        ("tiled", True, r"action_head_cfg.config.tiled = True, .*supported: False"),
+        ("tiled", None, r"action_head_cfg.config.tiled is absent \(upstream then uses True\).*supported: False"),
+        ("train_architecture", "lora", r"train_architecture = 'lora'.*supported: 'full'"),
+        ("target_video_height", 160, r"target_video_height = 160.*supported: None"),
+        ("vae_cfg._target_", "groot.vla.model.dreamzero.modules.wan_video_vae.WanVideoVAE38", r"vae_cfg\._target_ = .*VAE38"),
+        ("num_frame_per_block", 1, r"num_frame_per_block = 1 disagrees with .*diffusion_model_cfg.num_frame_per_block = 2"),
+        ("action_dim", 8, r"action_dim = 8 disagrees with .*diffusion_model_cfg.action_dim = 32"),
+        ("max_state_dim", 44, r"max_state_dim = 44 disagrees"),
+        ("video_inference_final_noise", 1.5, r"video_inference_final_noise must be in \[0, 1\]"),
+        ("decouple_inference_noise", "yes", r"decouple_inference_noise must be true or false"),
+        ("diffusion_model_cfg.mystery", 1, r"diffusion_model_cfg: unknown DiT config keys: \['mystery'\]"),
+    ],
+)
+def test_an_unsupported_inference_setting_is_refused_by_name(tiny_dir, path, value, needle):
+    config = _config(tiny_dir)
+    *sections, key = path.split(".")
+    target = config["action_head_cfg"]["config"]
+    for section in sections:
+        target = target[section]
+    if value is None:
+        del target[key]
+    else:
+        target[key] = value
+    with pytest.raises(CheckpointError, match=needle):
+        _read(config)
+
+
+def test_an_unsupported_setting_stops_the_load(tiny_dir, tmp_path):
+    broken = _copy(tiny_dir, tmp_path)
+    config = _config(broken)
+    config["action_head_cfg"]["config"]["tiled"] = True
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="tiled"):
+        DreamZeroModel.load(broken)
+
+
+def test_unknown_keys_are_named_in_one_warning_line(tiny_dir, caplog):
+    config = _config(tiny_dir)
+    head = config["action_head_cfg"]["config"]
+    head["mystery_knob"] = 3
+    head["vae_cfg"]["spare"] = True
+    with caplog.at_level("WARNING"):
+        _read(config)
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(lines) == 1 and "\n" not in lines[0]
+    assert "action_head_cfg.config.mystery_knob" in lines[0] and "action_head_cfg.config.vae_cfg.spare" in lines[0]
+
+
+def test_decoupled_inference_noise_is_read(tiny_dir):
+    config = _config(tiny_dir)
+    config["action_head_cfg"]["config"] |= {"decouple_inference_noise": True, "video_inference_final_noise": 0.7}
+    head, _ = _read(config)
+    assert head.decouple_inference_noise is True and head.video_inference_final_noise == 0.7

@@ -10,8 +10,8 @@ import torch
 
 from kv import Branch, DenseKVCache, KVSpec, PagedKVCache
 from policies.dreamzero.checkpoint import CheckpointError, WeightFiles, load_component
-from policies.dreamzero.naming import DIT_PREFIX, identity_targets
 from policies.dreamzero.dit import CausalWanModel, DiTConfig
+from policies.dreamzero.naming import DIT_PREFIX, identity_targets
 from tests.reference import REFERENCE_DIR
 
 REFERENCE = REFERENCE_DIR / "upstream_dit_tiny"

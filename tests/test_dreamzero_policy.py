@@ -11,8 +11,8 @@ import torch
 
 from kv import Branch, PagedKVCache
 from policies.base import RuntimeOptions
-from policies.guidance import Guidance
 from policies.dreamzero.policy import DreamZeroConfig, DreamZeroPolicy
+from policies.guidance import Guidance
 from policies.observation import RobotObservation
 
 TINY = {"view_size": (48, 80)}
@@ -103,7 +103,7 @@ def test_a_failure_mid_forward_leaves_no_page_and_the_next_call_starts_clean(tin
 def test_a_changed_prompt_resets_the_session(tiny_model):
     policy, cache = make_policy(tiny_model)
     obs = list(observations(3))
-    session, results = rollout(policy, cache, obs[:2])
+    session, _ = rollout(policy, cache, obs[:2])
     other = RobotObservation(**{**obs[2].__dict__, "prompt": "open the drawer"})
     result = policy.step(session, other)
     assert result.info["session_reset"] and result.info["current_start_frame"] == 3
@@ -121,6 +121,52 @@ def test_dynamic_step_cache_runs_at_least_two_steps_and_stays_finite(tiny_model)
     policy, cache = make_policy(tiny_model, dit_step_cache="dynamic")
     _, results = rollout(policy, cache, observations(2))
     assert all(2 <= r.info["dit_forwards"] <= 16 and np.isfinite(r.actions).all() for r in results)
+
+
+def test_decoupled_inference_noise_schedule_is_upstreams():
+    """Upstream (WANPolicyHead.lazy_joint_video_action): video sigmas * (sigma_max - f) / sigma_max + f in float32 on
+    the GPU, where / by a Python scalar is * by its float32 reciprocal; timesteps = int64(sigmas[:-1] * 1000)."""
+    from policies.dreamzero.policy import DecoupledVideoScheduler
+    from policies.dreamzero.scheduler import FlowUniPCScheduler
+
+    plain, video = FlowUniPCScheduler(), DecoupledVideoScheduler(0.8)
+    plain.set_timesteps(16, 5.0)
+    video.set_timesteps(16, 5.0)
+    sigmas = plain.sigmas.numpy()
+    sigma_max = sigmas[0].item()
+    f32 = np.float32
+    expected = sigmas * f32(sigma_max - 0.8) * (f32(1.0) / f32(sigma_max)) + f32(0.8)
+    assert expected.dtype == np.float32 and np.array_equal(video.sigmas.numpy(), expected)
+    assert video.sigmas[-1].item() == f32(0.8) and abs(video.sigmas[0].item() - sigma_max) < 1e-6
+    assert video.timesteps.tolist() == (expected[:-1] * f32(1000)).astype(np.int64).tolist()
+    assert video.timesteps[0] == 999 and video.timesteps[-1] >= 800
+
+
+def test_decoupled_inference_noise_changes_only_the_video_schedule(tiny_model, monkeypatch):
+    import dataclasses
+
+    decoupled = copy.copy(tiny_model)
+    decoupled.action_head_config = dataclasses.replace(tiny_model.action_head_config, decouple_inference_noise=True)
+    seen: dict[str, list[tuple[int, int]]] = {"plain": [], "decoupled": []}
+    current = ["plain"]
+    forward = tiny_model.dit.forward  # one DiT, shared by both models
+
+    def recording(*args, **kwargs):
+        if kwargs.get("action") is not None:  # a denoise step: (video timestep, action timestep)
+            seen[current[0]].append((int(args[1][0, 0]), int(kwargs["timestep_action"][0, 0])))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(tiny_model.dit, "forward", recording)
+    results = {}
+    for name, model in (("plain", tiny_model), ("decoupled", decoupled)):
+        current[0] = name
+        policy, cache = make_policy(model, dit_step_cache="off")
+        _, results[name] = rollout(policy, cache, observations(2))
+    plain, decoupled_steps = seen["plain"], seen["decoupled"]
+    assert [a for _, a in plain] == [a for _, a in decoupled_steps]  # action timesteps: the full schedule
+    assert min(v for v, _ in plain) < 300 and min(v for v, _ in decoupled_steps) >= 800  # video stops at 80 % noise
+    assert all(np.isfinite(r.actions).all() for r in results["decoupled"])
+    assert not np.array_equal(results["plain"][1].actions, results["decoupled"][1].actions)
 
 
 class ThreadPair:

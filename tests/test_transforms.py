@@ -64,7 +64,8 @@ def test_prompt_template():
     prompt = droid_prompt("Put the Cup in the SINK.")
     assert prompt.startswith("A multi-view video shows that a robot put the cup in the sink. The video is split into three views:")
     assert prompt.endswith("may be a black screen (dropped view). The robot put the cup in the sink.")
-    assert droid_prompt("   ") == droid_prompt("") and "perform the default behavior." in droid_prompt("")
+    # upstream's server sends "" for a missing prompt: an empty task (tests/test_prompts.py has every case)
+    assert droid_prompt("   ") == droid_prompt("") == droid_prompt(None) and "default behavior" not in droid_prompt("")
 
 
 STATS = NormStats(q01=np.array([-1.0, 0.0, 2.0]), q99=np.array([1.0, 4.0, 2.0]))
@@ -98,5 +99,5 @@ def test_stats_come_from_metadata_joint_then_gripper():
                                                     "gripper_position": {"q01": [0], "q99": [1]}}}}}  # fmt: skip
     stats = NormStats.from_metadata(meta, "oxe_droid", "action")
     assert stats.q01.tolist() == [1, 2, 0] and stats.q99.tolist() == [3, 4, 1]
-    with pytest.raises(ValueError, match="oxe_droid.statistics.state"):
+    with pytest.raises(ValueError, match=r"oxe_droid\.statistics\.state"):
         NormStats.from_metadata(meta, "oxe_droid", "state")

@@ -19,6 +19,7 @@ DEFAULT_NEGATIVE_PROMPT = (
 
 
 BUILTIN_TINY = "builtin:tiny"
+SYNTHETIC_PREFIX = "synthetic:"  # random weights in a released geometry, made on the device (synthetic.py)
 
 
 class DreamZeroConfig(pydantic.BaseModel):
@@ -53,7 +54,7 @@ class DreamZeroConfig(pydantic.BaseModel):
     def preflight(self) -> None:
         """Cheap checks before any worker is spawned: the checkpoint and tokenizer directories exist.
         Raises ValueError with one line naming the problem and the fix."""
-        if self.checkpoint == BUILTIN_TINY:
+        if self.checkpoint == BUILTIN_TINY or self.checkpoint.startswith(SYNTHETIC_PREFIX):
             return
         checkpoint = Path(self.checkpoint).expanduser()
         if not (checkpoint / "config.json").is_file():

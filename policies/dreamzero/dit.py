@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from kv import CrossKV, DenseLayerKV, PagedLayerInputs, paged_write_attend
 
-LayerKV = Union[PagedLayerInputs, DenseLayerKV, None]
+LayerKV = PagedLayerInputs | DenseLayerKV | None
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,9 @@ class MultiEmbodimentActionEncoder(nn.Module):
     def forward(self, actions: torch.Tensor, timesteps: torch.Tensor, category: torch.Tensor) -> torch.Tensor:
         a = self.W1(actions, category)
         tau = action_timestep_encoding(timesteps, self.dim).to(a.dtype)
-        return self.W3(F.silu(self.W2(torch.cat([a, tau], dim=-1), category)), category)
+        x = self.W2(torch.cat([a, tau], dim=-1), category)
+        # Upstream's swish is x * sigmoid(x): two roundings in bf16, where F.silu rounds once.
+        return self.W3(x * torch.sigmoid(x), category)
 
 
 # ----------------------------------------------------------------------------- blocks

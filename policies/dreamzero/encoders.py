@@ -14,17 +14,15 @@ names onto these wrappers live in `naming.py`.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
-import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKLWan
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
 from torch import Tensor, nn
 from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection, UMT5Config, UMT5EncoderModel
 from transformers.models.clip.modeling_clip import CLIPEncoderLayer
@@ -107,7 +105,10 @@ class TextEncoder(nn.Module):
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | None = None) -> TextEncoder:
         """Builds the encoder from `UMT5Config` fields; `cfg` overrides the UMT5-XXL defaults."""
-        config = UMT5Config(**{**UMT5_XXL_ENCODER_CONFIG, **(cfg or {})})
+        # Eager attention: upstream's T5Attention takes the softmax in float32 and casts the probabilities back to
+        # the model dtype before multiplying with V, which transformers' eager path reproduces; its default (SDPA)
+        # never rounds the probabilities, so in bf16 it differs.
+        config = UMT5Config(**{**UMT5_XXL_ENCODER_CONFIG, **(cfg or {})}, attn_implementation="eager")
         return cls(UMT5EncoderModel(config)).eval().requires_grad_(False)
 
     @property
@@ -192,12 +193,27 @@ class ImageEncoder(nn.Module):
         return hidden
 
 
+class UpstreamRMSNorm(WanRMS_norm):
+    """diffusers' `WanRMS_norm` computing upstream's `RMS_norm` formula (groot/vla/model/dreamzero/modules/
+    wan_video_vae.py): `F.normalize(x) * scale * gamma + bias` in the input's dtype. diffusers normalizes a bf16 input
+    in float32 and rounds it back; upstream's bf16 re-encode rounds at every step, and under CUDA autocast (its
+    window-start encode) `F.normalize` returns float32, so the whole norm and the SiLU after it stay float32 until
+    the next convolution. In float32 both formulas are the same operations: results are bit-identical."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.normalize(x, dim=1 if self.channel_first else -1) * self.scale * self.gamma + self.bias
+
+
 class VideoVAE(nn.Module):
     """Wan2.1 video VAE; `encode` returns normalized posterior means like upstream's non-tiled encode."""
 
     def __init__(self, model: AutoencoderKLWan) -> None:
         super().__init__()
         check_wan21_vae_config(model.config)
+        # Same parameters, upstream's rounding: the norms become `UpstreamRMSNorm` in place (no state is added).
+        for module in model.modules():
+            if type(module) is WanRMS_norm:
+                module.__class__ = UpstreamRMSNorm
         self.model = model
 
     @classmethod
@@ -232,6 +248,15 @@ class VideoVAE(nn.Module):
         inv_std = 1.0 / torch.tensor(config.latents_std, dtype=torch.float32, device=mu.device)
         shape = (1, -1, 1, 1, 1)
         return (mu - mean.to(mu.dtype).view(shape)) * inv_std.to(mu.dtype).view(shape)
+
+    def decode(self, latents: Tensor) -> Tensor:
+        """(B, z_dim, k, h, w) normalized latents -> (B, 3, 1 + 4 (k - 1), 8h, 8w) video in about [-1, 1]
+        (the inverse of :meth:`encode`'s normalization, then diffusers' causal decoder)."""
+        config = self.model.config
+        shape = (1, -1, 1, 1, 1)
+        mean = torch.tensor(config.latents_mean, dtype=latents.dtype, device=latents.device).view(shape)
+        std = torch.tensor(config.latents_std, dtype=latents.dtype, device=latents.device).view(shape)
+        return self.model.decode(latents * std + mean).sample
 
 
 def check_wan21_vae_config(vae_config: Mapping[str, Any]) -> None:

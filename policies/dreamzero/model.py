@@ -28,32 +28,163 @@ from policies.dreamzero.naming import (
     text_encoder_targets,
     vae_targets,
 )
+from policies.dreamzero.upstream_layout import UPSTREAM_TARGETS
 
 logger = logging.getLogger(__name__)
 
 
+# Upstream ``CausalWanModel.__init__`` defaults (groot/vla/model/dreamzero/modules/wan_video_dit_action_casual_chunk.py):
+# a key missing from ``diffusion_model_cfg`` gets these upstream, so it gets them here too. (DiTConfig's own
+# defaults are the released model's values; they agree with these on every key the released file leaves out.)
+UPSTREAM_DIT_DEFAULTS: dict[str, Any] = {
+    "model_type": "t2v", "patch_size": (1, 2, 2), "frame_seqlen": 220, "text_len": 512, "in_dim": 16, "dim": 2048,
+    "ffn_dim": 8192, "freq_dim": 256, "text_dim": 4096, "out_dim": 16, "num_heads": 16, "num_layers": 32,
+    "max_chunk_size": -1, "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6, "num_frame_per_block": 1,
+    "action_dim": 32, "max_state_dim": 64, "hidden_size": 1024, "num_action_per_block": 32, "num_state_per_block": 1,
+}  # fmt: skip
+
+# action_head_cfg.config keys whose value changes inference and that run at one value only:
+# key -> (the supported value, upstream's value when the key is absent: WANPolicyHeadConfig's field default).
+FIXED_ACTION_HEAD_KEYS: dict[str, tuple[Any, Any]] = {
+    "tiled": (False, True),  # tiled VAE re-encode of the observed frames (WANPolicyHead.lazy_joint_video_action)
+    "train_architecture": ("full", "lora"),  # "lora": un-merged LoRA tensors that upstream merges after loading
+    "target_video_height": (None, None),  # resize before the VAE (the Wan2.2 5B variant)
+    "target_video_width": (None, None),
+}
+# action_head_cfg.config keys this project reads (besides FIXED_ACTION_HEAD_KEYS and the sub-sections).
+READ_ACTION_HEAD_KEYS = frozenset({
+    "num_frames", "num_frame_per_block", "action_horizon", "action_dim", "max_state_dim",
+    "decouple_inference_noise", "video_inference_final_noise",
+})  # fmt: skip
+SECTIONS = ("diffusion_model_cfg", "text_encoder_cfg", "image_encoder_cfg", "vae_cfg")
+# action_head_cfg.config keys (released ones and other WANPolicyHeadConfig fields) that do not change inference:
+IGNORED_ACTION_HEAD_KEYS = frozenset({
+    # hydra bookkeeping
+    "_target_", "_recursive_", "_convert_",
+    # only used when tiled=True / train_architecture="lora" (both refused)
+    "tile_size_height", "tile_size_width", "tile_stride_height", "tile_stride_width",
+    "lora_rank", "lora_alpha", "lora_target_modules", "init_lora_weights", "defer_lora_injection",
+    # upstream's action head hard-codes 16 steps (the server setting num_inference_steps applies); training dtype
+    "num_inference_timesteps", "model_dtype",
+    # pads training actions; the head's hidden_size is not the DiT's (diffusion_model_cfg.hidden_size)
+    "max_action_dim", "hidden_size",
+    # training: loss, noise sampling, trainable parts, checkpointing, weight loading
+    "action_loss_embodiment_ids", "noise_beta_alpha", "noise_beta_beta", "noise_s", "num_timestep_buckets",
+    "decouple_video_action_noise", "video_noise_beta_alpha", "video_noise_beta_beta", "use_high_noise_emphasis",
+    "high_noise_beta_alpha", "tune_projector", "tune_diffusion_model", "use_gradient_checkpointing",
+    "skip_component_loading", "load_pretrained_det_decode_layer_path", "freeze_decode_layer", "detection_coeff",
+    "repa_layer", "repa_coeff", "expand_batch",
+    # GR00T N1.5 leftovers that build nothing in WANPolicyHead
+    "add_pos_embed", "input_embedding_dim", "backbone_embedding_dim", "use_vlln", "vl_self_attention_cfg",
+    "backbone_features_projector_cfg", "qformer_cfg", "max_seq_len", "max_num_embodiments",
+})  # fmt: skip
+# Keys of the encoder sections: upstream's (class, weight path) and this project's ``architecture`` overrides.
+ENCODER_SECTION_KEYS = frozenset({"_target_", "_convert_", "architecture"})
+_KNOWN_ACTION_HEAD_KEYS = frozenset(FIXED_ACTION_HEAD_KEYS) | READ_ACTION_HEAD_KEYS | IGNORED_ACTION_HEAD_KEYS | set(SECTIONS)
+
+
+def _key_error(key: str, value: Any, supported: Any, absent: bool = False) -> CheckpointError:
+    shown = f"is absent (upstream then uses {value!r})" if absent else f"= {value!r}"
+    return CheckpointError(f"config.json {key} {shown}, which this server does not implement (supported: {supported!r})")
+
+
 @dataclass(frozen=True)
 class ActionHeadConfig:
-    """The action-head keys of ``config.json`` the policy needs."""
+    """What the policy reads from ``action_head_cfg.config`` (validated against the DiT's section)."""
 
     num_frames: int  # pixel frames of the image conditioning (33 -> 9 latent frames)
     num_frame_per_block: int
     action_horizon: int
-    max_action_dim: int
-    max_state_dim: int
+    max_action_dim: int  # action width the DiT predicts (diffusion_model_cfg.action_dim)
+    max_state_dim: int  # state width the DiT's state encoder takes (diffusion_model_cfg.max_state_dim)
+    # Upstream's decoupled inference: the video schedule ends at this noise level instead of 0 (actions unchanged).
+    decouple_inference_noise: bool = False
+    video_inference_final_noise: float = 0.8
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ActionHeadConfig:
+    def from_dict(cls, raw: dict[str, Any], dit: DiTConfig) -> ActionHeadConfig:
+        """Reads and checks ``action_head_cfg.config`` (unknown keys are the caller's to report)."""
+        prefix = "action_head_cfg.config."
+        for key, (supported, default) in FIXED_ACTION_HEAD_KEYS.items():
+            value = raw.get(key, default)
+            if value != supported or type(value) is not type(supported):
+                raise _key_error(prefix + key, value, supported, absent=key not in raw)
         try:
-            return cls(
+            head = cls(
                 num_frames=int(raw["num_frames"]),
-                num_frame_per_block=int(raw["num_frame_per_block"]),
+                num_frame_per_block=int(raw.get("num_frame_per_block", 1)),
                 action_horizon=int(raw["action_horizon"]),
-                max_action_dim=int(raw.get("max_action_dim", raw.get("action_dim"))),
-                max_state_dim=int(raw["max_state_dim"]),
+                max_action_dim=dit.action_dim,
+                max_state_dim=dit.max_state_dim,
+                decouple_inference_noise=raw.get("decouple_inference_noise", False),
+                video_inference_final_noise=float(raw.get("video_inference_final_noise", 0.8)),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"config.json action_head_cfg.config is missing or has a bad {exc}") from None
+            raise CheckpointError(f"config.json {prefix[:-1]} is missing or has a bad {exc}") from None
+        if not isinstance(head.decouple_inference_noise, bool):
+            raise CheckpointError(f"config.json {prefix}decouple_inference_noise must be true or false")
+        if not 0.0 <= head.video_inference_final_noise <= 1.0:
+            raise CheckpointError(f"config.json {prefix}video_inference_final_noise must be in [0, 1]")
+        # What upstream requires to agree (it fails, or builds mismatched shapes, otherwise):
+        pairs = [
+            ("num_frame_per_block", head.num_frame_per_block, dit.num_frame_per_block),  # noise vs the DiT's blocks
+            ("action_horizon", head.action_horizon, dit.num_action_per_block),  # one action block per chunk
+            # VLA.validate_data checks the predicted width against it
+            ("action_dim", raw.get("action_dim", dit.action_dim), dit.action_dim),
+            # the transform pads the state to it; the DiT's state encoder takes the DiT's
+            ("max_state_dim", raw.get("max_state_dim", dit.max_state_dim), dit.max_state_dim),
+        ]
+        for key, value, dit_value in pairs:
+            if value != dit_value:
+                dit_key = "num_action_per_block" if key == "action_horizon" else key
+                raise CheckpointError(
+                    f"config.json {prefix}{key} = {value!r} disagrees with {prefix}diffusion_model_cfg.{dit_key} = "
+                    f"{dit_value!r}; upstream cannot run that combination"
+                )
+        return head
+
+
+def read_config(ckpt: CheckpointDir) -> tuple[ActionHeadConfig, DiTConfig]:
+    """The action-head and DiT configs of a checkpoint, each key read from the section upstream reads it from.
+
+    Keys that change inference are implemented or refused (CheckpointError naming the key); keys that do not are
+    listed in ``IGNORED_ACTION_HEAD_KEYS``; anything else is reported in one warning line.
+    """
+    head_raw, dit_raw = ckpt.action_head, ckpt.diffusion_model_cfg
+    _check_targets(ckpt)
+    unknown = [f"action_head_cfg.config.{k}" for k in sorted(head_raw) if k not in _KNOWN_ACTION_HEAD_KEYS]
+    for section in SECTIONS[1:]:
+        raw = head_raw.get(section) or {}
+        known = ENCODER_SECTION_KEYS | {f"{section.removesuffix('_cfg')}_pretrained_path"}
+        unknown += [f"action_head_cfg.config.{section}.{k}" for k in sorted(raw) if k not in known]
+    if unknown:
+        logger.warning("config.json: ignoring keys this server does not know: %s", ", ".join(unknown))
+    try:
+        # Upstream instantiates CausalWanModel(**diffusion_model_cfg): an unknown key fails there too.
+        dit = DiTConfig.from_dict({**UPSTREAM_DIT_DEFAULTS, **dit_raw})
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"config.json action_head_cfg.config.diffusion_model_cfg: {exc}") from None
+    head = ActionHeadConfig.from_dict(head_raw, dit)
+    # VLA.validate_data (base_vla.py) checks every prediction against the root's action_horizon / action_dim.
+    for key, value in (("action_horizon", head.action_horizon), ("action_dim", dit.action_dim)):
+        if ckpt.root_config.get(key, value) != value:
+            raise CheckpointError(f"config.json {key} = {ckpt.root_config[key]!r} disagrees with the model's {value!r}")
+    return head, dit
+
+
+def _check_targets(ckpt: CheckpointDir) -> None:
+    """Each section's ``_target_`` (when present) names the upstream class this project implements."""
+    sections = {
+        "action_head_cfg": ckpt.root_config.get("action_head_cfg"),
+        "action_head_cfg.config": ckpt.action_head,
+        **{s: ckpt.action_head.get(s) for s in SECTIONS},
+    }
+    for name, section in sections.items():
+        target = section.get("_target_") if isinstance(section, dict) else None
+        expected = UPSTREAM_TARGETS[name]
+        if target is not None and str(target).rsplit(".", 1)[-1] != expected.rsplit(".", 1)[-1]:
+            key = name if name.startswith("action_head_cfg") else f"action_head_cfg.config.{name}"
+            raise _key_error(f"{key}._target_", target, expected)
 
 
 @dataclass
@@ -77,15 +208,7 @@ class DreamZeroModel:
     ) -> DreamZeroModel:
         start = time.perf_counter()
         ckpt = CheckpointDir(checkpoint)
-        head = ActionHeadConfig.from_dict(ckpt.action_head)
-        dit_cfg = DiTConfig.from_dict(
-            {
-                **ckpt.diffusion_model_cfg,
-                "action_dim": head.max_action_dim,
-                "max_state_dim": head.max_state_dim,
-                "num_frame_per_block": head.num_frame_per_block,
-            }
-        )
+        head, dit_cfg = read_config(ckpt)
         with torch.device("meta"):
             dit = CausalWanModel(dit_cfg)
             text_encoder = TextEncoder.from_config(ckpt.component_config("text_encoder_cfg"))

@@ -18,6 +18,7 @@ Per call (upstream ``WANPolicyHead.lazy_joint_video_action``):
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -30,13 +31,14 @@ import torch
 import torch.nn.functional as F
 
 from kv import Branch, KVSpec, SessionKV
-from policies.base import Policy, RuntimeOptions, StepResult
-from policies.dreamzero.config import BUILTIN_TINY, DreamZeroConfig
+from policies.base import ChunkRecording, Policy, RuntimeOptions, StepResult
+from policies.dreamzero.config import BUILTIN_TINY, SYNTHETIC_PREFIX, DreamZeroConfig
 from policies.dreamzero.model import DreamZeroModel
 from policies.dreamzero.scheduler import FlowUniPCScheduler
 from policies.dreamzero.transforms import (
     CROP_SCALE,
     NormStats,
+    clean_prompt,
     crop_and_resize,
     denormalize_actions,
     droid_prompt,
@@ -90,6 +92,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         self.options = options
         self.device = torch.device(options.device)
         self.dtype = getattr(torch, options.dtype)
+        if model is None and config.checkpoint.startswith(SYNTHETIC_PREFIX):
+            from policies.dreamzero.synthetic import synthetic_model
+
+            model = synthetic_model(config.checkpoint, dtype=self.dtype, device=self.device)
         if model is None:
             checkpoint = resolve_checkpoint(config.checkpoint)
             model = DreamZeroModel.load(checkpoint, tokenizer=config.tokenizer, dtype=self.dtype, device=self.device)
@@ -146,6 +152,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
 
     def check_observation(self, observation: RobotObservation) -> None:
         """What :meth:`step` cannot take, refused before any session state changes."""
+        try:
+            droid_prompt(observation.prompt)
+        except ValueError as exc:
+            raise UnsupportedObservation(f"prompt: {exc}") from None
         lengths = {name: frames.shape[0] for name, frames in observation.cameras.items() if frames is not None}
         if len(set(lengths.values())) > 1:
             raise UnsupportedObservation(f"camera frame stacks differ in length: {lengths}")
@@ -229,17 +239,35 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
 
         # denoise the next chunk + actions
         raw_state = self._raw_state(observation)
-        actions, dit_forwards = self._denoise(session, raw_state)
+        actions, video, dit_forwards = self._denoise(session, raw_state)
         timer.mark("denoise")
         session.current_start_frame += nfpb
 
         out = self._postprocess(actions, raw_state)
         timer.mark("decode")
+        recording = None
+        if self.options.record:  # references for the recorder; it decodes the video between requests
+            seen = list(session.frames)[-(1 if session.calls == 1 else FRAMES_PER_CALL) :]
+            recording = ChunkRecording(
+                canvas=np.stack(seen), predicted=video.detach().to("cpu"), raw_actions=actions[0].float().cpu().numpy(), state=raw_state
+            )
         return StepResult(
             actions=out,
             timing_ms=timer.ms,
             info={"dit_forwards": dit_forwards, "current_start_frame": session.current_start_frame, **events},
+            recording=recording,
         )
+
+    @torch.no_grad()
+    def decode_prediction(self, predicted: torch.Tensor) -> np.ndarray:
+        """The denoised latents of a chunk -> (T, H, W, 3) uint8 frames of the stitched canvas.
+
+        The chunk's latents are decoded on their own (without the window's earlier latents as the
+        causal VAE's context), so the first frame is a reconstruction of the chunk's first latent:
+        a faithful view of what the model predicted, not bit-equal to a decode of the whole window."""
+        frames = self.model.vae.decode(predicted.to(self.device, self.dtype))  # (1, 3, T, H, W) in [-1, 1]
+        frames = ((frames[0].float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
+        return frames.permute(1, 2, 3, 0).cpu().numpy()
 
     def _advance_session(self, session: DreamZeroSession, observation: RobotObservation) -> dict[str, bool]:
         """Buffer the new frames and apply upstream's reset rules. Returns what happened."""
@@ -270,8 +298,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         frames = frames[-wanted:]
         frames = [frames[0]] * (wanted - len(frames)) + frames  # pad by repeating the oldest
         video = torch.from_numpy(np.stack(frames)).to(self.device)
-        video = video.permute(3, 0, 1, 2).unsqueeze(0).float() / 255.0
-        return (video * 2.0 - 1.0).to(self.dtype)
+        return pixels_to_model_range(video.permute(3, 0, 1, 2).unsqueeze(0), self.dtype)
 
     def _tokenize(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = self.model.tokenizer(
@@ -289,7 +316,9 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             embeds[Branch.COND] = session.prompt_embeds
         if Branch.UNCOND in self.branches:
             if self._negative_embeds is None:
-                self._negative_embeds = self.model.text_encoder(*self._tokenize(self.config.negative_prompt))
+                # Upstream's tokenizer cleans the negative prompt too (no template, no lower-casing).
+                negative = clean_prompt(self.config.negative_prompt)
+                self._negative_embeds = self.model.text_encoder(*self._tokenize(negative))
             embeds[Branch.UNCOND] = self._negative_embeds
         return embeds
 
@@ -297,7 +326,14 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         """``ys``: VAE latents of [image, zeros x (num_frames - 1)] with a mask on latent 0."""
         b, c, _, h, w = image.shape
         zeros = torch.zeros(b, c, self.action_head_config.num_frames - 1, h, w, dtype=image.dtype, device=image.device)
-        latents = self.model.vae.encode(torch.cat([image, zeros], dim=2))
+        # Upstream runs this encode under CUDA bf16 autocast (WANPolicyHead.encode_image) and the per-call re-encode
+        # without it. A bf16 model on a GPU does the same here: the VAE's RMS norms (upstream's formula, see
+        # encoders.UpstreamRMSNorm) then yield float32 up to the next convolution. CPU autocast keeps norms in bf16
+        # unlike CUDA's, so elsewhere this encode runs plainly in the model dtype, like upstream's re-encode.
+        autocast = self.device.type == "cuda" and self.dtype == torch.bfloat16
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
+            latents = self.model.vae.encode(torch.cat([image, zeros], dim=2))
+        latents = latents.to(self.dtype)
         mask = torch.zeros_like(latents[:, :4])
         mask[:, :, 0] = 1
         return torch.cat([mask, latents], dim=1), latents[:, :, :1]
@@ -358,7 +394,8 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         for branch in self.branches:
             self._dit(session, branch, latents, timestep, start=start, commit=True)
 
-    def _denoise(self, session: DreamZeroSession, raw_state: np.ndarray) -> tuple[torch.Tensor, int]:
+    def _denoise(self, session: DreamZeroSession, raw_state: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(actions, denoised video latents, DiT forwards run) of the next chunk."""
         dit_config, head, config = self.dit_config, self.action_head_config, self.config
         z = self.model.vae.latent_channels
         lh, lw = session.ys.shape[-2:]
@@ -366,7 +403,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         actions = _seeded_noise((1, head.action_horizon, dit_config.action_dim), config.seed).to(self.device, self.dtype)
         model_state = normalize_state(raw_state, self.state_stats, head.max_state_dim).reshape(1, 1, -1)
         state = torch.from_numpy(model_state).to(self.device, self.dtype)
-        video_scheduler, action_scheduler = FlowUniPCScheduler(), FlowUniPCScheduler()
+        video_scheduler = FlowUniPCScheduler()
+        if head.decouple_inference_noise:
+            video_scheduler = DecoupledVideoScheduler(head.video_inference_final_noise)
+        action_scheduler = FlowUniPCScheduler()
         video_scheduler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
         action_scheduler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
 
@@ -394,10 +434,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                     velocity = both[Branch.UNCOND] + config.cfg_scale * (both[Branch.COND] - both[Branch.UNCOND])
                 else:
                     velocity = local_video[Branch.COND]
-                history = (history + [velocity])[-2:]
+                history = [*history, velocity][-2:]
             video = video_scheduler.step(velocity, video, i)
             actions = action_scheduler.step(action_velocity, actions, i)
-        return actions, forwards
+        return actions, video, forwards
 
     def _should_run(self, index: int, history: list[torch.Tensor], countdown: int) -> tuple[bool, int]:
         """DiT step cache: (run the DiT this step?, new skip countdown)."""
@@ -430,6 +470,39 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         real = denormalize_actions(chunk, self.action_stats)
         real = to_absolute_joints(real, raw_state, self.config.relative_action_dims)
         return real.astype(np.float32)
+
+
+def pixels_to_model_range(pixels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 pixels -> [-1, 1] in ``dtype``, rounded where upstream rounds (``WANPolicyHead.lazy_joint_video_action``):
+    ``/ 255`` in float32, cast to the model dtype, then ``Normalize(0.5, 0.5)`` = ``(x - 0.5) / 0.5`` in that dtype.
+    (In float32 this is bit for bit ``x / 255 * 2 - 1``: scaling by 2 is exact.)"""
+    video = (pixels.float() / 255.0).to(dtype)
+    return (video - 0.5) / 0.5
+
+
+class DecoupledVideoScheduler(FlowUniPCScheduler):
+    """The video sampler under upstream's ``decouple_inference_noise`` (``WANPolicyHead.lazy_joint_video_action``).
+
+    The video's sigmas are mapped from [sigma_max, 0] onto [sigma_max, final_noise], so the video takes every step
+    but stays partly noisy, while the actions (their own scheduler) denoise fully. Both noises are still drawn from
+    the per-call seed; only the schedule changes. Upstream computes ``sigmas * (sigma_max - final) / sigma_max +
+    final`` on the GPU in float32, where dividing by a Python scalar is a multiplication by its float32 reciprocal;
+    the same float32 operations are done here, then ``timesteps = int64(sigmas[:-1] * 1000)``.
+    """
+
+    def __init__(self, final_noise: float) -> None:
+        super().__init__()
+        self.final_noise = final_noise
+
+    def set_timesteps(self, num_inference_steps: int, shift: float) -> None:
+        super().set_timesteps(num_inference_steps, shift)
+        solver = self._solver
+        sigmas = solver.sigmas
+        sigma_max = sigmas[0].item()
+        f32 = functools.partial(torch.tensor, dtype=torch.float32, device=sigmas.device)
+        reciprocal = f32(1.0) / f32(sigma_max)
+        solver.sigmas = sigmas * f32(sigma_max - self.final_noise) * reciprocal + f32(self.final_noise)
+        solver.timesteps = (solver.sigmas[:-1] * f32(self.num_train_timesteps)).to(torch.int64)
 
 
 def _seeded_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:

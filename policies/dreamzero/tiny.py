@@ -26,9 +26,9 @@ import torch
 from safetensors.torch import save_file
 
 from policies.dreamzero.dit import DiTConfig
-from policies.dreamzero.upstream_layout import checkpoint_layout
+from policies.dreamzero.upstream_layout import checkpoint_config, checkpoint_layout
 
-TINY_VERSION = 1
+TINY_VERSION = 2  # 2: config.json carries every key of the released one
 TINY_VIEW_SIZE = (48, 80)
 
 TINY_DIT = DiTConfig(
@@ -86,7 +86,7 @@ def _init(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torc
         return 0.02 * noise
     if leaf == "modulation":
         return noise / math.sqrt(shape[-1])
-    if "embedding" in name and leaf != "weight" or "pos_embedding" in name or "cls_embedding" in name:
+    if ("embedding" in name and leaf != "weight") or "pos_embedding" in name or "cls_embedding" in name:
         return 0.02 * noise
     fan_in = shape[-2] if leaf == "W" else math.prod(shape[1:])
     return noise / math.sqrt(max(fan_in, 1))
@@ -152,32 +152,8 @@ def write_checkpoint(
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
 
-    dit = {k: v for k, v in dit_cfg.to_dict().items() if k not in ("action_dim", "max_state_dim", "num_frame_per_block")}
-    config = {
-        "architectures": ["VLA"],
-        "model_type": "vla",
-        "ardiff_tiny_version": TINY_VERSION,
-        "action_head_cfg": {
-            "_target_": "groot.vla.model.dreamzero.action_head.wan_flow_matching_action_tf.WANPolicyHead",
-            "config": {
-                "num_frames": 33,
-                "num_frame_per_block": dit_cfg.num_frame_per_block,
-                "action_horizon": 24,
-                "action_dim": dit_cfg.action_dim,
-                "max_action_dim": dit_cfg.action_dim,
-                "max_state_dim": dit_cfg.max_state_dim,
-                "num_inference_timesteps": 16,
-                "decouple_inference_noise": False,
-                "diffusion_model_cfg": {
-                    "_target_": "groot.vla.model.dreamzero.modules.wan_video_dit_action_casual_chunk.CausalWanModel",
-                    **dit,
-                },
-                "text_encoder_cfg": {"_target_": "WanTextEncoder", "architecture": text_encoder},
-                "image_encoder_cfg": {"_target_": "WanImageEncoder", "architecture": image_encoder_cfg},
-                "vae_cfg": {"_target_": "WanVideoVAE", "architecture": vae_cfg},
-            },
-        },
-    }
+    # Every key of the released config.json, in its sections (upstream_layout.RELEASED_*_KEYS).
+    config = {**checkpoint_config(dit_cfg, text_encoder, image_encoder_cfg, vae_cfg), "ardiff_tiny_version": TINY_VERSION}
     _write_json(out / "config.json", config)
     _write_json(out / "experiment_cfg" / "metadata.json", _metadata())
     return out

@@ -17,26 +17,75 @@ absolute.
 
 from __future__ import annotations
 
+import ast
+import html
 from dataclasses import dataclass
 from typing import Any
 
+import ftfy
 import numpy as np
+import regex
 import torch
 import torch.nn.functional as F
 
 CROP_SCALE = 0.95
 
-def droid_prompt(instruction: str) -> str:
-    """The DROID multi-view prompt template DreamZero was trained with."""
-    task = (instruction or "").strip() or "Perform the default behavior."
-    task = task.lower()
-    return (
-        f"A multi-view video shows that a robot {task} The video is split into three views: The top view "
-        "shows the camera view from the robot's wrist, the bottom-left view shows the camera view from the "
-        "left exterior camera, and the bottom-right view shows the camera view from the right exterior "
-        "camera. During training, one of the two bottom exterior views may be a black screen (dropped "
-        f"view). The robot {task}"
-    )
+# The instruction's path through upstream's DROID server (dreamzero0/dreamzero), in order:
+#  1. socket_test_optimized_AR.py ``ARDroidRoboarenaPolicy._convert_observation``: ``obs["prompt"]``, or "" when the
+#     key is missing, becomes ``annotation.language.action_text`` (the transform's default instruction,
+#     "Perform the default behavior.", is only used when that key is absent, which this server path never does);
+#  2. groot/vla/model/n1_5/sim_policy.py ``unsqueeze_dict_values``: ``np.array([prompt])`` (numpy's unicode dtype
+#     drops trailing NUL characters);
+#  3. groot/vla/model/dreamzero/transform/dreamzero_cotrain.py ``DreamTransform._prepare_language``: the markers
+#     "<LAPA>", "<DREAM>", "<COTRAIN>" are removed (upstream then fails on the first two: they need training data);
+#  4. same file, ``collate``: ``ast.literal_eval`` of the instruction; a list/tuple gives ``str`` of its first item,
+#     another literal ``str`` of its value, text that is no literal stays as is; then the OXE_DROID template, the
+#     instruction ``.lower()``-ed and inserted twice;
+#  5. same file, ``HuggingfaceTokenizer(clean="whitespace")._clean`` on the whole templated string, right before
+#     tokenizing: ``whitespace_clean(basic_clean(text))`` = ftfy.fix_text, html.unescape twice, strip, collapse
+#     ``\s+`` (the ``regex`` module's) to one space, strip. The negative prompt goes through step 5 only.
+_UPSTREAM_MARKERS = ("<LAPA>", "<DREAM>", "<COTRAIN>")
+
+DROID_TEMPLATE = (
+    "A multi-view video shows that a robot {task} The video is split into three views: The top view shows the camera "
+    "view from the robot's wrist, the bottom-left view shows the camera view from the left exterior camera, and the "
+    "bottom-right view shows the camera view from the right exterior camera. During training, one of the two bottom "
+    "exterior views may be a black screen (dropped view). The robot {task}"
+)
+
+
+def clean_prompt(text: str) -> str:
+    """Upstream's tokenizer-side cleaning (``whitespace_clean(basic_clean(text))``), applied to every text it encodes."""
+    text = ftfy.fix_text(text)
+    text = html.unescape(html.unescape(text)).strip()
+    # Upstream's `re` is the `regex` module (\s = Unicode White_Space); `regex` comes with transformers.
+    return regex.sub(r"\s+", " ", text).strip()
+
+
+def droid_instruction(prompt: str | None) -> str:
+    """The instruction as upstream's ``collate`` inserts it into the template (before lower-casing).
+
+    A missing prompt (None) is the empty instruction, like upstream's server sends for an absent key.
+    Raises ValueError for an empty list/tuple literal (``"[]"``), on which upstream's ``collate`` fails.
+    """
+    text = "" if prompt is None else prompt.rstrip("\0")
+    for marker in _UPSTREAM_MARKERS:
+        text = text.replace(marker, "")
+    try:
+        parsed = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError):
+        return text
+    if isinstance(parsed, (list, tuple)):
+        if not parsed:
+            raise ValueError(f"prompt {prompt!r} is an empty {type(parsed).__name__} literal (upstream DreamZero fails on it)")
+        return str(parsed[0])
+    return str(parsed)
+
+
+def droid_prompt(prompt: str | None) -> str:
+    """The exact text upstream tokenizes for a DROID prompt: instruction, template, cleaning (see above)."""
+    task = droid_instruction(prompt).lower()
+    return clean_prompt(DROID_TEMPLATE.format(task=task))
 
 
 def crop_and_resize(frames: np.ndarray, size: tuple[int, int], crop_scale: float = CROP_SCALE) -> np.ndarray:
@@ -45,9 +94,9 @@ def crop_and_resize(frames: np.ndarray, size: tuple[int, int], crop_scale: float
     Same arithmetic as torchvision's CenterCrop + Resize(antialias=True) on float [0, 1]
     frames, and the same truncating conversion back to uint8 that the reference transform uses.
     """
-    t, h, w, _ = frames.shape
+    _, h, w, _ = frames.shape
     crop_h, crop_w = int(h * crop_scale), int(w * crop_scale)
-    top, left = int(round((h - crop_h) / 2.0)), int(round((w - crop_w) / 2.0))
+    top, left = round((h - crop_h) / 2.0), round((w - crop_w) / 2.0)
     x = torch.from_numpy(np.ascontiguousarray(frames[:, top : top + crop_h, left : left + crop_w]))
     x = x.permute(0, 3, 1, 2).float() / 255.0
     if (crop_h, crop_w) != tuple(size):

@@ -186,12 +186,11 @@ class SessionKV:
         self._check_open()
         self.cache.check_local(branch)
         state = self._branches[branch]
-        if state.pending is not None:
-            if state.pending.commit and state.pending.prepared:
-                raise RuntimeError(
-                    f"session {self.session_id!r} {branch.name}: a new forward replaces one whose chunk was never "
-                    "committed; call complete() or abort() first"
-                )
+        if state.pending is not None and state.pending.commit and state.pending.prepared:
+            raise RuntimeError(
+                f"session {self.session_id!r} {branch.name}: a new forward replaces one whose chunk was never "
+                "committed; call complete() or abort() first"
+            )
         state.pending = ForwardContext(
             self, branch, num_video_tokens=num_video_tokens, commit=commit, extra_tokens=extra_tokens
         )

@@ -130,11 +130,11 @@ def test_reproduces_upstream_recorded_rollout_through_the_loader_and_paged_kv():
     for call in meta["calls"]:
         key, branch = call["key"], Branch.COND if call["branch"] == "positive" else Branch.UNCOND
         call_index = int(call["tag"].split("/")[0][4:])
-        if f"window{call_index}.clip_feature" in rollout and call["tag"].endswith("prefill_first_frame"):
-            if clip is None or branch == Branch.COND:
-                clip = rollout[f"window{call_index}.clip_feature"]
-                if call_index:
-                    session.restart_window(keep_cross_text=True)  # the window restart upstream does
+        window_start = f"window{call_index}.clip_feature" in rollout and call["tag"].endswith("prefill_first_frame")
+        if window_start and (clip is None or branch == Branch.COND):
+            clip = rollout[f"window{call_index}.clip_feature"]
+            if call_index:
+                session.restart_window(keep_cross_text=True)  # the window restart upstream does
         x = rollout[f"{key}.x"]
         ctx = session.begin_forward(branch, num_video_tokens=x.shape[2] * cfg.frame_seqlen, commit=call["update_kv_cache"],
                                     extra_tokens=cfg.action_register_length if call["has_action"] else 0)  # fmt: skip

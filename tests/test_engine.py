@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from ardiff_server.engine.core import SessionEngine
-from kv import CapacityError
-from kv import PagedKVCache
+from kv import CapacityError, PagedKVCache
 from policies.base import RuntimeOptions
 from policies.observation import RobotObservation
 from tests.fake_policy import FakeConfig, FakePolicy

@@ -62,7 +62,7 @@ def test_denoise_forwards_use_scratch_and_commit_nothing():
 
 
 def test_block_table_has_a_fixed_width_and_real_lengths_in_seq_lens():
-    cache, s = make()
+    _cache, s = make()
     shapes, lengths = set(), []
     for _ in range(4):
         ctx = s.begin_forward(Branch.COND, num_video_tokens=PAGE, commit=True, extra_tokens=3)
@@ -224,7 +224,7 @@ def test_slot_mapping_is_page_times_page_size_plus_offset():
 
 
 def test_committed_chunk_slots_land_in_the_pages_the_branch_now_owns():
-    cache, s = make()
+    _cache, s = make()
     prefill(s, frames=2)
     ctx = s.begin_forward(Branch.COND, num_video_tokens=2 * PAGE, commit=True)
     slots = ctx.prepare()[0].video_slots

@@ -49,7 +49,7 @@ def commit_history(session, n_pages):
 @pytest.mark.parametrize("commit", [False, True])
 def test_paged_equals_dense_attention(history, extra, commit):
     torch.manual_seed(0)
-    cache, s = make(window=2)
+    _cache, s = make(window=2)
     hist_k, hist_v = commit_history(s, history)
     ctx = s.begin_forward(Branch.COND, num_video_tokens=PAGE, commit=commit, extra_tokens=extra)
     inputs = ctx.prepare()[0]
@@ -58,8 +58,8 @@ def test_paged_equals_dense_attention(history, extra, commit):
     out = paged_write_attend(inputs, q, k, v, ek, ev, SCALE)
 
     # upstream semantics: cat(history, current)[-window:] then the extra tokens
-    keys = torch.cat(hist_k + [k])[-2 * PAGE :]
-    values = torch.cat(hist_v + [v])[-2 * PAGE :]
+    keys = torch.cat([*hist_k, k])[-2 * PAGE :]
+    values = torch.cat([*hist_v, v])[-2 * PAGE :]
     if extra:
         keys, values = torch.cat([keys, ek]), torch.cat([values, ev])
     torch.testing.assert_close(out, dense_attention(q, keys, values), atol=1e-5, rtol=1e-5)
@@ -73,7 +73,7 @@ def test_rollout_matches_upstream_concat_and_slice_across_window_restarts():
     """A DreamZero-shaped sequence of prefill (commit) and denoise (scratch) forwards, 2 layers."""
     torch.manual_seed(1)
     window = 9
-    cache, s = make(window=window, layers=2, extra=3)
+    _cache, s = make(window=window, layers=2, extra=3)
     dense = DenseKVCache(num_layers=2, window_tokens=window * PAGE)
     frames_in_window = 0
     for _call in range(12):
@@ -113,7 +113,7 @@ def test_fullgraph_compile_does_not_recompile_when_values_change():
     import torch._dynamo
     from torch._dynamo.testing import CompileCounter
 
-    cache, s = make(window=4, layers=2)
+    _cache, s = make(window=4, layers=2)
     counter = CompileCounter()
 
     @torch.compile(backend=counter, fullgraph=True)
@@ -156,7 +156,7 @@ def _flash_available() -> bool:
 @pytest.mark.parametrize("extra", [0, 3])
 def test_gpu_paged_attention_matches_dense(history, extra):
     torch.manual_seed(0)
-    cache, s = make(window=2, dtype=torch.float16, device="cuda")
+    _cache, s = make(window=2, dtype=torch.float16, device="cuda")
     keys, values = [], []
     for _ in range(history):
         inputs = s.begin_forward(Branch.COND, num_video_tokens=PAGE, commit=True).prepare()[0]
@@ -170,8 +170,8 @@ def test_gpu_paged_attention_matches_dense(history, extra):
     k, v = rand(PAGE, torch.float16, "cuda"), rand(PAGE, torch.float16, "cuda")
     ek, ev = (rand(extra, torch.float16, "cuda"), rand(extra, torch.float16, "cuda")) if extra else (None, None)
     out = paged_write_attend(inputs, q, k, v, ek, ev, SCALE)
-    ref_k = torch.cat(keys + [k])[-2 * PAGE :]
-    ref_v = torch.cat(values + [v])[-2 * PAGE :]
+    ref_k = torch.cat([*keys, k])[-2 * PAGE :]
+    ref_v = torch.cat([*values, v])[-2 * PAGE :]
     if extra:
         ref_k, ref_v = torch.cat([ref_k, ek]), torch.cat([ref_v, ev])
     torch.testing.assert_close(out.float(), dense_attention(q.float(), ref_k.float(), ref_v.float()), atol=2e-2, rtol=2e-2)

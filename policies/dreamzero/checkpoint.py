@@ -71,7 +71,7 @@ class WeightFiles:
     def from_files(cls, files: Iterable[Path]) -> WeightFiles:
         weight_map: dict[str, Path] = {}
         for path in files:
-            for name in _open(path).keys():
+            for name in _open(path).keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 weight_map[name] = Path(path)
         return cls(weight_map)
 

@@ -75,7 +75,7 @@ class EngineConfig(_Section):
     max_sessions: int = pydantic.Field(8, ge=1)  # LRU cap
     kv_budget_gib: float | None = pydantic.Field(None, gt=0)  # None: kv_memory_fraction of free memory
     kv_memory_fraction: float = pydantic.Field(0.5, gt=0, le=1)
-    attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
+    attention_backend: Literal["auto", "sdpa", "flash", "flex"] = "auto"
     warmup: bool = True
     compile: bool = False  # torch.compile the DiT blocks (fullgraph)
     compile_backend: str = "inductor"
@@ -99,8 +99,9 @@ class EngineConfig(_Section):
                     raise ValueError(f"replica_devices[{index}] lists {len(devices)} devices for cfg_parallel_size={self.cfg_parallel_size}")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError("cuda_graphs needs a CUDA device")
-        if self.cuda_graphs and self.attention_backend == "sdpa":
-            raise ValueError("cuda_graphs needs the flash attention backend (sdpa reads lengths on the host)")
+        if self.cuda_graphs and self.attention_backend not in ("flash", "flex"):
+            # auto would fall back to sdpa without vLLM, and capture would then quietly run eagerly
+            raise ValueError("cuda_graphs needs attention_backend flash (vLLM) or flex (sdpa reads lengths on the host)")
         return self
 
     def rank_device(self, rank: int) -> str:

@@ -9,6 +9,9 @@ tokens are DreamZero's action/state register). Two backends:
   ``block_table`` / ``seqused_k`` (no gather). Chosen automatically on CUDA when vLLM is
   installed and the page size suits the kernel (FA3 on Hopper takes any page size; FA2 needs
   a multiple of 256).
+* ``flex``: PyTorch's FlexAttention reading the pages in place, without vLLM (see
+  :func:`flex_paged_attention`). Runs wherever torch does (compiled Triton kernel on CUDA, the
+  unfused reference on CPU), and, having no host synchronization, can be captured in a CUDA graph.
 
 The write + attend step is one ``torch.library`` custom op, so a ``torch.compile``-d DiT
 block stays a single graph. The layer's K and V pool tensors are explicit op arguments that
@@ -20,7 +23,10 @@ window position changes values, never the graph. Nothing reaches the op through 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
+import warnings
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -41,7 +47,7 @@ class PagedLayerInputs(NamedTuple):
     seq_lens: torch.Tensor  # (1,) int32: real key length (video + extra)
     max_seqlen_q: int
     max_seqlen_k: int
-    backend: str  # "auto" | "sdpa" | "flash"
+    backend: str  # "auto" | "sdpa" | "flash" | "flex"
 
 
 # --------------------------------------------------------------------------- backends
@@ -123,6 +129,154 @@ def flash_paged_attention(
     return out
 
 
+# ------------------------------------------------------------------------ flex backend
+#
+# FlexAttention over the page pool in place. The layer's pool (num_pages, page_size, H, D) is
+# viewed as ONE key sequence of num_pages * page_size tokens (a free view: no copy, no gather)
+# and a BlockMask restricts each query to the tokens of the pages in its block table:
+#
+# * page_len[p] = how many leading tokens of page p are visible (page_size for a window page,
+#   the action/state count for the extra page, 0 for every other page of the pool);
+# * the mask is cut into FLEX_BLOCK x FLEX_BLOCK tiles (flex's tile: 128). A key tile whose 128
+#   tokens are all visible is a "full" block (no per-element mask); a tile that is partly
+#   visible (a page boundary next to an invisible page, the extra page's tail) is a "partial"
+#   block whose elements go through ``mask_mod``; invisible tiles are skipped entirely.
+#
+# Page size 880 is not a multiple of 128: a page boundary falls inside a tile, so a page whose
+# neighbour in the pool is not visible costs up to 127 masked keys on each side. The pool layout
+# is unchanged (no padding of pages to 896 tokens, no extra memory, the same pool serves every
+# backend); the cost is compute on masked keys, bounded by 2 x 127 / 880 < 29 % of the keys in
+# the worst case (every page isolated) and near zero when the allocator hands out runs of
+# consecutive pages (it does: a fresh pool allocates 1, 2, 3, ...). Attention is non-causal, so
+# the pages' order in the pool does not matter (RoPE was applied before the keys were written).
+#
+# Everything is built from the block table and sequence length with tensor ops on the device:
+# no host synchronization, so the op can be replayed by a CUDA graph. Order of keys differs
+# from the sdpa gather, so results equal sdpa up to floating-point summation order.
+
+FLEX_BLOCK = 128
+
+
+def _flex_block_mask(block_table: torch.Tensor, seq_lens: torch.Tensor, num_pages: int, page_size: int, q_len: int):
+    """The BlockMask of one sequence (batch 1) over a pool of ``num_pages`` pages."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    device = block_table.device
+    total = num_pages * page_size
+    kv_blocks = -(-total // FLEX_BLOCK)
+    q_blocks = -(-q_len // FLEX_BLOCK)
+    table = block_table[0].long()
+    positions = torch.arange(table.shape[0], device=device)
+    lens = (seq_lens[:1].long() - positions * page_size).clamp(0, page_size)  # tokens used at each table slot
+    # Padding slots point at the null page with length 0; "amax" keeps any duplicate harmless.
+    page_len = torch.zeros(num_pages, dtype=torch.long, device=device).scatter_reduce(0, table, lens, "amax")
+    tokens = torch.arange(kv_blocks * FLEX_BLOCK, device=device)
+    visible = (page_len[(tokens // page_size).clamp(max=num_pages - 1)] > tokens % page_size) & (tokens < total)
+    count = visible.view(kv_blocks, FLEX_BLOCK).sum(1)
+    full = count == FLEX_BLOCK
+    partial = (count > 0) & ~full
+
+    def indices(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # The flagged blocks first (stable: ascending pool order), the count says how many are read.
+        order = torch.argsort((~flags).to(torch.int8), stable=True).to(torch.int32)
+        num = flags.sum().to(torch.int32)
+        return num.view(1, 1, 1).expand(1, 1, q_blocks).contiguous(), order.view(1, 1, 1, -1).expand(1, 1, q_blocks, kv_blocks).contiguous()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return page_len[kv_idx // page_size] > kv_idx % page_size
+
+    kv_num, kv_idx = indices(partial)
+    full_num, full_idx = indices(full)
+    kwargs = {"compute_q_blocks": False} if _FROM_KV_BLOCKS_HAS_Q_FLAG else {}  # q-side tables serve backward only
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK), mask_mod=mask_mod,
+        seq_lengths=(q_len, total), **kwargs,
+    )  # fmt: skip
+
+
+def _from_kv_blocks_has_q_flag() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+
+        return "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
+    except Exception:  # no flex attention in this torch: the backend raises when used
+        return False
+
+
+_FROM_KV_BLOCKS_HAS_Q_FLAG = _from_kv_blocks_has_q_flag()
+
+# All layers of a forward share one block table tensor: the mask is built once per forward and
+# reused by the other layers (keyed by the table and length tensors' identity and version, so an
+# in-place update, e.g. a CUDA graph's static buffers being refilled, rebuilds it). Under CUDA
+# graph capture the first layer's build is recorded in the graph and the others read its output.
+_mask_cache: list = [None]
+
+
+def _cached_block_mask(block_table: torch.Tensor, seq_lens: torch.Tensor, num_pages: int, page_size: int, q_len: int):
+    try:
+        versions = (block_table._version, seq_lens._version)
+    except RuntimeError:  # inference-mode tensors keep no version counter: build every time
+        return _flex_block_mask(block_table, seq_lens, num_pages, page_size, q_len)
+    # A mask built outside a CUDA graph capture must not be reused inside one (the capture has to
+    # record the build, or replays would read the warm-up's mask), nor the other way round.
+    capturing = block_table.is_cuda and torch.cuda.is_current_stream_capturing()
+    key = (*versions, num_pages, page_size, q_len, block_table.device, capturing)
+    hit = _mask_cache[0]
+    if hit is not None and hit[0]() is block_table and hit[1]() is seq_lens and hit[2] == key:
+        return hit[3]
+    mask = _flex_block_mask(block_table, seq_lens, num_pages, page_size, q_len)
+    _mask_cache[0] = (weakref.ref(block_table), weakref.ref(seq_lens), key, mask)
+    return mask
+
+
+@functools.cache
+def _flex_kernel(compiled: bool):
+    """flex_attention itself: compiled (the fused Triton kernel on CUDA, inductor's C++ template on
+    CPU), or eager: an unfused reference that materializes query x pool scores and applies
+    ``mask_mod`` to every element (it reads no block indices), for small CPU cases only."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if compiled:
+        return torch.compile(flex_attention, dynamic=False, fullgraph=True)
+
+    def eager(*args, **kwargs):
+        with warnings.catch_warnings():  # the unfused path is chosen on purpose here
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return flex_attention(*args, **kwargs)
+
+    return eager
+
+
+def flex_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    compiled: bool | None = None,
+) -> torch.Tensor:
+    """Paged attention with FlexAttention, reading the pages in place. One sequence (batch 1).
+
+    ``query`` is (total_q, heads, head_dim); ``compiled`` defaults to True on CUDA (the eager
+    path materializes query x pool scores) and False on CPU.
+    """
+    if block_table.shape[0] != 1:
+        raise ValueError(f"the flex backend attends one sequence per call, got a block table of {block_table.shape[0]}")
+    num_pages, page_size, heads, dim = key_cache.shape
+    mask = _cached_block_mask(block_table, seq_lens, num_pages, page_size, query.shape[0])
+    # (P, S, H, D) -> (1, H, P * S, D): a strided view of the pool, nothing is copied.
+    key = key_cache.view(1, num_pages * page_size, heads, dim).transpose(1, 2)
+    value = value_cache.view(1, num_pages * page_size, heads, dim).transpose(1, 2)
+    kernel = _flex_kernel(query.is_cuda if compiled is None else compiled)
+    # Always below the autograd/view-tracking keys (inference only): the custom op is entered
+    # with ADInplaceOrView excluded on some paths (the first run of an enclosing compiled graph)
+    # and not on others, and the compiled kernel's guards would recompile for each state.
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        out = kernel(query.unsqueeze(0).transpose(1, 2), key, value, block_mask=mask, scale=scale)
+    return out[0].transpose(0, 1)
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -137,8 +291,10 @@ def paged_attention(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Non-causal attention of ``query`` (total_q, H, D) over the pages in ``block_table``."""
-    if backend not in ("auto", "sdpa", "flash"):
-        raise ValueError(f"unknown attention backend {backend!r}; expected auto, sdpa or flash")
+    if backend not in ("auto", "sdpa", "flash", "flex"):
+        raise ValueError(f"unknown attention backend {backend!r}; expected auto, sdpa, flash or flex")
+    if backend == "flex":
+        return flex_paged_attention(query, key_cache, value_cache, block_table, seq_lens, scale)
     if backend != "sdpa" and query.is_cuda:
         version = flash_attention_version(query.device.index or 0, key_cache.shape[1])
         if version is not None:
@@ -156,7 +312,7 @@ def paged_attention(
 # ------------------------------------------------------------- fused write + attend op
 
 
-def _write_attend(
+def write_attend(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -197,7 +353,7 @@ def _write_attend(
 
 # Registration is guarded so re-importing this module (tests pop it from sys.modules) is a no-op.
 if not hasattr(torch.ops.ardiff, "paged_write_attend"):
-    _op = torch.library.custom_op("ardiff::paged_write_attend", _write_attend, mutates_args=("key_cache", "value_cache"))
+    _op = torch.library.custom_op("ardiff::paged_write_attend", write_attend, mutates_args=("key_cache", "value_cache"))
 
     @_op.register_fake
     def _(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from benchlib import ForeignLoad, contended
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from ardiff_server.config import validate_config
@@ -62,7 +63,6 @@ from policies.dreamzero.tiny import (
     write_checkpoint,
 )
 from policies.observation import RobotObservation
-from benchlib import ForeignLoad, contended
 
 PHASES = ("frames", "text", "vision", "vae", "prefill", "denoise", "decode")
 DROID_VIEW_SIZE = (176, 320)  # -> 352x640 canvas -> 44x80 latents -> 22x40 patches = 880 tokens

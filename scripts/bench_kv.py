@@ -56,13 +56,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from benchlib import ForeignLoad, contended
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
-
-from kv import Branch, DenseKVCache, KVSpec, PagedKVCache, PagedLayerInputs, paged_write_attend  # noqa: E402
-from kv.attention import _write_attend, sdpa_paged_attention  # noqa: E402  (instrumented run only)
-from benchlib import ForeignLoad, contended
+from kv import Branch, DenseKVCache, KVSpec, PagedKVCache, PagedLayerInputs, paged_write_attend
+from kv.attention import sdpa_paged_attention, write_attend
 
 # DreamZero-DROID geometry (DESIGN.md section 6).
 PAGE = 880  # tokens per latent frame = one page
@@ -192,7 +190,10 @@ def attend_op(cache: PagedKVCache, inputs: PagedLayerInputs, q, k, v, ek, ev, sc
 
 def attend_op_body(cache: PagedKVCache, inputs: PagedLayerInputs, q, k, v, ek, ev, scale: float) -> torch.Tensor:
     """What the custom op executes, called directly so a dispatch mode sees its aten ops."""
-    return _write_attend(q, k, v, ek, ev, *inputs, scale)
+    return write_attend(
+        q, k, v, ek, ev, inputs.key_cache, inputs.value_cache, inputs.video_slots, inputs.extra_slots, inputs.block_table,
+        inputs.cu_seqlens_q, inputs.seq_lens, inputs.max_seqlen_q, inputs.max_seqlen_k, scale, inputs.backend,
+    )  # fmt: skip
 
 
 class PagedPath:

@@ -1,96 +1,640 @@
 #!/usr/bin/env python
-"""One prepared run of every GPU-only path, against the CPU/sdpa reference, with timings.
+"""DreamZero-DROID at full size on one GPU, measured in one prepared run (no vLLM, no checkpoint).
 
-For a session that has a GPU: ``python scripts/gpu_check.py [--json]`` (a few minutes).
+A synthetic DreamZero-DROID (``policy.checkpoint: synthetic:droid``: the released architecture,
+40 DiT layers at dim 5120, 880 tokens per latent frame, UMT5-XXL, CLIP ViT-H/14, the Wan2.1 VAE;
+random bf16 weights made directly on the GPU) is driven through the real policy, paged KV cache
+and session engine (``build_engine`` from a validated config, as the worker builds it):
 
-1. the GPU-marked tests (paged attention on CUDA, flash vs sdpa at page size 880);
-2. the tiny DreamZero on CUDA three ways - sdpa eager, flash eager, flash + CUDA graphs -
-   compared with the CPU float32 actions, with per-call latency;
-3. paged (flash) vs concat-and-slice self-attention at DROID geometry in bf16.
+* per variant: build the engine, warm it up (``engine.warmup()``: one window and a restart, so
+  every compile/capture happens there), then one measured session: a full window (a 1-frame
+  window start, 4 calls of 4 frames) and a window restart = 6 calls. Each call is a prefill plus
+  16 UniPC steps with upstream's fixed DiT step mask (8 DiT forwards), CFG with both branches on
+  this one GPU;
+* variants: ``sdpa`` (eager, the reference), ``flex`` (FlexAttention reading the pages in place),
+  ``flex+graphs`` (engine.cuda_graphs: the denoise forward replayed from CUDA graphs; flex has no
+  host syncs so it can be captured), ``flex+compile`` (engine.compile: each DiT block
+  torch.compile-d, fullgraph); more can be named (``sdpa+compile``, ``flex+compile+graphs``);
+* reported: per phase (text, vision, VAE, prefill, denoise, decode) for window-start and steady
+  calls, per-chunk median and p99, DiT TFLOP/s and the fraction of the bf16 peak, peak GPU memory,
+  KV pages per session, and each variant's actions against the sdpa eager run's;
+* anchors printed beside the figures: vLLM-Omni 1095 ms/chunk on one H200 (611 ms CFG-parallel
+  on two), 62.2 GiB/GPU; the compute bound (the DiT FLOPs of a chunk at the peak rate).
 
-NCCL CFG-parallel needs two GPUs (``--set engine.cfg_parallel_size=2`` with
-``configs/dreamzero_droid_cfg2.yaml``); with one GPU it is skipped and said so.
+Without a GPU (CI) the same code path runs at reduced size (``synthetic:tiny,layers=2``: every
+encoder at full depth and toy width, 2 DiT layers, 60 tokens per latent frame), float32, with
+the CUDA-graph variants skipped and torch.compile's ``eager`` backend (dynamo tracing with
+fullgraph, no code generation), and prints the same tables.
+
+    python scripts/gpu_check.py --json                      # CPU: reduced size (about a minute)
+    PYTHONPATH=. python3 scripts/gpu_check.py --full-size --json --budget-s 480 --out "$OUT"   # the device run
+
+On a bare device image the packages the import chain needs beyond torch/transformers/triton are
+installed from ``.device_wheels/`` (``scripts/fetch_device_wheels.sh`` downloads them; carry
+that folder). docs/performance.md has the exact device command.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.util
 import json
+import math
+import os
+import resource
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
-import numpy as np
-import torch
+ROOT = Path(__file__).resolve().parents[1]
+START = time.monotonic()
+
+WHEEL_DIR = ROOT / ".device_wheels"
+# What the torch-side import chain (policies, kv, ardiff_server.engine.core, ardiff_server.config)
+# needs beyond what the device image has (torch, transformers, tokenizers, safetensors, numpy,
+# regex, pyyaml, huggingface-hub, pillow, requests): see scripts/fetch_device_wheels.sh.
+NEEDED_MODULES = ("diffusers", "pydantic", "pydantic_core", "annotated_types", "typing_inspection", "ftfy", "wcwidth")
+
+# Anchors (DESIGN.md section 9, the issue): what users compare against.
+VLLM_OMNI_MS_ONE_GPU = 1095.0
+VLLM_OMNI_MS_CFG_PARALLEL = 611.0
+VLLM_OMNI_GIB_PER_GPU = 62.2
+H200_BF16_DENSE_TFLOPS = 989.0  # datasheet dense bf16 (H100/H200 SXM)
+
+FULL_CHECKPOINT = "synthetic:droid"
+REDUCED_CHECKPOINT = "synthetic:tiny,layers=2"
+PHASES = ("frames", "text", "vision", "vae", "prefill", "denoise", "decode")
+CAMERA = (180, 320)
+PROMPT = "pick up the cup and put it in the bowl"
+# Largest |a - a_sdpa| tolerated, in normalized action units (the model's [-1, 1] output scale).
+# float32: kernels differ only in summation order. bf16: different attention kernels round
+# differently and 40 layers x 8 DiT steps of random weights amplify it; a prior, not calibrated.
+TOLERANCE = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 5e-2}
 
 
-def run_gpu_tests() -> dict:
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"], capture_output=True, text=True)
-    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
-    print(f"[gpu tests] exit {proc.returncode}: {tail}", file=sys.stderr)
-    return {"gpu_tests_exit": proc.returncode, "gpu_tests_summary": tail}
+def log(message: str) -> None:
+    print(f"[gpu_check {time.monotonic() - START:6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
-def tiny_dreamzero(device: str, backend: str, graphs: bool, calls: int = 6) -> tuple[list[np.ndarray], list[float]]:
-    from kv import PagedKVCache
-    from policies.base import RuntimeOptions
-    from policies.dreamzero.policy import DreamZeroConfig, DreamZeroPolicy
+def elapsed() -> float:
+    return time.monotonic() - START
+
+
+# ----------------------------------------------------------------------------- wheels
+
+
+def ensure_wheels(folder: Path) -> list[str]:
+    """Install the carried wheels (pure Python or cp312 manylinux) into a temp site dir when a
+    module the import chain needs is missing. Returns the wheel names installed."""
+    missing = [m for m in NEEDED_MODULES if importlib.util.find_spec(m) is None]
+    if not missing:
+        return []
+    wheels = sorted(folder.glob("*.whl"))
+    if not wheels:
+        raise SystemExit(
+            f"gpu_check: modules {missing} are missing and {folder} holds no wheels: run "
+            f"scripts/fetch_device_wheels.sh where pip works and carry {folder.name}/ with the run"
+        )
+    target = Path(tempfile.gettempdir()) / "ardiff-device-site"
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+           "--upgrade", "--target", str(target), *map(str, wheels)]  # fmt: skip
+    subprocess.run(cmd, check=True)
+    sys.path.insert(0, str(target))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(target), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    importlib.invalidate_caches()
+    log(f"installed {len(wheels)} carried wheels for {missing} into {target}")
+    return [w.name for w in wheels]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    pos = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(pos), math.ceil(pos)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def gib(n: float) -> float:
+    return n / 2**30
+
+
+class Variant:
+    def __init__(self, name: str) -> None:
+        parts = name.split("+")
+        self.name = name
+        self.backend = parts[0]
+        self.compile = "compile" in parts[1:]
+        self.graphs = "graphs" in parts[1:]
+        unknown = [p for p in parts[1:] if p not in ("compile", "graphs")]
+        if self.backend not in ("sdpa", "flex", "flash", "auto") or unknown:
+            raise SystemExit(f"gpu_check: bad variant {name!r} (backend sdpa|flex|flash|auto, then +compile, +graphs)")
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+def observations(calls: int, seed: int = 0):
+    """DROID-shaped observations: 1 frame first, then 4-frame stacks; the same for every variant."""
+    import numpy as np
+
     from policies.observation import RobotObservation
 
-    policy = DreamZeroPolicy(DreamZeroConfig(view_size=(48, 80)), RuntimeOptions(device=device, cuda_graphs=graphs))
-    spec = policy.kv_spec()
-    cache = PagedKVCache(spec, num_pages=2 * spec.pages_per_branch + 1, max_sessions=1, device=device, attention_backend=backend)
-    session = policy.start_session("check", cache.open_session("check"))
-    rng = np.random.default_rng(0)
-    actions, latency = [], []
+    rng = np.random.default_rng(seed)
+    out = []
     for call in range(calls):
-        t = 1 if call == 0 else 4
-        cam = rng.integers(0, 256, (t, 180, 320, 3), dtype=np.uint8)
-        obs = RobotObservation(exterior_left=cam, exterior_right=cam, wrist=cam, joint_position=np.zeros(7, np.float32),
-                               gripper_position=np.zeros(1, np.float32), prompt="pick up the cup")  # fmt: skip
-        start = time.perf_counter()
-        actions.append(policy.step(session, obs).actions)
-        latency.append((time.perf_counter() - start) * 1000)
-    return actions, latency
-
-
-def compare_dreamzero() -> dict:
-    reference, cpu_ms = tiny_dreamzero("cpu", "sdpa", graphs=False)
-    out = {"cpu_ms_per_call": float(np.median(cpu_ms[1:]))}
-    for name, backend, graphs in (("cuda_sdpa", "sdpa", False), ("cuda_flash", "flash", False), ("cuda_flash_graphs", "auto", True)):
-        try:
-            actions, ms = tiny_dreamzero("cuda", backend, graphs)
-        except Exception as exc:  # report, keep going
-            out[name] = f"failed: {type(exc).__name__}: {exc}"
-            continue
-        err = max(float(np.abs(a - r).max()) for a, r in zip(actions, reference))
-        out[name] = {"max_abs_vs_cpu": err, "ms_per_call": float(np.median(ms[1:]))}
-        print(f"[dreamzero tiny] {name}: max |a - a_cpu| = {err:.2e}, {np.median(ms[1:]):.1f} ms/call", file=sys.stderr)
+        shape = (1 if call == 0 else 4, *CAMERA, 3)
+        cams = [rng.integers(0, 256, shape, dtype=np.uint8) for _ in range(3)]
+        out.append(RobotObservation(
+            exterior_left=cams[0], exterior_right=cams[1], wrist=cams[2],
+            joint_position=rng.uniform(-1, 1, 7).astype(np.float32), gripper_position=np.array([0.3], np.float32),
+            prompt=PROMPT,
+        ))  # fmt: skip
     return out
 
 
-def paged_vs_concat_bf16() -> dict:
-    proc = subprocess.run([sys.executable, "scripts/bench_kv.py", "--json", "--quick"], capture_output=True, text=True)
+def kv_spec_for(checkpoint: str, dtype: str):
+    """The KV spec the policy will ask for (policy.kv_spec from the synthetic DiT config)."""
+    import torch
+
+    from policies.dreamzero.policy import DreamZeroPolicy
+    from policies.dreamzero.synthetic import parse_spec
+
+    spec = parse_spec(checkpoint)
+    stub = type("Stub", (), {"dit_config": spec.dit, "dtype": getattr(torch, dtype)})()
+    return DreamZeroPolicy.kv_spec(stub), spec
+
+
+def kv_budget_gib(kv_spec, max_sessions: int, branches: int = 2) -> float:
+    """Exactly what ``max_sessions`` sessions reserve: pages, scratch and cross-attention slots."""
+    fixed = max_sessions * branches * kv_spec.cross_slot_bytes + branches * kv_spec.scratch_pages_per_branch * kv_spec.page_bytes
+    pages = max_sessions * branches * kv_spec.pages_per_branch
+    return (fixed + pages * kv_spec.page_bytes + kv_spec.page_bytes // 2) / 2**30
+
+
+def build_variant_engine(args, variant: Variant, budget_gib: float):
+    """The engine for a variant, through the server's own config validation and build_engine."""
+    from ardiff_server.config import validate_config
+
+    def raw(backend: str) -> dict[str, Any]:
+        return {
+            "engine": {
+                "device": args.device, "dtype": args.dtype, "max_sessions": args.max_sessions, "kv_budget_gib": budget_gib,
+                "attention_backend": backend, "compile": variant.compile, "compile_backend": args.compile_backend,
+                "cuda_graphs": variant.graphs, "warmup": False,
+            },
+            "policy": {
+                "name": "dreamzero", "checkpoint": args.checkpoint, "view_size": list(args.view_size),
+                "image_resolution": list(CAMERA), "dit_step_cache": "fixed",
+            },
+        }  # fmt: skip
+
+    from ardiff_server.engine.core import build_engine
+
+    return build_engine(validate_config(raw(variant.backend), source="gpu_check"))
+
+
+def release_engine(engine) -> None:
+    import torch
+
     try:
-        return {"bench_kv": json.loads(proc.stdout.strip().splitlines()[-1])}
-    except Exception:
-        return {"bench_kv": f"failed: {proc.stderr[-500:]}"}
+        engine.release_all("gpu_check")
+    finally:
+        policy = engine.policy
+        for block in policy.dit.blocks:  # the synthetic model is shared: undo engine.compile
+            if getattr(block, "_compiled_call_impl", None) is not None:
+                block._compiled_call_impl = None
+        if getattr(policy, "graphs", None) is not None:
+            policy.graphs = None
+        engine.policy = engine.cache = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check here (the CPU suite covers the reference paths)")
+def run_variant(args, variant: Variant, obs: list, deadline: float | None) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    cuda = args.device.startswith("cuda")
+    result: dict[str, Any] = {"backend": variant.backend, "compile": variant.compile, "cuda_graphs": variant.graphs}
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.monotonic()
+    kv_spec, _ = kv_spec_for(args.checkpoint, args.dtype)
+    engine = build_variant_engine(args, variant, kv_budget_gib(kv_spec, args.max_sessions))
+    result["build_s"] = time.monotonic() - start
+    log(f"[{variant.name}] engine built in {result['build_s']:.1f} s (KV pool {gib(engine.cache.storage_bytes):.2f} GiB)")
+    try:
+        t = time.monotonic()
+        warm = engine.warmup()
+        # A CUDA graph is keyed by the session's cross-attention slot: a second warm-up session
+        # gets the other slot assignment, so the measured session finds its graphs captured.
+        if variant.graphs:
+            warm2 = engine.warmup()
+            warm = {**{f"a_{k}": v for k, v in warm.items()}, **{f"b_{k}": v for k, v in warm2.items()}}
+        result["warmup_s"] = time.monotonic() - t
+        result["warmup_calls_ms"] = warm
+        log(f"[{variant.name}] warm-up {result['warmup_s']:.1f} s: {warm}")
+        graphs = getattr(engine.policy, "graphs", None)
+        captured_before = len(graphs.graphs) if graphs is not None else 0
+        if cuda:
+            torch.cuda.synchronize()
+            result["peak_alloc_gib_warmup"] = gib(torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+
+        calls: list[dict[str, Any]] = []
+        actions: list[np.ndarray] = []
+        session_id = f"gpu-check-{variant.name}"
+        for index, observation in enumerate(obs):
+            if deadline is not None and calls and time.monotonic() + 1.5 * calls[-1]["wall_ms"] / 1000 > deadline:
+                result["partial"] = f"stopped after {len(calls)} of {len(obs)} calls: time budget"
+                log(f"[{variant.name}] {result['partial']}")
+                break
+            t = time.perf_counter()
+            outcome = engine.infer(session_id, observation)
+            wall = (time.perf_counter() - t) * 1000.0
+            step = outcome.result
+            info = step.info
+            kv = engine.sessions[session_id].kv
+            record = {
+                "wall_ms": wall,
+                "phase_ms": {p: float(step.timing_ms.get(p, 0.0)) for p in PHASES},
+                "dit_forwards": int(info["dit_forwards"]),
+                "window_start": index == 0 or bool(info.get("window_reset")) or bool(info.get("session_reset")),
+                "start_frame_after": int(info["current_start_frame"]),
+                "pages_held": kv.pages_held if kv is not None else 0,
+            }
+            calls.append(record)
+            actions.append(np.asarray(step.actions, dtype=np.float64))
+            log(f"[{variant.name}] call {index + 1}/{len(obs)}: {wall:.0f} ms "
+                f"({'window start' if record['window_start'] else 'steady'}, {record['dit_forwards']} DiT steps, "
+                f"{record['pages_held']} pages held)")  # fmt: skip
+        if cuda:
+            torch.cuda.synchronize()
+            result["peak_alloc_gib"] = gib(torch.cuda.max_memory_allocated())
+            result["peak_reserved_gib"] = gib(torch.cuda.max_memory_reserved())
+        result["max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+        if graphs is not None:
+            result["graphs_captured"] = len(graphs.graphs)
+            result["graphs_captured_while_measuring"] = len(graphs.graphs) - captured_before
+            result["graph_capture_failed"] = bool(graphs.failed)
+        cache = engine.cache
+        stats = cache.stats()
+        result["kv"] = {
+            "pool_pages": stats["pages_total"], "pool_gib": gib(cache.storage_bytes),
+            "reserved_pages_per_session": cache.reservation_per_session,
+            "max_pages_held": max((c["pages_held"] for c in calls), default=0),
+            "scratch_pages": len(cache.branches) * cache.spec.scratch_pages_per_branch,
+            "page_mib": cache.spec.page_bytes / 2**20, "page_tokens": cache.spec.page_size,
+            "cross_slot_mib": cache.spec.cross_slot_bytes / 2**20, "session_capacity": stats["session_capacity"],
+        }  # fmt: skip
+        result["calls"] = calls
+        result["actions"] = [a.tolist() for a in actions]
+        result["actions_finite"] = bool(all(np.isfinite(a).all() for a in actions))
+        stats_obj = engine.policy.action_stats
+        result["_action_scale"] = ((np.asarray(stats_obj.q99) - np.asarray(stats_obj.q01)) / 2.0).tolist()
+        result["status"] = "ok"
+    finally:
+        release_engine(engine)
+    result["total_s"] = time.monotonic() - start
+    return result
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def summarize(result: dict[str, Any], dit_cfg, branches: int, peak_flops: float) -> None:
+    """Adds medians, p99, per-phase means and FLOP rates to a variant's result."""
+    from bench_chunk import call_flops
+
+    calls = result.get("calls") or []
+    if not calls:
         return
-    results = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count()}
-    results |= run_gpu_tests()
-    results |= compare_dreamzero()
-    results |= paged_vs_concat_bf16()
-    if results["gpus"] < 2:
-        results["nccl_cfg_parallel"] = "skipped: needs two GPUs"
-    print(json.dumps(results) if args.json else json.dumps(results, indent=2))
+    walls = [c["wall_ms"] for c in calls]
+    result["ms_per_chunk_median"] = statistics.median(walls)
+    result["ms_per_chunk_p99"] = percentile(walls, 99)
+    groups = {"window_start": [c for c in calls if c["window_start"]], "steady": [c for c in calls if not c["window_start"]]}
+    result["phase_ms"] = {}
+    for group, members in groups.items():
+        if not members:
+            continue
+        result[f"{group}_ms_median"] = statistics.median(c["wall_ms"] for c in members)
+        result["phase_ms"][group] = {p: statistics.fmean(c["phase_ms"][p] for c in members) for p in PHASES}
+    flops = [call_flops(dit_cfg, window_start=c["window_start"], start_frame_after=c["start_frame_after"],
+                        denoise_forwards=c["dit_forwards"], branches=branches) for c in calls]  # fmt: skip
+    dit_ms = [c["phase_ms"]["prefill"] + c["phase_ms"]["denoise"] for c in calls]
+    result["dit_tflop_per_chunk"] = statistics.fmean(flops) / 1e12
+    result["dit_tflops"] = sum(flops) / (sum(dit_ms) / 1e3) / 1e12 if sum(dit_ms) > 0 else 0.0
+    result["dit_fraction_of_peak"] = result["dit_tflops"] * 1e12 / peak_flops
+    result["chunk_fraction_of_peak"] = sum(flops) / (sum(walls) / 1e3) / peak_flops
+
+
+def compare(result: dict[str, Any], reference: dict[str, Any], tolerance: float) -> None:
+    import numpy as np
+
+    mine, ref = result.get("actions") or [], reference.get("actions") or []
+    n = min(len(mine), len(ref))
+    if not n:
+        return
+    scale = np.asarray(reference["_action_scale"])
+    diffs = [np.abs(np.asarray(a) - np.asarray(b)) for a, b in zip(mine[:n], ref[:n])]
+    max_abs = max(float(d.max()) for d in diffs)
+    max_norm = max(float((d / scale).max()) for d in diffs)
+    result["vs_reference"] = {"reference": reference["name"], "calls": n, "max_abs": max_abs, "max_normalized": max_norm,
+                              "tolerance_normalized": tolerance, "ok": bool(max_norm <= tolerance and result["actions_finite"])}  # fmt: skip
+
+
+def print_variant(result: dict[str, Any]) -> None:
+    name = result["name"]
+    if result.get("status") != "ok":
+        print(f"\n{name}: {result.get('status')}", flush=True)
+        return
+    cols = [g for g in ("window_start", "steady") if g in result.get("phase_ms", {})]
+    extra = []
+    if result["compile"]:
+        extra.append("engine.compile")
+    if result["cuda_graphs"]:
+        extra.append(f"CUDA graphs: {result.get('graphs_captured', 0)} captured"
+                     + (", capture FAILED (ran eagerly)" if result.get("graph_capture_failed") else ""))  # fmt: skip
+    print(f"\n{name}: attention {result['backend']}" + (f"; {'; '.join(extra)}" if extra else "")
+          + f"; build {result['build_s']:.1f} s, warm-up {result['warmup_s']:.1f} s", flush=True)  # fmt: skip
+    header = f"{'phase (mean ms)':<22}" + "".join(f"{c.replace('_', ' '):>14}" for c in cols)
+    print(header)
+    for phase in PHASES:
+        print(f"{phase:<22}" + "".join(f"{result['phase_ms'][c][phase]:>14.1f}" for c in cols))
+    print(f"{'chunk median ms':<22}" + "".join(f"{result[c + '_ms_median']:>14.1f}" for c in cols))
+    kv = result["kv"]
+    print(f"per chunk: median {result['ms_per_chunk_median']:.1f} ms, p99 {result['ms_per_chunk_p99']:.1f} ms over "
+          f"{len(result['calls'])} calls; DiT {result['dit_tflop_per_chunk']:.4g} TFLOP/chunk at {result['dit_tflops']:.3g} "
+          f"TFLOP/s = {result['dit_fraction_of_peak']:.1%} of peak (whole chunk {result['chunk_fraction_of_peak']:.1%})")  # fmt: skip
+    memory = (f"peak {result['peak_alloc_gib']:.1f} GiB allocated, {result['peak_reserved_gib']:.1f} GiB reserved"
+              if "peak_alloc_gib" in result else f"max RSS {result['max_rss_gib']:.1f} GiB")  # fmt: skip
+    print(f"memory: {memory}; KV pool {kv['pool_gib']:.3g} GiB = {kv['pool_pages']} pages x {kv['page_mib']:.1f} MiB "
+          f"({kv['page_tokens']} tokens) + {kv['scratch_pages']} scratch + cross slots; a session reserves "
+          f"{kv['reserved_pages_per_session']} pages, held at most {kv['max_pages_held']}")  # fmt: skip
+    if "vs_reference" in result:
+        v = result["vs_reference"]
+        print(f"actions vs {v['reference']}: max |da| {v['max_abs']:.2e} (normalized {v['max_normalized']:.2e}, "
+              f"tolerance {v['tolerance_normalized']:.0e}) -> {'ok' if v['ok'] else 'DIFFERS'}; finite: {result['actions_finite']}")  # fmt: skip
+    if result.get("partial"):
+        print(f"PARTIAL: {result['partial']}")
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    print("\nsummary" + f" ({report['device']}, {report['dtype']}, {report['model']})")
+    header = (f"{'variant':<22}{'p50 ms':>9}{'p99 ms':>9}{'steady':>9}{'start':>9}{'TFLOP/s':>9}{'of peak':>9}"
+              f"{'GiB':>7}{'warm s':>8}  vs sdpa")  # fmt: skip
+    print(header)
+    print("-" * len(header))
+    for name, r in report["variants"].items():
+        if r.get("status") != "ok":
+            print(f"{name:<22}{r.get('status', '?')}")
+            continue
+        v = r.get("vs_reference")
+        check = "reference" if v is None else f"{v['max_normalized']:.1e} {'ok' if v['ok'] else 'DIFFERS'}"
+        memory = r.get("peak_reserved_gib", r.get("max_rss_gib", float("nan")))
+        print(f"{name:<22}{r['ms_per_chunk_median']:>9.1f}{r['ms_per_chunk_p99']:>9.1f}{r.get('steady_ms_median', float('nan')):>9.1f}"
+              f"{r.get('window_start_ms_median', float('nan')):>9.1f}{r['dit_tflops']:>9.3g}{r['dit_fraction_of_peak']:>9.1%}"
+              f"{memory:>7.1f}{r['warmup_s']:>8.1f}  {check}")  # fmt: skip
+    for name, reason in report["skipped"].items():
+        print(f"{name:<22}skipped: {reason}")
+    f = report["flops"]
+    print(f"\nGiB: peak reserved (CUDA) or max RSS (CPU). of peak: DiT FLOP/s over {f['peak_tflops']:.4g} TFLOP/s "
+          f"({f['peak_source']}).")  # fmt: skip
+    print(f"compute bound: a steady chunk at a full window is {f['steady_chunk_tflop']:.4g} TFLOP of DiT "
+          f"(8 of 16 steps x {report['branches']} branches + prefill) -> {f['compute_bound_ms']:.4g} ms at peak")  # fmt: skip
+    a = report["anchors"]
+    print(f"anchors: vLLM-Omni {a['vllm_omni_ms_one_h200']:.0f} ms/chunk on one H200 ({a['vllm_omni_ms_cfg_parallel_two_h200']:.0f} ms "
+          f"CFG-parallel on two), {a['vllm_omni_gib_per_gpu']} GiB/GPU; the issue's bound: ~1.1 PFLOP/chunk -> ~1.1 s at 989 TFLOP/s")  # fmt: skip
+    if report.get("contended"):
+        print(f"WARNING: other processes kept {report['foreign_load_cores']:.1f} cores busy during the run: CPU timings "
+              "are distorted (rerun on an idle machine)")  # fmt: skip
+    w = report["weights_gib"]
+    print("weights: " + ", ".join(f"{k} {v:.3g} GiB" for k, v in w.items()) + f" (total {sum(w.values()):.3g} GiB, "
+          f"{report['params_b']:.4g} B parameters); materialized in {report['materialize_s']:.1f} s")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full-size", action="store_true", help="the released DreamZero-DROID geometry (default on CUDA)")
+    parser.add_argument("--reduced", action="store_true", help=f"the reduced model ({REDUCED_CHECKPOINT}; default without CUDA)")
+    parser.add_argument("--checkpoint", help="a synthetic:<preset>[,key=value...] spec (overrides --full-size/--reduced)")
+    parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--variants", help="comma-separated; default sdpa,flex,flex+graphs,flex+compile,flex+compile+graphs on CUDA, "
+                                           "sdpa,flex,flex+compile on CPU")  # fmt: skip
+    parser.add_argument("--calls", type=int, default=6, help="measured calls per variant (6 = a full window + a restart)")
+    parser.add_argument("--max-sessions", type=int, default=1, help="KV pool sized for exactly this many sessions")
+    parser.add_argument("--compile-backend", help="torch.compile backend (default inductor on CUDA, eager on CPU)")
+    parser.add_argument("--peak-tflops", type=float, help=f"peak for 'of peak' (default: {H200_BF16_DENSE_TFLOPS:g} on CUDA "
+                                                          "(H200 bf16 dense), the measured matmul rate on CPU)")  # fmt: skip
+    parser.add_argument("--budget-s", type=float, default=0.0, help="skip remaining variants when this much wall time is used (0: none)")
+    parser.add_argument("--compile-estimate-s", type=float, help="budget guard: time the first torch.compile of the "
+                                                                  "DiT blocks may take (default 240 on CUDA, 30 on CPU)")  # fmt: skip
+    parser.add_argument("--tolerance", type=float, help="max |a - a_sdpa| in normalized action units (default by dtype)")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (CPU)")
+    parser.add_argument("--pytest", action="store_true", help="also run the GPU-marked kernel tests at the end (budget permitting)")
+    parser.add_argument("--wheels", type=Path, default=WHEEL_DIR, help="carried wheels for a bare image (default .device_wheels)")
+    parser.add_argument("--out", type=Path, help="directory for gpu_check.json (default $OUT when set)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    global START
+    START = time.monotonic()
+    args = parse_args(argv)
+    installed = ensure_wheels(args.wheels)
+    import torch
+
+    cuda_available = torch.cuda.is_available()
+    args.device = args.device or ("cuda" if cuda_available else "cpu")
+    if args.device == "cuda":
+        args.device = "cuda:0"  # build_engine calls torch.cuda.set_device, which needs an index
+    cuda = args.device.startswith("cuda")
+    if cuda and not cuda_available:
+        raise SystemExit("gpu_check: --device cuda but no CUDA device is visible")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    full = args.full_size or (cuda and not args.reduced)
+    args.checkpoint = args.checkpoint or (FULL_CHECKPOINT if full else REDUCED_CHECKPOINT)
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    args.compile_backend = args.compile_backend or ("inductor" if cuda else "eager")
+    if args.compile_estimate_s is None:
+        args.compile_estimate_s = 240.0 if cuda else 30.0
+    default_variants = "sdpa,flex,flex+graphs,flex+compile,flex+compile+graphs" if cuda else "sdpa,flex,flex+compile,flex+graphs"
+    variants = [Variant(v.strip()) for v in (args.variants or default_variants).split(",") if v.strip()]
+    tolerance = args.tolerance if args.tolerance is not None else TOLERANCE[args.dtype]
+    out_dir = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    deadline = START + args.budget_s if args.budget_s > 0 else None
+
+    from bench_chunk import call_flops, matmul_rate
+    from benchlib import ForeignLoad, contended
+
+    from policies.dreamzero.synthetic import parameter_bytes, release_cached_model, synthetic_model
+
+    _, spec = kv_spec_for(args.checkpoint, args.dtype)
+    args.view_size = spec.view_size
+    dtype = getattr(torch, args.dtype)
+    report: dict[str, Any] = {
+        "check": "gpu_check", "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
+        "cuda": torch.version.cuda, "python": sys.version.split()[0], "size": "full" if full else "reduced",
+        "checkpoint": args.checkpoint, "model": spec.describe(), "dtype": args.dtype, "threads": torch.get_num_threads(),
+        "compile_backend": args.compile_backend, "wheels_installed": installed, "branches": 2,
+        "anchors": {"vllm_omni_ms_one_h200": VLLM_OMNI_MS_ONE_GPU, "vllm_omni_ms_cfg_parallel_two_h200": VLLM_OMNI_MS_CFG_PARALLEL,
+                    "vllm_omni_gib_per_gpu": VLLM_OMNI_GIB_PER_GPU},
+        "variants": {}, "skipped": {},
+    }  # fmt: skip
+    print(f"gpu_check: {report['device']}, torch {torch.__version__}, {args.dtype}, {args.checkpoint}: {spec.describe()}", flush=True)
+
+    # peak rate for "fraction of peak"
+    if cuda:
+        measured = cuda_mm_rate(dtype)
+        peak = (args.peak_tflops or H200_BF16_DENSE_TFLOPS) * 1e12
+        report["flops"] = {"peak_tflops": peak / 1e12, "peak_source": "--peak-tflops" if args.peak_tflops else "H200 bf16 dense datasheet",
+                           "mm_tflops_measured": measured / 1e12}  # fmt: skip
+        log(f"torch.mm 8192^3 {args.dtype}: {measured / 1e12:.0f} TFLOP/s measured")
+    else:
+        measured = matmul_rate(dtype)
+        peak = args.peak_tflops * 1e12 if args.peak_tflops else measured
+        report["flops"] = {"peak_tflops": peak / 1e12, "peak_source": "--peak-tflops" if args.peak_tflops else "measured torch.mm 2048^2",
+                           "mm_tflops_measured": measured / 1e12}  # fmt: skip
+    steady = call_flops(spec.dit, window_start=False, start_frame_after=spec.dit.local_attn_size, denoise_forwards=8, branches=2)
+    report["flops"] |= {"steady_chunk_tflop": steady / 1e12, "compute_bound_ms": steady / peak * 1e3}
+
+    # materialize the synthetic model once; every variant's policy shares it
+    t = time.monotonic()
+    model = synthetic_model(args.checkpoint, dtype=dtype, device=args.device)
+    report["materialize_s"] = time.monotonic() - t
+    weights = parameter_bytes(model)
+    report["weights_gib"] = {k: gib(v) for k, v in weights.items()}
+    report["params_b"] = sum(sum(p.numel() for p in m.parameters()) for m in (model.dit, model.text_encoder, model.image_encoder, model.vae)) / 1e9
+    del model
+    log(f"synthetic model: {report['params_b']:.2f} B parameters, {gib(sum(weights.values())):.2f} GiB in {report['materialize_s']:.1f} s")
+
+    obs = observations(args.calls)
+    load = ForeignLoad()
+    reference = None
+    durations: list[float] = []  # of the variants without torch.compile
+    compiled_once = False
+    for variant in variants:
+        if variant.graphs and not cuda:
+            report["skipped"][variant.name] = "CUDA graphs need a CUDA device"
+            continue
+        if deadline is not None and durations:
+            # a variant costs about what the eager ones did (graphs: a second warm-up), plus the
+            # first torch.compile of the blocks (later compile variants reuse dynamo's cache)
+            estimate = max(durations[:2]) * (1.0 + 0.5 * variant.graphs)
+            estimate += args.compile_estimate_s if variant.compile and not compiled_once else 0.0
+            if time.monotonic() + estimate > deadline:
+                report["skipped"][variant.name] = f"time budget: {deadline - time.monotonic():.0f} s left, needs ~{estimate:.0f} s"
+                log(f"[{variant.name}] skipped: {report['skipped'][variant.name]}")
+                continue
+        log(f"[{variant.name}] starting")
+        try:
+            result = run_variant(args, variant, obs, deadline)
+        except Exception as exc:  # report it and go on with the next variant
+            import traceback
+
+            result = {"status": f"failed: {type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-4000:]}
+            log(f"[{variant.name}] FAILED: {type(exc).__name__}: {exc}")
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        result["name"] = variant.name
+        compiled_once |= variant.compile
+        if result.get("status") == "ok":
+            if not variant.compile:
+                durations.append(result["total_s"])
+            summarize(result, spec.dit, 2, peak)
+            if reference is None:
+                reference = result
+            else:
+                compare(result, reference, tolerance)
+        report["variants"][variant.name] = result
+        print_variant(result)
+        _write(out_dir, report)
+
+    if args.pytest and cuda:
+        remaining = (deadline - time.monotonic()) if deadline else 300.0
+        if remaining > 60:
+            report["pytest"] = run_gpu_tests(timeout=remaining - 10)
+        else:
+            report["skipped"]["pytest"] = f"time budget: {remaining:.0f} s left"
+    report["elapsed_s"] = elapsed()
+    report["foreign_load_cores"] = load.cores()
+    report["contended"] = contended(report["foreign_load_cores"], torch.get_num_threads())
+    release_cached_model()
+    print_summary(report)
+    _write(out_dir, report)
+    if args.json:
+        print(json.dumps(_public(report)))
+    return report
+
+
+def cuda_mm_rate(dtype, n: int = 8192, reps: int = 10) -> float:
+    import torch
+
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        a @ b
+    end.record()
+    end.synchronize()
+    rate = 2 * n**3 * reps / (start.elapsed_time(end) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return rate
+
+
+def run_gpu_tests(timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+           "tests/test_paged_attention.py", "tests/test_flex_attention.py"]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"exit": None, "summary": f"timed out after {timeout:.0f} s"}
+    lines = proc.stdout.strip().splitlines()
+    summary = lines[-1] if lines else proc.stderr[-500:]
+    print(f"\n[gpu tests] exit {proc.returncode}: {summary}", flush=True)
+    if proc.returncode:
+        print(proc.stdout[-3000:], flush=True)
+    return {"exit": proc.returncode, "summary": summary}
+
+
+def _public(report: dict[str, Any]) -> dict[str, Any]:
+    """The report without bulky per-call arrays (they stay in gpu_check.json)."""
+    out = dict(report)
+    out["variants"] = {
+        name: {k: v for k, v in r.items() if k not in ("actions", "calls", "traceback", "_action_scale", "warmup_calls_ms")}
+        for name, r in report["variants"].items()
+    }
+    return out
+
+
+def _write(out_dir: Path | None, report: dict[str, Any]) -> None:
+    if out_dir is None:
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "gpu_check.json").write_text(json.dumps({**report, "elapsed_s": elapsed()}, indent=1))
 
 
 if __name__ == "__main__":

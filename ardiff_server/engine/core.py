@@ -327,6 +327,8 @@ def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> Se
     engine_config = config.engine
     device = torch.device(engine_config.rank_device(rank))
     if device.type == "cuda":
+        if device.index is None:  # "cuda": this process's current device, named explicitly
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     options = RuntimeOptions(
         device=str(device), dtype=engine_config.dtype,

@@ -10,8 +10,9 @@ graph replays without re-launching thousands of kernels. One graph is captured p
   slots, block table, sequence lengths) is copied into static buffers before each replay.
 
 The paged op writes into the cache's pool tensors, whose addresses never change. Capture needs
-the ``flash`` attention backend: the ``sdpa`` backend reads sequence lengths on the host, which
-a graph cannot. If a capture fails, the policy logs it and runs eagerly.
+an attention backend without host synchronization, ``flash`` or ``flex``: the ``sdpa`` backend
+reads sequence lengths on the host, which a graph cannot. If a capture fails, the policy logs it
+and runs eagerly.
 
 This module is exercised only on a GPU (CI has none); it stays importable everywhere.
 """

@@ -55,7 +55,7 @@ of with and it warm up
 """
 
 
-def _tokenizer():
+def tiny_tokenizer():
     """A word-level tokenizer over the corpus (T5 specials: <pad> 0, </s> 1, <unk> 2)."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -92,7 +92,7 @@ def _init(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torc
     return noise / math.sqrt(max(fan_in, 1))
 
 
-def _metadata() -> dict:
+def droid_metadata() -> dict:
     """DROID-like normalization statistics (relative joint actions, absolute gripper)."""
 
     def stats(q01: list[float], q99: list[float]) -> dict:
@@ -133,7 +133,7 @@ def write_checkpoint(
     geometry at small width (scripts/bench_chunk.py)."""
     out = Path(out)
     (out / "experiment_cfg").mkdir(parents=True, exist_ok=True)
-    tokenizer = _tokenizer()
+    tokenizer = tiny_tokenizer()
     tokenizer.save_pretrained(out / "tokenizer")
     text_encoder = {**text_encoder_cfg, "vocab_size": 8 * math.ceil(len(tokenizer) / 8)}
 
@@ -155,7 +155,7 @@ def write_checkpoint(
     # Every key of the released config.json, in its sections (upstream_layout.RELEASED_*_KEYS).
     config = {**checkpoint_config(dit_cfg, text_encoder, image_encoder_cfg, vae_cfg), "ardiff_tiny_version": TINY_VERSION}
     _write_json(out / "config.json", config)
-    _write_json(out / "experiment_cfg" / "metadata.json", _metadata())
+    _write_json(out / "experiment_cfg" / "metadata.json", droid_metadata())
     return out
 
 
@@ -165,7 +165,7 @@ def _write_json(path: Path, obj: object) -> None:
 
 def _definition_digest() -> str:
     """Changes whenever anything that shapes the checkpoint's bytes changes (cache key)."""
-    spec = [TINY_VERSION, TINY_DIT.to_dict(), TINY_TEXT_ENCODER, TINY_IMAGE_ENCODER, TINY_VAE, _CORPUS, _metadata()]
+    spec = [TINY_VERSION, TINY_DIT.to_dict(), TINY_TEXT_ENCODER, TINY_IMAGE_ENCODER, TINY_VAE, _CORPUS, droid_metadata()]
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
 
 

@@ -1,0 +1,292 @@
+"""A synthetic DreamZero: the released architecture with random weights made on the device.
+
+``policy.checkpoint: synthetic:droid`` builds GEAR-Dreams/DreamZero-DROID's exact geometry
+(Wan2.1-I2V-14B causal DiT: 40 layers, dim 5120, 40 heads x 128, ffn 13824, 880 tokens per
+latent frame; UMT5-XXL text encoder; open-CLIP ViT-H/14 image tower; Wan2.1 VAE; the action
+register) with no checkpoint and nothing downloaded. It exists to measure the real model's
+speed and memory on a GPU (``scripts/gpu_check.py``); its actions are meaningless.
+
+Construction: every module is built on the meta device (as :meth:`DreamZeroModel.load` does),
+then each distinct tensor is allocated directly on the target device in the target dtype and
+filled by a seeded device-side generator (no CPU copy, no float32 detour: the 14B DiT and the
+5.7B UMT5 go straight to ~46 GB of bf16 on the GPU in a second or so). The fill keeps
+activations finite through every layer: weight matrices ~ N(0, 1/fan_in), residual-branch
+output projections further scaled by 1/sqrt(2 x depth), norm gains 1, small biases,
+modulations ~ N(0, 1/dim) like the DiT's own init.
+
+Spec string: ``synthetic:<preset>[,key=value...]``. Presets:
+
+* ``droid``       the released DreamZero-DROID geometry (use view_size 176x320);
+* ``droid-small`` the same token geometry (880 tokens per latent frame, 176x320 views) and depth
+  of every component at toy widths;
+* ``tiny``        full depth of every component at toy widths and the tiny model's token geometry
+  (60 tokens per latent frame, view_size 48x80): a CPU runs it in seconds per call.
+
+Overrides (integers): ``layers dim heads ffn`` (DiT), ``text_layers text_dim text_heads text_ff
+text_vocab`` (UMT5), ``clip_layers clip_dim clip_heads clip_mlp`` (CLIP), ``vae_dim vae_res``
+(VAE base width and residual blocks), ``seed``. E.g. ``synthetic:droid,layers=2`` is two of the
+forty DiT layers at full width.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from policies.dreamzero.config import SYNTHETIC_PREFIX
+from policies.dreamzero.dit import CausalWanModel, DiTConfig
+from policies.dreamzero.encoders import (
+    CLIP_VIT_H_14_CONFIG,
+    UMT5_XXL_ENCODER_CONFIG,
+    WAN21_VAE_CONFIG,
+    ImageEncoder,
+    TextEncoder,
+    VideoVAE,
+)
+from policies.dreamzero.model import ActionHeadConfig, DreamZeroModel
+
+logger = logging.getLogger(__name__)
+
+# The tiny model's widths (policies/dreamzero/tiny.py), at the released model's depths.
+_TOY_TEXT = {"d_model": 32, "d_kv": 8, "num_heads": 4, "d_ff": 64, "num_layers": 24, "vocab_size": 256}
+_TOY_CLIP = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 32, "num_attention_heads": 4, "projection_dim": 32}
+_TOY_VAE = {"base_dim": 4}
+_TOY_DIT = {"dim": 64, "ffn_dim": 128, "num_heads": 4, "text_dim": 32, "clip_dim": 32, "hidden_size": 32}
+
+
+# DreamZero-DROID's action head (config.json ``action_head_cfg.config``).
+DROID_HEAD = ActionHeadConfig(num_frames=33, num_frame_per_block=2, action_horizon=24, max_action_dim=32, max_state_dim=64)
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """Everything that shapes a synthetic DreamZero."""
+
+    preset: str
+    dit: DiTConfig
+    text_encoder: dict[str, Any] = field(default_factory=dict)  # overrides of UMT5_XXL_ENCODER_CONFIG
+    image_encoder: dict[str, Any] = field(default_factory=dict)  # overrides of CLIP_VIT_H_14_CONFIG
+    vae: dict[str, Any] = field(default_factory=dict)  # overrides of WAN21_VAE_CONFIG
+    view_size: tuple[int, int] = (176, 320)  # per-view (h, w) that gives dit.frame_seqlen tokens
+    seed: int = 0
+    head: ActionHeadConfig = DROID_HEAD
+
+    @property
+    def text_config(self) -> dict[str, Any]:
+        return {**UMT5_XXL_ENCODER_CONFIG, **self.text_encoder}
+
+    @property
+    def image_config(self) -> dict[str, Any]:
+        return {**CLIP_VIT_H_14_CONFIG, **self.image_encoder}
+
+    @property
+    def vae_config(self) -> dict[str, Any]:
+        return {**WAN21_VAE_CONFIG, **self.vae}
+
+    def describe(self) -> str:
+        d, t, c, v = self.dit, self.text_config, self.image_config, self.vae_config
+        return (
+            f"DiT {d.num_layers} x dim {d.dim} ({d.num_heads} heads x {d.head_dim}, ffn {d.ffn_dim}), "
+            f"{d.frame_seqlen} tokens/latent frame; UMT5 {t['num_layers']} x {t['d_model']} (vocab {t['vocab_size']}); "
+            f"CLIP {c['num_hidden_layers']} x {c['hidden_size']}; VAE base {v['base_dim']}"
+        )
+
+
+PRESETS: dict[str, SyntheticSpec] = {
+    "droid": SyntheticSpec("droid", DiTConfig()),
+    "droid-small": SyntheticSpec(
+        "droid-small", DiTConfig(**_TOY_DIT), text_encoder=dict(_TOY_TEXT), image_encoder=dict(_TOY_CLIP), vae=dict(_TOY_VAE)
+    ),
+    "tiny": SyntheticSpec(
+        "tiny", DiTConfig(**_TOY_DIT, frame_seqlen=60), text_encoder=dict(_TOY_TEXT), image_encoder=dict(_TOY_CLIP),
+        vae=dict(_TOY_VAE), view_size=(48, 80),
+    ),  # fmt: skip
+}
+
+_DIT_KEYS = {"layers": "num_layers", "dim": "dim", "heads": "num_heads", "ffn": "ffn_dim"}
+_TEXT_KEYS = {"text_layers": "num_layers", "text_dim": "d_model", "text_heads": "num_heads", "text_ff": "d_ff", "text_vocab": "vocab_size"}
+_CLIP_KEYS = {"clip_layers": "num_hidden_layers", "clip_dim": "hidden_size", "clip_heads": "num_attention_heads", "clip_mlp": "intermediate_size"}
+_VAE_KEYS = {"vae_dim": "base_dim", "vae_res": "num_res_blocks"}
+
+
+def is_synthetic(checkpoint: str) -> bool:
+    return checkpoint.startswith(SYNTHETIC_PREFIX)
+
+
+def parse_spec(checkpoint: str) -> SyntheticSpec:
+    """``synthetic:<preset>[,key=value...]`` -> :class:`SyntheticSpec`. Raises ValueError naming the problem."""
+    if not is_synthetic(checkpoint):
+        raise ValueError(f"not a synthetic checkpoint: {checkpoint!r} (expected {SYNTHETIC_PREFIX}<preset>)")
+    name, *items = checkpoint[len(SYNTHETIC_PREFIX) :].split(",")
+    if name not in PRESETS:
+        raise ValueError(f"unknown synthetic preset {name!r} in {checkpoint!r}; known: {sorted(PRESETS)}")
+    spec = PRESETS[name]
+    groups: dict[str, dict[str, Any]] = {"dit": {}, "text": dict(spec.text_encoder), "image": dict(spec.image_encoder), "vae": dict(spec.vae)}
+    tables = {"dit": _DIT_KEYS, "text": _TEXT_KEYS, "image": _CLIP_KEYS, "vae": _VAE_KEYS}
+    given: set[str] = set()
+    seed = spec.seed
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        try:
+            value = int(raw)
+        except ValueError:
+            value = None
+        if not sep or value is None or value < 0:
+            raise ValueError(f"synthetic checkpoint {checkpoint!r}: expected key=<non-negative int>, got {item!r}")
+        given.add(key)
+        if key == "seed":
+            seed = value
+            continue
+        group = next((g for g, table in tables.items() if key in table), None)
+        if group is None:
+            known = sorted([k for table in tables.values() for k in table] + ["seed"])
+            raise ValueError(f"synthetic checkpoint {checkpoint!r}: unknown key {key!r}; known: {known}")
+        groups[group][tables[group][key]] = value
+    dit, text = groups["dit"], groups["text"]
+    if "dim" in given and "ffn" not in given:  # keep DROID's ffn / dim ratio
+        dit["ffn_dim"] = max(64, round(dit["dim"] * 13824 / 5120 / 64) * 64)
+    if given & {"text_dim", "text_heads"}:  # UMT5's head width follows d_model / heads
+        merged = {**UMT5_XXL_ENCODER_CONFIG, **text}
+        text["d_kv"] = merged["d_model"] // merged["num_heads"]
+    text_dim = {**UMT5_XXL_ENCODER_CONFIG, **text}["d_model"]
+    clip_dim = {**CLIP_VIT_H_14_CONFIG, **groups["image"]}["hidden_size"]
+    dit_cfg = replace(spec.dit, **dit, text_dim=text_dim, clip_dim=clip_dim)
+    if dit_cfg.dim % dit_cfg.num_heads or (dit_cfg.dim // dit_cfg.num_heads) % 2:
+        raise ValueError(f"synthetic checkpoint {checkpoint!r}: dim {dit_cfg.dim} must split into {dit_cfg.num_heads} heads of even width")
+    return replace(spec, dit=dit_cfg, text_encoder=text, image_encoder=groups["image"], vae=groups["vae"], seed=seed)
+
+
+# ------------------------------------------------------------------------------ building
+
+
+def _residual_outputs(name: str) -> bool:
+    """Projections that write into a residual stream (scaled down with depth)."""
+    return name.endswith(
+        (
+            "self_attn.o.weight", "cross_attn.o.weight", "ffn.2.weight",  # DiT
+            "SelfAttention.o.weight", "DenseReluDense.wo.weight",  # UMT5
+            "self_attn.out_proj.weight", "mlp.fc2.weight",  # CLIP
+        )
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def _fill(name: str, owner: nn.Module, tensor: torch.Tensor, generator: torch.Generator, depth: int) -> None:
+    leaf = name.rsplit(".", 1)[-1]
+    if not tensor.is_floating_point():
+        tensor.zero_()
+    elif "norm" in type(owner).__name__.lower():  # LayerNorm, RMSNorm, UMT5's and the VAE's norms
+        tensor.fill_(0.0 if leaf == "bias" else 1.0)
+    elif leaf == "logit_scale":
+        tensor.fill_(math.log(1 / 0.07))
+    elif leaf == "modulation":
+        tensor.normal_(0.0, 1.0 / math.sqrt(tensor.shape[-1]), generator=generator)
+    elif leaf in ("bias", "b") or tensor.ndim == 1:
+        tensor.normal_(0.0, 0.02, generator=generator)
+    elif isinstance(owner, nn.Embedding):
+        # UMT5's token embeddings are unit scale (RMS-normed later); position / bucket tables small.
+        vocab_table = "shared" in name or "embed_tokens" in name
+        tensor.normal_(0.0, 1.0 if vocab_table else 0.02, generator=generator)
+    else:
+        fan_in = tensor.shape[-2] if leaf == "W" else math.prod(tensor.shape[1:])
+        std = 1.0 / math.sqrt(max(fan_in, 1))
+        if _residual_outputs(name):
+            std /= math.sqrt(2 * max(depth, 1))
+        tensor.normal_(0.0, std, generator=generator)
+
+
+def materialize(module: nn.Module, *, device: torch.device, dtype: torch.dtype, generator: torch.Generator, depth: int) -> None:
+    """Replace every meta tensor of ``module`` by a filled tensor on ``device`` (tied tensors stay tied)."""
+    replaced: dict[int, torch.Tensor] = {}
+    entries: Iterable[tuple[str, torch.Tensor, bool]] = [
+        *((n, t, True) for n, t in module.named_parameters(remove_duplicate=False)),
+        *((n, t, False) for n, t in module.named_buffers(remove_duplicate=False)),
+    ]
+    for name, tensor, is_param in entries:
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        new = replaced.get(id(tensor))
+        if new is None:
+            target_dtype = dtype if tensor.is_floating_point() else tensor.dtype
+            new = torch.empty(tensor.shape, dtype=target_dtype, device=device)
+            _fill(name, owner, new, generator, depth)
+            if is_param:
+                new = nn.Parameter(new, requires_grad=False)
+            replaced[id(tensor)] = new
+        (owner._parameters if is_param else owner._buffers)[leaf] = new
+    rebuild = getattr(module, "rebuild_buffers", None)
+    if rebuild is not None:
+        rebuild(device)
+    left_on_meta = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    if left_on_meta:
+        raise RuntimeError(f"synthetic model: tensors left on the meta device: {left_on_meta[:10]}")
+    module.eval().requires_grad_(False)
+
+
+def meta_modules(spec: SyntheticSpec) -> tuple[CausalWanModel, TextEncoder, ImageEncoder, VideoVAE]:
+    """The four networks on the meta device (no memory): DiT, text encoder, image encoder, VAE."""
+    with torch.device("meta"):
+        return (
+            CausalWanModel(spec.dit),
+            TextEncoder.from_config(spec.text_encoder),
+            ImageEncoder.from_config(spec.image_encoder),
+            VideoVAE.from_config(spec.vae),
+        )
+
+
+def build_model(spec: SyntheticSpec, *, dtype: torch.dtype, device: torch.device | str) -> DreamZeroModel:
+    """The synthetic DreamZero on ``device`` in ``dtype`` (see the module docstring)."""
+    from policies.dreamzero.tiny import droid_metadata, tiny_tokenizer
+
+    device = torch.device(device)
+    start = time.perf_counter()
+    dit, text_encoder, image_encoder, vae = meta_modules(spec)
+    generator = torch.Generator(device=device).manual_seed(spec.seed)
+    depths = (spec.dit.num_layers, spec.text_config["num_layers"], spec.image_config["num_hidden_layers"], 1)
+    for module, depth in zip((dit, text_encoder, image_encoder, vae), depths):
+        materialize(module, device=device, dtype=dtype, generator=generator, depth=depth)
+    tokenizer = tiny_tokenizer()  # the tiny word-level tokenizer: its ids are a subset of any vocab here
+    if len(tokenizer) > spec.text_config["vocab_size"]:
+        raise ValueError(f"text_vocab {spec.text_config['vocab_size']} is smaller than the tokenizer's {len(tokenizer)} ids")
+    if image_encoder.dim != spec.dit.clip_dim or image_encoder.num_tokens != spec.dit.num_image_tokens:
+        raise ValueError(
+            f"image encoder gives {image_encoder.num_tokens} tokens of width {image_encoder.dim}, the DiT expects "
+            f"{spec.dit.num_image_tokens} of width {spec.dit.clip_dim}"
+        )
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    params = sum(p.numel() for m in (dit, text_encoder, image_encoder, vae) for p in m.parameters())
+    logger.info("synthetic DreamZero %s: %.2f B parameters on %s (%s) in %.1f s", spec.preset, params / 1e9, device, dtype,
+                time.perf_counter() - start)  # fmt: skip
+    return DreamZeroModel(dit, text_encoder, image_encoder, vae, tokenizer, spec.head, droid_metadata())
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_model(checkpoint: str, dtype: torch.dtype, device: str) -> DreamZeroModel:
+    return build_model(parse_spec(checkpoint), dtype=dtype, device=device)
+
+
+def synthetic_model(checkpoint: str, *, dtype: torch.dtype, device: torch.device | str) -> DreamZeroModel:
+    """The model for a ``synthetic:`` checkpoint. The last one built is kept, so that several
+    engines in one process (gpu_check's variants) share one set of weights instead of holding
+    two copies of a 46 GB model; call :func:`release_cached_model` to drop it."""
+    return _cached_model(checkpoint, dtype, str(torch.device(device)))
+
+
+def release_cached_model() -> None:
+    _cached_model.cache_clear()
+
+
+def parameter_bytes(model: DreamZeroModel) -> dict[str, int]:
+    """Bytes of parameters per component (text, vision, vae, dit)."""
+    parts = {"dit": model.dit, "text": model.text_encoder, "vision": model.image_encoder, "vae": model.vae}
+    return {name: sum(p.numel() * p.element_size() for p in module.parameters()) for name, module in parts.items()}

@@ -80,6 +80,7 @@ class PolicyService:
         )
         self.started = time.time()
         self.connections = 0
+        self._closing: set[asyncio.Task] = set()
 
     # -- HTTP ---------------------------------------------------------------------------
 
@@ -139,18 +140,14 @@ class PolicyService:
         self.connections += 1
         self.metrics.connections.set(self.connections)
         logger.info("connection %d from %s", conn.conn_id, remote)
-        idle = self.config.server.idle_timeout_s
+        idle = IdleTimer(self.config.server.idle_timeout_s, lambda: self._close_idle(conn, transport))
         try:
             await transport.send(pack(self.engine.info.server_config))
             prev_total_ms: float | None = None
             while True:
-                try:
-                    frame = await asyncio.wait_for(transport.recv(), idle)
-                except TimeoutError:
-                    logger.info("connection %d: closing after %.0f s without a request", conn.conn_id, idle)
-                    self.metrics.closed.labels("idle").inc()
-                    await transport.close(1000, f"idle for {idle:.0f} s without a request (server.idle_timeout_s)")
-                    break
+                idle.arm()
+                frame = await transport.recv()
+                idle.disarm()
                 started = time.perf_counter()
                 reply = await self.serve_frame(conn, frame, prev_total_ms, started)
                 await transport.send(reply)
@@ -159,10 +156,18 @@ class PolicyService:
         except TransportClosed:
             pass
         finally:
+            idle.disarm()
             self.connections -= 1
             self.metrics.connections.set(self.connections)
             await self.sessions.disconnect(conn)
             logger.info("connection %d closed after %d requests", conn.conn_id, conn.requests)
+
+    def _close_idle(self, conn: Connection, transport: Transport) -> None:
+        seconds = self.config.server.idle_timeout_s
+        logger.info("connection %d: closing after %.0f s without a request", conn.conn_id, seconds)
+        self.metrics.closed.labels("idle").inc()
+        self._closing.add(task := asyncio.ensure_future(transport.close(1000, f"idle for {seconds:.0f} s without a request (server.idle_timeout_s)")))
+        task.add_done_callback(self._closing.discard)
 
     async def serve_frame(self, conn: Connection, frame: bytes | str, prev_total_ms: float | None, started: float) -> bytes | str:
         """One request frame -> one reply frame (binary reply, or a one-line text error)."""
@@ -199,7 +204,7 @@ class PolicyService:
         else:  # DreamZero's reset({}): the connection's current session
             ids = [self.sessions.resolve(conn, None)]
         try:
-            await self.sessions.reset(conn, ids)
+            await self.sessions.end(conn, ids)
         except EngineError as exc:
             return self._error_frame(exc, ", ".join(ids))
         self.metrics.requests.labels("reset").inc()
@@ -253,6 +258,26 @@ class PolicyService:
         if self.config.server.debug and exc.traceback:
             message += "\n" + exc.traceback
         return message
+
+
+class IdleTimer:
+    """Closes a connection that sends no request for ``seconds`` (None: never). A timer re-armed
+    per request, not a timeout around each receive: cancelling a receive per request would leave
+    the connection's last exception (and the frame it references) in a reference cycle."""
+
+    def __init__(self, seconds: float | None, on_idle) -> None:
+        self.seconds = seconds
+        self.on_idle = on_idle
+        self._handle: asyncio.TimerHandle | None = None
+
+    def arm(self) -> None:
+        if self.seconds is not None:
+            self._handle = asyncio.get_running_loop().call_later(self.seconds, self.on_idle)
+
+    def disarm(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 def _session_info(session_id: str, reply: InferReply) -> dict[str, Any]:

@@ -101,8 +101,9 @@ class SessionTable:
                 self._moved_away(conn, previous)
             return await self.engine.infer(session_id, observation)
 
-    async def reset(self, conn: Connection, session_ids: list[str]) -> list[str]:
-        """End each of ``session_ids`` (each under its own lock); the next request starts fresh."""
+    async def end(self, conn: Connection, session_ids: list[str]) -> list[str]:
+        """End each of ``session_ids`` (``endpoint: reset``; each under its own lock): its KV pages go
+        back to the pool and the next request with that id starts a fresh episode."""
         for session_id in session_ids:
             async with self._locked(session_id) as entry:
                 self._check_owner(entry, conn)

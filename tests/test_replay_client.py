@@ -71,7 +71,8 @@ def test_replay_against_the_server_json_and_record(server, tmp_path, capsys):
     assert columns <= set(summary)
     assert summary["round_trip_ms"]["n"] == 4 and summary["server.prev_total_ms"]["n"] == 3  # none before call 1
     assert summary["round_trip_ms"]["p50"] <= summary["round_trip_ms"]["p99"] <= summary["round_trip_ms"]["max"]
-    assert report["reset_reply"] == {"status": "reset successful", "session_id": report["session_id"]}
+    sid = report["session_id"]
+    assert report["reset_reply"] == {"status": "reset successful", "session_ids": [sid], "session_id": sid}
 
     with np.load(record) as data:
         actions = data["actions"]

@@ -81,7 +81,7 @@ def test_ids_interleaved_on_one_connection_each_continue():
         # moving away makes a session the first eviction candidate, once per move
         assert ("detach", "env0", "switched") in engine.log
         assert table.used_by(conn) == ["env0", "env1", "env2"]
-        assert await table.reset(conn, ["env0", "env1"]) == ["env0", "env1"]
+        assert await table.end(conn, ["env0", "env1"]) == ["env0", "env1"]
         assert sorted(engine.released()) == [("env0", "reset"), ("env1", "reset")]
         assert await infer(table, conn, "env2") == 6 and await infer(table, conn, "env0") == 1
         assert table.used_by(conn) == ["env0", "env2"]
@@ -96,8 +96,8 @@ def test_a_new_id_is_a_fresh_episode_and_reset_forgets_entries():
         conn = table.connect()
         for i in range(100):  # RoboArena: a new id per episode, reset at the end of each
             assert await infer(table, conn, f"episode-{i}") == 1
-            await table.reset(conn, [f"episode-{i}"])
-        await table.reset(conn, ["never-used"])
+            await table.end(conn, [f"episode-{i}"])
+        await table.end(conn, ["never-used"])
         await table.drain()
         return table.active
 
@@ -226,7 +226,7 @@ def test_a_reset_waiting_behind_a_request_ends_the_session_after_it_and_a_waiter
         a, b = table.connect(), table.connect()
         first = asyncio.ensure_future(infer(table, a, "S"))
         await asyncio.sleep(0.01)
-        reset = asyncio.ensure_future(table.reset(b, ["S"]))
+        reset = asyncio.ensure_future(table.end(b, ["S"]))
         after = asyncio.ensure_future(infer(table, a, "S"))
         assert await first == 1
         await reset
@@ -265,9 +265,9 @@ def test_sessions_belong_to_the_key_that_opened_them():
         with pytest.raises(SessionForbidden, match="belongs to another API key"):
             await infer(table, intruder, "robot-7")
         with pytest.raises(SessionForbidden):
-            await table.reset(intruder, ["robot-7"])
+            await table.end(intruder, ["robot-7"])
         assert await infer(table, table.connect(key="key0"), "robot-7") == 2  # same key, another connection
-        await table.reset(owner, ["robot-7"])
+        await table.end(owner, ["robot-7"])
         assert await infer(table, intruder, "robot-7") == 1  # ended: the id is free again
         assert engine.released() == [("robot-7", "reset")]
 

@@ -6,12 +6,13 @@ policies never see raw wire keys.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 CAMERAS = ("wrist", "exterior_left", "exterior_right")
+STATES = ("joint_position", "gripper_position", "cartesian_position")
 
 
 class UnsupportedObservation(ValueError):
@@ -42,7 +43,7 @@ class RobotObservation:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every array field that is set, by field name."""
-        return {f.name: v for f in fields(self) if isinstance(v := getattr(self, f.name), np.ndarray)}
+        return {name: v for name in CAMERAS + STATES if isinstance(v := getattr(self, name), np.ndarray)}
 
     def with_arrays(self, arrays: dict[str, Any]) -> RobotObservation:
         return replace(self, **arrays)

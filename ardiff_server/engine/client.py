@@ -49,7 +49,6 @@ from ardiff_server.engine.messages import (
     Reply,
     Request,
     Shutdown,
-    Started,
     StartFailed,
 )
 from ardiff_server.engine.shm import Allocation, SharedArena, create_arena
@@ -60,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 EngineState = Literal["starting", "ready", "restarting", "stuck", "unresponsive", "stopped"]
 
-HEARTBEAT_INTERVAL_S = 2.0  # a liveness ping this often while idle or busy
+HEARTBEAT_INTERVAL_S = 1.0  # a ping this often: liveness, and which step runs since when
 HEARTBEAT_TIMEOUT_S = 10.0  # no pong for this long: /healthz says the worker is unresponsive
 
 
@@ -372,13 +371,12 @@ class ProcessClient:
         now = time.monotonic()
         self._last_pong = now  # any message proves the process is alive
         if isinstance(message, Pong):
+            pending = self._pending.get(message.running) if message.running is not None else None
+            if pending is not None and pending.started_at is None:  # a new step began: progress
+                pending.started_at = now - message.running_s
+                self._last_progress = now
             return
         self._last_progress = now
-        if isinstance(message, Started):
-            pending = self._pending.get(message.request_id)
-            if pending is not None:
-                pending.started_at = now
-            return
         if isinstance(message, InferReply | ControlReply | ErrorReply):
             if message.stats:
                 self.stats = message.stats

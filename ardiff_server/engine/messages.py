@@ -1,8 +1,10 @@
 """Typed messages between the front end and an engine (they cross a process boundary).
 
 Requests go to the engine; every request carries a ``request_id`` and gets exactly one reply
-with the same id. ``Started`` is not a reply: the engine sends it when it begins a step, which
-is what the front end's progress watchdog and a request's compute timeout are measured from.
+with the same id. ``Ping`` / ``Pong`` are not requests: the worker's reader thread answers a
+ping at once, saying which request the engine is computing and for how long; that is what the
+front end's progress watchdog and a request's compute timeout are measured from (a step's own
+compute, never its time in the queue).
 
 Control requests (:class:`Release`, :class:`Detach`, :class:`GetStats`) are served between steps
 ahead of queued :class:`Infer` requests: a reset never waits behind other robots' inference.
@@ -165,10 +167,5 @@ class StartFailed:
 @dataclass(frozen=True, slots=True)
 class Pong:
     request_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class Started:
-    """The engine began the step of this request (progress, and the start of its timeout)."""
-
-    request_id: int
+    running: int | None = None  # the request the engine is computing, if any
+    running_s: float = 0.0  # for how long (the front end's clock is not the worker's)

@@ -1,9 +1,10 @@
 """The worker process: one engine rank behind a socket to the front end.
 
 Rank 0 holds the socket. A reader thread takes requests off it into a :class:`RequestInbox`
-(control first) and answers liveness pings at once; the main thread serves the inbox one request
-at a time, reporting :class:`Started` before each step (the front end's progress watchdog and
-the request's compute timeout run from there).
+(control first) and answers liveness pings at once, with the request the main thread is
+computing and for how long (the front end's progress watchdog and a request's compute timeout
+run from there; no message per step, so a fast step costs no extra wake-up of the front end);
+the main thread serves the inbox one request at a time.
 
 CFG-parallel (``engine.cfg_parallel_size: 2``): two processes form a ``torch.distributed``
 group. Rank 0 broadcasts each request over a gloo control group; both ranks serve it in
@@ -16,7 +17,6 @@ Messages are pickled :mod:`messages` objects in ``multiprocessing.connection`` f
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import signal
 import socket
@@ -122,12 +122,19 @@ def _broadcast(request: Any, control) -> Any:
     return box[0]
 
 
+class Running:
+    """What the main thread is computing (read by the reader thread to answer pings)."""
+
+    def __init__(self) -> None:
+        self.request: tuple[int, float] | None = None  # (request_id, time.monotonic() at its start)
+
+
 def _serve(engine, channel: Channel, control, arena) -> None:
     from ardiff_server.engine.core import RequestInbox
-    from ardiff_server.engine.messages import Infer, Shutdown, Started
+    from ardiff_server.engine.messages import Infer, Shutdown
 
-    inbox = RequestInbox()
-    threading.Thread(target=_read_requests, args=(channel, inbox), name="ardiff-worker-inbox", daemon=True).start()
+    inbox, running = RequestInbox(), Running()
+    threading.Thread(target=_read_requests, args=(channel, inbox, running), name="ardiff-worker-inbox", daemon=True).start()
     while True:
         if inbox.empty() and engine.idle_work():  # recording: only while no request waits
             continue
@@ -136,11 +143,14 @@ def _serve(engine, channel: Channel, control, arena) -> None:
             _broadcast(request, control)
         if isinstance(request, Shutdown):
             return
-        if isinstance(request, Infer):
-            channel.send(Started(request.request_id))
-            if arena is not None:
-                request = replace(request, observation=arena.view(request.observation))
-        channel.send(engine.handle(request, stats=lambda: gather_stats(engine, control)))
+        if isinstance(request, Infer) and arena is not None:
+            request = replace(request, observation=arena.view(request.observation))
+        running.request = (request.request_id, time.monotonic())
+        try:
+            reply = engine.handle(request, stats=lambda: gather_stats(engine, control))
+        finally:
+            running.request = None
+        channel.send(reply)
 
 
 def _follow(engine, control, arena) -> None:
@@ -156,7 +166,7 @@ def _follow(engine, control, arena) -> None:
         engine.handle(request, stats=lambda: gather_stats(engine, control))
 
 
-def _read_requests(channel: Channel, inbox) -> None:
+def _read_requests(channel: Channel, inbox, running: Running) -> None:
     from ardiff_server.engine.messages import Ping, Pong, Shutdown
 
     while True:
@@ -166,7 +176,11 @@ def _read_requests(channel: Channel, inbox) -> None:
             inbox.put(Shutdown())
             return
         if isinstance(message, Ping):
-            channel.send(Pong(message.request_id))
+            current = running.request
+            if current is None:
+                channel.send(Pong(message.request_id))
+            else:
+                channel.send(Pong(message.request_id, running=current[0], running_s=time.monotonic() - current[1]))
         else:
             inbox.put(message)
 
@@ -176,10 +190,3 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-def child_pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

@@ -25,11 +25,13 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from policies.observation import RobotObservation
+from policies.observation import CAMERAS, STATES, RobotObservation
 
 logger = logging.getLogger(__name__)
+ARRAY_FIELDS = CAMERAS + STATES
 
 ALIGN = 64  # bytes; cache-line aligned arrays
+INLINE_BYTES = 4096  # smaller arrays (joint states) travel inline: an allocation costs more than the bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +85,7 @@ class SharedArena:
 
     def put(self, observation: RobotObservation) -> tuple[RobotObservation, list[Allocation]] | None:
         """Copy the observation's arrays in; None (nothing allocated) if they do not fit."""
-        arrays = observation.arrays()
+        arrays = {name: array for name, array in observation.arrays().items() if array.nbytes > INLINE_BYTES}
         allocations: list[Allocation] = []
         refs: dict[str, SharedArray] = {}
         for name, array in arrays.items():
@@ -127,7 +129,7 @@ class SharedArena:
 
     def view(self, observation: RobotObservation) -> RobotObservation:
         """The observation with every :class:`SharedArray` replaced by a read-only view."""
-        refs = {name: value for name, value in vars_of(observation).items() if isinstance(value, SharedArray)}
+        refs = {name: value for name in ARRAY_FIELDS if isinstance(value := getattr(observation, name), SharedArray)}
         if not refs:
             return observation
         views = {}
@@ -147,10 +149,6 @@ class SharedArena:
                 self._shm.unlink()
             except FileNotFoundError:
                 pass
-
-
-def vars_of(observation: RobotObservation) -> dict[str, object]:
-    return {name: getattr(observation, name) for name in observation.__dataclass_fields__}
 
 
 def create_arena(size_mib: int) -> SharedArena | None:

@@ -264,10 +264,12 @@ def table(results: list[Result]) -> str:
 
 
 def flood_frame(items: int = 260_000) -> bytes:
-    """~780 KB of tiny msgpack objects: cheap to send, costly to scan item by item."""
+    """~780 KB of tiny msgpack objects (2-character strings, in lists under the 65536-entry list
+    bound): cheap to send, costly to scan and build item by item."""
     import msgpack
 
-    return msgpack.packb({"observation/joint_position": [0] * 7, "junk": [[0, 1]] * (items // 3)})
+    per_list = 65_000
+    return msgpack.packb({f"junk{i}": ["ab"] * per_list for i in range(items // per_list)})
 
 
 def attacker(port: int, stop: Any) -> int:

@@ -44,10 +44,6 @@ def policy_entry(name: str) -> PolicyEntry:
     return _REGISTRY[name]
 
 
-def registered_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
 def _resolve(target: Any) -> Any:
     if not isinstance(target, str):
         return target

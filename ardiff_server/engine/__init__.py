@@ -7,4 +7,5 @@
 ``client``    EngineClient: what the front end talks to; ProcessClient (a worker process),
               InprocClient (an engine in this process), ReplicaSet (several, with session affinity)
 ``shm``       camera arrays to the worker through shared memory
+``recorder``  session recordings (server.record_dir), written between requests
 """

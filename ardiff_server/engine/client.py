@@ -39,7 +39,6 @@ from ardiff_server.engine.messages import (
     EngineStats,
     ErrorKind,
     ErrorReply,
-    GetStats,
     Infer,
     InferReply,
     Ping,
@@ -308,9 +307,6 @@ class ProcessClient:
 
     async def detach(self, session_id: str, why: Literal["switched", "disconnected"]) -> None:
         await self._control(Detach(next(self._ids), session_id, why))
-
-    async def refresh_stats(self) -> None:
-        await self._control(GetStats(next(self._ids)))
 
     async def _control(self, request: Request) -> None:
         """Control requests never kill a worker: a dead or restarting worker holds no sessions,
@@ -654,9 +650,6 @@ class ReplicaSet:
                 status.sessions_placed = sum(1 for r in self._placement.values() if r == client.replica)
                 statuses.append(status)
         return statuses
-
-    def replica_of(self, session_id: str) -> int | None:
-        return self._placement.get(session_id)
 
     async def start(self) -> None:
         # One at a time: replicas loading a model at once would compete for the same disk and cores.

@@ -39,7 +39,6 @@ from ardiff_server.engine.messages import (
     EngineStats,
     ErrorKind,
     ErrorReply,
-    GetStats,
     Infer,
     InferReply,
     Release,
@@ -107,8 +106,6 @@ class SessionEngine:
                 reply = ControlReply(request.request_id, self.release(request.session_id, request.reason))
             elif isinstance(request, Detach):
                 reply = ControlReply(request.request_id, self.detach(request.session_id, request.why))
-            elif isinstance(request, GetStats):
-                reply = ControlReply(request.request_id)
             else:
                 raise TypeError(f"the engine cannot serve {type(request).__name__}")
         except UnsupportedObservation as exc:

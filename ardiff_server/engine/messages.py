@@ -6,7 +6,7 @@ ping at once, saying which request the engine is computing and for how long; tha
 front end's progress watchdog and a request's compute timeout are measured from (a step's own
 compute, never its time in the queue).
 
-Control requests (:class:`Release`, :class:`Detach`, :class:`GetStats`) are served between steps
+Control requests (:class:`Release`, :class:`Detach`) are served between steps
 ahead of queued :class:`Infer` requests: a reset never waits behind other robots' inference.
 
 Observation arrays may travel through shared memory (``shm.py``): then the observation's array
@@ -88,11 +88,6 @@ class Detach:
 
 
 @dataclass(frozen=True, slots=True)
-class GetStats:
-    request_id: int
-
-
-@dataclass(frozen=True, slots=True)
 class Shutdown:
     request_id: int = -1
 
@@ -104,8 +99,8 @@ class Ping:
     request_id: int
 
 
-Request = Infer | Release | Detach | GetStats | Shutdown
-CONTROL = (Release, Detach, GetStats, Shutdown)
+Request = Infer | Release | Detach | Shutdown
+CONTROL = (Release, Detach, Shutdown)
 
 
 # ---------------------------------------------------------------------------- replies

@@ -228,11 +228,12 @@ class PolicyService:
         server_timing = {"infer_ms": reply.compute_ms, "queue_ms": max(0.0, round_trip_ms - reply.compute_ms)}
         if prev_total_ms is not None:
             server_timing["prev_total_ms"] = prev_total_ms
-        logger.info(
-            "session %s call %d: infer %.0f ms, queue %.0f ms, %s",
-            session_id, reply.calls, reply.compute_ms, server_timing["queue_ms"],
-            " ".join(f"{k}={v:.0f}" for k, v in reply.timing_ms.items()),
-        )  # fmt: skip
+        if logger.isEnabledFor(logging.INFO):
+            logger.info(
+                "session %s call %d: infer %.0f ms, queue %.0f ms, %s",
+                session_id, reply.calls, reply.compute_ms, server_timing["queue_ms"],
+                " ".join(f"{k}={v:.0f}" for k, v in reply.timing_ms.items()),
+            )  # fmt: skip
         actions = np.asarray(reply.actions, dtype=np.float32)
         if self.config.server.reply_format == "array":
             return pack(actions)

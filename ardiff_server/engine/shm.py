@@ -25,6 +25,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from ardiff_server.engine.messages import pickled_by_fields
 from policies.observation import CAMERAS, STATES, RobotObservation
 
 logger = logging.getLogger(__name__)
@@ -34,11 +35,23 @@ ALIGN = 64  # bytes; cache-line aligned arrays
 INLINE_BYTES = 4096  # smaller arrays (joint states) travel inline: an allocation costs more than the bytes
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class SharedArray:
     """Where one array lives in the arena."""
 
     offset: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@pickled_by_fields
+@dataclass(frozen=True, slots=True)
+class InlineArray:
+    """A small array carried in the message itself, as raw bytes (pickling an ndarray costs
+    several times more than these three fields)."""
+
+    data: bytes
     shape: tuple[int, ...]
     dtype: str
 
@@ -85,10 +98,12 @@ class SharedArena:
 
     def put(self, observation: RobotObservation) -> tuple[RobotObservation, list[Allocation]] | None:
         """Copy the observation's arrays in; None (nothing allocated) if they do not fit."""
-        arrays = {name: array for name, array in observation.arrays().items() if array.nbytes > INLINE_BYTES}
         allocations: list[Allocation] = []
-        refs: dict[str, SharedArray] = {}
-        for name, array in arrays.items():
+        refs: dict[str, SharedArray | InlineArray] = {}
+        for name, array in observation.arrays().items():
+            if array.nbytes <= INLINE_BYTES:
+                refs[name] = InlineArray(array.tobytes(), array.shape, array.dtype.str)
+                continue
             allocation = self._allocate(array.nbytes)
             if allocation is None:
                 for done in allocations:
@@ -128,12 +143,16 @@ class SharedArena:
     # -- worker: read -------------------------------------------------------------------
 
     def view(self, observation: RobotObservation) -> RobotObservation:
-        """The observation with every :class:`SharedArray` replaced by a read-only view."""
-        refs = {name: value for name in ARRAY_FIELDS if isinstance(value := getattr(observation, name), SharedArray)}
+        """The observation with every :class:`SharedArray` and :class:`InlineArray` replaced by a
+        read-only array (a view of the region, or of the message's bytes)."""
+        refs = {name: value for name in ARRAY_FIELDS if isinstance(value := getattr(observation, name), SharedArray | InlineArray)}
         if not refs:
             return observation
         views = {}
         for name, ref in refs.items():
+            if isinstance(ref, InlineArray):
+                views[name] = np.frombuffer(ref.data, dtype=np.dtype(ref.dtype)).reshape(ref.shape)  # read-only: bytes
+                continue
             array = np.ndarray(ref.shape, dtype=np.dtype(ref.dtype), buffer=self._shm.buf, offset=ref.offset)
             array.flags.writeable = False
             views[name] = array

@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     level = logging.DEBUG if args.debug else getattr(logging, args.log_level)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # websockets logs two INFO lines per plain HTTP request: every /healthz probe would spam the
+    # log (and cost the event loop). Connections are logged by the service instead.
+    logging.getLogger("websockets").setLevel(logging.INFO if args.debug else max(level, logging.WARNING))
     try:
         config = build_config(args)
     except ConfigError as exc:

@@ -13,7 +13,9 @@ compute of ``--compute-ms`` (a sleep, which blocks its thread like real compute 
 * **reference**: a minimal copy, inside this script, of openpi's
   ``src/openpi/serving/websocket_policy_server.py``: metadata on connect, then recv ->
   ``msgpack_numpy.unpackb`` -> ``policy.infer(obs)`` directly on the event loop -> pack -> send,
-  with ``server_timing = {infer_ms, prev_total_ms}``.
+  with ``server_timing = {infer_ms, prev_total_ms}``;
+* **front-only** (compute 0 only; ``--no-front-only`` skips it): our ``PolicyServer`` with an
+  engine that answers on its event loop, so ``ours`` minus ``front-only`` is the process hop.
 
 Each of 1, 4, 16 clients is the real synchronous openpi ``WebsocketClientPolicy`` in its own
 **process** (a ``ProcessPoolExecutor``, spawned once and reused). Processes rather than threads:
@@ -33,7 +35,8 @@ client count, over all measured requests of all clients:
   at a time), i.e. what a robot actually sees;
 * requests/s over the measurement window (all clients start together after their warm-up);
 * /healthz p99 latency, probed every 25 ms during the measurement: this is what moving compute
-  off the event loop buys (keepalive pings are answered by the same loop).
+  off the event loop buys (keepalive pings are answered by the same loop);
+* CPU the server's processes used per request (Linux ``/proc``), health probes included.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchlib import ServerSubprocess, droid_request, percentile
+from benchlib import ServerSubprocess, droid_request, percentile, process_tree_cpu_s
 
 ACTION_SHAPE = (24, 8)
 METADATA = {
@@ -69,7 +72,7 @@ METADATA = {
 
 
 class TrivialPolicy:
-    """The same policy as ``policies/noop.py``: optional simulated compute, then zeros."""
+    """The same policy as ``policies/noop``: optional simulated compute, then zeros."""
 
     def __init__(self, compute_ms: float) -> None:
         self.compute_ms = compute_ms
@@ -126,6 +129,56 @@ async def _serve_reference(port: int, compute_ms: float) -> None:
         await stop.wait()
 
 
+class _AnswerAtOnce:
+    """An engine client that answers on the event loop: our front end without the process hop."""
+
+    def __init__(self, compute_ms: float) -> None:
+        from policies.info import PolicyInfo, droid_server_config
+
+        self.policy = TrivialPolicy(compute_ms)
+        self.info = PolicyInfo(droid_server_config(), ACTION_SHAPE[0], ACTION_SHAPE[1], model="noop")
+        self.state = "ready"
+
+    async def start(self) -> None: ...
+
+    async def infer(self, session_id: str, observation: Any) -> Any:
+        from ardiff_server.engine.messages import InferReply
+
+        reply = self.policy.infer({})
+        infer_ms = reply["policy_timing"]["infer_ms"]
+        return InferReply(0, session_id, reply["actions"], {"compute": infer_ms}, {}, False, 1, infer_ms)
+
+    async def release(self, *args: Any) -> None: ...
+
+    async def detach(self, *args: Any) -> None: ...
+
+    async def stop(self, *args: Any) -> None: ...
+
+    def kill_now(self) -> None: ...
+
+    def replicas(self) -> list:
+        return []
+
+
+async def _serve_front_only(port: int, compute_ms: float) -> None:
+    """``ardiff_server.server.PolicyServer`` (decode, validation, sessions, metrics, logging) with
+    an engine that answers on the event loop: what our front end costs without the worker."""
+    import logging
+
+    from ardiff_server.config import load_config
+    from ardiff_server.server import PolicyServer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("websockets").setLevel(logging.WARNING)  # as ardiff-serve does
+    server = PolicyServer(load_config("noop", [f"server.port={port}"]), client=_AnswerAtOnce(compute_ms))
+    await server.start()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    print(f"listening on ws://127.0.0.1:{server.port}", flush=True)
+    await stop.wait()
+
+
 # =========================================================================== server processes
 
 
@@ -133,7 +186,8 @@ def start_server(kind: str, compute_ms: float) -> ServerSubprocess:
     if kind == "ours":
         argv = [sys.executable, "-m", "ardiff_server", "--config", "noop", "--port", "0", "--set", f"policy.compute_ms={compute_ms}"]
     else:
-        argv = [sys.executable, str(Path(__file__).resolve()), "--serve-reference", "--compute-ms", str(compute_ms)]
+        flag = "--serve-reference" if kind == "reference" else "--serve-front-only"
+        argv = [sys.executable, str(Path(__file__).resolve()), flag, "--compute-ms", str(compute_ms)]
     return ServerSubprocess(kind, argv)
 
 
@@ -185,11 +239,13 @@ class Result:
     latency_p50_ms: float
     requests_per_s: float
     healthz_p99_ms: float
+    server_cpu_ms: float  # CPU the server's processes (front end + workers) used per request
 
 
 def measure(
-    pool: ProcessPoolExecutor, manager: Any, kind: str, port: int, compute_ms: float, clients: int, warmup: int, requests: int
+    pool: ProcessPoolExecutor, manager: Any, server: ServerSubprocess, compute_ms: float, clients: int, warmup: int, requests: int
 ) -> Result:
+    kind, port = server.name, server.port
     barrier = manager.Barrier(clients + 1)  # + this process, which starts the /healthz probe
     futures: list[Future] = [pool.submit(run_client, port, i, warmup, requests, barrier) for i in range(clients)]
     try:
@@ -199,8 +255,10 @@ def measure(
         raise RuntimeError(f"{kind}: clients failed before the measurement: {errors}") from None
     stop, health = threading.Event(), []
     prober = threading.Thread(target=probe_healthz, args=(port, stop, health), daemon=True)
+    cpu_before = process_tree_cpu_s(server.proc.pid)
     prober.start()
     runs = [f.result(timeout=1800) for f in futures]
+    cpu_used = process_tree_cpu_s(server.proc.pid) - cpu_before
     stop.set()
     prober.join()
     total = [t for r in runs for t in r["total_ms"]]
@@ -210,7 +268,7 @@ def measure(
         server=kind, compute_ms=compute_ms, clients=clients, requests=len(total),
         overhead_p50_ms=statistics.median(overhead), overhead_p99_ms=percentile(overhead, 99),
         latency_p50_ms=statistics.median(total), requests_per_s=len(total) / elapsed,
-        healthz_p99_ms=percentile(health, 99),
+        healthz_p99_ms=percentile(health, 99), server_cpu_ms=cpu_used * 1000.0 / len(total),
     )  # fmt: skip
 
 
@@ -229,6 +287,7 @@ def ratios(results: list[Result]) -> list[dict[str, float]]:
             "compute_ms": r.compute_ms, "clients": r.clients,
             "overhead_p50": r.overhead_p50_ms / ref.overhead_p50_ms, "overhead_p99": r.overhead_p99_ms / ref.overhead_p99_ms,
             "requests_per_s": r.requests_per_s / ref.requests_per_s, "healthz_p99": r.healthz_p99_ms / ref.healthz_p99_ms,
+            "server_cpu": r.server_cpu_ms / ref.server_cpu_ms,
         })  # fmt: skip
     return out
 
@@ -236,24 +295,39 @@ def ratios(results: list[Result]) -> list[dict[str, float]]:
 def table(results: list[Result]) -> str:
     columns = [
         ("compute", 7), ("clients", 7), ("server", 9), ("reqs", 5), ("ovh p50", 8),
-        ("ovh p99", 8), ("lat p50", 8), ("req/s", 7), ("hz p99", 7),
+        ("ovh p99", 8), ("lat p50", 8), ("req/s", 7), ("hz p99", 7), ("cpu/req", 7),
     ]  # fmt: skip
     head = " ".join(f"{name:>{width}}" for name, width in columns)
     lines = [head, "-" * len(head)]
     by_key = {(r.server, r.compute_ms, r.clients): r for r in results}
     for ratio in ratios(results):
         key = (ratio["compute_ms"], ratio["clients"])
-        for kind in ("ours", "reference"):
-            r = by_key[(kind, *key)]
+        for kind in ("ours", "reference", "front-only"):
+            r = by_key.get((kind, *key))
+            if r is None:
+                continue
             lines.append(
                 f"{r.compute_ms:>5.0f}ms {r.clients:>7} {kind:>9} {r.requests:>5} {r.overhead_p50_ms:>8.2f} "
-                f"{r.overhead_p99_ms:>8.2f} {r.latency_p50_ms:>8.2f} {r.requests_per_s:>7.1f} {r.healthz_p99_ms:>7.1f}"
+                f"{r.overhead_p99_ms:>8.2f} {r.latency_p50_ms:>8.2f} {r.requests_per_s:>7.1f} {r.healthz_p99_ms:>7.1f} {r.server_cpu_ms:>7.2f}"
             )
         lines.append(
             f"{'':>7} {'':>7} {'ours/ref':>9} {'':>5} {ratio['overhead_p50']:>7.2f}x {ratio['overhead_p99']:>7.2f}x "
-            f"{'':>8} {ratio['requests_per_s']:>6.2f}x {ratio['healthz_p99']:>6.2f}x"
+            f"{'':>8} {ratio['requests_per_s']:>6.2f}x {ratio['healthz_p99']:>6.2f}x {ratio['server_cpu']:>6.2f}x"
         )
-    lines.append("times in ms; ovh = client round trip - reported policy compute (incl. waiting behind other clients); hz = GET /healthz")
+        front, ref = by_key.get(("front-only", *key)), by_key[("reference", *key)]
+        if front is not None:
+            lines.append(
+                f"{'':>7} {'':>7} {'front/ref':>9} {'':>5} {front.overhead_p50_ms / ref.overhead_p50_ms:>7.2f}x "
+                f"{front.overhead_p99_ms / ref.overhead_p99_ms:>7.2f}x {'':>8} {front.requests_per_s / ref.requests_per_s:>6.2f}x "
+                f"{front.healthz_p99_ms / ref.healthz_p99_ms:>6.2f}x {front.server_cpu_ms / ref.server_cpu_ms:>6.2f}x"
+            )
+    lines.append(
+        "times in ms; ovh = client round trip - reported policy compute (incl. waiting behind other clients); hz = GET /healthz;\n"
+        "cpu/req = CPU the server's processes (front end + worker) used per request, /healthz probes included (~1.8 ms each\n"
+        "in either server; the reference serves fewer of them while compute blocks its loop, so compare cpu/req at 0 ms);\n"
+        "front-only = our front end (decode, validation, sessions, metrics, logs) with an engine answering on its event loop:\n"
+        "ours minus front-only is the cost of the process hop to the worker"
+    )
     return "\n".join(lines)
 
 
@@ -331,7 +405,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="instead: one robot's latency while N clients flood ~780 KB frames of 260k msgpack items")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke run: few requests (< 60 s)")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object on the last stdout line")
+    parser.add_argument("--no-front-only", action="store_true",
+                        help="skip the 'front-only' rows (our front end with an engine answering on its event loop)")  # fmt: skip
     parser.add_argument("--serve-reference", action="store_true", help=argparse.SUPPRESS)  # internal: the reference server
+    parser.add_argument("--serve-front-only", action="store_true", help=argparse.SUPPRESS)  # internal: front end, no worker
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
@@ -343,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.serve_reference:
         asyncio.run(_serve_reference(args.port, float(args.compute_ms)))
+        return 0
+    if args.serve_front_only:
+        asyncio.run(_serve_front_only(args.port, float(args.compute_ms)))
         return 0
     if args.flood:
         ctx = get_context("spawn")
@@ -361,11 +441,12 @@ def main(argv: list[str] | None = None) -> int:
     with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=max(client_counts), mp_context=ctx) as pool:
         for compute_ms in compute_values:
             requests = args.requests if compute_ms == 0 else args.requests_with_compute
-            for kind in ("ours", "reference"):
+            kinds = ("ours", "reference", "front-only") if compute_ms == 0 and not args.no_front_only else ("ours", "reference")
+            for kind in kinds:
                 with start_server(kind, compute_ms) as server:
                     assert server.port is not None
                     for clients in client_counts:
-                        result = measure(pool, manager, kind, server.port, compute_ms, clients, args.warmup, requests)
+                        result = measure(pool, manager, server, compute_ms, clients, args.warmup, requests)
                         progress = f"overhead p50 {result.overhead_p50_ms:.2f} ms, {result.requests_per_s:.0f} req/s"
                         print(f"  {kind:>9}  compute {compute_ms:.0f} ms  {clients:>2} clients: {progress}", file=sys.stderr, flush=True)
                         results.append(result)

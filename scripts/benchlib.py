@@ -93,6 +93,32 @@ class ServerSubprocess:
         self.stop()
 
 
+def process_tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by ``pid`` and every live descendant (Linux /proc;
+    NaN elsewhere). A worker that exited meanwhile is not counted: sample while it runs."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    used: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(fields[1])
+        used[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
+    if pid not in used:
+        return float("nan")
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [child for child, ppid in parents.items() if ppid == parent and child not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return sum(used[p] for p in tree)
+
+
 def droid_request(session_id: str, seed: int) -> dict:
     """A DROID observation as RoboArena sends it (one frame per camera)."""
     rng = np.random.default_rng(seed)

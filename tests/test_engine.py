@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import gc
 import random
+import time
 
 import numpy as np
 import pytest
 
-from ardiff_server.engine.core import SessionEngine
+from ardiff_server.engine.core import RequestInbox, SessionEngine
+from ardiff_server.engine.messages import Infer, Release
 from kv import CapacityError, PagedKVCache
 from policies.base import RuntimeOptions
 from policies.observation import RobotObservation
@@ -152,3 +154,16 @@ def test_dreamzero_warmup_walks_a_full_window_and_a_restart(tiny_model):
     timings = engine.warmup()
     assert len(timings) == 6  # 1 + 4 calls fill the 9-frame window, 1 more restarts it
     assert cache.pool.num_free == cache.pool.capacity and cache.cross.num_free == cache.cross.num_slots
+
+
+def test_the_inbox_serves_control_first_and_says_how_long_each_request_waited():
+    inbox = RequestInbox()
+    first, second, reset = Infer(1, "a", obs()), Infer(2, "b", obs()), Release(3, "c", "reset")
+    inbox.put(first)
+    inbox.put(second)
+    time.sleep(0.05)
+    inbox.put(reset)
+    order = [inbox.get() for _ in range(3)]
+    assert [request for request, _ in order] == [reset, first, second]  # a reset never waits behind inference
+    waited = [ms for _, ms in order]
+    assert waited[0] < 50.0 <= waited[1] and waited[2] >= 50.0

@@ -591,13 +591,13 @@ class InprocClient:
         while True:
             if self._inbox.empty() and self.engine.idle_work():  # recording: only while no request waits
                 continue
-            request = self._inbox.get()
+            request, queued_ms = self._inbox.get()
             if isinstance(request, Shutdown):
                 self.engine.close()
                 return
             self.busy_since = time.monotonic()
             try:
-                reply = self.engine.handle(request)
+                reply = self.engine.handle(request, queued_ms=queued_ms)
             finally:
                 self.busy_since = None
             self._loop.call_soon_threadsafe(self._resolve, reply)

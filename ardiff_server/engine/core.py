@@ -90,13 +90,14 @@ class SessionEngine:
 
     # -- typed requests -------------------------------------------------------------------
 
-    def handle(self, request: Request, *, stats: Callable[[], tuple[EngineStats, ...]] | None = None) -> Reply:
+    def handle(self, request: Request, *, stats: Callable[[], tuple[EngineStats, ...]] | None = None, queued_ms: float = 0.0) -> Reply:
         """Serve one request; errors become :class:`ErrorReply`. ``stats`` gathers every rank's
-        stats (a collective under CFG-parallel, so every rank must call handle for every request)."""
+        stats (a collective under CFG-parallel, so every rank must call handle for every request);
+        ``queued_ms``: how long it waited for the engine (recorded with the call)."""
         reply: Reply
         try:
             if isinstance(request, Infer):
-                outcome = self.infer(request.session_id, request.observation)
+                outcome = self.infer(request.session_id, request.observation, queued_ms=queued_ms)
                 result = outcome.result
                 reply = InferReply(
                     request.request_id, request.session_id, result.actions, result.timing_ms, result.info,
@@ -120,7 +121,7 @@ class SessionEngine:
 
     # -- requests -----------------------------------------------------------------------
 
-    def infer(self, session_id: str, observation: RobotObservation) -> StepOutcome:
+    def infer(self, session_id: str, observation: RobotObservation, *, queued_ms: float = 0.0) -> StepOutcome:
         self.policy.check_observation(observation)  # before any state changes: a bad request
         session, new = self._get_or_open(session_id)
         self._serving = session_id
@@ -137,17 +138,17 @@ class SessionEngine:
         self.steps += 1
         compute_ms = (time.perf_counter() - start) * 1000.0
         if self.recorder is not None and result.recording is not None and session_id != WARMUP_SESSION:
-            self._record(session, observation, result, compute_ms)
+            self._record(session, observation, result, compute_ms, queued_ms)
         return StepOutcome(result, session_id, new, session.calls, compute_ms)
 
-    def _record(self, session: EngineSession, observation: RobotObservation, result: StepResult, compute_ms: float) -> None:
+    def _record(self, session: EngineSession, observation: RobotObservation, result: StepResult, compute_ms: float, queued_ms: float) -> None:
         from ardiff_server.engine.recorder import Chunk
 
         rec = result.recording
         self.recorder.add(session.session_id, Chunk(
             call=session.calls, prompt=observation.prompt, canvas=rec.canvas, predicted=rec.predicted,
             actions=result.actions, raw_actions=rec.raw_actions, state=rec.state, policy_timing=dict(result.timing_ms),
-            compute_ms=compute_ms, info=dict(result.info),
+            compute_ms=compute_ms, queue_ms=queued_ms, info=dict(result.info),
         ))  # fmt: skip
 
     def idle_work(self) -> bool:
@@ -287,20 +288,22 @@ class RequestInbox:
     """
 
     def __init__(self) -> None:
-        self._control: deque[Request] = deque()
-        self._infer: deque[Request] = deque()
+        self._control: deque[tuple[Request, float]] = deque()
+        self._infer: deque[tuple[Request, float]] = deque()
         self._ready = threading.Condition()
 
     def put(self, request: Request) -> None:
         with self._ready:
-            (self._control if isinstance(request, CONTROL) else self._infer).append(request)
+            (self._control if isinstance(request, CONTROL) else self._infer).append((request, time.monotonic()))
             self._ready.notify()
 
-    def get(self) -> Request:
+    def get(self) -> tuple[Request, float]:
+        """The next request and how long it waited here, in ms (behind other sessions' steps)."""
         with self._ready:
             while not self._control and not self._infer:
                 self._ready.wait()
-            return (self._control or self._infer).popleft()
+            request, arrived = (self._control or self._infer).popleft()
+        return request, (time.monotonic() - arrived) * 1000.0
 
     def empty(self) -> bool:
         with self._ready:

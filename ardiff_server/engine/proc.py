@@ -138,7 +138,7 @@ def _serve(engine, channel: Channel, control, arena) -> None:
     while True:
         if inbox.empty() and engine.idle_work():  # recording: only while no request waits
             continue
-        request = inbox.get()
+        request, queued_ms = inbox.get()
         if control is not None:
             _broadcast(request, control)
         if isinstance(request, Shutdown):
@@ -147,7 +147,7 @@ def _serve(engine, channel: Channel, control, arena) -> None:
             request = replace(request, observation=arena.view(request.observation))
         running.request = (request.request_id, time.monotonic())
         try:
-            reply = engine.handle(request, stats=lambda: gather_stats(engine, control))
+            reply = engine.handle(request, stats=lambda: gather_stats(engine, control), queued_ms=queued_ms)
         finally:
             running.request = None
         channel.send(reply)

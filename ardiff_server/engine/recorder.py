@@ -8,7 +8,9 @@
 * ``actions.npz``: ``actions`` (calls, horizon, dim) denormalized, ``state`` (calls, state dim),
   ``raw_actions`` (calls, horizon, model dim) before denormalization, ``calls``;
 * ``timings.json``: per call ``policy_timing``, ``server_timing`` (as the engine measures it:
-  ``infer_ms``), window resets and prompt changes;
+  ``infer_ms``, and ``queue_ms``, the time the request waited for the engine behind other
+  sessions' steps; the reply's ``queue_ms`` also counts the trip to the engine), window resets
+  and prompt changes;
 * ``actions.png``: joint and gripper trajectories over the session (written when it ends).
 
 Off the critical path: a step only keeps references to what it produced. The expensive VAE
@@ -66,6 +68,7 @@ class Chunk:
     state: np.ndarray  # (state dim,)
     policy_timing: dict[str, float]
     compute_ms: float
+    queue_ms: float = 0.0  # waiting for the engine, behind other sessions' steps
     info: dict[str, Any] = field(default_factory=dict)
     wall_time: float = field(default_factory=time.time)
 
@@ -186,7 +189,7 @@ class _SessionFiles:
             "time": chunk.wall_time,
             "prompt": chunk.prompt,
             "policy_timing": chunk.policy_timing,
-            "server_timing": {"infer_ms": chunk.compute_ms},
+            "server_timing": {"infer_ms": chunk.compute_ms, "queue_ms": chunk.queue_ms},
             "window_reset": bool(chunk.info.get("window_reset", False)),
             "prompt_changed": bool(chunk.info.get("session_reset", False)),
             "info": {k: v for k, v in chunk.info.items() if isinstance(v, bool | int | float | str)},

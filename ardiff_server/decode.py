@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ardiff_server.protocol import ProtocolError
+from ardiff_server.protocol import ProtocolError, short_repr
 from policies.observation import RobotObservation
 
 __all__ = [
@@ -107,7 +107,7 @@ def _require_request_map(payload: Any) -> dict[str, Any]:
     for key in payload:
         if not isinstance(key, str):
             raise RequestError(
-                f"request keys must be strings, got a key of type {type(key).__name__}: {_short_repr(key)}"
+                f"request keys must be strings, got a key of type {type(key).__name__}: {short_repr(key)}"
             )
     return payload
 
@@ -117,7 +117,7 @@ def _decode_endpoint(value: Any) -> Literal["infer", "reset"]:
         return "infer"  # plain openpi clients send no endpoint
     if isinstance(value, str) and value in ("infer", "reset"):
         return value  # type: ignore[return-value]
-    raise RequestError(f"{ENDPOINT_KEY}: expected 'infer' or 'reset', got {_short_repr(value)}")
+    raise RequestError(f"{ENDPOINT_KEY}: expected 'infer' or 'reset', got {short_repr(value)}")
 
 
 def decode_session_id(value: Any, key: str = SESSION_ID_KEY) -> str | None:
@@ -141,18 +141,18 @@ def decode_session_id(value: Any, key: str = SESSION_ID_KEY) -> str | None:
         try:
             value = bytes(value).decode("utf-8")
         except UnicodeDecodeError:
-            raise RequestError(f"{key}: bytes must be UTF-8, got {_short_repr(value)}") from None
+            raise RequestError(f"{key}: bytes must be UTF-8, got {short_repr(value)}") from None
     if isinstance(value, np.str_):
         value = str(value)
     if not isinstance(value, str):
         raise RequestError(f"{key}: expected {expected}, got {_describe(value)}")
     session_id = value.strip()
     if not session_id:
-        raise RequestError(f"{key}: expected a non-empty string, got {_short_repr(value)}")
+        raise RequestError(f"{key}: expected a non-empty string, got {short_repr(value)}")
     if len(session_id) > MAX_SESSION_ID_CHARS:
         raise RequestError(f"{key}: expected at most {MAX_SESSION_ID_CHARS} characters, got {len(session_id)}")
     if not session_id.isprintable():
-        raise RequestError(f"{key}: expected printable characters, got {_short_repr(session_id)}")
+        raise RequestError(f"{key}: expected printable characters, got {short_repr(session_id)}")
     # Surrounding whitespace never distinguishes sessions; the stripped id is the session's.
     return session_id
 
@@ -200,7 +200,7 @@ def _decode_observation(request: dict[str, Any]) -> RobotObservation:
     if not observation.arrays():  # a map of unrelated keys (or garbage that happens to be a map)
         raise RequestError(
             f"no observation in the request: expected images ({exterior_image_key(0)}, {WRIST_IMAGE_KEY}, ...) "
-            f"and/or state ({STATE_KEYS['joint_position'][0]}, ...), got keys {_short_repr(sorted(request)[:8])}"
+            f"and/or state ({STATE_KEYS['joint_position'][0]}, ...), got keys {short_repr(sorted(request)[:8])}"
         )
     return observation
 
@@ -286,8 +286,3 @@ def _describe(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return f"a list of {len(value)}"
     return type(value).__name__
-
-
-def _short_repr(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -37,7 +37,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-__all__ = ["DecodeLimits", "ProtocolError", "pack", "unpack"]
+__all__ = ["DecodeLimits", "ProtocolError", "pack", "short_repr", "unpack"]
 
 _MiB = 1024 * 1024
 
@@ -125,7 +125,7 @@ def _encode_numpy(obj: Any) -> dict[bytes, Any]:
         _check_encodable_dtype(obj.dtype, "numpy scalar")
         return {b"__npgeneric__": True, b"data": obj.item(), b"dtype": obj.dtype.str}
     if isinstance(obj, int):  # msgpack hands back ints it cannot fit in 64 bits
-        raise ProtocolError(f"cannot encode integer {_short_repr(obj)}: msgpack integers are limited to 64 bits")
+        raise ProtocolError(f"cannot encode integer {short_repr(obj)}: msgpack integers are limited to 64 bits")
     raise ProtocolError(
         f"cannot encode object of type {type(obj).__name__}: expected dict, list, str, bytes, number, None or ndarray"
     )
@@ -377,9 +377,9 @@ def _check_marker_keys(obj: dict[Any, Any], expected: frozenset[bytes], marker: 
         raise ProtocolError(f"{marker} map is missing the key {missing[0]!r}")
     extra = [key for key in obj if key not in expected]
     if extra:
-        raise ProtocolError(f"{marker} map has the unexpected key {_short_repr(extra[0])}")
+        raise ProtocolError(f"{marker} map has the unexpected key {short_repr(extra[0])}")
     if obj[marker.encode()] is not True:
-        raise ProtocolError(f"{marker} marker must be true, got {_short_repr(obj[marker.encode()])}")
+        raise ProtocolError(f"{marker} marker must be true, got {short_repr(obj[marker.encode()])}")
 
 
 def _wire_dtype(value: Any, what: str) -> np.dtype:
@@ -391,7 +391,7 @@ def _wire_dtype(value: Any, what: str) -> np.dtype:
         dtype = np.dtype(f"<U{int(string[3])}" if string[1] else f"|S{int(string[3])}")
     if dtype is None:
         expected = f"{_ALLOWED_DTYPE_NAMES} as numpy dtype.str, e.g. '<f4' or '|u1'"
-        raise ProtocolError(f"{what} dtype {_short_repr(value)} is not allowed: expected one of {expected}")
+        raise ProtocolError(f"{what} dtype {short_repr(value)} is not allowed: expected one of {expected}")
     return dtype
 
 
@@ -405,13 +405,13 @@ def _wire_shape(value: Any, limits: DecodeLimits) -> tuple[int, ...]:
     for dim in value:
         # type() not isinstance(): bool is an int subclass and is no dimension.
         if type(dim) is not int or dim < 0:
-            raise ProtocolError(f"array shape must be a list of non-negative ints, got {_short_repr(value)}")
+            raise ProtocolError(f"array shape must be a list of non-negative ints, got {short_repr(value)}")
         if dim > limits.max_array_bytes:
             raise ProtocolError(f"array dimension {dim} is over the limit of {limits.max_array_bytes}")
     return tuple(value)
 
 
-def _short_repr(value: Any, limit: int = 60) -> str:
+def short_repr(value: Any, limit: int = 60) -> str:
     """repr() cut to ``limit`` characters: messages stay one short line whatever a client sent."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -365,13 +365,7 @@ class PolicyClient:
         self.metadata = self._read_metadata()
 
     def _read_metadata(self) -> dict[str, Any]:
-        first = self.ws.recv(self.timeout)
-        if isinstance(first, str):
-            raise ServerError(f"server sent text instead of the metadata frame: {first}")
-        try:
-            metadata = unpack(first, REPLY_LIMITS)
-        except ProtocolError as exc:
-            raise ReplayError(f"cannot decode the metadata frame: {exc}") from None
+        metadata = decode_frame(self.ws.recv(self.timeout), "the metadata frame")
         if not isinstance(metadata, dict):
             raise ReplayError(f"metadata frame is a {type(metadata).__name__}, expected a map")
         return metadata
@@ -400,17 +394,22 @@ def build_request(
     }
 
 
+def decode_frame(frame: bytes | str, what: str) -> Any:
+    """A server frame decoded; a text frame (the server's one-line error) raises ServerError."""
+    if isinstance(frame, str):
+        raise ServerError(f"{what}: server error: {frame}")
+    try:
+        return unpack(frame, REPLY_LIMITS)
+    except ProtocolError as exc:
+        raise ReplayError(f"{what}: cannot decode the frame: {exc}") from None
+
+
 def parse_reply(reply: bytes | str, call: int) -> CallRecord:
     """Decode an infer reply: a map with ``actions`` (+ timings) or a bare (N, D) array.
 
     The returned record's call-side fields (frames, rtt, states) are left for the caller.
     """
-    if isinstance(reply, str):
-        raise ServerError(f"call {call}: server error: {reply}")
-    try:
-        obj = unpack(reply, REPLY_LIMITS)
-    except ProtocolError as exc:
-        raise ReplayError(f"call {call}: cannot decode the reply: {exc}") from None
+    obj = decode_frame(reply, f"call {call}")
     if isinstance(obj, dict) and "actions" in obj:
         actions, reply_format = obj["actions"], "dict"
     elif isinstance(obj, np.ndarray):

@@ -16,7 +16,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,7 +27,7 @@ from ardiff_server.auth import ApiKeys, Unauthorized
 from ardiff_server.config import AppConfig
 from ardiff_server.decode import PolicyRequest, decode_request
 from ardiff_server.engine.client import EngineClient
-from ardiff_server.engine.messages import EngineError, ErrorKind, InferReply
+from ardiff_server.engine.messages import EngineError, ErrorKind, InferReply, scalar_info
 from ardiff_server.metrics import Metrics
 from ardiff_server.protocol import DecodeLimits, ProtocolError, pack, unpack
 from ardiff_server.sessions import Connection, SessionForbidden, SessionTable
@@ -282,9 +282,6 @@ class IdleTimer:
 
 
 def _session_info(session_id: str, reply: InferReply) -> dict[str, Any]:
-    extra = {k: v for k, v in _jsonable(reply.info).items() if k not in ("id", "new", "calls", "replica")}
+    extra = {k: v for k, v in scalar_info(reply.info).items() if k not in ("id", "new", "calls", "replica")}
     return {"id": session_id, "new": reply.new_session, "calls": reply.calls, "replica": reply.replica, **extra}
 
-
-def _jsonable(info: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in info.items() if isinstance(v, bool | int | float | str)}

@@ -142,6 +142,12 @@ class InferReply:
     replica: int = 0  # which engine replica served it (set by the client that talked to it)
 
 
+def scalar_info(info: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a reply's ``info`` that JSON and msgpack carry as they are (bool, int,
+    float, str): what the reply's ``session`` map and a recording's ``timings.json`` show."""
+    return {k: v for k, v in info.items() if isinstance(v, bool | int | float | str)}
+
+
 @pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class ControlReply:

@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from ardiff_server.engine.messages import scalar_info
+
 logger = logging.getLogger(__name__)
 
 FPS = 4  # one call spans 4 camera frames at DROID's ~15 Hz control / 4x frame skip
@@ -192,7 +194,7 @@ class _SessionFiles:
             "server_timing": {"infer_ms": chunk.compute_ms, "queue_ms": chunk.queue_ms},
             "window_reset": bool(chunk.info.get("window_reset", False)),
             "prompt_changed": bool(chunk.info.get("session_reset", False)),
-            "info": {k: v for k, v in chunk.info.items() if isinstance(v, bool | int | float | str)},
+            "info": scalar_info(chunk.info),
         })  # fmt: skip
         self._write_arrays()
         _atomic_write(self.folder / "timings.json", json.dumps({"session_id": self.session_id, "calls": self.timings}, indent=1).encode())

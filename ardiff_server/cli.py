@@ -15,8 +15,8 @@ import signal
 import sys
 
 from ardiff_server import __version__
-from ardiff_server.auth import ENV_VAR, gather_api_keys
 from ardiff_server.config import AppConfig, ConfigError, load_config, preflight
+from ardiff_server.frontend.auth import ENV_VAR, gather_api_keys
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ardiff-serve: {exc}", file=sys.stderr)
         return 2
     if args.ray:
-        from ardiff_server.ray_serve import run_ray
+        from ardiff_server.ray.serve_app import run_ray
 
         return run_ray(config)
     try:
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _serve(config: AppConfig) -> None:
     from ardiff_server.engine.messages import EngineError
-    from ardiff_server.server import PolicyServer
+    from ardiff_server.frontend.server import PolicyServer
 
     log = logging.getLogger("ardiff_server")
     server = PolicyServer(config)

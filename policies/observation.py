@@ -1,6 +1,6 @@
 """The typed robot observation every policy receives (torch-free).
 
-The server decodes RoboArena / DROID wire dictionaries into this (``ardiff_server/decode.py``);
+The server decodes RoboArena / DROID wire dictionaries into this (``ardiff_server/wire/decode.py``);
 policies never see raw wire keys.
 """
 

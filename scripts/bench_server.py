@@ -161,12 +161,12 @@ class _AnswerAtOnce:
 
 
 async def _serve_front_only(port: int, compute_ms: float) -> None:
-    """``ardiff_server.server.PolicyServer`` (decode, validation, sessions, metrics, logging) with
+    """``ardiff_server.frontend.server.PolicyServer`` (decode, validation, sessions, metrics, logging) with
     an engine that answers on the event loop: what our front end costs without the worker."""
     import logging
 
     from ardiff_server.config import load_config
-    from ardiff_server.server import PolicyServer
+    from ardiff_server.frontend.server import PolicyServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(logging.WARNING)  # as ardiff-serve does

@@ -11,7 +11,7 @@ from typing import Any
 from ardiff_server.config import AppConfig, validate_config
 from ardiff_server.engine.client import InprocClient
 from ardiff_server.engine.core import build_engine
-from ardiff_server.server import PolicyServer
+from ardiff_server.frontend.server import PolicyServer
 
 
 def app_config(raw: dict[str, Any]) -> AppConfig:

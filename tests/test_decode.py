@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openpi_client import msgpack_numpy as openpi
 
-from ardiff_server.decode import (
+from ardiff_server.wire.decode import (
     MAX_FRAMES,
     MAX_IMAGE_SIDE,
     MAX_PROMPT_CHARS,
@@ -19,7 +19,7 @@ from ardiff_server.decode import (
     RequestError,
     decode_request,
 )
-from ardiff_server.protocol import ProtocolError, unpack
+from ardiff_server.wire.protocol import ProtocolError, unpack
 
 EXT = "observation/exterior_image_{}_left"
 WRIST = "observation/wrist_image_left"

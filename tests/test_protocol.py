@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from openpi_client import msgpack_numpy as openpi
 
-from ardiff_server.protocol import DecodeLimits, ProtocolError, pack, unpack
+from ardiff_server.wire.protocol import DecodeLimits, ProtocolError, pack, unpack
 
 ALLOWED_DTYPES = [
     np.dtype(name)

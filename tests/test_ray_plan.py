@@ -11,7 +11,7 @@ import time
 import pytest
 
 from ardiff_server.config import ConfigError, load_config
-from ardiff_server.ray_serve import (
+from ardiff_server.ray.serve_app import (
     EngineReplica,
     plan_deployment,
     proxy_environment,
@@ -69,14 +69,14 @@ def test_impossible_gpu_requests_are_refused_naming_the_key(config, overrides, m
 
 def test_the_proxy_takes_the_frame_limit_and_keepalive_from_the_config():
     env = proxy_environment(load_config("dreamzero_droid"))
-    assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "ardiff_server.ray_serve.configure_proxy"
+    assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "ardiff_server.ray.serve_app.configure_proxy"
     assert int(env["ARDIFF_WS_MAX_SIZE"]) > 64 * 2**20
     assert (env["ARDIFF_WS_PING_INTERVAL_S"], env["ARDIFF_WS_PING_TIMEOUT_S"]) == ("60.0", "600.0")
 
 
 def test_configure_proxy_gives_uvicorn_the_frame_limit(monkeypatch):
     uvicorn = pytest.importorskip("uvicorn", reason="uvicorn comes with Ray Serve (pip install -e '.[ray]')")
-    from ardiff_server.ray_serve import configure_proxy
+    from ardiff_server.ray.serve_app import configure_proxy
 
     monkeypatch.setattr(uvicorn.Config, "__init__", uvicorn.Config.__init__)  # restored afterwards
     for key, value in proxy_environment(load_config("tiny", ["server.ping_interval_s=null"])).items():

@@ -43,9 +43,9 @@ def reference_actions(sequences: dict[str, list[dict]]) -> dict[str, list[np.nda
     import torch
 
     from ardiff_server.config import load_config
-    from ardiff_server.decode import decode_request
     from ardiff_server.engine.core import build_engine
-    from ardiff_server.protocol import pack, unpack
+    from ardiff_server.wire.decode import decode_request
+    from ardiff_server.wire.protocol import pack, unpack
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -18,8 +18,8 @@ pytest.importorskip("matplotlib", reason="recordings need the viz extra (pip ins
 
 
 def tiny_engine(record_dir: Path):
-    from ardiff_server.decode import decode_request
     from ardiff_server.engine.core import build_engine
+    from ardiff_server.wire.decode import decode_request
 
     config = validate_config({
         "server": {"record_dir": str(record_dir)},

@@ -1,4 +1,4 @@
-"""The replay client ``ardiff-client`` (ardiff_server/replay.py) and its helpers (ardiff_server/viz.py).
+"""The replay client ``ardiff-client`` (ardiff_server/tools/replay.py) and its helpers (ardiff_server/tools/media.py).
 
 Against the real server process (fake policy: ``actions[0, 0]`` = calls in the session,
 ``actions[0, 1]`` = the joint_position[0] it was sent), and against a small in-test server
@@ -21,7 +21,7 @@ import pytest
 from websockets.sync.server import ServerConnection, serve
 
 from ardiff_server import replay, viz
-from ardiff_server.protocol import pack, unpack
+from ardiff_server.wire.protocol import pack, unpack
 from tests.server_harness import REPO, ServerProcess, fake_config
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -411,7 +411,7 @@ def test_summary_statistics_and_reply_parsing():
 
 def test_the_client_modules_do_not_import_torch():
     result = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", "import ardiff_server.replay, ardiff_server.viz"],
+        [sys.executable, "-X", "importtime", "-c", "import ardiff_server.tools.replay, ardiff_server.tools.media"],
         cwd=REPO, capture_output=True, text=True, check=True,
     )  # fmt: skip
     imported = {line.split("|")[-1].strip().split(".")[0] for line in result.stderr.splitlines() if "|" in line}

@@ -10,7 +10,7 @@ from typing import Literal
 import pytest
 
 from ardiff_server.engine.messages import EngineError, ErrorKind, InferReply
-from ardiff_server.sessions import SessionForbidden, SessionTable
+from ardiff_server.frontend.sessions import SessionForbidden, SessionTable
 from policies.observation import RobotObservation
 
 OBS = RobotObservation(prompt="p")

@@ -193,7 +193,7 @@ class ProcessClient:
         started = time.perf_counter()
         parent, child = socket.socketpair()
         ctx = mp.get_context("spawn")
-        from ardiff_server.engine.proc import free_port, worker_main  # noqa: PLC0415 - torch-free at import
+        from ardiff_server.engine.worker import free_port, worker_main  # noqa: PLC0415 - torch-free at import
 
         port = free_port() if self.world_size > 1 else 0
         arena_name = self._arena.name if self._arena is not None else None

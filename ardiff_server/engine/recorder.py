@@ -206,7 +206,7 @@ class _SessionFiles:
             self.video.close()
             self.video = None
         if self.actions:
-            from ardiff_server.viz import plot_actions
+            from ardiff_server.tools.media import plot_actions
 
             try:
                 plot_actions(np.stack(self.actions), self.folder / "actions.png", state=np.stack(self.states),
@@ -264,7 +264,7 @@ def _side_by_side(canvas: np.ndarray, predicted: np.ndarray | None) -> np.ndarra
 
 
 def _resize(frames: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    from ardiff_server.viz import resize_frame
+    from ardiff_server.tools.media import resize_frame
 
     return np.stack([resize_frame(f, size) for f in frames])
 

@@ -3,7 +3,7 @@
 Two deployments:
 
 ``Ingress``        one replica, a FastAPI app behind Serve's HTTP proxy: the websocket on every
-                   path that :class:`~ardiff_server.service.PolicyService` accepts (``/``,
+                   path that :class:`~ardiff_server.frontend.service.PolicyService` accepts (``/``,
                    ``/v1/realtime/robot/openpi``) and its HTTP routes (``/healthz``, ``/metrics``,
                    ``/info``). The protocol, decoding, session table (ids, switch, reset, TTL,
                    key ownership) and error frames are the standalone server's own code: only the
@@ -17,7 +17,7 @@ Two deployments:
                    case where a replica spawns processes).
 
 Session affinity is Ray Serve's own routing: the ingress calls the model deployment with
-``handle.options(session_id=...)`` and :class:`~ardiff_server.ray_router.SessionAffinityRouter`
+``handle.options(session_id=...)`` and :class:`~ardiff_server.ray.router.SessionAffinityRouter`
 pins each session to the replica that opened it (new sessions to the least-loaded replica).
 When a replica dies Serve starts a new one; the router forgets the dead replica's sessions, so
 their next request opens a fresh session elsewhere (``session.new``) and no other session is
@@ -58,7 +58,7 @@ INSTALL_HINT = "pip install -e '.[ray]'"
 MIN_RAY = (2, 56)  # DeploymentHandle.options(session_id=...) reaches request routers from 2.56 on
 MODEL_DEPLOYMENT = "EngineReplica"
 INGRESS_DEPLOYMENT = "Ingress"
-PROXY_CALLBACK = "ardiff_server.ray_serve.configure_proxy"
+PROXY_CALLBACK = "ardiff_server.ray.serve_app.configure_proxy"
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 WS_MAX_SIZE_ENV = "ARDIFF_WS_MAX_SIZE"
 WS_PING_INTERVAL_ENV = "ARDIFF_WS_PING_INTERVAL_S"
@@ -463,7 +463,7 @@ class RayEngineClient:
             await asyncio.sleep(0.2)
 
     def replicas(self) -> list[ReplicaStatus]:
-        from ardiff_server.ray_router import router_view  # noqa: PLC0415 - imports Ray
+        from ardiff_server.ray.router import router_view  # noqa: PLC0415 - imports Ray
 
         views = router_view(self.app_name, MODEL_DEPLOYMENT)
         if views is None:  # no call has gone through the handle yet
@@ -574,13 +574,13 @@ def _engine_error(exc: BaseException) -> EngineError:
 
 
 class StarletteTransport:
-    """A Starlette (FastAPI) WebSocket as :class:`~ardiff_server.service.Transport`."""
+    """A Starlette (FastAPI) WebSocket as :class:`~ardiff_server.frontend.service.Transport`."""
 
     def __init__(self, ws: Any) -> None:
         self.ws = ws
 
     async def send(self, frame: bytes | str) -> None:
-        from ardiff_server.service import TransportClosed  # noqa: PLC0415
+        from ardiff_server.frontend.service import TransportClosed  # noqa: PLC0415
 
         try:
             if isinstance(frame, str):
@@ -592,7 +592,7 @@ class StarletteTransport:
             raise TransportClosed from None
 
     async def recv(self) -> bytes | str:
-        from ardiff_server.service import TransportClosed  # noqa: PLC0415
+        from ardiff_server.frontend.service import TransportClosed  # noqa: PLC0415
 
         try:
             message = await self.ws.receive()
@@ -612,7 +612,7 @@ class IngressCore:
     """The ingress deployment's state and handlers (routes are bound in :func:`build_app`)."""
 
     def __init__(self, model: Any, raw_config: dict[str, Any], expected_replicas: int, log_level: int = logging.INFO) -> None:
-        from ardiff_server.service import PolicyService  # noqa: PLC0415
+        from ardiff_server.frontend.service import PolicyService  # noqa: PLC0415
 
         _setup_logging(log_level)
         self.config = validate_config(raw_config, source=raw_config.get("source", "<config>"))
@@ -639,7 +639,7 @@ class IngressCore:
     async def serve_websocket(self, ws: Any) -> None:
         from starlette.responses import Response  # noqa: PLC0415
 
-        from ardiff_server.service import Accept, HttpResponse  # noqa: PLC0415
+        from ardiff_server.frontend.service import Accept, HttpResponse  # noqa: PLC0415
 
         remote = _remote(ws.client)
         answer = self.service.http(ws.url.path, ws.headers.getlist("authorization"), remote)
@@ -658,7 +658,7 @@ class IngressCore:
     async def serve_http(self, request: Any) -> Any:
         from starlette.responses import Response  # noqa: PLC0415
 
-        from ardiff_server.service import Accept  # noqa: PLC0415
+        from ardiff_server.frontend.service import Accept  # noqa: PLC0415
 
         answer = self.service.http(request.url.path, request.headers.getlist("authorization"), _remote(request.client))
         if isinstance(answer, Accept):
@@ -710,7 +710,7 @@ def build_app(config: AppConfig, plan: DeploymentPlan, *, log_level: int = loggi
     model = serve.deployment(EngineReplica, name=MODEL_DEPLOYMENT).options(
         **plan.model_options(),
         request_router_config=RequestRouterConfig(
-            request_router_class="ardiff_server.ray_router:SessionAffinityRouter",
+            request_router_class="ardiff_server.ray.router:SessionAffinityRouter",
             request_router_kwargs={"idle_ttl_s": idle},
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
         ),
@@ -747,7 +747,7 @@ def ray_version_problem() -> str | None:
 def app_builder(args: dict[str, Any]) -> Any:
     """A Serve application builder for declarative deployments (KubeRay ``RayService``
     ``serveConfigV2``, ``serve run``/``serve deploy``): ``import_path:
-    ardiff_server.ray_serve:app_builder`` with ``args: {config: NAME_OR_PATH, set: [key=value,
+    ardiff_server.ray.serve_app:app_builder`` with ``args: {config: NAME_OR_PATH, set: [key=value,
     ...]}``. The HTTP host/port and the proxy's environment then come from that Serve config
     and the cluster (docs/deploy.md), not from ``server.host``/``server.port``."""
     from ardiff_server.config import load_config  # noqa: PLC0415

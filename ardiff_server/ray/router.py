@@ -76,7 +76,7 @@ class SessionAffinityRouter(RequestRouter):
         self._sticky: dict[str, ReplicaID] = {}
         self._last_used: dict[str, float] = {}
         self._last_sweep = time.monotonic()
-        import ardiff_server.ray_router as registry  # the real module, not this class's pickled copy
+        import ardiff_server.ray.router as registry  # the real module, not this class's pickled copy
 
         deployment = self._deployment_id
         registry._ROUTERS[registry.router_key(deployment.app_name, deployment.name)] = self

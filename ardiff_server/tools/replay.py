@@ -1,4 +1,4 @@
-"""``ardiff-client`` / ``python -m ardiff_server.replay``: replay one episode against a policy server.
+"""``ardiff-client`` / ``python -m ardiff_server.tools.replay``: replay one episode against a policy server.
 
 It speaks the wire protocol of DESIGN §3 the way the clients in the wild do, so it can drive
 this server, openpi-style servers, DreamZero's own server and vLLM-Omni's (``--path
@@ -31,7 +31,7 @@ status 1. Exit status: 0 done, 1 server or connection error, 2 usage error or a 
 optional package, 130 interrupted.
 
 Torch-free: this module imports numpy, msgpack (through the codec) and websockets; video
-reading and plotting load their optional packages (see ``ardiff_server/viz.py``) on use.
+reading and plotting load their optional packages (see ``ardiff_server/tools/media.py``) on use.
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ import numpy as np
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
-from ardiff_server import __version__, viz
-from ardiff_server.protocol import DecodeLimits, ProtocolError, pack, unpack
+from ardiff_server import __version__
+from ardiff_server.tools import media
+from ardiff_server.wire.protocol import DecodeLimits, ProtocolError, pack, unpack
 
 __all__ = ["CallRecord", "Episode", "ReplayError", "ServerError", "main", "summarize"]
 
@@ -203,7 +204,7 @@ class VideoCamera:
         self._delivered = 0
 
     def _open(self) -> Iterator[np.ndarray]:
-        return itertools.islice(viz.iter_frames(self.source), 0, None, self._stride)
+        return itertools.islice(media.iter_frames(self.source), 0, None, self._stride)
 
     def _next(self) -> np.ndarray | None:
         try:
@@ -211,7 +212,7 @@ class VideoCamera:
             if frame is None and self._loop and self._delivered:
                 self._frames = self._open()
                 frame = next(self._frames, None)
-        except viz.MissingDependency:
+        except media.MissingDependency:
             raise
         except Exception as exc:  # noqa: BLE001  av/imageio/PIL raise their own types; one line each
             raise ReplayError(f"cannot read {self.source}: {type(exc).__name__}: {exc}") from None
@@ -219,7 +220,7 @@ class VideoCamera:
             raise ReplayError(f"{self.source} holds no frames")
         if frame is not None:
             self._delivered += 1
-            frame = viz.resize_frame(frame, self._size)
+            frame = media.resize_frame(frame, self._size)
         return frame
 
     def take(self, count: int) -> list[np.ndarray] | None:
@@ -257,13 +258,13 @@ def open_cameras(
         return {key: SyntheticCamera(size, args.seed, i, args.frame_stride) for i, key in enumerate(keys.values())}
     if not args.video_dir.is_dir():
         raise ReplayError(f"--video-dir {args.video_dir} is not a directory")
-    offset = 0 if viz.find_camera_source(args.video_dir, "exterior_image_0_left") else 1  # 0-indexed file names
+    offset = 0 if media.find_camera_source(args.video_dir, "exterior_image_0_left") else 1  # 0-indexed file names
     cameras: dict[str, Camera] = {}
     for name, key in keys.items():
         file_name = name
         if name.startswith("exterior_image_"):
             file_name = f"exterior_image_{int(name.split('_')[2]) - 1 + offset}_left"
-        source = viz.find_camera_source(args.video_dir, file_name)
+        source = media.find_camera_source(args.video_dir, file_name)
         if source is None:
             warn(f"no {file_name}.mp4/.avi/.mkv or frame folder in {args.video_dir}: {key} is not sent")
             continue
@@ -648,7 +649,7 @@ def plot_episode(path: Path, episode: Episode) -> Path:
         [np.array([r.joint_position for r in records]), np.array([r.gripper_position for r in records])], axis=1
     )
     title = f"{episode.prompt!r}: {len(records)} calls, session {episode.session_id}"
-    return viz.plot_actions(_stack_chunks([r.actions for r in records]), path, state=state, title=title)
+    return media.plot_actions(_stack_chunks([r.actions for r in records]), path, state=state, title=title)
 
 
 def _numbers(value: Any) -> dict[str, float]:
@@ -691,16 +692,16 @@ def _warn(message: str) -> None:
 def _check_optional_packages(args: argparse.Namespace) -> None:
     """Fail before connecting when an output or input needs a package that is not installed."""
     if args.plot is not None:
-        viz.require_plotting()
+        media.require_plotting()
     if args.video_dir is not None:
-        viz.require_video_reader(args.video_dir)
+        media.require_video_reader(args.video_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         _check_optional_packages(args)
-    except viz.MissingDependency as exc:
+    except media.MissingDependency as exc:
         print(f"ardiff-client: {exc}", file=sys.stderr)
         return 2
     url = server_url(args.host, args.port, args.path)
@@ -725,7 +726,7 @@ def _run(client: PolicyClient, url: str, args: argparse.Namespace) -> int:
     episode = Episode(url, client.metadata, f"replay-{uuid.uuid4()}", args.prompt, size, list(cameras))
     try:
         run_episode(client, cameras, episode, args, Progress(args.calls, enabled=not args.quiet))
-    except viz.MissingDependency as exc:
+    except media.MissingDependency as exc:
         print(f"ardiff-client: {exc}", file=sys.stderr)
         return 2
     status = _write_outputs(episode, args)

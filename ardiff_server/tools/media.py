@@ -1,6 +1,6 @@
 """Shared helpers for looking at episodes: reading camera videos and plotting action chunks.
 
-Used by the replay client (``ardiff_server/replay.py``) and meant for a server-side recorder,
+Used by the replay client (``ardiff_server/tools/replay.py``) and meant for a server-side recorder,
 so everything here is stateless and safe to call from any thread: plots are drawn on a
 private ``matplotlib.figure.Figure`` (never pyplot's global figure manager).
 

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ardiff_server.protocol import ProtocolError, short_repr
+from ardiff_server.wire.protocol import ProtocolError, short_repr
 from policies.observation import RobotObservation
 
 __all__ = [

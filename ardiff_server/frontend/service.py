@@ -23,14 +23,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from ardiff_server import __version__
-from ardiff_server.auth import ApiKeys, Unauthorized
 from ardiff_server.config import AppConfig
-from ardiff_server.decode import PolicyRequest, decode_request
 from ardiff_server.engine.client import EngineClient
 from ardiff_server.engine.messages import EngineError, ErrorKind, InferReply, scalar_info
-from ardiff_server.metrics import Metrics
-from ardiff_server.protocol import DecodeLimits, ProtocolError, pack, unpack
-from ardiff_server.sessions import Connection, SessionForbidden, SessionTable
+from ardiff_server.frontend.auth import ApiKeys, Unauthorized
+from ardiff_server.frontend.metrics import Metrics
+from ardiff_server.frontend.sessions import Connection, SessionForbidden, SessionTable
+from ardiff_server.wire.decode import PolicyRequest, decode_request
+from ardiff_server.wire.protocol import DecodeLimits, ProtocolError, pack, unpack
 
 logger = logging.getLogger(__name__)
 

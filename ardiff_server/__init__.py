@@ -1,3 +1,3 @@
 """ardiff-server: an OpenPI-compatible websocket server for autoregressive video-diffusion policies."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

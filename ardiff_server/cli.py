@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
-import signal
 import sys
 
 from ardiff_server import __version__
 from ardiff_server.config import AppConfig, ConfigError, load_config, preflight
 from ardiff_server.frontend.auth import ENV_VAR, gather_api_keys
+from ardiff_server.frontend.signals import exit_on_second_signal
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ardiff-serve: {exc}", file=sys.stderr)
         return 2
     if args.ray:
-        from ardiff_server.ray.serve_app import run_ray
+        from ardiff_server.ray.run import run_ray
 
         return run_ray(config)
     try:
@@ -99,17 +98,7 @@ async def _serve(config: AppConfig) -> None:
     log = logging.getLogger("ardiff_server")
     server = PolicyServer(config)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def on_signal() -> None:
-        if stop.is_set():  # a second SIGTERM / Ctrl-C: do not wait for anything
-            log.warning("second signal: exiting now")
-            server.engine.kill_now()
-            os._exit(1)
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+    exit_on_second_signal(stop.set, kill=server.engine.kill_now, loop=asyncio.get_running_loop())
     log.info("loading %s (policy %s) on %s ...", config.source, config.policy_name, config.engine.device)
     start = asyncio.ensure_future(server.start())
     await asyncio.wait([start, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)

@@ -1,20 +1,22 @@
 """Paged KV cache for autoregressive video-diffusion models.
 
-``spec``       what a model needs, in pages (``KVSpec``, ``Branch``)
+``spec``       what a model needs, in pages (``KVSpec``, ``Branch``, ``CrossKV``)
 ``window``     the chunk-window eviction policy (pure)
 ``pool``       the page allocator: where a page is allocated and freed
-``cache``      engine-owned storage, scratch, cross-attention slots, admission
-``session``    one session's two CFG branches, forward contexts, commit / abort / reset / close
+``storage``    the page tensors, scratch region and cross-attention slots of one rank
+``session``    one session's two CFG branches, forward contexts, commit / abort / window restart
+``cache``      the rank's cache: storage + pool, admission, where a session's KV opens and ends
 ``attention``  paged attention backends and the fused write + attend custom op
 ``dense``      upstream concat-and-slice semantics, the reference for tests and benchmarks
 """
 
 from kv.attention import PagedLayerInputs, paged_attention, paged_write_attend
-from kv.cache import CrossAttentionSlots, PagedKVCache
+from kv.cache import PagedKVCache
 from kv.dense import DenseKVCache, DenseLayerKV
 from kv.pool import CapacityError, PagePool
-from kv.session import CrossKV, ForwardContext, SessionKV
-from kv.spec import Branch, KVSpec
+from kv.session import ForwardContext, SessionKV
+from kv.spec import Branch, CrossKV, KVSpec
+from kv.storage import CrossAttentionSlots, PagedStorage
 from kv.window import pages_to_evict, visible_pages
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "PagePool",
     "PagedKVCache",
     "PagedLayerInputs",
+    "PagedStorage",
     "SessionKV",
     "paged_attention",
     "paged_write_attend",

@@ -8,7 +8,7 @@ Life of a branch forward::
     session.complete(Branch.COND)             # on success: commit the chunk (and evict old chunks)
     session.abort(Branch.COND)                # on failure: free the chunk's pages
     session.restart_window()                  # a fresh window (prompt change, window full)
-    session.close()                           # the session ended: every page back to the pool
+    cache.end_session(session)                # the session ended: every page back to the pool
 
 Prefill forwards (``commit=True``) write into pages the branch will own; denoise forwards
 (``commit=False``) write into the rank's scratch pages, which are reused every forward and
@@ -19,28 +19,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from kv.attention import PagedLayerInputs
-from kv.spec import Branch
+from kv.pool import PagePool
+from kv.spec import Branch, CrossKV
+from kv.storage import PagedStorage
 from kv.window import pages_to_evict, visible_pages
 
-if TYPE_CHECKING:
-    from kv.cache import PagedKVCache
-
 logger = logging.getLogger(__name__)
-
-
-class CrossKV(NamedTuple):
-    """One layer's cached cross-attention K/V, each (1, tokens, heads, head_dim) views."""
-
-    text_key: torch.Tensor
-    text_value: torch.Tensor
-    image_key: torch.Tensor | None
-    image_value: torch.Tensor | None
-
 
 class ForwardContext:
     """One branch forward. Allocation is deferred to :meth:`prepare`, so building contexts for
@@ -55,7 +43,7 @@ class ForwardContext:
         commit: bool,
         extra_tokens: int,
     ) -> None:
-        spec = session.cache.spec
+        spec = session.storage.spec
         if num_video_tokens <= 0 or num_video_tokens % spec.page_size:
             raise ValueError(
                 f"a forward must bring whole frames: num_video_tokens={num_video_tokens} is not a positive "
@@ -81,7 +69,7 @@ class ForwardContext:
 
     @property
     def num_new_pages(self) -> int:
-        return self.num_video_tokens // self.session.cache.spec.page_size
+        return self.num_video_tokens // self.session.storage.spec.page_size
 
     def prepare(self, device: torch.device | str | None = None) -> list[PagedLayerInputs]:
         """Allocate the current chunk's pages and build the block-table metadata all layers share.
@@ -90,13 +78,13 @@ class ForwardContext:
         """
         if self.layer_inputs is not None:
             return self.layer_inputs
-        cache = self.session.cache
-        spec = cache.spec
-        device = torch.device(device) if device is not None else cache.device
+        storage = self.session.storage
+        spec = storage.spec
+        device = torch.device(device) if device is not None else storage.device
         branch_kv = self.session.branch(self.branch)
-        scratch = cache.scratch_pages(self.branch)
+        scratch = storage.scratch_pages(self.branch)
         if self.commit:
-            self.new_pages = cache.pool.allocate(self.num_new_pages)
+            self.new_pages = self.session.pool.allocate(self.num_new_pages)
             video_pages = self.new_pages
         else:
             video_pages = scratch[: self.num_new_pages]
@@ -118,8 +106,8 @@ class ForwardContext:
         max_seqlen_k = spec.block_table_width * spec.page_size
         self.layer_inputs = [
             PagedLayerInputs(
-                key_cache=cache.key_cache(i),
-                value_cache=cache.value_cache(i),
+                key_cache=storage.key_cache(i),
+                value_cache=storage.value_cache(i),
                 video_slots=video_slots,
                 extra_slots=extra_slots,
                 block_table=block_table,
@@ -127,7 +115,7 @@ class ForwardContext:
                 seq_lens=seq_lens,
                 max_seqlen_q=query_len,
                 max_seqlen_k=max_seqlen_k,
-                backend=cache.attention_backend,
+                backend=storage.attention_backend,
             )
             for i in range(spec.num_layers)
         ]
@@ -157,13 +145,15 @@ class BranchKV:
 
 
 class SessionKV:
-    """Everything one robot session holds in the cache, for both CFG branches."""
+    """Everything one robot session holds in the cache, for both CFG branches. Opened and ended
+    by :class:`~kv.cache.PagedKVCache` (``open_session`` / ``end_session``)."""
 
-    def __init__(self, cache: PagedKVCache, session_id: str) -> None:
-        self.cache = cache
+    def __init__(self, storage: PagedStorage, pool: PagePool, session_id: str) -> None:
+        self.storage = storage
+        self.pool = pool
         self.session_id = session_id
         self._branches = {branch: BranchKV() for branch in Branch}
-        self.closed = False
+        self.ended = False
 
     def branch(self, branch: Branch) -> BranchKV:
         return self._branches[branch]
@@ -184,7 +174,7 @@ class SessionKV:
         self, branch: Branch, *, num_video_tokens: int, commit: bool, extra_tokens: int = 0
     ) -> ForwardContext:
         self._check_open()
-        self.cache.check_local(branch)
+        self.storage.check_local(branch)
         state = self._branches[branch]
         if state.pending is not None and state.pending.commit and state.pending.prepared:
             raise RuntimeError(
@@ -207,7 +197,7 @@ class SessionKV:
             return
         if not ctx.prepared:
             raise RuntimeError(f"session {self.session_id!r} {branch.name}: complete() of a forward that never ran")
-        spec = self.cache.spec
+        spec = self.storage.spec
         state.resident.extend(ctx.new_pages)
         state.committed_tokens += ctx.num_video_tokens
         evict = pages_to_evict(
@@ -222,7 +212,7 @@ class SessionKV:
             victims = state.resident[sink : sink + evict]
             del state.resident[sink : sink + evict]
             state.evicted_pages += evict
-            self.cache.pool.free(victims)
+            self.pool.free(victims)
 
     def abort(self, branch: Branch) -> None:
         """The forward failed: free the pages it allocated; nothing is committed."""
@@ -230,7 +220,7 @@ class SessionKV:
         ctx = state.pending
         state.pending = None
         if ctx is not None and ctx.new_pages:
-            self.cache.pool.free(ctx.new_pages)
+            self.pool.free(ctx.new_pages)
             ctx.new_pages = []
 
     # -- cross-attention --------------------------------------------------------------
@@ -245,11 +235,11 @@ class SessionKV:
     ) -> None:
         """Store one layer's projected cross-attention K/V ((1, tokens, heads, head_dim) each)."""
         self._check_open()
-        self.cache.check_local(branch)
+        self.storage.check_local(branch)
         state = self._branches[branch]
         if state.cross_slot is None:
-            state.cross_slot = self.cache.cross.acquire()
-        self.cache.cross.write(state.cross_slot, layer, text=text, image=image)
+            state.cross_slot = self.storage.cross.acquire()
+        self.storage.cross.write(state.cross_slot, layer, text=text, image=image)
 
     def mark_cross_ready(self, branch: Branch, *, text: bool = False, image: bool = False) -> None:
         state = self._branches[branch]
@@ -263,13 +253,13 @@ class SessionKV:
     def cross_kv(self, branch: Branch) -> list[CrossKV]:
         """Per-layer cached cross K/V. Reading before it was written is a bug: raise loudly."""
         state = self._branches[branch]
-        needs_image = self.cache.spec.cross_image_tokens > 0
+        needs_image = self.storage.spec.cross_image_tokens > 0
         if state.cross_slot is None or not state.cross_text_ready or (needs_image and not state.cross_image_ready):
             raise RuntimeError(
                 f"session {self.session_id!r} {branch.name}: cross-attention K/V read before it was populated "
                 f"(text={state.cross_text_ready}, image={state.cross_image_ready})"
             )
-        return [self.cache.cross.read(state.cross_slot, layer) for layer in range(self.cache.spec.num_layers)]
+        return [self.storage.cross.read(state.cross_slot, layer) for layer in range(self.storage.spec.num_layers)]
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -282,7 +272,7 @@ class SessionKV:
         self._check_open()
         for branch, state in self._branches.items():
             self.abort(branch)
-            self.cache.pool.free(state.resident)
+            self.pool.free(state.resident)
             state.resident = []
             state.committed_tokens = 0
             state.evicted_pages = 0
@@ -290,20 +280,20 @@ class SessionKV:
             if not keep_cross_text:
                 state.cross_text_ready = False
 
-    def close(self) -> None:
-        """Return every page and cross-attention slot this session owns. Idempotent."""
-        if self.closed:
+    def free_all(self) -> None:
+        """Return every page and cross-attention slot this session owns (the cache's
+        ``end_session`` calls this). Idempotent."""
+        if self.ended:
             return
         for branch, state in self._branches.items():
             self.abort(branch)
-            self.cache.pool.free(state.resident)
+            self.pool.free(state.resident)
             state.resident = []
             if state.cross_slot is not None:
-                self.cache.cross.release(state.cross_slot)
+                self.storage.cross.release(state.cross_slot)
                 state.cross_slot = None
-        self.closed = True
-        self.cache.forget_session(self)
+        self.ended = True
 
     def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError(f"session {self.session_id!r} was closed; its KV can no longer be used")
+        if self.ended:
+            raise RuntimeError(f"session {self.session_id!r} was ended; its KV can no longer be used")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -19,6 +20,15 @@ class Branch(enum.IntEnum):
 
     COND = 0  # the real prompt (positive)
     UNCOND = 1  # the negative prompt
+
+
+class CrossKV(NamedTuple):
+    """One layer's cached cross-attention K/V, each (1, tokens, heads, head_dim) views."""
+
+    text_key: torch.Tensor
+    text_value: torch.Tensor
+    image_key: torch.Tensor | None
+    image_value: torch.Tensor | None
 
 
 @dataclass(frozen=True)

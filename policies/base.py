@@ -8,7 +8,7 @@ keeps whatever else a session needs (frame buffers, conditioning) in the object 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -98,16 +98,6 @@ class Policy(abc.ABC, Generic[S]):
         """A recorded prediction as (T, H, W, 3) uint8 frames (None: the policy predicts no video).
         Runs between requests, never inside a step."""
         return None
-
-
-def register_policy(name: str, config_model: type[pydantic.BaseModel]) -> Callable:
-    """Decorator for plugin policies: ``@register_policy("mine", MyConfig) def build(config, options)``."""
-
-    def decorator(build: Callable[[Any, RuntimeOptions], Policy]) -> Callable:
-        registry.register_policy(name, config_model, build)
-        return build
-
-    return decorator
 
 
 def build_policy(name: str, config: pydantic.BaseModel | dict, options: RuntimeOptions) -> Policy:

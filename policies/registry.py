@@ -3,7 +3,7 @@
 The front end validates ``policy:`` sections without loading a model, so the registry holds
 import paths: ``config`` points into a torch-free module (a pydantic model), ``build`` into the
 policy module the worker imports. Plugins (``plugins:`` in a config) register more policies,
-by path or with the objects themselves (``policies.base.register_policy``).
+by path or with the objects themselves (:func:`register_policy`, also as a decorator).
 """
 
 from __future__ import annotations
@@ -34,8 +34,18 @@ _REGISTRY: dict[str, PolicyEntry] = {
 }
 
 
-def register_policy(name: str, config: str | type[pydantic.BaseModel], build: str | Callable[..., Any]) -> None:
-    _REGISTRY[name] = PolicyEntry(config, build)
+def register_policy(name: str, config: str | type[pydantic.BaseModel], build: str | Callable[..., Any] | None = None) -> Any:
+    """Register a policy: ``register_policy("mine", "pkg.config:MyConfig", "pkg.policy:build")``, or as a
+    decorator of its builder, ``@register_policy("mine", MyConfig) def build(config, options) -> Policy``."""
+    if build is not None:
+        _REGISTRY[name] = PolicyEntry(config, build)
+        return None
+
+    def decorator(builder: Callable[..., Any]) -> Callable[..., Any]:
+        _REGISTRY[name] = PolicyEntry(config, builder)
+        return builder
+
+    return decorator
 
 
 def policy_entry(name: str) -> PolicyEntry:

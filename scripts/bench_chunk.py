@@ -50,7 +50,7 @@ from benchlib import ForeignLoad, contended
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from ardiff_server.config import validate_config
-from ardiff_server.engine.core import build_engine
+from ardiff_server.engine.builder import build_engine
 from kv import CrossKV, DenseKVCache
 from policies.dreamzero.dit import CausalWanModel, DiTConfig
 from policies.dreamzero.tiny import (
@@ -269,12 +269,12 @@ def run_config(name: str, description: str, checkpoint: Path, view_size: tuple[i
         step = engine.infer("bench", obs).result
         wall = (time.perf_counter() - start) * 1000.0
         info = step.info
-        window_start = index == 0 or info["window_reset"] or info["session_reset"]
+        window_start = index == 0 or info["window_restart"] or info["prompt_change"]
         log(f"[{name}] call {index + 1}/{calls}: {wall:.0f} ms ({'window start' if window_start else 'steady'}, "
             f"{info['dit_forwards']} DiT steps)")  # fmt: skip
         if index > 0:  # the first call is a warm-up (first-time allocations, prompt encodes)
             result.records.append(CallRecord(window_start, dict(step.timing_ms), wall, info["dit_forwards"], info["current_start_frame"]))
-    engine.release("bench", "done")
+    engine.end("bench", "done")
     log(f"[{name}] FLOP count cross-check (FlopCounterMode)")
     result.flop_check = flop_counter_check(policy.dit, policy.dtype)
     return result

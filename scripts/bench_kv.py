@@ -62,7 +62,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kv import Branch, DenseKVCache, KVSpec, PagedKVCache, PagedLayerInputs, paged_write_attend
 from kv.attention import sdpa_paged_attention, write_attend
 
-# DreamZero-DROID geometry (DESIGN.md section 6).
+# DreamZero-DROID geometry (docs/spec.md §6).
 PAGE = 880  # tokens per latent frame = one page
 WINDOW = 9  # local_attn_size in latent frames
 CHUNK = 2  # num_frame_per_block: latent frames per chunk
@@ -221,7 +221,7 @@ class PagedPath:
         self.session.complete(branch)
 
     def kv_bytes(self) -> int:
-        return self.cache.storage_bytes
+        return self.cache.storage.nbytes
 
 
 class ConcatPath:

@@ -61,7 +61,7 @@ WHEEL_DIR = ROOT / ".device_wheels"
 # regex, pyyaml, huggingface-hub, pillow, requests): see scripts/fetch_device_wheels.sh.
 NEEDED_MODULES = ("diffusers", "pydantic", "pydantic_core", "annotated_types", "typing_inspection", "ftfy", "wcwidth")
 
-# Anchors (DESIGN.md section 9, the issue): what users compare against.
+# Anchors (docs/spec.md §9, the issue): what users compare against.
 VLLM_OMNI_MS_ONE_GPU = 1095.0
 VLLM_OMNI_MS_CFG_PARALLEL = 611.0
 VLLM_OMNI_GIB_PER_GPU = 62.2
@@ -198,7 +198,7 @@ def build_variant_engine(args, variant: Variant, budget_gib: float):
             },
         }  # fmt: skip
 
-    from ardiff_server.engine.core import build_engine
+    from ardiff_server.engine.builder import build_engine
 
     return build_engine(validate_config(raw(variant.backend), source="gpu_check"))
 
@@ -207,7 +207,7 @@ def release_engine(engine) -> None:
     import torch
 
     try:
-        engine.release_all("gpu_check")
+        engine.end_all("gpu_check")
     finally:
         policy = engine.policy
         for block in policy.dit.blocks:  # the synthetic model is shared: undo engine.compile
@@ -234,7 +234,7 @@ def run_variant(args, variant: Variant, obs: list, deadline: float | None) -> di
     kv_spec, _ = kv_spec_for(args.checkpoint, args.dtype)
     engine = build_variant_engine(args, variant, kv_budget_gib(kv_spec, args.max_sessions))
     result["build_s"] = time.monotonic() - start
-    log(f"[{variant.name}] engine built in {result['build_s']:.1f} s (KV pool {gib(engine.cache.storage_bytes):.2f} GiB)")
+    log(f"[{variant.name}] engine built in {result['build_s']:.1f} s (KV pool {gib(engine.cache.storage.nbytes):.2f} GiB)")
     try:
         t = time.monotonic()
         warm = engine.warmup()
@@ -271,7 +271,7 @@ def run_variant(args, variant: Variant, obs: list, deadline: float | None) -> di
                 "wall_ms": wall,
                 "phase_ms": {p: float(step.timing_ms.get(p, 0.0)) for p in PHASES},
                 "dit_forwards": int(info["dit_forwards"]),
-                "window_start": index == 0 or bool(info.get("window_reset")) or bool(info.get("session_reset")),
+                "window_start": index == 0 or bool(info.get("window_restart")) or bool(info.get("prompt_change")),
                 "start_frame_after": int(info["current_start_frame"]),
                 "pages_held": kv.pages_held if kv is not None else 0,
             }
@@ -292,7 +292,7 @@ def run_variant(args, variant: Variant, obs: list, deadline: float | None) -> di
         cache = engine.cache
         stats = cache.stats()
         result["kv"] = {
-            "pool_pages": stats["pages_total"], "pool_gib": gib(cache.storage_bytes),
+            "pool_pages": stats["pages_total"], "pool_gib": gib(cache.storage.nbytes),
             "reserved_pages_per_session": cache.reservation_per_session,
             "max_pages_held": max((c["pages_held"] for c in calls), default=0),
             "scratch_pages": len(cache.branches) * cache.spec.scratch_pages_per_branch,

@@ -2,17 +2,17 @@
 
 Requests go to the engine; every request carries a ``request_id`` and gets exactly one reply
 with the same id. ``Ping`` / ``Pong`` are not requests: the worker's reader thread answers a
-ping at once, saying which request the engine is computing and for how long; that is what the
-front end's progress watchdog and a request's compute timeout are measured from (a step's own
-compute, never its time in the queue).
+ping at once, saying which request the engine is computing and for how long. That answer is the
+progress signal: the front end's watchdog and a request's compute timeout are measured from it
+(a step's own compute, never its time in the queue).
 
-Control requests (:class:`Release`, :class:`Detach`) are served between steps
-ahead of queued :class:`Infer` requests: a reset never waits behind other robots' inference.
+Control requests (:class:`End`, :class:`Detach`) are served between steps ahead of queued
+:class:`Infer` requests: ending a session never waits behind other robots' inference.
 
 Observation arrays may travel through shared memory (``shm.py``): then the observation's array
 fields hold :class:`shm.SharedArray` references instead of numpy arrays. Nothing here is ever
-sent over the websocket (that is ``protocol.py``), so pickling these between our own processes
-is fine.
+sent over the websocket (that is ``wire/protocol.py``), so pickling these between our own
+processes is fine (``channel.py`` frames them).
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from policies.info import PolicyInfo
 from policies.observation import RobotObservation
 
 _T = TypeVar("_T")
+
+# Why a session is detached: its robot moved to another session id, or its last connection closed.
+DetachReason = Literal["switched", "disconnected"]
 
 
 def pickled_by_fields(cls: type[_T]) -> type[_T]:
@@ -51,6 +54,11 @@ class ErrorKind(enum.Enum):
     UNAVAILABLE = "unavailable"  # shutting down, or no worker could be started
 
 
+# An engine that failed this way holds no sessions any more (it died, was killed as stuck, or is
+# gone): a control request to it has nothing left to do, so callers treat it as done.
+SESSIONS_GONE = frozenset({ErrorKind.WORKER_DIED, ErrorKind.TIMEOUT, ErrorKind.UNAVAILABLE})
+
+
 class EngineError(RuntimeError):
     """A request the engine could not serve; ``kind`` says how the server answers it."""
 
@@ -59,20 +67,28 @@ class EngineError(RuntimeError):
         self.kind = kind
         self.traceback = traceback
 
+    @property
+    def sessions_gone(self) -> bool:
+        return self.kind in SESSIONS_GONE
+
 
 @pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class EngineStats:
-    """One rank's engine state, refreshed with every reply (``/metrics``)."""
+    """One rank's engine state, refreshed with every reply (``/metrics``, ``/info``, Ray routing)."""
 
     rank: int = 0
-    sessions: int = 0
-    sessions_attached: int = 0
+    session_ids: tuple[str, ...] = ()  # sessions open in the engine, least recently served first
+    sessions_attached: int = 0  # of those, sessions a connection is on now (not detached)
     steps: int = 0
     failures: int = 0
-    removals: dict[str, int] = field(default_factory=dict)  # reason -> sessions ended that way
+    endings: dict[str, int] = field(default_factory=dict)  # reason -> sessions ended that way
     kv_pages_total: int = 0
     kv_pages_free: int = 0
+
+    @property
+    def sessions(self) -> int:
+        return len(self.session_ids)
 
 
 # -------------------------------------------------------------------------- requests
@@ -88,8 +104,8 @@ class Infer:
 
 @pickled_by_fields
 @dataclass(frozen=True, slots=True)
-class Release:
-    """End a session (reset, TTL expiry): its KV pages go back to the pool."""
+class End:
+    """End a session (``reset`` on the wire, TTL expiry): its KV pages go back to the pool."""
 
     request_id: int
     session_id: str
@@ -103,7 +119,7 @@ class Detach:
 
     request_id: int
     session_id: str
-    why: Literal["switched", "disconnected"]
+    reason: DetachReason
 
 
 @pickled_by_fields
@@ -115,13 +131,14 @@ class Shutdown:
 @pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class Ping:
-    """Liveness: answered by the worker's reader thread at once, even mid-step (not a progress signal)."""
+    """Liveness and progress: answered by the worker's reader thread at once, even mid-step, with
+    the request the engine is computing and since when (:class:`Pong`)."""
 
     request_id: int
 
 
-Request = Infer | Release | Detach | Shutdown
-CONTROL = (Release, Detach, Shutdown)
+Request = Infer | End | Detach | Shutdown
+CONTROL = (End, Detach, Shutdown)
 
 
 # ---------------------------------------------------------------------------- replies
@@ -152,7 +169,7 @@ def scalar_info(info: dict[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True, slots=True)
 class ControlReply:
     request_id: int
-    done: bool = True  # Release: whether the session existed
+    done: bool = True  # End / Detach: whether the session existed
     stats: tuple[EngineStats, ...] = ()
 
 

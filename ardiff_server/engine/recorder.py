@@ -192,8 +192,11 @@ class _SessionFiles:
             "prompt": chunk.prompt,
             "policy_timing": chunk.policy_timing,
             "server_timing": {"infer_ms": chunk.compute_ms, "queue_ms": chunk.queue_ms},
-            "window_reset": bool(chunk.info.get("window_reset", False)),
-            "prompt_changed": bool(chunk.info.get("session_reset", False)),
+            "window_restart": bool(chunk.info.get("window_restart", False)),
+            "prompt_change": bool(chunk.info.get("prompt_change", False)),
+            # deprecated names of the two above, kept for one release
+            "window_reset": bool(chunk.info.get("window_restart", False)),
+            "prompt_changed": bool(chunk.info.get("prompt_change", False)),
             "info": scalar_info(chunk.info),
         })  # fmt: skip
         self._write_arrays()

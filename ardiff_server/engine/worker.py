@@ -8,16 +8,17 @@ the main thread serves the inbox one request at a time.
 
 CFG-parallel (``engine.cfg_parallel_size: 2``): two processes form a ``torch.distributed``
 group. Rank 0 broadcasts each request over a gloo control group; both ranks serve it in
-lock-step (each its own CFG branch and KV pool) and rank 0 replies with both ranks' stats.
+lock-step (each its own CFG branch and KV pool), both gather every rank's stats (a
+collective), and rank 0 replies with them.
 
-Messages are pickled :mod:`messages` objects in ``multiprocessing.connection`` framing (a
-4-byte big-endian length, then the bytes), which the front end reads with asyncio streams.
+Start-up, in order: validate the config, join the process group, build and warm up the engine
+(``builder.start_engine``), attach the shared-memory arena, send :class:`Ready` (or
+:class:`StartFailed`), then serve until :class:`Shutdown` or the front end goes away.
 """
 
 from __future__ import annotations
 
 import logging
-import pickle
 import signal
 import socket
 import threading
@@ -25,27 +26,11 @@ import time
 import traceback
 from dataclasses import replace
 from datetime import timedelta
-from multiprocessing.connection import Connection
 from typing import Any
 
+from ardiff_server.engine.channel import WorkerChannel
+
 logger = logging.getLogger(__name__)
-
-
-class Channel:
-    """Pickled messages over a ``multiprocessing`` connection; sends are serialized by a lock
-    (the main thread replies while the reader thread answers pings)."""
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self._lock = threading.Lock()
-
-    def send(self, message: Any) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        with self._lock:
-            self.conn.send_bytes(data)
-
-    def recv(self) -> Any:
-        return pickle.loads(self.conn.recv_bytes())
 
 
 def worker_main(
@@ -62,19 +47,18 @@ def worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when workers stop
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [worker {rank}] %(name)s: %(message)s")
     started = time.perf_counter()
-    channel = Channel(Connection(sock.detach())) if sock is not None else None
+    channel = WorkerChannel(sock) if sock is not None else None
 
     import torch.distributed as dist
 
     from ardiff_server.config import validate_config
-    from ardiff_server.engine.core import build_engine, set_threads
+    from ardiff_server.engine.builder import start_engine
     from ardiff_server.engine.messages import Ready, StartFailed
     from ardiff_server.engine.shm import SharedArena
 
     control = None
     try:
         config = validate_config(raw_config, source=raw_config.get("source", "<config>"))
-        set_threads(config, world_size)
         if world_size > 1:
             backend = config.engine.dist_backend
             if backend == "auto":
@@ -82,8 +66,7 @@ def worker_main(
             timeout = timedelta(seconds=config.server.request_timeout_s + 60)
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=world_size, timeout=timeout)
             control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
-        engine = build_engine(config, rank, world_size, control)
-        warmup_ms = engine.warmup() if warmup else {}
+        engine = start_engine(config, rank, world_size, control, warmup=warmup)
         arena = SharedArena.attach(arena_name) if arena_name else None
     except BaseException as exc:
         logger.exception("worker failed to start")
@@ -92,7 +75,7 @@ def worker_main(
         raise SystemExit(1) from None
     stats = gather_stats(engine, control)  # a collective: every rank takes part
     if channel is not None:
-        channel.send(Ready(engine.policy.info, stats, warmup_ms, time.perf_counter() - started))
+        channel.send(Ready(engine.policy.info, stats, engine.warmup_ms, time.perf_counter() - started))
     try:
         if rank == 0:
             _serve(engine, channel, control, arena)
@@ -105,6 +88,7 @@ def worker_main(
 
 
 def gather_stats(engine, control) -> tuple:
+    """Every rank's stats, in rank order (a collective under CFG-parallel)."""
     if control is None:
         return (engine.stats(),)
     import torch.distributed as dist
@@ -122,6 +106,18 @@ def _broadcast(request: Any, control) -> Any:
     return box[0]
 
 
+def _serve_one(engine, request, control, arena, queued_ms: float = 0.0):
+    """One request on any rank: the engine's reply with every rank's stats attached."""
+    from ardiff_server.engine.messages import Infer
+
+    if isinstance(request, Infer) and arena is not None:
+        request = replace(request, observation=arena.view(request.observation))
+    reply = engine.handle(request, queued_ms=queued_ms)
+    if control is not None:
+        reply = replace(reply, stats=gather_stats(engine, control))
+    return reply
+
+
 class Running:
     """What the main thread is computing (read by the reader thread to answer pings)."""
 
@@ -129,9 +125,9 @@ class Running:
         self.request: tuple[int, float] | None = None  # (request_id, time.monotonic() at its start)
 
 
-def _serve(engine, channel: Channel, control, arena) -> None:
-    from ardiff_server.engine.core import RequestInbox
-    from ardiff_server.engine.messages import Infer, Shutdown
+def _serve(engine, channel: WorkerChannel, control, arena) -> None:
+    from ardiff_server.engine.inbox import RequestInbox
+    from ardiff_server.engine.messages import Shutdown
 
     inbox, running = RequestInbox(), Running()
     threading.Thread(target=_read_requests, args=(channel, inbox, running), name="ardiff-worker-inbox", daemon=True).start()
@@ -143,11 +139,9 @@ def _serve(engine, channel: Channel, control, arena) -> None:
             _broadcast(request, control)
         if isinstance(request, Shutdown):
             return
-        if isinstance(request, Infer) and arena is not None:
-            request = replace(request, observation=arena.view(request.observation))
         running.request = (request.request_id, time.monotonic())
         try:
-            reply = engine.handle(request, stats=lambda: gather_stats(engine, control), queued_ms=queued_ms)
+            reply = _serve_one(engine, request, control, arena, queued_ms)
         finally:
             running.request = None
         channel.send(reply)
@@ -155,18 +149,16 @@ def _serve(engine, channel: Channel, control, arena) -> None:
 
 def _follow(engine, control, arena) -> None:
     """CFG-parallel rank 1: serve whatever rank 0 broadcasts, in the same order."""
-    from ardiff_server.engine.messages import Infer, Shutdown
+    from ardiff_server.engine.messages import Shutdown
 
     while True:
         request = _broadcast(None, control)
         if isinstance(request, Shutdown):
             return
-        if isinstance(request, Infer) and arena is not None:
-            request = replace(request, observation=arena.view(request.observation))
-        engine.handle(request, stats=lambda: gather_stats(engine, control))
+        _serve_one(engine, request, control, arena)
 
 
-def _read_requests(channel: Channel, inbox, running: Running) -> None:
+def _read_requests(channel: WorkerChannel, inbox, running: Running) -> None:
     from ardiff_server.engine.messages import Ping, Pong, Shutdown
 
     while True:
@@ -183,10 +175,3 @@ def _read_requests(channel: Channel, inbox, running: Running) -> None:
                 channel.send(Pong(message.request_id, running=current[0], running_s=time.monotonic() - current[1]))
         else:
             inbox.put(message)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-

@@ -2,6 +2,19 @@
 
 Request outcomes and latencies are counted as they happen; engine state (sessions, KV pages,
 steps, restarts, per replica and rank) is read from the engine client at scrape time.
+
+Renamed in 0.2 to the glossary's words (``ardiff_server/engine/__init__.py``); the old names are
+still exported as aliases with the same values for one release (``DEPRECATED_ALIASES``), so
+dashboards keep working while they move:
+
+=================================  ======================================
+old name (alias until 0.3)         name
+=================================  ======================================
+``ardiff_connections_active``      ``ardiff_connections_open``
+``ardiff_sessions_active``         ``ardiff_sessions_open``
+``ardiff_kv_blocks_free``          ``ardiff_kv_pages_free``
+``ardiff_kv_blocks_total``         ``ardiff_kv_pages_total``
+=================================  ======================================
 """
 
 from __future__ import annotations
@@ -17,6 +30,12 @@ OUTCOMES = (
     "ok", "reset", "bad_request", "forbidden", "policy_error", "capacity", "worker_died", "timeout", "unavailable",
 )  # fmt: skip
 CLOSE_REASONS = ("idle", "write_limit")
+DEPRECATED_ALIASES = {
+    "ardiff_connections_active": "ardiff_connections_open",
+    "ardiff_sessions_active": "ardiff_sessions_open",
+    "ardiff_kv_blocks_free": "ardiff_kv_pages_free",
+    "ardiff_kv_blocks_total": "ardiff_kv_pages_total",
+}
 _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 
 
@@ -31,11 +50,13 @@ class Metrics:
         self.request_seconds = Histogram(
             "ardiff_request_seconds", "Server time per infer request (queue + compute + codec)", registry=r, buckets=_BUCKETS
         )
-        self.connections = Gauge("ardiff_connections_active", "Open websocket connections", registry=r)
+        self.connections = Gauge("ardiff_connections_open", "Open websocket connections", registry=r)
         self.closed = Counter("ardiff_connections_closed", "Connections the server closed, by reason", ["reason"], registry=r)
         for reason in CLOSE_REASONS:
             self.closed.labels(reason)
-        r.register(EngineCollector(engine))
+        engine_collector = EngineCollector(engine)
+        r.register(engine_collector)
+        r.register(_Aliases([self.connections, engine_collector]))
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -55,11 +76,11 @@ class EngineCollector(Collector):
         state = GaugeMetricFamily("ardiff_worker_state", "1 for the replica's current state", labels=["replica", "state"])
         restarts = CounterMetricFamily("ardiff_worker_restarts", "Engine processes restarted after dying or getting stuck", labels=["replica"])
         restart_s = GaugeMetricFamily("ardiff_worker_restart_seconds", "Duration of the replica's last restart", labels=["replica"])
-        sessions = GaugeMetricFamily("ardiff_sessions_active", "Sessions holding model/KV state in the engine", labels=["replica"])
+        sessions = GaugeMetricFamily("ardiff_sessions_open", "Sessions holding model/KV state in the engine", labels=["replica"])
         placed = GaugeMetricFamily("ardiff_sessions_placed", "Sessions the front end routes to the replica", labels=["replica"])
         steps = GaugeMetricFamily("ardiff_engine_steps", "Policy steps run by the replica's current engine", labels=["replica"])
-        kv_free = GaugeMetricFamily("ardiff_kv_blocks_free", "Free KV pages", labels=["replica", "rank"])
-        kv_total = GaugeMetricFamily("ardiff_kv_blocks_total", "KV pages in the pool", labels=["replica", "rank"])
+        kv_free = GaugeMetricFamily("ardiff_kv_pages_free", "Free KV pages", labels=["replica", "rank"])
+        kv_total = GaugeMetricFamily("ardiff_kv_pages_total", "KV pages in the pool", labels=["replica", "rank"])
         endings = GaugeMetricFamily("ardiff_session_endings", "Sessions ended in the engine, by reason", labels=["replica", "reason"])
         for replica in replicas:
             label = str(replica.index)
@@ -73,9 +94,27 @@ class EngineCollector(Collector):
             first = replica.stats[0]
             sessions.add_metric([label], first.sessions)
             steps.add_metric([label], first.steps)
-            for reason, count in sorted(first.removals.items()):
+            for reason, count in sorted(first.endings.items()):
                 endings.add_metric([label, reason], count)
             for rank_stats in replica.stats:
                 kv_free.add_metric([label, str(rank_stats.rank)], rank_stats.kv_pages_free)
                 kv_total.add_metric([label, str(rank_stats.rank)], rank_stats.kv_pages_total)
         yield from (up, state, restarts, restart_s, sessions, placed, steps, kv_free, kv_total, endings)
+
+
+class _Aliases(Collector):
+    """The old metric names (``DEPRECATED_ALIASES``), same samples as their new names."""
+
+    def __init__(self, sources: list[Collector]) -> None:
+        self.sources = sources
+
+    def collect(self) -> Iterator[Any]:
+        renamed = {new: old for old, new in DEPRECATED_ALIASES.items()}
+        for family in (f for source in self.sources for f in source.collect()):
+            old = renamed.get(family.name)
+            if old is None:
+                continue
+            alias = GaugeMetricFamily(old, f"Deprecated alias of {family.name} (removed in 0.3)", labels=None)
+            for sample in family.samples:
+                alias.samples.append(sample._replace(name=old))
+            yield alias

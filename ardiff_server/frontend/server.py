@@ -19,7 +19,8 @@ from websockets.http11 import Request, Response
 
 from ardiff_server import __version__
 from ardiff_server.config import AppConfig
-from ardiff_server.engine.client import EngineClient, ReplicaSet
+from ardiff_server.engine.client import EngineClient
+from ardiff_server.engine.replicas import ReplicaSet
 from ardiff_server.frontend.service import Accept, PolicyService, TransportClosed
 
 logger = logging.getLogger(__name__)

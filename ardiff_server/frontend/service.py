@@ -281,7 +281,12 @@ class IdleTimer:
             self._handle = None
 
 
+# Old names of the reply's ``session`` flags (before the glossary), still sent for one release.
+DEPRECATED_SESSION_KEYS = {"window_reset": "window_restart", "session_reset": "prompt_change"}
+
+
 def _session_info(session_id: str, reply: InferReply) -> dict[str, Any]:
     extra = {k: v for k, v in scalar_info(reply.info).items() if k not in ("id", "new", "calls", "replica")}
+    extra.update({old: extra[new] for old, new in DEPRECATED_SESSION_KEYS.items() if new in extra})
     return {"id": session_id, "new": reply.new_session, "calls": reply.calls, "replica": reply.replica, **extra}
 

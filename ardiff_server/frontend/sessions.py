@@ -1,6 +1,6 @@
 """The session table: which robot session is where, and every transition of a session.
 
-Sessions are keyed by id, not by connection (DESIGN §5):
+Sessions are keyed by id, not by connection (``docs/design-notes.md``, "Sessions"):
 
 * A request's session is its ``session_id``, else the connection's current one, else an id
   generated for that connection (never shared by unrelated connections).
@@ -10,12 +10,16 @@ Sessions are keyed by id, not by connection (DESIGN §5):
   engine's first eviction candidate.
 * A session ends when it is reset (``endpoint: reset``), when its TTL runs out after the last
   connection that used it went away, or when the engine evicts it (LRU cap, pool pressure).
+  A session no connection is on right now is *detached* (``switched`` away from, or
+  ``disconnected``); the engine evicts detached sessions first.
 * With API keys, a session belongs to the key that opened it; another key cannot touch it.
 
 This class is the one owner of that state. Every transition of a session (serve, reset, detach,
 TTL expiry) runs under that session's lock, so requests of one session are strictly ordered and
 no transition can interleave with another; the engine is told through an
-:class:`~ardiff_server.engine.client.EngineClient`.
+:class:`~ardiff_server.engine.client.EngineClient` (``ardiff-serve``: a
+:class:`~ardiff_server.engine.replicas.ReplicaSet` of ``ProcessClient`` s). Where a session
+resets: :meth:`SessionTable.end` (``endpoint: reset``) and :meth:`SessionTable._expire` (TTL).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ardiff_server.engine.client import EngineClient
-from ardiff_server.engine.messages import InferReply
+from ardiff_server.engine.messages import DetachReason, InferReply
 from policies.observation import RobotObservation
 
 logger = logging.getLogger(__name__)
@@ -59,7 +63,7 @@ class _Entry:
     holders: set[int] = field(default_factory=set)  # open connections that used it
     current_on: set[int] = field(default_factory=set)  # connections whose current session it is
     expiry: asyncio.TimerHandle | None = None
-    generation: int = 0  # bumped whenever a TTL timer is armed or cancelled
+    epoch: int = 0  # bumped whenever a TTL timer is armed or cancelled: an older timer is stale
     ended: bool = False
 
 
@@ -72,7 +76,7 @@ class SessionTable:
         self._tasks: set[asyncio.Task] = set()
 
     @property
-    def active(self) -> int:
+    def tracked(self) -> int:
         """Sessions the front end is tracking (used by an open connection, locked, or awaiting their TTL)."""
         return len(self._entries)
 
@@ -141,38 +145,38 @@ class SessionTable:
         if not entry.current_on:
             self._spawn(self._detach(session_id, "switched"))
 
-    async def _detach(self, session_id: str, why: str) -> None:
+    async def _detach(self, session_id: str, reason: DetachReason) -> None:
         async with self._locked(session_id) as entry:
             if entry.ended:
                 return
-            if why == "switched" and (entry.current_on or not entry.holders):
+            if reason == "switched" and (entry.current_on or not entry.holders):
                 return  # someone is on it again, or it is disconnected (handled there)
-            if why == "disconnected" and entry.holders:
+            if reason == "disconnected" and entry.holders:
                 return  # a robot came back meanwhile
-            await self.engine.detach(session_id, why)  # a hint: evict this one first under pressure
-            if why == "disconnected":
+            await self.engine.detach(session_id, reason)  # a hint: evict this one first under pressure
+            if reason == "disconnected":
                 self._arm(entry)
 
     def _arm(self, entry: _Entry) -> None:
         self._disarm(entry)
         if self.ttl_s <= 0:
-            self._spawn(self._expire(entry.session_id, entry.generation))
+            self._spawn(self._expire(entry.session_id, entry.epoch))
             return
-        entry.expiry = asyncio.get_running_loop().call_later(self.ttl_s, self._on_expiry, entry.session_id, entry.generation)
+        entry.expiry = asyncio.get_running_loop().call_later(self.ttl_s, self._on_expiry, entry.session_id, entry.epoch)
 
     def _disarm(self, entry: _Entry) -> None:
-        entry.generation += 1
+        entry.epoch += 1
         if entry.expiry is not None:
             entry.expiry.cancel()
             entry.expiry = None
 
-    def _on_expiry(self, session_id: str, generation: int) -> None:
-        self._spawn(self._expire(session_id, generation))
+    def _on_expiry(self, session_id: str, epoch: int) -> None:
+        self._spawn(self._expire(session_id, epoch))
 
-    async def _expire(self, session_id: str, generation: int) -> None:
+    async def _expire(self, session_id: str, epoch: int) -> None:
         async with self._locked(session_id) as entry:
-            # Under the lock: a robot that resumed meanwhile bumped the generation (and holds it).
-            if entry.generation != generation or entry.holders or entry.ended:
+            # Under the lock: a robot that resumed meanwhile bumped the epoch (and holds it).
+            if entry.epoch != epoch or entry.holders or entry.ended:
                 return
             entry.expiry = None
             logger.info("session %s expired (%.0f s after its last connection went away)", session_id, self.ttl_s)
@@ -183,7 +187,7 @@ class SessionTable:
         entry.ended = True
         entry.holders.clear()
         entry.current_on.clear()
-        await self.engine.release(entry.session_id, reason)
+        await self.engine.end(entry.session_id, reason)
 
     # -- entries and locks ------------------------------------------------------------------
 

@@ -8,14 +8,15 @@ router in ``pending_request.metadata.session_id``.
 * A session already placed on a live replica always goes there. If that replica is at
   ``max_ongoing_requests`` the request waits (backoff) instead of spilling to another replica:
   the session's model and KV state live on exactly one replica.
-* A new session goes to the least-loaded replica: fewest sessions placed by this router, then
-  fewest sessions the replicas report (``EngineReplica.record_routing_stats``), then the
-  shortest queue. A session that a replica reports holding (this router restarted with the
-  ingress, or forgot an idle entry) goes back to that replica.
+* A new session goes to the least-loaded replica by the standalone server's own rule
+  (``ardiff_server/engine/placement.py``: sessions placed by this router, sessions the replicas
+  report in ``EngineReplica.record_routing_stats``, free KV pages, queue length). A session that
+  a replica reports holding (this router restarted with the ingress, or forgot an idle entry)
+  goes back to that replica.
 * A replica that dies or is removed (scale-down) is forgotten with all its sessions: their next
   request is placed afresh and the engine there opens a new session (the robot's reply says
-  ``session.new``). A ``release`` call (reset, TTL expiry) forgets its session once routed.
-* Calls without a session id (``describe``, ``stats``) go to the shortest queue.
+  ``session.new``). An ``end`` call (reset, TTL expiry) forgets its session once routed.
+* Calls without a session id (``describe``) go to the shortest queue.
 
 :func:`router_view` lets the ingress read the live replicas and their reported stats for
 ``/info``, ``/metrics`` and ``/healthz`` (same process, read-only).
@@ -30,15 +31,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from ardiff_server.engine.placement import ReplicaLoad, SessionPlacement
+
 logger = logging.getLogger(__name__)
 
-RELEASE_METHOD = "release"  # the model deployment's method that ends a session
+END_METHOD = "end"  # the model deployment's method that ends a session
 PLACING_METHOD = "infer"  # only an inference request places an unknown session
 
 
@@ -70,11 +72,10 @@ class SessionAffinityRouter(RequestRouter):
         """Called once by Serve with ``RequestRouterConfig.request_router_kwargs``.
 
         ``idle_ttl_s``: forget a session nobody sent anything for this long (None: never). The
-        ingress releases sessions itself (reset, TTL); this only bounds the map if it cannot.
+        ingress ends sessions itself (reset, TTL); this only bounds the map if it cannot.
         """
         self._idle_ttl_s = idle_ttl_s
-        self._sticky: dict[str, ReplicaID] = {}
-        self._last_used: dict[str, float] = {}
+        self._placement: SessionPlacement[ReplicaID] = SessionPlacement()
         self._last_sweep = time.monotonic()
         import ardiff_server.ray.router as registry  # the real module, not this class's pickled copy
 
@@ -82,7 +83,7 @@ class SessionAffinityRouter(RequestRouter):
         registry._ROUTERS[registry.router_key(deployment.app_name, deployment.name)] = self
 
     def _state(self) -> None:
-        if not hasattr(self, "_sticky"):  # Serve calls initialize_state first; be safe regardless
+        if not hasattr(self, "_placement"):  # Serve calls initialize_state first; be safe regardless
             self.initialize_state()
 
     # -- routing ----------------------------------------------------------------------------
@@ -105,41 +106,40 @@ class SessionAffinityRouter(RequestRouter):
             return [sorted(candidate_replicas, key=self._queue_len)]
         now = time.monotonic()
         by_id = {r.replica_id: r for r in candidate_replicas}
-        placed = self._sticky.get(session_id)
+        placed = self._placement.get(session_id)
         if placed is not None:
             replica = by_id.get(placed)
             if replica is not None:
-                self._last_used[session_id] = now
+                self._placement.touch(session_id, now)
                 return [[replica]]
             logger.info("session %s: replica %s is gone; placing it afresh", session_id, placed.unique_id)
-            self._forget(session_id)
+            self._placement.forget(session_id)
         self._sweep(now)
         holder = next((r for r in candidate_replicas if session_id in _reported_sessions(r)), None)
         if holder is None and metadata.call_method != PLACING_METHOD:
-            # release/detach of a session no replica holds: any replica answers "unknown"
+            # end/detach of a session no replica holds: any replica answers "unknown"
             return [sorted(candidate_replicas, key=self._queue_len)]
-        if holder is None:
-            counts = Counter(self._sticky.values())
-            holder = min(candidate_replicas, key=lambda r: self._load(r, counts))
-        self._sticky[session_id] = holder.replica_id  # no await since the lookup: atomic for this loop
-        self._last_used[session_id] = now
-        return [[holder]]
+        if holder is not None:  # no await since the lookup: atomic for this loop
+            self._placement.pin(session_id, holder.replica_id, now)
+            return [[holder]]
+        chosen = self._placement.place(session_id, self._loads(candidate_replicas), now)
+        return [[by_id[chosen]]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self._state()
         metadata = pending_request.metadata
-        if metadata.session_id and metadata.call_method == RELEASE_METHOD:
-            self._forget(metadata.session_id)
+        if metadata.session_id and metadata.call_method == END_METHOD:
+            self._placement.forget(metadata.session_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        if hasattr(self, "_sticky"):
+        if hasattr(self, "_placement"):
             live = {r.replica_id for r in replicas}
             self._forget_replicas(lambda rid: rid not in live, "removed")
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        if hasattr(self, "_sticky"):
+        if hasattr(self, "_placement"):
             self._forget_replicas(lambda rid: rid == replica_id, "died")
 
     # -- helpers ------------------------------------------------------------------------------
@@ -147,18 +147,21 @@ class SessionAffinityRouter(RequestRouter):
     def _queue_len(self, replica: RunningReplica) -> int:
         return self._replica_queue_len_cache.get(replica.replica_id) or 0
 
-    def _load(self, replica: RunningReplica, counts: Counter) -> tuple[int, int, int]:
-        reported = (replica.routing_stats or {}).get("num_sessions")
-        return (counts.get(replica.replica_id, 0), reported if isinstance(reported, int) else 0, self._queue_len(replica))
-
-    def _forget(self, session_id: str) -> None:
-        self._sticky.pop(session_id, None)
-        self._last_used.pop(session_id, None)
+    def _loads(self, replicas: list[RunningReplica]) -> dict[ReplicaID, ReplicaLoad]:
+        counts = self._placement.counts()
+        loads = {}
+        for replica in replicas:
+            stats = replica.routing_stats or {}
+            reported = stats.get("num_sessions")
+            free = sum(int(s.get("kv_pages_free", 0)) for s in stats.get("stats", []) if isinstance(s, dict))
+            loads[replica.replica_id] = ReplicaLoad(
+                sessions_placed=counts.get(replica.replica_id, 0), sessions_open=reported if isinstance(reported, int) else 0,
+                kv_pages_free=free, queue_len=self._queue_len(replica),
+            )  # fmt: skip
+        return loads
 
     def _forget_replicas(self, gone, why: str) -> None:
-        lost = [sid for sid, rid in self._sticky.items() if gone(rid)]
-        for session_id in lost:
-            self._forget(session_id)
+        lost = self._placement.forget_replicas(gone)
         if lost:
             logger.warning("a model replica was %s: %d session(s) start over on their next request", why, len(lost))
 
@@ -166,16 +169,14 @@ class SessionAffinityRouter(RequestRouter):
         if self._idle_ttl_s is None or now - self._last_sweep < 60.0:
             return
         self._last_sweep = now
-        for session_id, used in list(self._last_used.items()):
-            if now - used > self._idle_ttl_s:
-                self._forget(session_id)
+        self._placement.sweep(self._idle_ttl_s, now)
 
     def view(self) -> list[ReplicaView]:
         """Read from another thread (the ingress's event loop): only atomic copies here."""
-        if not hasattr(self, "_sticky"):
+        if not hasattr(self, "_placement"):
             return []
         replicas = list(self._replicas.values())  # one C-level copy (the router thread mutates it)
-        counts = Counter(list(self._sticky.values()))
+        counts = self._placement.counts()
         return [ReplicaView(r.replica_id.unique_id, dict(r.routing_stats or {}), counts.get(r.replica_id, 0)) for r in replicas]
 
 

@@ -1,6 +1,6 @@
 """``ardiff-client`` / ``python -m ardiff_server.tools.replay``: replay one episode against a policy server.
 
-It speaks the wire protocol of DESIGN §3 the way the clients in the wild do, so it can drive
+It speaks the wire protocol of docs/spec.md §3 the way the clients in the wild do, so it can drive
 this server, openpi-style servers, DreamZero's own server and vLLM-Omni's (``--path
 /v1/realtime/robot/openpi``) alike, and report what a robot would see:
 
@@ -486,7 +486,7 @@ def run_episode(
 
 
 def reset_session(client: PolicyClient, session_id: str) -> Any:
-    """End the episode's session; any answer is accepted (DESIGN §3: servers differ here)."""
+    """End the episode's session; any answer is accepted (docs/spec.md §3: servers differ here)."""
     if client.in_flight:  # interrupted while waiting: the next frame would be the old reply
         return "(not sent: a request was still in flight; the server expires the session)"
     try:

@@ -1,6 +1,6 @@
 """Where an observation is decoded: a RoboArena / DROID request dictionary -> :class:`PolicyRequest`.
 
-DESIGN §4 fixes the keys. The rules this module applies:
+docs/spec.md §4 fixes the keys. The rules this module applies:
 
 - Unknown keys are ignored (clients send extras, e.g. ``_right`` stereo images); a known
   key with a bad value is a :class:`RequestError` naming the key, what was expected
@@ -18,7 +18,7 @@ DESIGN §4 fixes the keys. The rules this module applies:
 - Images are uint8 numpy arrays (H, W, 3) or frame stacks (T, H, W, 3), normalized to
   C-contiguous (T, H, W, 3) (views of the frame where possible: the engine client copies them
   once, into shared memory). Any size within :data:`MAX_IMAGE_SIDE` / :data:`MAX_FRAMES` is
-  accepted: policies resize, the declared resolution is a hint (DESIGN §4).
+  accepted: policies resize, the declared resolution is a hint (docs/spec.md §4).
 - State vectors are numeric arrays or msgpack lists, returned as finite float32 1-D arrays.
 """
 

@@ -78,7 +78,7 @@ class DecodeLimits:
     within ~0.3 ms at the default, instead of stalling the event loop for every robot).
     """
 
-    max_message_bytes: int = 64 * _MiB  # whole frame; matches the websocket frame bound (DESIGN §3)
+    max_message_bytes: int = 64 * _MiB  # whole frame; matches the websocket frame bound (docs/spec.md §3)
     max_depth: int = 16  # container nesting; a request map -> array marker -> shape list is 3
     max_array_bytes: int = 64 * _MiB  # one array's data (also bounds any msgpack bin)
     max_array_ndim: int = 5  # (T, H, W, C) frame stacks are 4-D; one spare axis

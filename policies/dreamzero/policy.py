@@ -272,16 +272,16 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
     def _advance_session(self, session: DreamZeroSession, observation: RobotObservation) -> dict[str, bool]:
         """Buffer the new frames and apply upstream's reset rules. Returns what happened."""
         prompt = droid_prompt(observation.prompt)
-        events = {"session_reset": False, "window_reset": False}
+        events = {"prompt_change": False, "window_restart": False}
         if session.prompt is not None and prompt != session.prompt:
             session.kv.restart_window(keep_cross_text=False)
             session.prompt_embeds = None
             session.current_start_frame = 0
-            events["session_reset"] = True
+            events["prompt_change"] = True
         elif session.current_start_frame >= self.dit_config.local_attn_size:
             session.kv.restart_window(keep_cross_text=True)
             session.current_start_frame = 0
-            events["window_reset"] = True
+            events["window_restart"] = True
         session.prompt = prompt
         session.frames.extend(self._canvas(observation))
         session.calls += 1

@@ -1,0 +1,104 @@
+"""Building one engine rank from a config: the policy, its KV cache and the recorder.
+
+The one place an engine is built, by the worker process (``worker.py``), a Ray replica, the
+benchmarks and tests. :func:`start_engine` is build + torch threads + warm-up, what a process
+that serves does; :func:`build_engine` only builds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ardiff_server.engine.core import SessionEngine
+from kv import PagedKVCache
+
+logger = logging.getLogger(__name__)
+
+
+def start_engine(config, rank: int = 0, world_size: int = 1, control=None, *, warmup: bool) -> SessionEngine:
+    """An engine ready to serve in this process: torch threads set, built, warmed up if asked
+    (``engine.warmup_ms`` holds the warm-up's timings)."""
+    set_threads(config, world_size)
+    engine = build_engine(config, rank, world_size, control)
+    if warmup:
+        engine.warmup()
+    return engine
+
+
+def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> SessionEngine:
+    """Policy and KV cache for one rank, sized from ``config`` (an ``AppConfig``).
+
+    ``world_size`` 2 is CFG-parallel: ``torch.distributed`` must be initialised and ``control``
+    is the group the ranks agree on the pool size over.
+    """
+    import torch.distributed as dist
+
+    from policies.base import RuntimeOptions, build_policy
+    from policies.guidance import Guidance
+
+    engine_config = config.engine
+    device = torch.device(engine_config.rank_device(rank))
+    if device.type == "cuda":
+        if device.index is None:  # "cuda": this process's current device, named explicitly
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    options = RuntimeOptions(
+        device=str(device), dtype=engine_config.dtype,
+        guidance=Guidance.single() if world_size == 1 else Guidance.parallel(rank),
+        compile=engine_config.compile, compile_backend=engine_config.compile_backend, cuda_graphs=engine_config.cuda_graphs,
+        record=config.server.record_dir is not None and rank == 0,
+    )  # fmt: skip
+    policy = build_policy(config.policy_name, config.policy_options(), options)
+    spec = policy.kv_spec()
+    cache = None
+    if spec is not None:
+        budget = kv_budget_bytes(engine_config.kv_budget_gib, engine_config.kv_memory_fraction, device)
+        pages = PagedKVCache.pages_for_budget(
+            spec, budget, max_sessions=engine_config.max_sessions, num_branches=len(policy.branches)
+        )
+        if world_size > 1:  # both ranks must make the same admission decisions: agree on the pool size
+            agreed = torch.tensor([pages])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control)
+            pages = int(agreed)
+        cache = PagedKVCache(
+            spec, num_pages=pages + 1, max_sessions=engine_config.max_sessions, branches=policy.branches,
+            device=device, attention_backend=engine_config.attention_backend,
+        )  # fmt: skip
+        logger.info(
+            "KV cache: %d pages of %d tokens (%.1f MiB each), %d sessions, branches %s, %.1f MiB in all",
+            cache.pool.capacity, spec.page_size, spec.page_bytes / 2**20, cache.session_capacity,
+            [b.name for b in policy.branches], cache.storage.nbytes / 2**20,
+        )  # fmt: skip
+    recorder = None
+    if options.record:
+        from ardiff_server.engine.recorder import Recorder
+
+        recorder = Recorder(config.server.record_dir, max_bytes=int(config.server.record_max_gib * 2**30), decode=policy.decode_prediction)
+    return SessionEngine(policy, cache, max_sessions=engine_config.max_sessions, rank=rank, recorder=recorder)
+
+
+def set_threads(config, world_size: int) -> None:
+    """torch intra-op threads for this engine: ``engine.threads``, else the cores split evenly."""
+    processes = world_size * max(1, config.engine.replicas)
+    torch.set_num_threads(config.engine.threads or max(1, (os.cpu_count() or 1) // processes))
+
+
+def kv_budget_bytes(engine_budget_gib: float | None, fraction: float, device: torch.device) -> int:
+    """Bytes for the KV cache: the configured budget, else a fraction of free device memory."""
+    if engine_budget_gib is not None:
+        return int(engine_budget_gib * 2**30)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * fraction)
+    try:
+        import psutil  # optional: precise available memory
+
+        available = psutil.virtual_memory().available
+    except ImportError:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        available = int(info["MemAvailable"].split()[0]) * 1024
+    return int(available * fraction)

@@ -1,0 +1,39 @@
+"""SIGINT / SIGTERM for a serving process: the first stops gracefully, a second exits at once.
+
+One rule for ``ardiff-serve`` and ``ardiff-serve --ray``: the first signal calls ``on_first``
+(answer in-flight requests, stop the engine, close connections); a second one, while that is
+still going on, calls ``kill`` (SIGKILL the engine processes) and exits with status 1 without
+waiting for anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+
+def exit_on_second_signal(
+    on_first: Callable[[], None], *, kill: Callable[[], None] = lambda: None, loop: asyncio.AbstractEventLoop | None = None
+) -> None:
+    """Install the handlers; with ``loop`` they run on that event loop, else as plain signal handlers."""
+    received = False
+
+    def handler(*_: object) -> None:
+        nonlocal received
+        if received:
+            logger.warning("second signal: exiting now")
+            kill()
+            os._exit(1)
+        received = True
+        on_first()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if loop is not None:
+            loop.add_signal_handler(sig, handler)
+        else:
+            signal.signal(sig, handler)

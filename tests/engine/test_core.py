@@ -1,0 +1,170 @@
+"""The session engine in-process: LRU table, pool pressure, transactional steps, churn, warm-up."""
+
+from __future__ import annotations
+
+import gc
+import random
+import time
+
+import numpy as np
+import pytest
+
+from ardiff_server.engine.core import SessionEngine
+from ardiff_server.engine.inbox import RequestInbox
+from ardiff_server.engine.messages import End, Infer
+from kv import CapacityError, PagedKVCache
+from policies.base import RuntimeOptions
+from policies.observation import RobotObservation
+from tests.helpers.fake_policy import FakeConfig, FakePolicy
+
+
+def make_engine(sessions_in_pool: int, max_sessions: int = 16, window_pages: int = 4) -> SessionEngine:
+    policy = FakePolicy(FakeConfig(window_pages=window_pages), RuntimeOptions())
+    spec = policy.kv_spec()
+    cache = PagedKVCache(spec, num_pages=sessions_in_pool * spec.pages_per_branch + 1, max_sessions=max_sessions, branches=policy.branches)
+    return SessionEngine(policy, cache, max_sessions=max_sessions)
+
+
+def obs(prompt: str = "", joint0: float = 0.0) -> RobotObservation:
+    return RobotObservation(prompt=prompt, joint_position=np.full(7, joint0, np.float32))
+
+
+def calls(engine: SessionEngine, session_id: str) -> int:
+    return int(engine.infer(session_id, obs()).result.actions[0, 0])
+
+
+def test_pool_pressure_evicts_the_least_recently_used_idle_session():
+    engine = make_engine(sessions_in_pool=2)
+    assert calls(engine, "a") == 1 and calls(engine, "b") == 1 and calls(engine, "a") == 2
+    assert calls(engine, "c") == 1  # served: b (least recently used) made room
+    assert set(engine.sessions) == {"a", "c"} and engine.endings == {"pressure": 1}
+    assert calls(engine, "a") == 3  # a kept its state
+
+
+def test_a_session_mid_call_is_never_evicted():
+    engine = make_engine(sessions_in_pool=2)
+    calls(engine, "a")
+    calls(engine, "b")
+    engine._serving = "a"  # a is being served (the LRU one): pressure must take b instead
+    engine._get_or_open("c")
+    assert set(engine.sessions) == {"a", "c"}
+
+
+def test_detached_sessions_are_evicted_before_connected_ones():
+    engine = make_engine(sessions_in_pool=2)
+    calls(engine, "a")
+    calls(engine, "b")
+    engine.detach("b")  # b's robot disconnected; a is still connected but older
+    calls(engine, "c")
+    assert set(engine.sessions) == {"a", "c"}
+
+
+def test_at_capacity_with_nothing_idle_is_a_clear_error():
+    engine = make_engine(sessions_in_pool=1)
+    calls(engine, "a")
+    engine._serving = "a"
+    with pytest.raises(CapacityError, match="server at capacity"):
+        engine._get_or_open("b")
+
+
+def test_lru_cap_bounds_the_table():
+    engine = make_engine(sessions_in_pool=8, max_sessions=2)
+    for sid in ("a", "b", "c"):
+        calls(engine, sid)
+    assert list(engine.sessions) == ["b", "c"] and engine.endings == {"lru": 1}
+
+
+def test_a_failed_step_tears_the_session_down_and_the_next_request_starts_fresh():
+    engine = make_engine(sessions_in_pool=2)
+    free = engine.cache.pool.num_free
+    calls(engine, "a")
+    calls(engine, "a")
+    with pytest.raises(RuntimeError, match="exploded"):
+        engine.infer("a", obs("explode"))
+    assert "a" not in engine.sessions and engine.cache.pool.num_free == free
+    outcome = engine.infer("a", obs())
+    assert outcome.new_session and outcome.result.actions[0, 0] == 1
+
+
+def test_every_ending_returns_every_page():
+    engine = make_engine(sessions_in_pool=3)
+    free = engine.cache.pool.num_free
+    for sid in ("a", "b", "c"):
+        calls(engine, sid)
+        calls(engine, sid)
+    assert engine.end("a", "reset") and engine.end("b", "session switch") and engine.end("c", "ttl")
+    assert not engine.end("zzz", "reset")
+    assert engine.cache.pool.num_free == free and engine.cache.num_sessions == 0
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4
+
+
+def test_churn_of_200_sessions_leaks_no_page_and_no_memory():
+    engine = make_engine(sessions_in_pool=4, max_sessions=6)
+    free = engine.cache.pool.num_free
+    rng = random.Random(0)
+
+    def churn(n: int) -> None:
+        live: list[str] = []
+        for i in range(n):
+            sid = f"s{i}"
+            for _ in range(rng.randint(1, 6)):
+                calls(engine, sid)
+            live.append(sid)
+            ending = rng.choice(["switch", "reset", "drop", "fail", "keep"])
+            if ending in ("switch", "reset"):
+                engine.end(sid, ending)
+            elif ending == "drop":
+                engine.detach(sid)  # left for the TTL / pressure
+            elif ending == "fail":
+                with pytest.raises(RuntimeError):
+                    engine.infer(sid, obs("explode"))
+        for sid in live:
+            engine.end(sid, "ttl")
+
+    churn(50)  # warm the allocator
+    gc.collect()
+    before = _rss_kib()
+    churn(200)
+    gc.collect()
+    grown = _rss_kib() - before
+    assert engine.cache.pool.num_free == free and engine.cache.num_sessions == 0 and not engine.sessions
+    assert sum(engine.endings.values()) >= 250
+    assert grown < 8 * 1024, f"resident memory grew by {grown} KiB over 200 sessions"
+
+
+def test_warmup_walks_a_session_and_restores_the_pool():
+    engine = make_engine(sessions_in_pool=2)
+    free = engine.cache.pool.num_free
+    timings = engine.warmup()
+    assert list(timings) == ["call0_ms"]
+    assert engine.cache.pool.num_free == free and not engine.sessions and engine.steps == 0
+    assert sum(engine.endings.values()) == 0
+
+
+def test_dreamzero_warmup_walks_a_full_window_and_a_restart(tiny_model):
+    from policies.dreamzero.policy import DreamZeroConfig, DreamZeroPolicy
+
+    policy = DreamZeroPolicy(DreamZeroConfig(view_size=(48, 80)), RuntimeOptions(), model=tiny_model)
+    spec = policy.kv_spec()
+    cache = PagedKVCache(spec, num_pages=2 * spec.pages_per_branch + 1, max_sessions=1)
+    engine = SessionEngine(policy, cache, max_sessions=1)
+    timings = engine.warmup()
+    assert len(timings) == 6  # 1 + 4 calls fill the 9-frame window, 1 more restarts it
+    assert cache.pool.num_free == cache.pool.capacity and cache.storage.cross.num_free == cache.storage.cross.num_slots
+
+
+def test_the_inbox_serves_control_first_and_says_how_long_each_request_waited():
+    inbox = RequestInbox()
+    first, second, reset = Infer(1, "a", obs()), Infer(2, "b", obs()), End(3, "c", "reset")
+    inbox.put(first)
+    inbox.put(second)
+    time.sleep(0.05)
+    inbox.put(reset)
+    order = [inbox.get() for _ in range(3)]
+    assert [request for request, _ in order] == [reset, first, second]  # a reset never waits behind inference
+    waited = [ms for _, ms in order]
+    assert waited[0] < 50.0 <= waited[1] and waited[2] >= 50.0

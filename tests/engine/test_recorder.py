@@ -1,0 +1,120 @@
+"""Session recordings (server.record_dir): files, their contents, crash safety, bounds, ids."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ardiff_server.config import ConfigError, preflight, validate_config
+from ardiff_server.engine.recorder import Chunk, Recorder, session_folder
+from tests.helpers.server_harness import droid_observation
+
+av = pytest.importorskip("av", reason="recordings need the viz extra (pip install -e '.[viz]')")
+pytest.importorskip("matplotlib", reason="recordings need the viz extra (pip install -e '.[viz]')")
+
+
+def tiny_engine(record_dir: Path):
+    from ardiff_server.engine.builder import build_engine
+    from ardiff_server.wire.decode import decode_request
+
+    config = validate_config({
+        "server": {"record_dir": str(record_dir)},
+        "engine": {"warmup": False, "kv_budget_gib": 0.05, "max_sessions": 2},
+        "policy": {"name": "dreamzero", "view_size": [48, 80]},
+    })  # fmt: skip
+    engine = build_engine(config)
+
+    def observe(call: int, prompt: str = "pick up the cup"):
+        return decode_request(droid_observation(1 if call == 0 else 4, size=(90, 160), seed=call, prompt=prompt, joint0=0.1 * call)).observation
+
+    return engine, observe
+
+
+def frames_in(path: Path) -> int:
+    with av.open(str(path)) as container:
+        return sum(1 for _ in container.decode(video=0))
+
+
+def test_a_tiny_session_is_recorded_end_to_end(tmp_path):
+    engine, observe = tiny_engine(tmp_path)
+    calls = 5  # a window start, 3 steady calls, a window restart
+    for call in range(calls):
+        engine.infer("ep-1", observe(call), queued_ms=2.5 * call)  # as the worker's inbox measured it
+    while engine.idle_work():  # what the worker does between requests
+        pass
+    engine.end("ep-1", "reset")
+    engine.close()  # drains the writer
+    folder = tmp_path / "ep-1"
+    assert {p.name for p in folder.iterdir()} == {"rollout.mp4", "actions.npz", "timings.json", "actions.png"}
+    arrays = np.load(folder / "actions.npz")
+    assert arrays["actions"].shape == (calls, 24, 8) and arrays["raw_actions"].shape == (calls, 24, 32)
+    assert arrays["state"].shape == (calls, 8) and arrays["calls"].tolist() == [1, 2, 3, 4, 5]
+    np.testing.assert_allclose(arrays["state"][:, 0], [0.1 * c for c in range(calls)], rtol=1e-6)
+    timings = json.loads((folder / "timings.json").read_text())["calls"]
+    assert [t["call"] for t in timings] == [1, 2, 3, 4, 5] and timings[-1]["window_restart"]
+    assert {"vae", "denoise"} <= set(timings[0]["policy_timing"]) and timings[0]["server_timing"]["infer_ms"] > 0
+    assert [t["server_timing"]["queue_ms"] for t in timings] == [0.0, 2.5, 5.0, 7.5, 10.0]
+    # per call: max(frames seen, frames decoded from the chunk's 2 latents = 5) video frames
+    assert frames_in(folder / "rollout.mp4") == 5 * calls
+    with av.open(str(folder / "rollout.mp4")) as container:
+        first = next(container.decode(video=0)).to_ndarray(format="rgb24")
+    assert first.shape == (96, 2 * 160, 3)  # seen canvas | predicted canvas (tiny: 2 x 48 by 2 x 80)
+
+
+def test_a_crash_loses_at_most_the_call_being_written(tmp_path):
+    engine, observe = tiny_engine(tmp_path)
+    for call in range(3):
+        engine.infer("crash", observe(call))
+        while engine.idle_work():
+            pass
+    timings = tmp_path / "crash" / "timings.json"
+    deadline = time.monotonic() + 30  # the writer thread catches up
+    while time.monotonic() < deadline and (not timings.exists() or len(json.loads(timings.read_text())["calls"]) < 3):
+        time.sleep(0.1)
+    # no end, no close: the process "crashed" here
+    assert frames_in(tmp_path / "crash" / "rollout.mp4") >= 5 * 2
+    assert np.load(tmp_path / "crash" / "actions.npz")["actions"].shape[0] == 3
+
+
+def test_ids_never_leave_the_folder_and_never_collide(tmp_path):
+    ids = ["../../etc/passwd", "..", ".", "a/b", "a_b", "x" * 500, "é", "/abs", "ok-id_1.2"]
+    folders = [session_folder(tmp_path, i) for i in ids]
+    assert len(set(folders)) == len(ids)
+    for folder in folders:
+        assert folder.parent == tmp_path and folder.name not in (".", "..") and "/" not in folder.name
+    assert session_folder(tmp_path, "ok-id_1.2").name == "ok-id_1.2"
+
+
+def test_disk_use_is_bounded_by_pruning_the_oldest_sessions(tmp_path):
+    frames = np.zeros((4, 32, 32, 3), np.uint8)
+    recorder = Recorder(tmp_path, max_bytes=60_000, decode=lambda predicted: predicted)
+
+    def chunk(call: int) -> Chunk:
+        noise = np.random.default_rng(call).integers(0, 255, frames.shape, dtype=np.uint8)  # incompressible
+        return Chunk(call, "p", noise, noise, np.zeros((24, 8)), np.zeros((24, 32)), np.zeros(8), {}, 1.0)
+
+    for session in range(6):
+        for call in range(1, 4):
+            recorder.add(f"s{session}", chunk(call))
+        recorder.end(f"s{session}", "reset")
+        while recorder.idle_work():
+            pass
+    recorder.close()
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert "s5" in left and len(left) < 6, left  # the newest kept, the oldest pruned
+    total = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
+    assert total < 60_000 * 2
+
+
+def test_record_dir_without_the_viz_extra_fails_at_start_up(monkeypatch, tmp_path):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "av" else real(name, *a))
+    config = validate_config({"server": {"record_dir": str(tmp_path)}, "policy": {"name": "noop"}})
+    with pytest.raises(ConfigError, match=r"server.record_dir needs av: pip install -e '.\[viz\]'"):
+        preflight(config)

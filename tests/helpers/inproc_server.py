@@ -1,0 +1,59 @@
+"""The real PolicyServer in this process, its engine in-process too (no worker spawn): fast server
+tests. The server runs its own event loop in a thread so synchronous clients can talk to it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import urllib.request
+from typing import Any
+
+from ardiff_server.config import AppConfig, validate_config
+from ardiff_server.engine.builder import build_engine
+from ardiff_server.engine.inproc_client import InprocClient
+from ardiff_server.frontend.server import PolicyServer
+
+
+def app_config(raw: dict[str, Any]) -> AppConfig:
+    return validate_config({**raw, "server": {"port": 0, **raw.get("server", {})}}, source="<test>")
+
+
+class InprocServer:
+    def __init__(self, config: AppConfig | dict, engine=None) -> None:
+        self.config = config if isinstance(config, AppConfig) else app_config(config)
+        self.engine = engine if engine is not None else build_engine(self.config)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="inproc-server", daemon=True)
+        self._thread.start()
+        self.server = PolicyServer(self.config, client=InprocClient(self.engine))
+        self._call(self.server.start())
+
+    def _call(self, coroutine, timeout: float = 60) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+    def http(self, path: str, headers: dict | None = None) -> tuple[int, str]:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", headers=headers or {})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    def close(self) -> None:
+        self._call(self.server.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+    def __enter__(self) -> InprocServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,151 @@
+"""FlowUniPCScheduler against numbers recorded from DreamZero's upstream scheduler."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from policies.dreamzero.scheduler import FlowUniPCScheduler
+from tests.helpers.reference import REFERENCE_DIR
+
+REFERENCE_PATH = REFERENCE_DIR / "flow_unipc_reference.json"
+CASES = ["steps16_shift5.0", "steps4_shift5.0", "steps1_shift5.0", "steps16_shift1.0"]
+ATOL = 1e-12
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    if not REFERENCE_PATH.is_file():
+        pytest.skip(f"reference numbers are missing: {REFERENCE_PATH} (recorded from upstream DreamZero)")
+    return json.loads(REFERENCE_PATH.read_text())
+
+
+def _tensor(values: list[float], shape: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64).reshape(shape)
+
+
+def _velocity(x: torch.Tensor, x0: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """The reference's stand-in model: v(x, sigma) = (x - x0) / max(sigma, 1e-3) + 0.1 sin(3x)."""
+    return (x - x0) / max(sigma.item(), 1e-3) + 0.1 * torch.sin(3 * x)
+
+
+def _sample(
+    scheduler: FlowUniPCScheduler,
+    x: torch.Tensor,
+    x0: torch.Tensor,
+    num_inference_steps: int,
+    shift: float,
+    reused_velocity_at_steps: frozenset[int] = frozenset(),
+) -> list[torch.Tensor]:
+    """Runs a full trajectory; at the listed steps the previous velocity is reused (DiT step cache)."""
+    scheduler.set_timesteps(num_inference_steps, shift)
+    samples = []
+    velocity = None
+    for step_index in range(num_inference_steps):
+        if step_index not in reused_velocity_at_steps:
+            velocity = _velocity(x, x0, scheduler.sigmas[step_index]).to(x.dtype)
+        x = scheduler.step(velocity, x, step_index)
+        samples.append(x)
+    return samples
+
+
+@pytest.mark.parametrize("case_name", CASES)
+def test_schedule_matches_upstream(reference: dict[str, Any], case_name: str) -> None:
+    case = reference["cases"][case_name]
+    scheduler = FlowUniPCScheduler()
+    scheduler.set_timesteps(case["num_inference_steps"], case["shift"])
+
+    assert scheduler.timesteps.dtype == torch.int64
+    assert scheduler.timesteps.tolist() == [int(t) for t in case["timesteps"]]
+    assert scheduler.sigmas.dtype == torch.float32  # upstream keeps sigmas in float32
+    expected_sigmas = torch.tensor(case["sigmas"], dtype=torch.float64)
+    torch.testing.assert_close(scheduler.sigmas.double(), expected_sigmas, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("case_name", CASES)
+def test_trajectory_matches_upstream(reference: dict[str, Any], case_name: str) -> None:
+    case = reference["cases"][case_name]
+    shape = reference["shape"]
+    x0 = _tensor(reference["x0"], shape)
+    initial = _tensor(reference["initial_sample"], shape)
+
+    samples = _sample(
+        FlowUniPCScheduler(),
+        initial,
+        x0,
+        case["num_inference_steps"],
+        case["shift"],
+        frozenset(case["reused_velocity_at_steps"]),
+    )
+
+    assert len(samples) == len(case["samples_after_each_step"])
+    for step_index, (sample, expected) in enumerate(zip(samples, case["samples_after_each_step"])):
+        assert sample.dtype == torch.float64
+        torch.testing.assert_close(
+            sample, _tensor(expected, shape), rtol=0, atol=ATOL, msg=lambda m, i=step_index: f"step {i}: {m}"
+        )
+
+
+def test_set_timesteps_resets_state(reference: dict[str, Any]) -> None:
+    shape = reference["shape"]
+    x0 = _tensor(reference["x0"], shape)
+    initial = _tensor(reference["initial_sample"], shape)
+    scheduler = FlowUniPCScheduler()
+
+    first = _sample(scheduler, initial, x0, 16, 5.0)
+    # An abandoned trajectory and a different step count in between must leave no trace.
+    scheduler.set_timesteps(16, 5.0)
+    scheduler.step(_velocity(initial, x0, scheduler.sigmas[0]), initial, 0)
+    scheduler.step(_velocity(initial, x0, scheduler.sigmas[1]), initial, 1)
+    four_steps = _sample(scheduler, initial, x0, 4, 5.0)
+    second = _sample(scheduler, initial, x0, 16, 5.0)
+
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    expected_four = reference["cases"]["steps4_shift5.0"]["samples_after_each_step"][-1]
+    torch.testing.assert_close(four_steps[-1], _tensor(expected_four, shape), rtol=0, atol=ATOL)
+
+
+def test_single_step_returns_x0_prediction() -> None:
+    # One step goes straight to sigma = 0, where UniPC's update reduces to x0 = x - sigma * v.
+    x = torch.randn(2, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    velocity = torch.randn(2, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    scheduler = FlowUniPCScheduler()
+    scheduler.set_timesteps(1, 5.0)
+    expected = x - scheduler.sigmas[0].double() * velocity
+    torch.testing.assert_close(scheduler.step(velocity, x, 0), expected, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [((1, 16, 2, 4, 6), torch.bfloat16), ((1, 16, 2, 4, 6), torch.float32), ((2, 24, 32), torch.float32)],
+)
+def test_dtype_and_shape_preserved(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    x0 = torch.randn(shape, generator=generator, dtype=torch.float64)
+    initial = torch.randn(shape, generator=generator, dtype=torch.float64)
+
+    low_precision = _sample(FlowUniPCScheduler(), initial.to(dtype), x0, 8, 5.0, frozenset({3}))
+    full_precision = _sample(FlowUniPCScheduler(), initial, x0, 8, 5.0, frozenset({3}))
+
+    for sample in low_precision:
+        assert sample.dtype == dtype
+        assert sample.shape == shape
+    # The same trajectory, only rounded: it must land near the float64 one.
+    torch.testing.assert_close(low_precision[-1].double(), full_precision[-1], rtol=0, atol=0.1)
+
+
+def test_steps_must_follow_set_timesteps_in_order() -> None:
+    x = torch.zeros(1, 4)
+    scheduler = FlowUniPCScheduler()
+    with pytest.raises(RuntimeError, match="set_timesteps"):
+        scheduler.step(x, x, 0)
+    scheduler.set_timesteps(4, 5.0)
+    with pytest.raises(ValueError, match="in order"):
+        scheduler.step(x, x, 1)
+    scheduler.step(x, x, 0)
+    with pytest.raises(ValueError, match="in order"):
+        scheduler.step(x, x, 0)

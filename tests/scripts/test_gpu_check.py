@@ -1,0 +1,124 @@
+"""scripts/gpu_check.py on CPU: the device run's code path at reduced size, and its wheel list."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_gpu_check():
+    # As `python scripts/gpu_check.py` runs it: its own folder is importable (bench_chunk, benchlib).
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.append(str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    return load_gpu_check()
+
+
+@pytest.fixture(scope="module")
+def reduced_run(gpu_check, tmp_path_factory):
+    """One reduced run: the reference, a compiled flex variant, and a CUDA-graph variant (skipped)."""
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("gpu_check")
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        report = gpu_check.main(["--json", "--variants", "sdpa,flex+compile,flex+graphs", "--out", str(out)])
+    return report, stdout.getvalue(), out
+
+
+def test_reduced_run_reports_every_figure_the_device_run_reports(reduced_run):
+    report, text, out = reduced_run
+    assert report["size"] == "reduced" and report["device"] == "cpu" and report["checkpoint"] == "synthetic:tiny,layers=2"
+    assert set(report["variants"]) == {"sdpa", "flex+compile"}
+    assert report["skipped"] == {"flex+graphs": "CUDA graphs need a CUDA device"}
+    for result in report["variants"].values():
+        assert result["status"] == "ok", result.get("traceback")
+        assert len(result["calls"]) == 6  # a full window (1 + 4 calls) and a window restart
+        starts = [c["window_start"] for c in result["calls"]]
+        assert starts == [True, False, False, False, True, False]
+        assert all(c["dit_forwards"] == 8 for c in result["calls"])  # upstream's fixed 8-of-16 mask
+        for group in ("window_start", "steady"):
+            assert set(result["phase_ms"][group]) >= {"text", "vision", "vae", "prefill", "denoise", "decode"}
+        assert result["phase_ms"]["window_start"]["vision"] > 1.0 > result["phase_ms"]["steady"]["vision"]  # CLIP at a window start only
+        assert result["ms_per_chunk_p99"] >= result["ms_per_chunk_median"] > 0
+        assert result["dit_fraction_of_peak"] > 0 and result["actions_finite"]
+        kv = result["kv"]
+        assert kv["reserved_pages_per_session"] == 22 and kv["pool_pages"] == 22  # 2 branches x (9 + 2), one session
+        assert kv["max_pages_held"] == 14 and kv["page_tokens"] == 60  # 7 resident frames + the 2-frame prefill, x 2
+    assert report["variants"]["flex+compile"]["vs_reference"]["ok"]
+    assert report["variants"]["flex+compile"]["compile"] and report["variants"]["flex+compile"]["backend"] == "flex"
+    assert report["flops"]["compute_bound_ms"] > 0 and report["anchors"]["vllm_omni_ms_one_h200"] == 1095.0
+
+    # the printed tables, the anchors, and the JSON line last
+    for needle in ("phase (mean ms)", "summary", "compute bound", "vLLM-Omni 1095 ms/chunk", "62.2 GiB/GPU", "skipped: CUDA graphs"):
+        assert needle in text, needle
+    last = json.loads(text.strip().splitlines()[-1])
+    assert last["variants"]["sdpa"]["ms_per_chunk_median"] == report["variants"]["sdpa"]["ms_per_chunk_median"]
+    assert "actions" not in last["variants"]["sdpa"]  # bulky arrays only in the file
+    saved = json.loads((out / "gpu_check.json").read_text())
+    assert len(saved["variants"]["sdpa"]["actions"]) == 6
+
+
+def test_budget_stops_measuring_and_skips_later_variants(gpu_check, capsys, monkeypatch):
+    build = gpu_check.build_variant_engine
+
+    def build_without_warmup(*args):
+        engine = build(*args)
+        engine.warmup = lambda: {}  # only the budget logic is under test here
+        return engine
+
+    monkeypatch.setattr(gpu_check, "build_variant_engine", build_without_warmup)
+    report = gpu_check.main(["--variants", "sdpa,flex", "--calls", "3", "--budget-s", "0.001"])
+    sdpa = report["variants"]["sdpa"]
+    assert sdpa["status"] == "ok" and len(sdpa["calls"]) == 1 and "time budget" in sdpa["partial"]
+    assert report["skipped"]["flex"].startswith("time budget")
+    assert "PARTIAL" in capsys.readouterr().out
+
+
+def test_wheels_are_only_installed_when_something_is_missing(gpu_check, monkeypatch, tmp_path):
+    assert gpu_check.ensure_wheels(tmp_path) == []  # this venv has everything
+    monkeypatch.setattr(gpu_check, "NEEDED_MODULES", ("surely_not_installed_module",))
+    with pytest.raises(SystemExit, match=r"fetch_device_wheels\.sh"):
+        gpu_check.ensure_wheels(tmp_path)
+
+
+def test_fetch_script_covers_every_module_the_import_chain_needs(gpu_check):
+    script = (ROOT / "scripts" / "fetch_device_wheels.sh").read_text()
+    listed = {name.replace("-", "_") for name in re.findall(r'^\s+"([a-z0-9-]+) \$\(version', script, re.M)}
+    assert set(gpu_check.NEEDED_MODULES) <= listed
+    assert "torch" not in listed and "vllm" not in listed  # 64 MiB per device call, wheels included
+    assert "--python-version 3.12" in script
+
+
+def test_variant_names(gpu_check):
+    v = gpu_check.Variant("flex+compile+graphs")
+    assert (v.backend, v.compile, v.graphs) == ("flex", True, True)
+    with pytest.raises(SystemExit):
+        gpu_check.Variant("magic+turbo")
+
+
+def test_percentile(gpu_check):
+    assert gpu_check.percentile([1, 2, 3, 4], 50) == 2.5
+    assert gpu_check.percentile([5.0], 99) == 5.0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="bash script")
+def test_fetch_script_is_valid_bash():
+    import subprocess
+
+    subprocess.run(["bash", "-n", str(ROOT / "scripts" / "fetch_device_wheels.sh")], check=True)

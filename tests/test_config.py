@@ -1,0 +1,87 @@
+"""Configs (ardiff_server/config.py): files, --set overrides, named errors, and preflight before any worker."""
+
+from __future__ import annotations
+
+import pytest
+
+from ardiff_server.config import CONFIG_DIR, ConfigError, apply_override, load_config, preflight, resolve_config_path, validate_config
+
+
+def test_every_shipped_config_loads():
+    names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    assert "tiny" in names
+    for name in names:
+        assert load_config(name).source.endswith(f"{name}.yaml")
+
+
+def test_overrides_are_parsed_as_yaml_into_dotted_keys():
+    raw: dict = {"engine": {"device": "cpu"}}
+    apply_override(raw, "engine.cfg_parallel_size=2")
+    apply_override(raw, "server.api_keys=[a, b]")
+    apply_override(raw, "server.record_dir=")
+    apply_override(raw, "server.idle_timeout_s=null")
+    assert raw == {"engine": {"device": "cpu", "cfg_parallel_size": 2}, "server": {"api_keys": ["a", "b"], "record_dir": "", "idle_timeout_s": None}}
+    with pytest.raises(ConfigError, match=r"expected dotted\.key=value"):
+        apply_override(raw, "engine.device")
+    with pytest.raises(ConfigError, match="device is not a section"):
+        apply_override(raw, "engine.device.index=1")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["server.prot=8000"], r"server\.prot: unknown key"),
+        (["server.port=eighty"], r"server\.port: .*\(got 'eighty'\)"),
+        (["engine.cfg_parallel_size=3"], r"engine\.cfg_parallel_size"),
+        (["policy.num_inference_steps=0"], r"policy\.num_inference_steps"),
+        (["policy.name=nope"], r"policy\.name: unknown policy 'nope'"),
+        (["server.api_keys=['']"], r"api_keys\[0\] is empty"),
+        (["engine.devices=[cpu, cpu]"], r"devices lists 2 devices for cfg_parallel_size=1"),
+        (["engine.cuda_graphs=true"], r"cuda_graphs needs a CUDA device"),
+    ],
+)
+def test_a_bad_value_names_the_file_and_the_key(overrides, needle):
+    with pytest.raises(ConfigError, match=needle) as info:
+        load_config("tiny", overrides)
+    assert "tiny.yaml" in str(info.value)
+
+
+def test_unknown_config_names_list_the_shipped_ones(tmp_path):
+    with pytest.raises(ConfigError, match=r"config 'tinny' not found .*'tiny'"):
+        resolve_config_path("tinny")
+    custom = tmp_path / "mine.yaml"
+    custom.write_text("policy: {name: dreamzero}\n")
+    assert resolve_config_path(custom) == custom
+    custom.write_text("- not a mapping\n")
+    with pytest.raises(ConfigError, match="expected a mapping at the top level"):
+        load_config(custom)
+
+
+def test_plugins_that_do_not_import_are_named():
+    with pytest.raises(ConfigError, match="plugins: cannot import 'no_such_plugin_module'"):
+        validate_config({"plugins": ["no_such_plugin_module"], "policy": {"name": "noop"}})
+
+
+def test_public_config_hides_the_keys():
+    config = load_config("tiny", ["server.api_keys=[secret-1, secret-2]"])
+    assert config.public()["server"]["api_keys"] == "<2 key(s)>"
+    assert "secret-1" not in str(config.public())
+
+
+def test_preflight_refuses_devices_this_machine_does_not_have(monkeypatch):
+    monkeypatch.setattr("ardiff_server.config.cuda_device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"engine device cuda:1: this machine has 1 CUDA device\(s\)"):
+        preflight(load_config("tiny", ["engine.device=cuda:1"]))
+    preflight(load_config("tiny", ["engine.device=cuda:1"]), local=False)  # Ray: the engines run elsewhere
+    monkeypatch.setattr("ardiff_server.config.cuda_device_count", lambda: 0)
+    with pytest.raises(ConfigError, match="no CUDA device; serve the CPU default"):
+        preflight(load_config("tiny", ["engine.device=cuda"]))
+
+
+def test_replica_devices_spread_over_gpus_or_must_be_given():
+    config = load_config("tiny", ["engine.device=cuda", "engine.replicas=2", "engine.cfg_parallel_size=2", "policy.cfg_scale=5"])
+    assert config.engine.replica_device_lists() == [["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]]
+    config = load_config("tiny", ["engine.device=cuda:0", "engine.replicas=2"])
+    with pytest.raises(ValueError, match="give each replica its devices"):
+        config.engine.replica_device_lists()
+    assert load_config("tiny", ["engine.replicas=3"]).engine.replica_device_lists() == [["cpu"]] * 3

@@ -1,0 +1,96 @@
+"""The layout's rules: no lower floor imports a higher one, and the front end stays torch-free.
+
+Floors of ``ardiff_server`` (a module may import its own floor and any lower one):
+config/net < wire < tools < engine < frontend < ray < cli. Across packages: kv imports neither
+policies nor ardiff_server; policies never imports ardiff_server.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+FLOORS = {"config": 0, "net": 0, "wire": 1, "tools": 2, "engine": 3, "frontend": 4, "ray": 5, "cli": 6, "__main__": 6, "ray_serve": 6}
+
+
+def _floor(module: str) -> int | None:
+    """The floor of an ``ardiff_server.*`` module name (None for the package root itself)."""
+    parts = module.split(".")
+    return FLOORS[parts[1]] if len(parts) > 1 else None
+
+
+def _imports(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def _modules(package: str) -> list[tuple[str, Path]]:
+    """(dotted name, path) of every module; a package's ``__init__`` is named as the package."""
+    root = REPO / package
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        out.append((".".join(parts[:-1] if parts[-1] == "__init__" else parts), path))
+    return out
+
+
+def test_every_server_module_sits_on_a_known_floor():
+    unknown = [name for name, _ in _modules("ardiff_server") if len(name.split(".")) > 1 and name.split(".")[1] not in FLOORS]
+    assert unknown == [], "add new subpackages to FLOORS (and to docs/design-notes.md's layout)"
+
+
+def test_no_lower_floor_imports_a_higher_one():
+    upward = []
+    for name, path in _modules("ardiff_server"):
+        floor = _floor(name)
+        if floor is None:
+            continue
+        for imported in _imports(path):
+            if imported.startswith("ardiff_server.") and (target := _floor(imported)) is not None and target > floor:
+                upward.append(f"{name} -> {imported}")
+    assert upward == []
+
+
+@pytest.mark.parametrize(("package", "forbidden"), [("kv", ("policies", "ardiff_server")), ("policies", ("ardiff_server",))])
+def test_kv_and_policies_do_not_import_the_server(package, forbidden):
+    bad = [f"{name} -> {imp}" for name, path in _modules(package) for imp in _imports(path) if imp.split(".")[0] in forbidden]
+    assert bad == []
+
+
+def test_kv_has_no_import_cycle():
+    graph = {name: {i for i in _imports(path) if i.startswith("kv.")} for name, path in _modules("kv") if not name.endswith("__init__")}
+    visiting, done = set(), set()
+
+    def visit(node: str, trail: list[str]) -> None:
+        if node in done:
+            return
+        assert node not in visiting, "import cycle: " + " -> ".join([*trail, node])
+        visiting.add(node)
+        for child in graph.get(node, ()):
+            visit(child, [*trail, node])
+        visiting.discard(node)
+        done.add(node)
+
+    for node in graph:
+        visit(node, [])
+
+
+def test_front_end_modules_never_load_torch():
+    front = [
+        "ardiff_server.cli", "ardiff_server.frontend.server", "ardiff_server.engine.replicas", "ardiff_server.engine.inproc_client",
+        "ardiff_server.tools.replay", "ardiff_server.ray.run", "ardiff_server.ray.client", "policies.dreamzero.config",
+    ]  # fmt: skip
+    code = f"import sys; import {', '.join(front)}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "False"

@@ -56,8 +56,9 @@ def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> Se
     cache = None
     if spec is not None:
         budget = kv_budget_bytes(engine_config.kv_budget_gib, engine_config.kv_memory_fraction, device)
+        max_batch = engine_config.batch_limit
         pages = PagedKVCache.pages_for_budget(
-            spec, budget, max_sessions=engine_config.max_sessions, num_branches=len(policy.branches)
+            spec, budget, max_sessions=engine_config.max_sessions, num_branches=len(policy.branches), max_batch=max_batch
         )
         if world_size > 1:  # both ranks must make the same admission decisions: agree on the pool size
             agreed = torch.tensor([pages])
@@ -65,12 +66,12 @@ def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> Se
             pages = int(agreed)
         cache = PagedKVCache(
             spec, num_pages=pages + 1, max_sessions=engine_config.max_sessions, branches=policy.branches,
-            device=device, attention_backend=engine_config.attention_backend,
+            device=device, attention_backend=engine_config.attention_backend, max_batch=max_batch,
         )  # fmt: skip
         logger.info(
-            "KV cache: %d pages of %d tokens (%.1f MiB each), %d sessions, branches %s, %.1f MiB in all",
+            "KV cache: %d pages of %d tokens (%.1f MiB each), %d sessions, branches %s, scratch for %d per forward, %.1f MiB in all",
             cache.pool.capacity, spec.page_size, spec.page_bytes / 2**20, cache.session_capacity,
-            [b.name for b in policy.branches], cache.storage.nbytes / 2**20,
+            [b.name for b in policy.branches], max_batch, cache.storage.nbytes / 2**20,
         )  # fmt: skip
     recorder = None
     if options.record:

@@ -225,10 +225,11 @@ class ProcessClient:
         now = time.monotonic()
         self._last_pong = now  # any message proves the process is alive
         if isinstance(message, Pong):
-            pending = self._pending.get(message.running) if message.running is not None else None
-            if pending is not None and pending.started_at is None:  # a new step began: progress
-                pending.started_at = now - message.running_s
-                self._last_progress = now
+            for request_id in message.running:  # one step, or one batch
+                pending = self._pending.get(request_id)
+                if pending is not None and pending.started_at is None:  # a new step began: progress
+                    pending.started_at = now - message.running_s
+                    self._last_progress = now
             return
         self._last_progress = now
         if isinstance(message, InferReply | ControlReply | ErrorReply):

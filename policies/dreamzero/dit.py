@@ -235,13 +235,11 @@ class CausalWanSelfAttention(WanAttentionProjections):
         k_video, v_video = k[:, :n_video], v[:, :n_video]
         k_extra, v_extra = (k[:, n_video:], v[:, n_video:]) if num_extra else (None, None)
         scale = self.head_dim**-0.5
-        if isinstance(self_kv, PagedLayerInputs):
-            if x.shape[0] != 1:
-                raise ValueError("paged self-attention runs one session per forward (batch 1)")
+        if isinstance(self_kv, PagedLayerInputs):  # B sequences, each over its own pages (block-table rows)
             out = paged_write_attend(
-                self_kv, q[0], k_video[0], v_video[0],
-                None if k_extra is None else k_extra[0], None if v_extra is None else v_extra[0], scale,
-            )[None]  # fmt: skip
+                self_kv, q.flatten(0, 1), k_video.flatten(0, 1), v_video.flatten(0, 1),
+                None if k_extra is None else k_extra.flatten(0, 1), None if v_extra is None else v_extra.flatten(0, 1), scale,
+            ).view(shape)  # fmt: skip
         elif self_kv is None:  # full attention over this call's tokens
             out = _attention(q, k, v, scale)
         else:
@@ -269,18 +267,26 @@ class WanCrossAttention(WanAttentionProjections):
     def project_image(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._heads(self.norm_k_img(self.k_img(image))), self._heads(self.v_img(image))
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | CrossKV) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor | CrossKV | tuple[CrossKV, ...]) -> torch.Tensor:
+        q = self._heads(self.norm_q(self.q(x)))
+        if isinstance(context, tuple) and not isinstance(context, CrossKV):
+            # a batched forward: each sequence reads its own cached slot, in place (no gather copy)
+            out = torch.cat([self._attend(q[b : b + 1], kv) for b, kv in enumerate(context)])
+        else:
+            out = self._attend(q, context)
+        return self.o(out.flatten(2))
+
+    def _attend(self, q: torch.Tensor, context: torch.Tensor | CrossKV) -> torch.Tensor:
         if isinstance(context, CrossKV):
             text_kv = (context.text_key, context.text_value)
             image_kv = (context.image_key, context.image_value) if self.num_image_tokens else None
         else:  # upstream path: project the (image tokens | text tokens) context every call
             text_kv = self.project_text(context[:, self.num_image_tokens :])
             image_kv = self.project_image(context[:, : self.num_image_tokens]) if self.num_image_tokens else None
-        q = self._heads(self.norm_q(self.q(x)))
         out = _attention(q, *text_kv)
         if image_kv is not None:
             out = out + _attention(q, *image_kv)
-        return self.o(out.flatten(2))
+        return out
 
 
 class CausalWanAttentionBlock(nn.Module):
@@ -304,7 +310,7 @@ class CausalWanAttentionBlock(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         num_extra: int,
         self_kv: LayerKV,
-        context: torch.Tensor | CrossKV,
+        context: torch.Tensor | CrossKV | tuple[CrossKV, ...],
     ) -> torch.Tensor:
         # e: (B, L, 6, dim) per-token modulation: shift/scale/gate for attention, then for the FFN
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = (self.modulation.unsqueeze(1) + e).unbind(2)
@@ -377,28 +383,25 @@ class CausalWanModel(nn.Module):
         return self._rope_tables[device]
 
     def rope(
-        self, grid: tuple[int, int, int], start_frame: int, action_block: int | None, device: torch.device
+        self, grid: tuple[int, int, int], start_frames: Sequence[int], action_blocks: Sequence[int] | None, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin (L, 1, head_dim/2) for the video tokens of this call, then the action register.
+        """cos/sin (B, L, 1, head_dim/2) for the video tokens of this call, then the action register.
 
-        Video frames are numbered from ``start_frame`` (their position in the window); the
-        action/state tokens of chunk ``action_block`` use rows of their own tables.
+        Sequence b's video frames are numbered from ``start_frames[b]`` (their position in its
+        window); its action/state tokens (chunk ``action_blocks[b]``) use rows of their own tables.
         """
         t_frame, t_h, t_w, t_action, t_state = self._tables(device)
         f, h, w = grid
-        video = torch.cat(
-            [
-                t_frame[start_frame : start_frame + f].view(f, 1, 1, -1).expand(f, h, w, -1),
-                t_h[:h].view(1, h, 1, -1).expand(f, h, w, -1),
-                t_w[:w].view(1, 1, w, -1).expand(f, h, w, -1),
-            ],
-            dim=-1,
-        ).reshape(f * h * w, -1)
-        parts = [video]
-        if action_block is not None:
-            n_a, n_s = self.config.num_action_per_block, self.config.num_state_per_block
-            parts += [t_action[action_block * n_a : (action_block + 1) * n_a], t_state[action_block * n_s : (action_block + 1) * n_s]]
-        angles = torch.cat(parts).unsqueeze(1)
+        spatial = torch.cat([t_h[:h].view(1, h, 1, -1).expand(f, h, w, -1), t_w[:w].view(1, 1, w, -1).expand(f, h, w, -1)], dim=-1)
+        rows = []
+        for b, start in enumerate(start_frames):
+            frames = t_frame[start : start + f].view(f, 1, 1, -1).expand(f, h, w, -1)
+            parts = [torch.cat([frames, spatial], dim=-1).reshape(f * h * w, -1)]
+            if action_blocks is not None:
+                n_a, n_s, block = self.config.num_action_per_block, self.config.num_state_per_block, action_blocks[b]
+                parts += [t_action[block * n_a : (block + 1) * n_a], t_state[block * n_s : (block + 1) * n_s]]
+            rows.append(torch.cat(parts))
+        angles = torch.stack(rows).unsqueeze(2)
         return torch.cos(angles).float(), torch.sin(angles).float()
 
     # -- conditioning ---------------------------------------------------------------------
@@ -431,21 +434,24 @@ class CausalWanModel(nn.Module):
         x: torch.Tensor,
         timestep: torch.Tensor,
         *,
-        current_start_frame: int,
+        current_start_frame: int | Sequence[int],
         self_kv: Sequence[LayerKV] | None,
         y: torch.Tensor | None = None,
-        cross_kv: Sequence[CrossKV] | None = None,
+        cross_kv: Sequence[CrossKV | tuple[CrossKV, ...]] | None = None,
         context: torch.Tensor | None = None,
         clip_feature: torch.Tensor | None = None,
         action: torch.Tensor | None = None,
         timestep_action: torch.Tensor | None = None,
         state: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One DiT call.
+        """One DiT call over B sequences.
 
         x: (B, out_dim, F, H, W) latents; timestep: (B, F); y: (B, in_dim - out_dim, F, H, W)
         I2V conditioning. Actions: (B, num_action_per_block, action_dim) with timestep_action
         (B, num_action_per_block) and state (B, num_state_per_block, max_state_dim).
+        ``current_start_frame``: each sequence's window position (one int: all the same).
+        ``self_kv``: per layer; paged inputs hold a block-table row per sequence. ``cross_kv``:
+        per layer one cached slot (B = 1) or a tuple of B (each sequence its own session branch).
         Returns (video prediction like x, action prediction or None).
         """
         cfg = self.config
@@ -457,13 +463,16 @@ class CausalWanModel(nn.Module):
         grid = tuple(x.shape[2:])
         x = x.flatten(2).transpose(1, 2)
         batch, num_video = x.shape[:2]
+        starts = [current_start_frame] * batch if isinstance(current_start_frame, int) else list(current_start_frame)
+        if len(starts) != batch:
+            raise ValueError(f"{len(starts)} start frames for a batch of {batch}")
         if self_kv is not None and len(self_kv) != cfg.num_layers:
             raise ValueError(f"self_kv has {len(self_kv)} layers, the DiT {cfg.num_layers}")
 
         # Per-token timesteps: each latent frame's timestep repeated over its tokens.
         token_t = timestep.repeat_interleave(num_video // timestep.shape[1], dim=1)
         num_extra = 0
-        action_block = None
+        action_blocks = None
         category = torch.zeros(batch, dtype=torch.long, device=x.device)  # one embodiment slot
         if action is not None:
             if timestep_action is None or state is None:
@@ -478,14 +487,14 @@ class CausalWanModel(nn.Module):
             state_t = timestep_action[:, :: timestep_action.shape[1] // state.shape[1]]
             token_t = torch.cat([token_t, timestep_action, state_t], dim=1)
             # Each AR chunk advances the register's RoPE rows by one block.
-            action_block = (current_start_frame - 1) // cfg.num_frame_per_block
+            action_blocks = [(start - 1) // cfg.num_frame_per_block for start in starts]
 
         e = self.time_embedding(sinusoidal_embedding_1d(cfg.freq_dim, token_t.flatten()).to(x.dtype)).unflatten(0, (batch, -1))
         e_blocks = self.time_projection(e).unflatten(2, (6, cfg.dim))
-        rope = self.rope(grid, current_start_frame, action_block, x.device)
+        rope = self.rope(grid, starts, action_blocks, x.device)
 
         if cross_kv is not None:
-            contexts: Sequence[torch.Tensor | CrossKV] = cross_kv
+            contexts: Sequence[torch.Tensor | CrossKV | tuple[CrossKV, ...]] = cross_kv
         else:
             if context is None:
                 raise ValueError("pass either cross_kv (cached) or context (+ clip_feature for i2v)")

@@ -37,7 +37,7 @@ def reduced_run(gpu_check, tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        report = gpu_check.main(["--json", "--variants", "sdpa,flex+compile,flex+graphs", "--out", str(out)])
+        report = gpu_check.main(["--json", "--variants", "sdpa,flex+compile,flex+graphs", "--batches", "1,2", "--batch-calls", "2", "--out", str(out)])
     return report, stdout.getvalue(), out
 
 
@@ -64,8 +64,14 @@ def test_reduced_run_reports_every_figure_the_device_run_reports(reduced_run):
     assert report["variants"]["flex+compile"]["compile"] and report["variants"]["flex+compile"]["backend"] == "flex"
     assert report["flops"]["compute_bound_ms"] > 0 and report["anchors"]["vllm_omni_ms_one_h200"] == 1095.0
 
+    # several robots per engine step: a window start then a steady call, for 1 and 2 sessions
+    rows = report["batches"]["rows"]
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["status"] == "ok" and r["chunks_per_s"] > 0 for r in rows)
+    assert rows[0]["speedup_vs_batch_1"] == 1.0
+
     # the printed tables, the anchors, and the JSON line last
-    for needle in ("phase (mean ms)", "summary", "compute bound", "vLLM-Omni 1095 ms/chunk", "62.2 GiB/GPU", "skipped: CUDA graphs"):
+    for needle in ("phase (mean ms)", "summary", "compute bound", "vLLM-Omni 1095 ms/chunk", "62.2 GiB/GPU", "skipped: CUDA graphs",
+                   "several robots per GPU"):
         assert needle in text, needle
     last = json.loads(text.strip().splitlines()[-1])
     assert last["variants"]["sdpa"]["ms_per_chunk_median"] == report["variants"]["sdpa"]["ms_per_chunk_median"]
@@ -86,7 +92,7 @@ def test_budget_stops_measuring_and_skips_later_variants(gpu_check, capsys, monk
     report = gpu_check.main(["--variants", "sdpa,flex", "--calls", "3", "--budget-s", "0.001"])
     sdpa = report["variants"]["sdpa"]
     assert sdpa["status"] == "ok" and len(sdpa["calls"]) == 1 and "time budget" in sdpa["partial"]
-    assert report["skipped"]["flex"].startswith("time budget")
+    assert report["skipped"]["flex"].startswith("time budget") and report["skipped"]["batches"].startswith("time budget")
     assert "PARTIAL" in capsys.readouterr().out
 
 

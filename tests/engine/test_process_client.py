@@ -63,7 +63,8 @@ def test_a_worker_that_fails_to_start_is_one_clear_error_and_leaves_nothing_runn
 
 def test_supervision_restarts_a_dead_or_stuck_worker_and_fails_only_its_requests():
     async def scenario():
-        client = client_for(server={"request_timeout_s": 1.5})
+        # one request per step, so "queued behind a stuck step" is well defined (batches: tests/engine/test_batching.py)
+        client = client_for(server={"request_timeout_s": 1.5}, max_batch=1)
         restarted = []
         client.on_restart = lambda c: restarted.append(c.restarts)
         await client.start()

@@ -83,7 +83,7 @@ def canvas_frames(seed: int, frames: int, canvas: tuple[int, int]) -> np.ndarray
 def digest(directory: Path) -> str:
     """sha256 over the checkpoint's weight shards and config (what the tests compare against their own tiny 5B)."""
     h = hashlib.sha256()
-    for path in sorted(directory.glob("*.safetensors")) + [directory / "config.json"]:
+    for path in [*sorted(directory.glob("*.safetensors")), directory / "config.json"]:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()
@@ -222,7 +222,7 @@ def import_upstream(path: Path) -> types.SimpleNamespace:
     from groot.vla.model.dreamzero.modules import wan2_1_attention as attention
 
     defaults = list(attention.AttentionModule.__init__.__defaults__)
-    defaults[[i for i, d in enumerate(defaults) if d is torch.bfloat16][0]] = torch.float32  # the `dtype` argument
+    defaults[next(i for i, d in enumerate(defaults) if d is torch.bfloat16)] = torch.float32  # the `dtype` argument
     attention.AttentionModule.__init__.__defaults__ = tuple(defaults)
     from groot.vla.model.dreamzero.modules import attention as cross_attention
 

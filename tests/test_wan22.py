@@ -48,7 +48,7 @@ def tiny_5b(tiny_5b_dir) -> DreamZeroModel:
 
 def _digest(directory: Path) -> str:  # scripts/record_upstream_5b.py's
     h = hashlib.sha256()
-    for path in sorted(directory.glob("*.safetensors")) + [directory / "config.json"]:
+    for path in [*sorted(directory.glob("*.safetensors")), directory / "config.json"]:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()
@@ -184,3 +184,44 @@ def test_a_5b_without_target_keys_gets_upstreams_fallback_size():
     assert ActionHeadConfig.from_dict(raw, five_b).target_video_size == (176, 320)  # frame_seqlen 50 or 55
     assert ActionHeadConfig.from_dict(raw, DiTConfig()).target_video_size is None
     assert ActionHeadConfig.from_dict({**raw, "target_video_height": 160, "target_video_width": 320}, five_b).target_video_size == (160, 320)
+
+
+def test_tiny_5b_served_end_to_end_to_an_openpi_client(tmp_path):
+    """``ardiff-serve --config tiny_5b`` (the real server process) and openpi's own client."""
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    from tests.server_harness import ServerProcess, droid_observation
+
+    with ServerProcess("tiny_5b", tmp_path, args=["--set", "engine.warmup=false"]) as process:
+        client = WebsocketClientPolicy(host="127.0.0.1", port=process.port)
+        assert client.get_server_metadata()["image_resolution"] == [180, 320]  # from the 5B checkpoint's metadata.json
+        replies = [client.infer(droid_observation(1 if i == 0 else 4, session_id="ep", seed=i, size=(90, 160))) for i in range(3)]
+        assert [r["session"]["current_start_frame"] for r in replies] == [3, 5, 7]
+        assert all(r["actions"].shape == (24, 8) and r["actions"].dtype == np.float32 and np.isfinite(r["actions"]).all() for r in replies)
+        assert not np.array_equal(replies[1]["actions"], replies[2]["actions"])
+        assert "wan2.2" in process.http("/info")[1]
+
+
+def test_full_size_5b_checkpoint_layout_has_a_home_in_the_synthetic_5b():
+    """Every tensor a full-size 5B checkpoint holds (upstream names: the Wan2.2 DiT with the action register, UMT5-XXL,
+    ViT-H/14, VideoVAE38_ at dim 160 / dec_dim 256) maps onto ``synthetic:droid_5b``'s modules, shape for shape."""
+    from policies.dreamzero.naming import COMPONENT_PREFIXES, image_encoder_targets, text_encoder_targets, vae_targets
+    from policies.dreamzero.synthetic import meta_modules, parse_spec
+    from policies.dreamzero.upstream_layout import checkpoint_layout
+
+    spec = parse_spec("synthetic:droid_5b")
+    dit, text, image, vae = meta_modules(spec)
+    layout = checkpoint_layout(spec.dit, vae={"is_residual": True})
+    maps = [(dit, identity_targets), (text, text_encoder_targets), (image, image_encoder_targets),
+            (vae, lambda key: vae_targets(key, dict(vae.model.config)))]  # fmt: skip
+    for prefix, (module, targets_of) in zip(COMPONENT_PREFIXES, maps):
+        expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+        got = {
+            t.name: tuple(t.transform(torch.empty(shape, device="meta")).shape)
+            for key, shape in layout.items() if key.startswith(prefix) for t in targets_of(key[len(prefix) :])
+        }  # fmt: skip
+        assert {k: v for k, v in got.items() if expected.get(k) != v} == {}, prefix
+        assert set(expected) == set(got), prefix
+    assert "action_head.vae.model.decoder.upsamples.0.upsamples.3.time_conv.weight" in layout  # VideoVAE38_ naming
+    assert layout["action_head.vae.model.decoder.conv1.weight"] == (1024, 48, 3, 3, 3)  # dec_dim 256 x 4
+    assert round(sum(p.numel() for p in dit.parameters()) / 1e9, 2) == 5.61 and spec.dit.frame_seqlen == 50

@@ -57,7 +57,6 @@ def _digest(directory: Path) -> str:  # scripts/record_upstream_5b.py's
 def _close(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
     assert ours.shape == theirs.shape, f"{what}: {tuple(ours.shape)} vs upstream {tuple(theirs.shape)}"
     error = (ours.float() - theirs.float()).abs().max().item()
-    print(f"{what}: max abs error {error:.2e}")
     assert error <= ATOL, f"{what}: max abs error {error:.3g} vs upstream"
 
 
@@ -225,3 +224,22 @@ def test_full_size_5b_checkpoint_layout_has_a_home_in_the_synthetic_5b():
     assert "action_head.vae.model.decoder.upsamples.0.upsamples.3.time_conv.weight" in layout  # VideoVAE38_ naming
     assert layout["action_head.vae.model.decoder.conv1.weight"] == (1024, 48, 3, 3, 3)  # dec_dim 256 x 4
     assert round(sum(p.numel() for p in dit.parameters()) / 1e9, 2) == 5.61 and spec.dit.frame_seqlen == 50
+
+
+def test_synthetic_5b_policy_steps_and_gpu_check_knows_the_family():
+    from policies.dreamzero.synthetic import release_cached_model
+    from tests.test_gpu_check import load_gpu_check
+
+    gpu_check = load_gpu_check()
+    assert gpu_check.FAMILY_CHECKPOINTS["5b"] == ("synthetic:droid_5b", "synthetic:tiny_5b,layers=2")
+    release_cached_model()
+    policy = DreamZeroPolicy(DreamZeroConfig(checkpoint="synthetic:tiny_5b,layers=2"), RuntimeOptions())
+    assert policy.view_size == (96, 192) and policy.info.server_config["image_resolution"] == [180, 320]
+    spec = policy.kv_spec()
+    assert spec.page_size == 18 and spec.cross_image_tokens == 257
+    session = policy.start_session("s", PagedKVCache(spec, num_pages=2 * spec.pages_per_branch + 1, max_sessions=1).open_session("s"))
+    frames = np.random.default_rng(0).integers(0, 256, (1, 180, 320, 3), dtype=np.uint8)
+    observation = RobotObservation(exterior_left=frames, exterior_right=frames, wrist=frames, prompt="pick up the cup",
+                                   joint_position=np.zeros(7), gripper_position=np.zeros(1))  # fmt: skip
+    assert policy.step(session, observation).actions.shape == (24, 8)
+    release_cached_model()

@@ -243,3 +243,11 @@ def test_synthetic_5b_policy_steps_and_gpu_check_knows_the_family():
                                    joint_position=np.zeros(7), gripper_position=np.zeros(1))  # fmt: skip
     assert policy.step(session, observation).actions.shape == (24, 8)
     release_cached_model()
+
+
+def test_upstreams_176x320_fallback_is_refused_because_its_latent_has_an_odd_row(tiny_5b):
+    import dataclasses
+
+    odd = DreamZeroModel(**{**tiny_5b.__dict__, "action_head_config": dataclasses.replace(tiny_5b.action_head_config, target_video_size=(176, 320))})
+    with pytest.raises(ValueError, match=r"target_video_height/width 176x320 gives a 11x20 latent; the DiT needs it divisible by its 2x2 patch"):
+        DreamZeroPolicy(DreamZeroConfig(checkpoint="builtin:tiny_5b"), RuntimeOptions(), model=odd)

@@ -166,13 +166,15 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         h, w = self.canvas_size
         s = self.model.vae.spatial_compression
         _, ph, pw = self.dit_config.patch_size
-        # upstream counts (latent h // 2) * (latent w // 2) tokens per frame (its patch embedding drops an odd row)
+        target = self.action_head_config.target_video_size
+        what = f"target_video_height/width {h}x{w}" if target else f"view_size {self.view_size}"
+        if h % (s * ph) or w % (s * pw):
+            # The DiT's strided patch embedding would drop a latent row or column, and the sampler could not step the
+            # smaller prediction against the full latent (upstream fails there too; its training crops instead).
+            raise ValueError(f"{what} gives a {h / s:g}x{w / s:g} latent; the DiT needs it divisible by its {ph}x{pw} patch")
         tokens = (h // s // ph) * (w // s // pw)
-        if h % s or w % s or tokens != self.dit_config.frame_seqlen:
-            what = f"target_video {h}x{w}" if self.action_head_config.target_video_size else f"view_size {self.view_size}"
-            raise ValueError(
-                f"{what} gives {tokens} tokens per latent frame; the checkpoint's DiT expects frame_seqlen={self.dit_config.frame_seqlen}"
-            )
+        if tokens != self.dit_config.frame_seqlen:
+            raise ValueError(f"{what} gives {tokens} tokens per latent frame; the checkpoint's DiT expects frame_seqlen={self.dit_config.frame_seqlen}")
 
     # -- interface ----------------------------------------------------------------------
 

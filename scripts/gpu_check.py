@@ -30,6 +30,7 @@ fullgraph, no code generation), and prints the same tables.
 
     python scripts/gpu_check.py --json                      # CPU: reduced size (about a minute)
     PYTHONPATH=. python3 scripts/gpu_check.py --full-size --json --budget-s 480 --out "$OUT"   # the device run
+    python scripts/gpu_check.py --family 5b ...             # the same for the Wan2.2-5B DreamZero (synthetic:droid_5b)
 
 On a bare device image the packages the import chain needs beyond torch/transformers/triton are
 installed from ``.device_wheels/`` (``scripts/fetch_device_wheels.sh`` downloads them; carry
@@ -71,6 +72,8 @@ H200_BF16_DENSE_TFLOPS = 989.0  # datasheet dense bf16 (H100/H200 SXM)
 
 FULL_CHECKPOINT = "synthetic:droid"
 REDUCED_CHECKPOINT = "synthetic:tiny,layers=2"
+# --family 5b: upstream's Wan2.2-TI2V-5B DreamZero (30 layers at dim 3072, 50 tokens per latent frame, the Wan2.2 VAE)
+FAMILY_CHECKPOINTS = {"14b": (FULL_CHECKPOINT, REDUCED_CHECKPOINT), "5b": ("synthetic:droid_5b", "synthetic:tiny_5b,layers=2")}
 PHASES = ("frames", "text", "vision", "vae", "prefill", "denoise", "decode")
 CAMERA = (180, 320)
 PROMPT = "pick up the cup and put it in the bowl"
@@ -504,7 +507,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full-size", action="store_true", help="the released DreamZero-DROID geometry (default on CUDA)")
     parser.add_argument("--reduced", action="store_true", help=f"the reduced model ({REDUCED_CHECKPOINT}; default without CUDA)")
-    parser.add_argument("--checkpoint", help="a synthetic:<preset>[,key=value...] spec (overrides --full-size/--reduced)")
+    parser.add_argument("--family", choices=sorted(FAMILY_CHECKPOINTS), default="14b",
+                        help="14b: DreamZero-DROID (synthetic:droid); 5b: the Wan2.2-5B DreamZero (synthetic:droid_5b)")
+    parser.add_argument("--checkpoint", help="a synthetic:<preset>[,key=value...] spec (overrides --full-size/--reduced/--family)")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--variants", help="comma-separated; default sdpa,flex,flex+graphs,flex+compile,flex+compile+graphs on CUDA, "
@@ -546,7 +551,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     full = args.full_size or (cuda and not args.reduced)
-    args.checkpoint = args.checkpoint or (FULL_CHECKPOINT if full else REDUCED_CHECKPOINT)
+    args.checkpoint = args.checkpoint or FAMILY_CHECKPOINTS[args.family][0 if full else 1]
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.compile_backend = args.compile_backend or ("inductor" if cuda else "eager")
     if args.compile_estimate_s is None:

@@ -85,7 +85,7 @@ class DenoiseGraphs:
         def forward() -> tuple[torch.Tensor, torch.Tensor]:
             return self.dit(
                 inputs["x"], inputs["timestep"], current_start_frame=current_start_frame, self_kv=static_layers,
-                y=inputs["y"], cross_kv=cross_kv, action=inputs["action"], timestep_action=inputs["timestep_action"],
+                y=inputs.get("y"), cross_kv=cross_kv, action=inputs["action"], timestep_action=inputs["timestep_action"],
                 state=inputs["state"],
             )  # fmt: skip
 

@@ -4,10 +4,13 @@ Structure and parameter names follow upstream ``CausalWanModel``
 (dreamzero0/dreamzero ``groot/vla/model/dreamzero/modules/wan_video_dit_action_casual_chunk.py``)
 so the released checkpoint's ``action_head.model.*`` tensors load unchanged:
 
-* Wan2.1 I2V backbone: 3-D patch embedding of ``[noisy latents | image conditioning]``,
+* Wan2.1 I2V backbone (14B): 3-D patch embedding of ``[noisy latents | image conditioning]``,
   sinusoidal time embedding with 6-way modulation per block, self-attention with q/k RMSNorm
   and 3-D RoPE, cross-attention over text (+ 257 CLIP image tokens for I2V), tanh-GELU FFN,
   modulated head, unpatchify.
+* Wan2.2 TI2V backbone (5B, ``model_type="ti2v"``, ``concat_first_frame_latent=False``): the same
+  network on the noisy latents alone (48 channels in and out); the first frame conditions it
+  only through the CLIP image tokens in the cross-attention context, as in upstream.
 * Action register: 24 action tokens and 1 state token appended after the video tokens, with
   their own RoPE tables (advanced by one block per chunk) and their own timesteps. Encoders and
   decoder are category-specific MLPs with one embodiment slot (category 0 always).
@@ -67,12 +70,15 @@ class DiTConfig:
     num_action_per_block: int = 24
     num_state_per_block: int = 1
     clip_dim: int = 1280  # CLIP token width (upstream hard-codes 1280; the tiny model shrinks it)
-    num_image_tokens: int = 257  # CLIP tokens prepended to the text context (I2V)
+    num_image_tokens: int = 257  # CLIP tokens prepended to the text context (I2V, TI2V)
+    # Upstream: concatenate the image conditioning ``y`` to the latents before the patch embedding (14B I2V);
+    # False (the 5B TI2V) feeds the latents alone and ignores ``y``.
+    concat_first_frame_latent: bool = True
 
     # Training-time keys of the upstream config that do not change the inference network.
     _IGNORED = frozenset({
         "_target_", "_convert_", "diffusion_model_pretrained_path", "num_registers",
-        "max_num_embodiments", "sink_size", "concat_first_frame_latent",
+        "max_num_embodiments", "sink_size",
     })  # fmt: skip
 
     @classmethod
@@ -81,8 +87,6 @@ class DiTConfig:
         unknown = set(raw) - known - cls._IGNORED
         if unknown:
             raise ValueError(f"unknown DiT config keys: {sorted(unknown)}")
-        if raw.get("concat_first_frame_latent", True) is not True:
-            raise ValueError("concat_first_frame_latent=False (the Wan2.2 5B variant) is not supported")
         values = {k: v for k, v in raw.items() if k in known}
         if "patch_size" in values:
             values["patch_size"] = tuple(values["patch_size"])
@@ -92,6 +96,11 @@ class DiTConfig:
         out = asdict(self)
         out["patch_size"] = list(self.patch_size)
         return out
+
+    @property
+    def has_image_context(self) -> bool:
+        """CLIP image tokens in the cross-attention context (upstream: ``model_type in ('i2v', 'ti2v')``)."""
+        return self.model_type in ("i2v", "ti2v")
 
     @property
     def head_dim(self) -> int:
@@ -297,7 +306,7 @@ class CausalWanAttentionBlock(nn.Module):
         self.self_attn = CausalWanSelfAttention(dim, cfg.num_heads, cfg.qk_norm, cfg.eps)
         self.norm3 = nn.LayerNorm(dim, eps=cfg.eps, elementwise_affine=True) if cfg.cross_attn_norm else nn.Identity()
         self.cross_attn = WanCrossAttention(
-            dim, cfg.num_heads, cfg.qk_norm, cfg.eps, image=cfg.model_type == "i2v", num_image_tokens=cfg.num_image_tokens
+            dim, cfg.num_heads, cfg.qk_norm, cfg.eps, image=cfg.has_image_context, num_image_tokens=cfg.num_image_tokens
         )
         self.norm2 = nn.LayerNorm(dim, eps=cfg.eps, elementwise_affine=False)
         self.ffn = nn.Sequential(nn.Linear(dim, cfg.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn_dim, dim))
@@ -352,8 +361,8 @@ class MLPProj(nn.Module):
 class CausalWanModel(nn.Module):
     def __init__(self, cfg: DiTConfig) -> None:
         super().__init__()
-        if cfg.model_type not in ("t2v", "i2v"):
-            raise ValueError(f"model_type must be 't2v' or 'i2v', got {cfg.model_type!r}")
+        if cfg.model_type not in ("t2v", "i2v", "ti2v"):
+            raise ValueError(f"model_type must be 't2v', 'i2v' or 'ti2v', got {cfg.model_type!r}")
         if cfg.dim % cfg.num_heads or cfg.head_dim % 2:
             raise ValueError(f"dim {cfg.dim} must split into {cfg.num_heads} heads of even width")
         self.config = cfg
@@ -364,7 +373,7 @@ class CausalWanModel(nn.Module):
         self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(dim, dim * 6))
         self.blocks = nn.ModuleList([CausalWanAttentionBlock(cfg) for _ in range(cfg.num_layers)])
         self.head = CausalHead(dim, cfg.out_dim, cfg.patch_size, cfg.eps)
-        if cfg.model_type == "i2v":
+        if cfg.has_image_context:
             self.img_emb = MLPProj(cfg.clip_dim, dim)
         self.state_encoder = CategorySpecificMLP(1, cfg.max_state_dim, cfg.hidden_size, dim)
         self.action_encoder = MultiEmbodimentActionEncoder(cfg.action_dim, dim)
@@ -409,7 +418,7 @@ class CausalWanModel(nn.Module):
     def embed_context(self, context: torch.Tensor | None, clip_feature: torch.Tensor | None) -> torch.Tensor:
         """The cross-attention context upstream builds: (image tokens | projected text)."""
         text = self.text_embedding(context)
-        if self.config.model_type == "i2v":
+        if self.config.has_image_context:
             return torch.cat([self.img_emb(clip_feature), text], dim=1)
         return text
 
@@ -420,7 +429,7 @@ class CausalWanModel(nn.Module):
         """Per layer (text K/V, image K/V) to cache: the text half once per session, the image half
         once per window. Pass only what needs (re)projecting; the other half comes back None."""
         text = self.text_embedding(context) if context is not None else None
-        image = self.img_emb(clip_feature) if clip_feature is not None and self.config.model_type == "i2v" else None
+        image = self.img_emb(clip_feature) if clip_feature is not None and self.config.has_image_context else None
         out = []
         for block in self.blocks:
             ca = block.cross_attn
@@ -447,7 +456,8 @@ class CausalWanModel(nn.Module):
         """One DiT call over B sequences.
 
         x: (B, out_dim, F, H, W) latents; timestep: (B, F); y: (B, in_dim - out_dim, F, H, W)
-        I2V conditioning. Actions: (B, num_action_per_block, action_dim) with timestep_action
+        I2V conditioning, concatenated to x only when ``concat_first_frame_latent`` (the 5B ignores
+        it, like upstream). Actions: (B, num_action_per_block, action_dim) with timestep_action
         (B, num_action_per_block) and state (B, num_state_per_block, max_state_dim).
         ``current_start_frame``: each sequence's window position (one int: all the same).
         ``self_kv``: per layer; paged inputs hold a block-table row per sequence. ``cross_kv``:
@@ -455,9 +465,9 @@ class CausalWanModel(nn.Module):
         Returns (video prediction like x, action prediction or None).
         """
         cfg = self.config
-        if y is not None:
+        if cfg.concat_first_frame_latent and y is not None:
             x = torch.cat([x, y.to(x.dtype)], dim=1)
-        elif cfg.model_type == "i2v":
+        elif cfg.concat_first_frame_latent and cfg.model_type == "i2v":
             raise ValueError("an i2v DiT needs the image conditioning y")
         x = self.patch_embedding(x)
         grid = tuple(x.shape[2:])
@@ -497,7 +507,7 @@ class CausalWanModel(nn.Module):
             contexts: Sequence[torch.Tensor | CrossKV | tuple[CrossKV, ...]] = cross_kv
         else:
             if context is None:
-                raise ValueError("pass either cross_kv (cached) or context (+ clip_feature for i2v)")
+                raise ValueError("pass either cross_kv (cached) or context (+ clip_feature for i2v / ti2v)")
             full_context = self.embed_context(context, clip_feature)
             contexts = [full_context] * cfg.num_layers
 

@@ -7,6 +7,9 @@ Per call (upstream ``WANPolicyHead.lazy_joint_video_action``):
    (``current_start_frame >= local_attn_size``) restarts the window, keeping the text K/V.
 2. Window start: CLIP tokens and the VAE image conditioning ``ys`` (first frame + 32 black
    frames, 4-channel mask on latent 0) from the newest frame; cross-attention K/V cached.
+   The Wan2.2-5B (``concat_first_frame_latent=False``) uses no ``ys``: only the newest frame's
+   latent (its causal VAE encodes frame 0 on its own) and the CLIP tokens; its stitched video
+   is first resized to ``target_video_height/width`` (160x320), as upstream's action head does.
 3. KV prefill: at a window start the first frame's latent, later the 2 newly observed latents
    (VAE re-encode: repeat x2, prepend the first frame, keep the last 2). Committed only after
    the forward succeeds.
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 
 from kv import Branch, KVSpec, SessionKV, prepare_batch
 from policies.base import ChunkRecording, Policy, RuntimeOptions, StepResult
-from policies.dreamzero.config import BUILTIN_TINY, SYNTHETIC_PREFIX, DreamZeroConfig
+from policies.dreamzero.config import BUILTIN_TINY, BUILTIN_TINY_5B, SYNTHETIC_PREFIX, DreamZeroConfig
 from policies.dreamzero.model import DreamZeroModel
 from policies.dreamzero.scheduler import FlowUniPCScheduler
 from policies.dreamzero.transforms import (
@@ -66,8 +69,8 @@ class DreamZeroSession:
     prompt_embeds: torch.Tensor | None = None
     current_start_frame: int = 0
     clip_feature: torch.Tensor | None = None
-    ys: torch.Tensor | None = None  # (1, 4 + z, latent frames, h, w) image conditioning
-    first_latent: torch.Tensor | None = None
+    ys: torch.Tensor | None = None  # (1, 4 + z, latent frames, h, w) image conditioning (14B only)
+    first_latent: torch.Tensor | None = None  # (1, z, 1, h, w) the window's first frame
 
 
 class PhaseTimer:
@@ -104,6 +107,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         self.dit_config = model.dit.config
         self.action_head_config = model.action_head_config
         self.guidance = options.guidance
+        self.view_size = tuple(config.view_size) if config.view_size is not None else self._family_view_size()
+        self.image_resolution = (
+            tuple(config.image_resolution) if config.image_resolution is not None else self._family_image_resolution()
+        )
         self._check_geometry()
         self.action_stats = NormStats.from_metadata(model.metadata, config.embodiment, "action")
         self.state_stats = NormStats.from_metadata(model.metadata, config.embodiment, "state")
@@ -122,16 +129,52 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             for block in self.dit.blocks:
                 block.compile(fullgraph=True, dynamic=False, backend=options.compile_backend)
 
+    def _family_view_size(self) -> tuple[int, int]:
+        """Per-view size the checkpoint was trained at (upstream's data config ``image_resolution_height/width``):
+        DreamZero-DROID 176x320 (droid_relative + the wan21 training script), the 5B 160x320 (droid_relative_wan22)."""
+        if self.config.checkpoint in (BUILTIN_TINY, BUILTIN_TINY_5B):
+            from policies.dreamzero.tiny import TINY_5B_VIEW_SIZE, TINY_VIEW_SIZE
+
+            return TINY_VIEW_SIZE if self.config.checkpoint == BUILTIN_TINY else TINY_5B_VIEW_SIZE
+        if self.config.checkpoint.startswith(SYNTHETIC_PREFIX):
+            from policies.dreamzero.synthetic import parse_spec
+
+            return parse_spec(self.config.checkpoint).view_size
+        return (160, 320) if self.model.vae.is_wan22 else (176, 320)
+
+    def _family_image_resolution(self) -> tuple[int, int]:
+        """The camera size upstream's server for this family advertises: the 14B's (socket_test_optimized_AR.py) a fixed
+        180x320; the 5B's (eval_utils/serve_dreamzero_wan22.py) the checkpoint's recorded camera resolution
+        (experiment_cfg/metadata.json ``<embodiment>.modalities.video.<first camera>.resolution``, width x height),
+        else 160x320."""
+        if not self.model.vae.is_wan22:
+            return (180, 320)
+        try:
+            cameras = self.model.metadata[self.config.embodiment]["modalities"]["video"]
+            width, height = next(iter(cameras.values()))["resolution"]
+            return int(height), int(width)
+        except (KeyError, TypeError, ValueError, AttributeError, StopIteration):
+            return (160, 320)
+
+    @property
+    def canvas_size(self) -> tuple[int, int]:
+        """(height, width) of the video the VAE and CLIP see: the stitched views, or the checkpoint's target size."""
+        target = self.action_head_config.target_video_size
+        return target if target is not None else (2 * self.view_size[0], 2 * self.view_size[1])
+
     def _check_geometry(self) -> None:
-        h, w = self.config.view_size
+        h, w = self.canvas_size
         s = self.model.vae.spatial_compression
         _, ph, pw = self.dit_config.patch_size
-        tokens = (2 * h // s // ph) * (2 * w // s // pw)
-        if (2 * h) % (s * ph) or (2 * w) % (s * pw) or tokens != self.dit_config.frame_seqlen:
-            raise ValueError(
-                f"view_size {self.config.view_size} gives {tokens} tokens per latent frame; the checkpoint's DiT "
-                f"expects frame_seqlen={self.dit_config.frame_seqlen}"
-            )
+        target = self.action_head_config.target_video_size
+        what = f"target_video_height/width {h}x{w}" if target else f"view_size {self.view_size}"
+        if h % (s * ph) or w % (s * pw):
+            # The DiT's strided patch embedding would drop a latent row or column, and the sampler could not step the
+            # smaller prediction against the full latent (upstream fails there too; its training crops instead).
+            raise ValueError(f"{what} gives a {h / s:g}x{w / s:g} latent; the DiT needs it divisible by its {ph}x{pw} patch")
+        tokens = (h // s // ph) * (w // s // pw)
+        if tokens != self.dit_config.frame_seqlen:
+            raise ValueError(f"{what} gives {tokens} tokens per latent frame; the checkpoint's DiT expects frame_seqlen={self.dit_config.frame_seqlen}")
 
     # -- interface ----------------------------------------------------------------------
 
@@ -142,12 +185,15 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
     @property
     def info(self) -> PolicyInfo:
         return PolicyInfo(
-            server_config=droid_server_config(self.config.image_resolution),
+            server_config=droid_server_config(self.image_resolution),
             action_horizon=self.action_head_config.action_horizon,
             action_dim=self.action_stats.dim,
             model="dreamzero",
             checkpoint=self.config.checkpoint,
-            details={"dit_step_cache": self.config.dit_step_cache, "num_inference_steps": self.config.num_inference_steps},
+            details={
+                "dit_step_cache": self.config.dit_step_cache, "num_inference_steps": self.config.num_inference_steps,
+                "backbone": "wan2.2-ti2v-5b" if self.model.vae.is_wan22 else "wan2.1-i2v-14b",
+            },  # fmt: skip
         )
 
     def check_observation(self, observation: RobotObservation) -> None:
@@ -177,7 +223,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             max_new_pages=dit.num_frame_per_block,
             max_extra_tokens=dit.action_register_length,
             cross_text_tokens=dit.text_len,
-            cross_image_tokens=dit.num_image_tokens if dit.model_type == "i2v" else 0,
+            cross_image_tokens=dit.num_image_tokens if dit.has_image_context else 0,
             dtype=self.dtype,
         )
 
@@ -192,7 +238,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
 
     def warmup_observations(self) -> Iterator[RobotObservation]:
         """A session that fills one window and restarts it once: every shape a session meets."""
-        h, w = self.config.image_resolution
+        h, w = self.image_resolution
         window_calls = 1 + -(-(self.dit_config.local_attn_size - 1) // self.dit_config.num_frame_per_block)
         for call in range(window_calls + 1):
             frames = np.zeros((1 if call == 0 else FRAMES_PER_CALL, h, w, 3), dtype=np.uint8)
@@ -254,7 +300,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         session = call.session
         timer = PhaseTimer(self.device, call.timing)
         call.events = self._advance_session(session, call.observation)
-        video = self._video_tensor(session)  # (1, 3, T, 2h, 2w) in [-1, 1]
+        video = self._video_tensor(session)  # (1, 3, T, H, W) in [-1, 1] (H, W: canvas_size)
         timer.mark("frames")
         prompt_embeds = self._prompt_embeds(session)
         timer.mark("text")
@@ -262,7 +308,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             newest = video[:, :, -1:]
             session.clip_feature = self.model.image_encoder(newest[:, :, 0])
             timer.mark("vision")
-            session.ys, session.first_latent = self._image_conditioning(newest)
+            session.ys, session.first_latent = self._image_conditioning(newest)  # ys: None for the 5B
             self._populate_cross(session, prompt_embeds)
             timer.mark("vae")
             call.prefill_latents, call.prefill_start = session.first_latent, 0
@@ -319,8 +365,9 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             inputs = {
                 "x": torch.cat([x for x in latents for _ in range(per_branch)]).to(self.dtype),
                 "timestep": timestep.expand(len(sequences), -1),
-                "y": torch.cat([self._y(c.session, start, frames) for c, start in zip(calls, starts) for _ in range(per_branch)]),
             }
+            if self.dit_config.concat_first_frame_latent:  # the 14B's image conditioning (the 5B has none)
+                inputs["y"] = torch.cat([self._y(c.session, start, frames) for c, start in zip(calls, starts) for _ in range(per_branch)])
             if action is not None:
                 inputs["action"] = torch.cat([a for a in action for _ in range(per_branch)])
                 inputs["timestep_action"] = timestep_action.expand(len(sequences), -1)
@@ -352,7 +399,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         dit, head, config = self.dit_config, self.action_head_config, self.config
         z = self.model.vae.latent_channels
         for call in calls:
-            lh, lw = call.session.ys.shape[-2:]
+            lh, lw = call.session.first_latent.shape[-2:]
             call.latents = _seeded_noise((1, z, dit.num_frame_per_block, lh, lw), config.seed).to(self.device, self.dtype)
             call.actions = _seeded_noise((1, head.action_horizon, dit.action_dim), config.seed).to(self.device, self.dtype)
             model_state = normalize_state(call.raw_state, self.state_stats, head.max_state_dim).reshape(1, 1, -1)
@@ -448,7 +495,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         return events
 
     def _canvas(self, observation: RobotObservation) -> np.ndarray:
-        size = tuple(self.config.view_size)
+        size = self.view_size
         views = [None if v is None else crop_and_resize(v, size) for v in (observation.wrist, observation.exterior_left, observation.exterior_right)]
         return stitch_views(*views, view_size=size)
 
@@ -458,7 +505,11 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         frames = frames[-wanted:]
         frames = [frames[0]] * (wanted - len(frames)) + frames  # pad by repeating the oldest
         video = torch.from_numpy(np.stack(frames)).to(self.device)
-        return pixels_to_model_range(video.permute(3, 0, 1, 2).unsqueeze(0), self.dtype)
+        video = pixels_to_model_range(video.permute(3, 0, 1, 2).unsqueeze(0), self.dtype)
+        target = self.action_head_config.target_video_size
+        if target is not None and tuple(video.shape[-2:]) != target:
+            video = resize_video(video, target)
+        return video
 
     def _tokenize(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = self.model.tokenizer(
@@ -482,18 +533,25 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             embeds[Branch.UNCOND] = self._negative_embeds
         return embeds
 
-    def _image_conditioning(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``ys``: VAE latents of [image, zeros x (num_frames - 1)] with a mask on latent 0."""
+    def _image_conditioning(self, image: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(``ys``, the first frame's latent). ``ys``: VAE latents of [image, zeros x (num_frames - 1)] with a mask on
+        latent 0 (14B). A DiT that does not concatenate ``ys`` (5B) needs only latent 0, which the causal VAE computes
+        from frame 0 alone: only that frame is encoded."""
         b, c, _, h, w = image.shape
-        zeros = torch.zeros(b, c, self.action_head_config.num_frames - 1, h, w, dtype=image.dtype, device=image.device)
+        concat = self.dit_config.concat_first_frame_latent
+        frames = [image]
+        if concat:
+            frames.append(torch.zeros(b, c, self.action_head_config.num_frames - 1, h, w, dtype=image.dtype, device=image.device))
         # Upstream runs this encode under CUDA bf16 autocast (WANPolicyHead.encode_image) and the per-call re-encode
         # without it. A bf16 model on a GPU does the same here: the VAE's RMS norms (upstream's formula, see
         # encoders.UpstreamRMSNorm) then yield float32 up to the next convolution. CPU autocast keeps norms in bf16
         # unlike CUDA's, so elsewhere this encode runs plainly in the model dtype, like upstream's re-encode.
         autocast = self.device.type == "cuda" and self.dtype == torch.bfloat16
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
-            latents = self.model.vae.encode(torch.cat([image, zeros], dim=2))
+            latents = self.model.vae.encode(torch.cat(frames, dim=2))
         latents = latents.to(self.dtype)
+        if not concat:
+            return None, latents[:, :, :1]
         mask = torch.zeros_like(latents[:, :4])
         mask[:, :, 0] = 1
         return torch.cat([mask, latents], dim=1), latents[:, :, :1]
@@ -519,8 +577,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 session.kv.write_cross(branch, layer, text=text, image=image)
             session.kv.mark_cross_ready(branch, text=True, image=True)
 
-    def _y(self, session: DreamZeroSession, start: int, frames: int) -> torch.Tensor:
+    def _y(self, session: DreamZeroSession, start: int, frames: int) -> torch.Tensor | None:
         ys = session.ys
+        if ys is None:  # a DiT without the ys concat (5B)
+            return None
         return ys[:, :, start : start + frames] if start + frames <= ys.shape[2] else ys[:, :, -frames:]
 
     def _should_run(self, index: int, history: list[torch.Tensor], countdown: int) -> tuple[bool, int]:
@@ -589,6 +649,15 @@ class DecoupledVideoScheduler(FlowUniPCScheduler):
         solver.timesteps = (solver.sigmas[:-1] * f32(self.num_train_timesteps)).to(torch.int64)
 
 
+def resize_video(video: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """(B, C, T, H, W) -> (B, C, T, *size): upstream's 5B resize (``WANPolicyHead.lazy_joint_video_action``), bilinear
+    without antialiasing on the [-1, 1] video in the model dtype. Upstream groups the B*C*T planes as (B*T, C) images
+    without moving the time axis; each plane is interpolated on its own, so that grouping changes nothing."""
+    b, c, t, h, w = video.shape
+    out = F.interpolate(video.reshape(b * t, c, h, w), size=size, mode="bilinear", align_corners=False)
+    return out.reshape(b, c, t, *size)
+
+
 def _elapsed_ms(device: torch.device, started: float) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -632,10 +701,10 @@ def _seeded_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 def resolve_checkpoint(checkpoint: str) -> Path:
-    if checkpoint == BUILTIN_TINY:
+    if checkpoint in (BUILTIN_TINY, BUILTIN_TINY_5B):
         from policies.dreamzero.tiny import ensure_tiny_checkpoint
 
-        return ensure_tiny_checkpoint()
+        return ensure_tiny_checkpoint(family="5b" if checkpoint == BUILTIN_TINY_5B else "14b")
     return Path(checkpoint).expanduser()
 
 

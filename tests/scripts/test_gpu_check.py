@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import sys
@@ -10,22 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_gpu_check():
-    # As `python scripts/gpu_check.py` runs it: its own folder is importable (bench_chunk, benchlib).
-    if str(ROOT / "scripts") not in sys.path:
-        sys.path.append(str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    return load_gpu_check()
+    return load_script("gpu_check")
 
 
 @pytest.fixture(scope="module")

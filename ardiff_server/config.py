@@ -49,7 +49,7 @@ class ServerConfig(_Section):
     ping_timeout_s: float | None = pydantic.Field(60.0, gt=0)
     write_limit_bytes: int = pydantic.Field(16 * 2**20, ge=2**16)  # unsent bytes one connection may pile up
     idle_timeout_s: float | None = pydantic.Field(600.0, gt=0)  # close connections with no request this long
-    request_timeout_s: float = pydantic.Field(300.0, gt=0)  # one step's compute; past it the worker is restarted
+    request_timeout_s: float = pydantic.Field(300.0, gt=0)  # one step's compute per session in it; past it the worker is restarted
     session_ttl_s: float = pydantic.Field(300.0, ge=0)  # a session nobody uses lives this long
     shutdown_grace_s: float = pydantic.Field(3.0, ge=0)  # SIGTERM: how long the worker may finish its step
     record_dir: str | None = None  # per-session recordings (rollout.mp4, actions.npz, ...); needs the viz extra

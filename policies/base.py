@@ -88,10 +88,11 @@ class Policy(abc.ABC, Generic[S]):
         shared memory): copy what the session keeps."""
 
     def step_batch(self, items: Sequence[tuple[S, RobotObservation]]) -> list[StepResult | BaseException]:
-        """One call for each of several distinct sessions (``engine.max_batch``), results in order;
-        a failed session's entry is its exception (the engine ends that session, the others carry
-        on). A policy that can run several sessions in one forward overrides this; the default
-        runs them one after another."""
+        """One call for each of several distinct sessions (at most ``engine.max_batch`` and
+        ``info.max_batch``), results in order; a failed session's entry is its exception (the engine
+        ends that session, the others carry on). A policy that can run several sessions in one
+        forward overrides this and says how many in ``PolicyInfo.max_batch``; the default runs
+        them one after another (the engine then never batches: ``max_batch`` 1)."""
         results: list[StepResult | BaseException] = []
         for session, observation in items:
             try:

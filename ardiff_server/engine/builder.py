@@ -52,11 +52,11 @@ def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> Se
         record=config.server.record_dir is not None and rank == 0,
     )  # fmt: skip
     policy = build_policy(config.policy_name, config.policy_options(), options)
+    max_batch = min(engine_config.batch_limit, policy.info.max_batch)
     spec = policy.kv_spec()
     cache = None
     if spec is not None:
         budget = kv_budget_bytes(engine_config.kv_budget_gib, engine_config.kv_memory_fraction, device)
-        max_batch = engine_config.batch_limit
         pages = PagedKVCache.pages_for_budget(
             spec, budget, max_sessions=engine_config.max_sessions, num_branches=len(policy.branches), max_batch=max_batch
         )
@@ -78,7 +78,7 @@ def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> Se
         from ardiff_server.engine.recorder import Recorder
 
         recorder = Recorder(config.server.record_dir, max_bytes=int(config.server.record_max_gib * 2**30), decode=policy.decode_prediction)
-    return SessionEngine(policy, cache, max_sessions=engine_config.max_sessions, rank=rank, recorder=recorder)
+    return SessionEngine(policy, cache, max_sessions=engine_config.max_sessions, max_batch=max_batch, rank=rank, recorder=recorder)
 
 
 def set_threads(config, world_size: int) -> None:

@@ -78,10 +78,13 @@ class StepOutcome:
 
 
 class SessionEngine:
-    def __init__(self, policy: Policy, cache: PagedKVCache | None, *, max_sessions: int, rank: int = 0, recorder=None) -> None:
+    def __init__(
+        self, policy: Policy, cache: PagedKVCache | None, *, max_sessions: int, max_batch: int = 1, rank: int = 0, recorder=None
+    ) -> None:
         self.policy = policy
         self.cache = cache
         self.max_sessions = max_sessions
+        self.max_batch = max_batch  # sessions per step the serving loop hands over: engine.max_batch, policy permitting
         self.rank = rank
         self.recorder = recorder  # engine/recorder.py, when server.record_dir is set (rank 0)
         self.sessions: OrderedDict[str, SessionState] = OrderedDict()

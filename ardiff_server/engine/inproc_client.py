@@ -51,6 +51,7 @@ class InprocClient:
         self.devices = devices or ["in-process"]
         self.step_timeout_s = step_timeout_s
         self.busy_since: float | None = None  # when the step in progress began
+        self.busy_members = 1  # sessions in it: a batched step gets each member's own step_timeout_s
         self.info: PolicyInfo | None = engine.policy.info
         self.stats: tuple[EngineStats, ...] = (engine.stats(),)
         self._ids = itertools.count()
@@ -65,8 +66,8 @@ class InprocClient:
         if self._state == "ready":
             if self._thread is None or not self._thread.is_alive():
                 return "stopped"
-            busy = self.busy_since
-            if busy is not None and self.step_timeout_s is not None and time.monotonic() - busy > self.step_timeout_s:
+            busy, members = self.busy_since, self.busy_members
+            if busy is not None and self.step_timeout_s is not None and time.monotonic() - busy > self.step_timeout_s * members:
                 return "stuck"
         return self._state
 
@@ -122,7 +123,7 @@ class InprocClient:
             if isinstance(items[0][0], Shutdown):
                 self.engine.close()
                 return
-            self.busy_since = time.monotonic()
+            self.busy_since, self.busy_members = time.monotonic(), len(items)
             try:
                 replies, deferred = self.engine.serve(items)
             finally:

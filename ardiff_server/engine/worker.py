@@ -79,7 +79,7 @@ def worker_main(
         channel.send(Ready(engine.policy.info, stats, engine.warmup_ms, time.perf_counter() - started))
     try:
         if rank == 0:
-            _serve(engine, channel, control, arena, config.engine.batch_limit, config.engine.batch_wait_s)
+            _serve(engine, channel, control, arena, engine.max_batch, config.engine.batch_wait_s)
         else:
             _follow(engine, control, arena)
     finally:

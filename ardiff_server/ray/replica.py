@@ -59,7 +59,7 @@ class EngineReplica:
             engine = await asyncio.to_thread(start_engine, self.config, warmup=self.config.engine.warmup)
             self.client = InprocClient(
                 engine, replica=index, devices=self.devices, step_timeout_s=self.config.server.request_timeout_s,
-                max_batch=self.config.engine.batch_limit, batch_wait_s=self.config.engine.batch_wait_s,
+                max_batch=engine.max_batch, batch_wait_s=self.config.engine.batch_wait_s,
             )  # fmt: skip
         await self.client.start()
         logger.info(

@@ -194,6 +194,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 "dit_step_cache": self.config.dit_step_cache, "num_inference_steps": self.config.num_inference_steps,
                 "backbone": "wan2.2-ti2v-5b" if self.model.vae.is_wan22 else "wan2.1-i2v-14b",
             },  # fmt: skip
+            max_batch=64,  # step_batch runs any number of sessions in one forward; engine.max_batch caps it
         )
 
     def check_observation(self, observation: RobotObservation) -> None:

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Write the embedded tiny DreamZero checkpoint (real DreamZero-DROID layout, random weights).
+"""Write an embedded tiny DreamZero checkpoint (real DreamZero-DROID layout, random weights).
 
     python scripts/make_tiny_checkpoint.py                 # into the cache configs/tiny.yaml uses
     python scripts/make_tiny_checkpoint.py --out /tmp/tiny  # anywhere; same bytes every time
+    python scripts/make_tiny_checkpoint.py --variant tiny_yam --out /tmp/yam   # a post-trained-style YAM run
 """
 
 from __future__ import annotations
@@ -12,19 +13,20 @@ import hashlib
 import time
 from pathlib import Path
 
-from policies.dreamzero.tiny import default_cache_dir, ensure_tiny_checkpoint, write_tiny_checkpoint
+from policies.dreamzero.tiny import TINY_VARIANTS, default_cache_dir, ensure_tiny_checkpoint, write_tiny_checkpoint
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help=f"output directory (default: {default_cache_dir()})")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variant", choices=sorted(TINY_VARIANTS), default="tiny", help="embodiment (default tiny: DROID)")
+    parser.add_argument("--seed", type=int, help="weights' seed (default: the variant's)")
     args = parser.parse_args()
     start = time.perf_counter()
-    if args.out is None and args.seed == 0:
-        out = ensure_tiny_checkpoint()
+    if args.out is None and args.seed is None:
+        out = ensure_tiny_checkpoint(variant=args.variant)
     else:
-        out = write_tiny_checkpoint(args.out or default_cache_dir(), seed=args.seed)
+        out = write_tiny_checkpoint(args.out or default_cache_dir(args.variant), seed=args.seed, variant=args.variant)
     digest = hashlib.sha256()
     files = sorted(p for p in out.rglob("*") if p.is_file())
     for path in files:

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from policies.dreamzero.checkpoint import CheckpointDir, CheckpointError, load_component
 from policies.dreamzero.dit import CausalWanModel, DiTConfig
+from policies.dreamzero.embodiments import read_experiment_config
 from policies.dreamzero.encoders import ImageEncoder, TextEncoder, VideoVAE
 from policies.dreamzero.naming import (
     DIT_PREFIX,
@@ -196,6 +197,7 @@ class DreamZeroModel:
     tokenizer: Any
     action_head_config: ActionHeadConfig
     metadata: dict[str, Any]
+    experiment_config: dict[str, Any] | None = None  # experiment_cfg/conf.yaml: the training run's config, if shipped
 
     @classmethod
     def load(
@@ -237,4 +239,4 @@ class DreamZeroModel:
         if text_encoder.dim != dit_cfg.text_dim:
             raise CheckpointError(f"text encoder width {text_encoder.dim} != DiT text_dim {dit_cfg.text_dim}")
         logger.info("loaded DreamZero checkpoint %s in %.1f s (%s, %s)", ckpt.path, time.perf_counter() - start, dtype, device)
-        return cls(dit, text_encoder, image_encoder, vae, tok, head, ckpt.metadata)
+        return cls(dit, text_encoder, image_encoder, vae, tok, head, ckpt.metadata, read_experiment_config(ckpt.path))

@@ -126,7 +126,7 @@ def user_checkpoint(tmp_path):
 
 
 def test_a_user_run_without_a_template_fails_at_start_up_in_one_line(user_checkpoint):
-    with pytest.raises(ValueError, match="policy.prompt_template"):
+    with pytest.raises(ValueError, match=r"policy\.prompt_template"):
         DreamZeroConfig(checkpoint=str(user_checkpoint), view_size=(48, 80)).preflight()
     out = subprocess.run(
         [sys.executable, "-m", "ardiff_server", "--config", "tiny_yam", "--set", f"policy.checkpoint={user_checkpoint}"],

@@ -392,7 +392,7 @@ def bad_state(length: int) -> st.SearchStrategy[Any]:
             lambda bad: st.integers(0, length - 1).map(lambda i: [bad if j == i else 0.0 for j in range(length)])
         ),
         st.sampled_from([np.nan, np.inf]).map(lambda bad: np.full(length, bad)),
-        st.just(np.zeros((length, 1))),
+        st.just(np.zeros((length, 1) if length > 1 else (2, 1))),  # a column; (1, 1) is a batch of one (accepted)
         st.text(max_size=3),
         st.just({"x": 0.0}),
         st.just([None] * length),

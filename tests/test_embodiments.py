@@ -249,3 +249,25 @@ def test_an_embodiments_observation_through_shared_memory_reads_back_exactly():
         assert arena.in_use == 0
     finally:
         arena.close()
+
+
+def test_every_embodiment_uses_category_slot_0_as_upstream_and_its_checkpoints_hold_one_slot():
+    """Upstream's CausalWanModel sets max_num_embodiments = 1 and indexes category 0 whatever the embodiment
+    id; the released checkpoint's category-specific layers have a leading dimension of 1, and so do ours."""
+    from safetensors import safe_open
+
+    from tests.reference import REFERENCE_DIR
+
+    def category_layers(shapes: dict[str, list[int]]) -> dict[str, list[int]]:
+        parts = (".state_encoder.", ".action_encoder.W", ".action_decoder.")
+        return {n: s for n, s in shapes.items() if any(p in n for p in parts)}
+
+    checkpoint = ensure_tiny_checkpoint(variant="tiny_agibot")
+    with safe_open(str(checkpoint / "model-00001-of-00002.safetensors"), framework="pt") as shard:
+        tiny = category_layers({n: list(shard.get_slice(n).get_shape()) for n in shard.keys()})  # noqa: SIM118
+    assert len(tiny) == 14 and all(shape[0] == 1 for shape in tiny.values())
+    released = REFERENCE_DIR / "dreamzero_droid_tensors.json"
+    if not released.exists():
+        pytest.skip(f"{released} is absent (the released checkpoint's tensor shapes)")
+    shapes = category_layers({n: s for n, (s, _) in json.loads(released.read_text())["tensors"].items()})
+    assert len(shapes) == 14 and all(shape[0] == 1 for shape in shapes.values())

@@ -60,7 +60,7 @@ class Policy(abc.ABC, Generic[S]):
     @property
     @abc.abstractmethod
     def info(self) -> PolicyInfo:
-        """The metadata frame (RoboArena's PolicyServerConfig) and what ``/info`` shows."""
+        """The metadata frame (RoboArena's PolicyServerConfig, or an embodiment's with ``observation_schema``) and ``/info``."""
 
     def kv_spec(self) -> KVSpec | None:
         """Pages the policy needs per session branch, or None if it keeps no KV."""

@@ -1,8 +1,11 @@
 """What a policy tells clients about itself (torch-free: the front end imports it).
 
-* :func:`droid_server_config` is the metadata frame every client receives on connect: exactly
+* :func:`droid_server_config` is the metadata frame every DROID client receives on connect: exactly
   RoboArena's ``PolicyServerConfig`` fields, because RoboArena's server test and DreamZero's
   client build that dataclass with ``PolicyServerConfig(**metadata)`` and reject any other key.
+  A policy serving another embodiment sends that embodiment's frame instead
+  (``policies.embodiment.metadata_frame``: cameras, state keys, action split) and sets
+  ``observation_schema``, by which the server decodes its requests.
 * :class:`PolicyInfo` carries it plus everything else an operator may want (action shape,
   model, checkpoint), which the server publishes at ``GET /info``.
 """
@@ -11,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from policies.embodiment import ObservationSchema
 
 # RoboArena's PolicyServerConfig fields, in its order.
 SERVER_CONFIG_KEYS = (
@@ -37,7 +42,7 @@ def droid_server_config(image_resolution: tuple[int, int] | list[int] = (180, 32
 
 @dataclass(frozen=True)
 class PolicyInfo:
-    server_config: dict[str, Any]  # the metadata frame: exactly SERVER_CONFIG_KEYS
+    server_config: dict[str, Any]  # the metadata frame: exactly SERVER_CONFIG_KEYS (DROID), or the embodiment's
     action_horizon: int
     action_dim: int
     model: str
@@ -47,10 +52,15 @@ class PolicyInfo:
     # batched forward: batching steps that run one after another only adds batch-mates' compute
     # to each request's latency (and to its request_timeout_s), so the engine does not.
     max_batch: int = 1
+    # None: RoboArena's DROID keys. Else the embodiment's observation/<name> keys (and server_config is its frame).
+    observation_schema: ObservationSchema | None = None
 
     def __post_init__(self) -> None:
         keys = tuple(self.server_config)
-        if sorted(keys) != sorted(SERVER_CONFIG_KEYS):
+        if self.observation_schema is not None:
+            if self.server_config.get("embodiment") != self.observation_schema.embodiment:
+                raise ValueError("an embodiment's metadata frame must name the embodiment its observation schema is for")
+        elif sorted(keys) != sorted(SERVER_CONFIG_KEYS):
             raise ValueError(f"server_config must hold exactly RoboArena's PolicyServerConfig keys {SERVER_CONFIG_KEYS}, got {keys}")
 
     @property

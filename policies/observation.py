@@ -1,16 +1,18 @@
 """The typed robot observation every policy receives (torch-free).
 
-The server decodes RoboArena / DROID wire dictionaries into this (``ardiff_server/wire/decode.py``);
-policies never see raw wire keys.
+The server decodes wire dictionaries into this (``ardiff_server/wire/decode.py``): RoboArena / DROID
+keys, or any embodiment's ``observation/<camera>`` and ``observation/<state key>`` keys
+(``policies/embodiment.py``). Policies never see raw wire keys.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+# The DROID names (RoboArena's wire): cameras and state vectors, in this order.
 CAMERAS = ("wrist", "exterior_left", "exterior_right")
 STATES = ("joint_position", "gripper_position", "cartesian_position")
 
@@ -20,30 +22,91 @@ class UnsupportedObservation(ValueError):
     answers ``bad request`` with this message and the session is untouched."""
 
 
-@dataclass(frozen=True)
 class RobotObservation:
-    """One DROID-style observation.
+    """One observation: camera frame stacks and state vectors by name, plus the prompt.
 
     Images are uint8 RGB frame stacks of shape (T, H, W, 3) with T >= 1 (a single frame
-    arrives as T == 1). Any H, W: policies resize themselves. A camera the client did not
-    send is ``None`` (DreamZero renders it as a black view).
+    arrives as T == 1). Any H, W: policies resize themselves. State vectors are float32 (dim,).
+    A camera or state the client did not send is ``None`` (DreamZero renders a missing camera
+    as a black view). ``prompt`` is None when the client sent none (an embodiment then uses its
+    default instruction; the DROID wire decodes a missing prompt to "").
+
+    ``RobotObservation(cameras={...}, states={...}, prompt=...)`` is the general form; the DROID
+    names also work as keywords and attributes (``RobotObservation(wrist=..., joint_position=...)``,
+    ``observation.wrist``), so a DROID observation always carries all six names. Camera and state
+    names never collide (an embodiment refuses that at start-up), so :meth:`arrays` is one flat map.
     """
 
-    exterior_left: np.ndarray | None = None
-    exterior_right: np.ndarray | None = None
-    wrist: np.ndarray | None = None
-    joint_position: np.ndarray | None = None  # (7,) float32
-    gripper_position: np.ndarray | None = None  # (1,) float32
-    cartesian_position: np.ndarray | None = None  # (6,) float32
-    prompt: str = ""
+    __slots__ = ("cameras", "prompt", "states")
+
+    def __init__(
+        self,
+        cameras: Mapping[str, Any] | None = None,
+        states: Mapping[str, Any] | None = None,
+        prompt: str | None = "",
+        **droid: Any,
+    ) -> None:
+        unknown = set(droid) - set(CAMERAS) - set(STATES)
+        if unknown:
+            raise TypeError(f"RobotObservation: unknown keyword(s) {sorted(unknown)}; pass cameras={{...}} / states={{...}}")
+        if droid or (cameras is None and states is None):  # the DROID form: all six names present
+            cameras = {**{name: droid.get(name) for name in CAMERAS}, **(cameras or {})}
+            states = {**{name: droid.get(name) for name in STATES}, **(states or {})}
+        object.__setattr__(self, "cameras", dict(cameras or {}))
+        object.__setattr__(self, "states", dict(states or {}))
+        object.__setattr__(self, "prompt", prompt)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("RobotObservation is immutable; use with_arrays()")
+
+    def __getattr__(self, name: str) -> Any:  # the DROID names as attributes
+        if name in RobotObservation.__slots__:  # not set yet (during unpickling)
+            raise AttributeError(name)
+        if name in CAMERAS:
+            return self.cameras.get(name)
+        if name in STATES:
+            return self.states.get(name)
+        raise AttributeError(name)
 
     @property
-    def cameras(self) -> dict[str, np.ndarray | None]:
-        return {name: getattr(self, name) for name in CAMERAS}
+    def __dict__(self) -> dict[str, Any]:  # dataclass-like: RobotObservation(**obs.__dict__) copies
+        return {"cameras": self.cameras, "states": self.states, "prompt": self.prompt}
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RobotObservation):
+            return NotImplemented
+        return (self.cameras, self.states, self.prompt) == (other.cameras, other.states, other.prompt)
+
+    __hash__ = None  # holds arrays
+
+    def __repr__(self) -> str:
+        def shape(v: Any) -> Any:
+            return getattr(v, "shape", v)
+
+        cameras = {k: shape(v) for k, v in self.cameras.items()}
+        states = {k: shape(v) for k, v in self.states.items()}
+        return f"RobotObservation(cameras={cameras}, states={states}, prompt={self.prompt!r})"
+
+    def __reduce__(self):  # pickles as its three fields (the engine's seam)
+        return (_restore, (self.cameras, self.states, self.prompt))
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """Every array field that is set, by field name."""
-        return {name: v for name in CAMERAS + STATES if isinstance(v := getattr(self, name), np.ndarray)}
+        """Every camera and state array that is set, by name."""
+        return {name: v for part in (self.cameras, self.states) for name, v in part.items() if isinstance(v, np.ndarray)}
 
-    def with_arrays(self, arrays: dict[str, Any]) -> RobotObservation:
-        return replace(self, **arrays)
+    def values(self) -> dict[str, Any]:
+        """Every camera and state value that is set (arrays, or transport references), by name."""
+        return {name: v for part in (self.cameras, self.states) for name, v in part.items() if v is not None}
+
+    def with_arrays(self, arrays: Mapping[str, Any]) -> RobotObservation:
+        """A copy with the named cameras / states replaced."""
+        cameras = {name: arrays.get(name, value) for name, value in self.cameras.items()}
+        states = {name: arrays.get(name, value) for name, value in self.states.items()}
+        unknown = set(arrays) - set(cameras) - set(states)
+        if unknown:
+            raise KeyError(f"no camera or state named {sorted(unknown)}")
+        return RobotObservation(cameras=cameras, states=states, prompt=self.prompt)
+
+
+def _restore(cameras: dict, states: dict, prompt: str | None) -> RobotObservation:
+    return RobotObservation(cameras=cameras, states=states, prompt=prompt)

@@ -412,12 +412,12 @@ def main() -> None:
     args = parser.parse_args()
     from safetensors.torch import load_file, save_file
 
-    from policies.dreamzero.tiny import write_tiny_5b_checkpoint
+    from policies.dreamzero.tiny import write_tiny_checkpoint
 
     torch.manual_seed(0)
     _UP = import_upstream(args.upstream.resolve())
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = write_tiny_5b_checkpoint(Path(tmp) / "tiny_5b")
+        checkpoint = write_tiny_checkpoint(Path(tmp) / "tiny_5b", variant="tiny_5b")
         tensors: dict[str, torch.Tensor] = {}
         for shard in sorted(checkpoint.glob("*.safetensors")):
             tensors |= load_file(shard)

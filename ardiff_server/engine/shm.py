@@ -26,10 +26,9 @@ from multiprocessing import shared_memory
 import numpy as np
 
 from ardiff_server.engine.messages import pickled_by_fields
-from policies.observation import CAMERAS, STATES, RobotObservation
+from policies.observation import RobotObservation
 
 logger = logging.getLogger(__name__)
-ARRAY_FIELDS = CAMERAS + STATES
 
 ALIGN = 64  # bytes; cache-line aligned arrays
 INLINE_BYTES = 4096  # smaller arrays (joint states) travel inline: an allocation costs more than the bytes
@@ -145,7 +144,7 @@ class SharedArena:
     def view(self, observation: RobotObservation) -> RobotObservation:
         """The observation with every :class:`SharedArray` and :class:`InlineArray` replaced by a
         read-only array (a view of the region, or of the message's bytes)."""
-        refs = {name: value for name in ARRAY_FIELDS if isinstance(value := getattr(observation, name), SharedArray | InlineArray)}
+        refs = {name: value for name, value in observation.values().items() if isinstance(value, SharedArray | InlineArray)}
         if not refs:
             return observation
         views = {}

@@ -201,7 +201,8 @@ class PolicyService:
             return f"forbidden: {exc}"
 
     def _decode(self, frame: bytes) -> PolicyRequest:
-        return decode_request(unpack(frame, self.limits, copy=False))
+        info = self.engine.info  # its observation schema: the served embodiment's keys (None: RoboArena's DROID keys)
+        return decode_request(unpack(frame, self.limits, copy=False), info.observation_schema if info is not None else None)
 
     async def _reset(self, conn: Connection, request: PolicyRequest) -> bytes | str:
         if request.reset_scope == "all":

@@ -17,6 +17,13 @@ this server, openpi-style servers, DreamZero's own server and vLLM-Omni's (``--p
 4. a latency table (round trip, the server's ``server_timing`` and ``policy_timing``), or one
    JSON object with ``--json``; ``--record`` saves the arrays, ``--plot`` the trajectories.
 
+Another embodiment (a metadata frame with ``embodiment`` and ``observation``, see
+``policies/embodiment.py``) is driven from its advertised schema: synthetic frames at each
+camera's advertised resolution under its ``observation/<camera>`` key, every state key under
+``observation/<state key>`` (zeros at first, then, with ``--feedback``, the action columns of the
+same name from the previous chunk), so a lab can smoke-test a checkpoint before the robot is
+connected.
+
 Frames come from ``--video-dir`` (DROID layout: ``exterior_image_1_left.mp4``,
 ``exterior_image_2_left.mp4``, ``wrist_image_left.mp4``; .avi/.mkv/.mov/.webm, or a folder of
 PNG/JPEG frames per camera) or are synthetic: a smooth moving pattern per camera, the same
@@ -233,12 +240,23 @@ class VideoCamera:
         return frames
 
 
+def embodiment_schema(metadata: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``observation`` part of a non-DROID embodiment's metadata frame (None: a RoboArena / DROID server)."""
+    observation = metadata.get("observation") if "embodiment" in metadata else None
+    if isinstance(observation, Mapping) and isinstance(observation.get("cameras"), list) and isinstance(observation.get("state"), list):
+        return dict(observation)
+    return None
+
+
 def camera_keys(metadata: Mapping[str, Any], camera_index: int) -> dict[str, str]:
-    """DROID camera name -> request key for the cameras the server asks for.
+    """Camera name -> request key for the cameras the server asks for (an embodiment's schema, or DROID's).
 
     The names are DROID's file names (1-indexed exterior cameras); the request keys follow
     ``--camera-index``. Without metadata, two exterior cameras and the wrist camera are sent.
     """
+    schema = embodiment_schema(metadata)
+    if schema is not None:
+        return {str(c["name"]): str(c["key"]) for c in schema["cameras"]}
     n_external = metadata.get("n_external_cameras", 2)
     n_external = n_external if isinstance(n_external, int) and not isinstance(n_external, bool) else 2
     keys = {
@@ -305,8 +323,13 @@ class CallRecord:
     server_timing: dict[str, float] = field(default_factory=dict)
     policy_timing: dict[str, float] = field(default_factory=dict)
     session: dict[str, Any] | None = None
+    state: dict[str, np.ndarray] | None = None  # an embodiment's state keys sent (None: DROID's joints + gripper)
 
     def to_json(self) -> dict[str, Any]:
+        if self.state is not None:
+            sent = {"state": {k: v.tolist() for k, v in self.state.items()}}
+        else:
+            sent = {"joint_position": self.joint_position.tolist(), "gripper_position": self.gripper_position.tolist()}
         return {
             "call": self.call,
             "frames": self.frames,
@@ -316,8 +339,7 @@ class CallRecord:
             "server_timing": self.server_timing,
             "policy_timing": self.policy_timing,
             "session": _jsonable(self.session),
-            "joint_position": self.joint_position.tolist(),
-            "gripper_position": self.gripper_position.tolist(),
+            **sent,
         }
 
 
@@ -395,6 +417,32 @@ def build_request(
     }
 
 
+def build_embodiment_request(
+    schema: Mapping[str, Any], images: Mapping[str, np.ndarray], state: Mapping[str, np.ndarray], prompt: str, session_id: str
+) -> dict[str, Any]:
+    """An embodiment's request: its images (already under their keys) and each state key under its advertised key."""
+    keys = {str(p["name"]): str(p["key"]) for p in schema["state"]}
+    return {**images, **{keys[name]: value for name, value in state.items()}, "prompt": prompt, "session_id": session_id, "endpoint": "infer"}
+
+
+def next_embodiment_state(
+    actions: np.ndarray, feedback: Feedback, state: Mapping[str, np.ndarray], metadata: Mapping[str, Any]
+) -> dict[str, np.ndarray]:
+    """The state a robot following ``actions`` reports next: each state key takes the reply's columns of the
+    action key of the same name (the metadata frame's ``actions.split``); other keys stay as they are."""
+    if feedback == "hold":
+        return dict(state)
+    row = np.asarray(actions[-1] if feedback == "end" else actions[0], dtype=np.float64)
+    split = (metadata.get("actions") or {}).get("split") or []
+    columns = {str(s["name"]): (int(s["start"]), int(s["stop"])) for s in split if isinstance(s, Mapping)}
+    out = dict(state)
+    for name, value in state.items():
+        start, stop = columns.get(name, (0, 0))
+        if stop - start == value.size and stop <= row.size:
+            out[name] = row[start:stop].copy()
+    return out
+
+
 def decode_frame(frame: bytes | str, what: str) -> Any:
     """A server frame decoded; a text frame (the server's one-line error) raises ServerError."""
     if isinstance(frame, str):
@@ -455,6 +503,8 @@ def run_episode(
     """Run the infer calls of one episode, then reset its session; fills ``episode`` in place
     (so what completed before an error or Ctrl-C is still reported)."""
     joints, gripper = READY_JOINTS.copy(), np.zeros(1)
+    schema = embodiment_schema(episode.metadata)
+    state = None if schema is None else {str(p["name"]): np.zeros(int(p["dim"])) for p in schema["state"]}
     try:
         while args.calls is None or len(episode.records) < args.calls:
             count = 1 if not episode.records else args.frames_per_call
@@ -463,13 +513,21 @@ def run_episode(
                 episode.ended = "video"
                 break
             call = len(episode.records) + 1
-            reply, rtt_ms = client.request(build_request(images, joints, gripper, args.prompt, episode.session_id))
+            if state is None:
+                request = build_request(images, joints, gripper, args.prompt, episode.session_id)
+            else:
+                request = build_embodiment_request(schema, images, state, args.prompt, episode.session_id)
+            reply, rtt_ms = client.request(request)
             record = parse_reply(reply, call)
             record.frames, record.rtt_ms = count, rtt_ms
-            record.joint_position, record.gripper_position = joints, gripper
+            if state is None:
+                record.joint_position, record.gripper_position = joints, gripper
+                joints, gripper = next_state(record.actions, args.feedback, joints, gripper)
+            else:
+                record.joint_position, record.gripper_position, record.state = np.zeros(0), np.zeros(0), state
+                state = next_embodiment_state(record.actions, args.feedback, state, episode.metadata)
             episode.records.append(record)
             progress.update(record)
-            joints, gripper = next_state(record.actions, args.feedback, joints, gripper)
     except KeyboardInterrupt:
         episode.ended = "interrupted"
     except ConnectionClosed as exc:
@@ -609,12 +667,18 @@ def save_record(path: Path, episode: Episode) -> Path:
     """Write the episode's arrays to ``path`` (npz): actions (calls, N, D), states sent,
     per-call timings (NaN where a call did not report a column) and run metadata."""
     records = episode.records
+    if records and records[0].state is not None:  # an embodiment's state keys, concatenated in order
+        sent = {"state": np.array([_state_vector(r) for r in records], dtype=np.float64)}
+    else:
+        sent = {
+            "joint_position": np.array([r.joint_position for r in records], dtype=np.float64).reshape(len(records), 7),
+            "gripper_position": np.array([r.gripper_position for r in records], dtype=np.float64).reshape(len(records), 1),
+        }
     arrays: dict[str, np.ndarray] = {
         "call": np.array([r.call for r in records], dtype=np.int64),
         "frames": np.array([r.frames for r in records], dtype=np.int64),
         "actions": _stack_chunks([r.actions for r in records]),
-        "joint_position": np.array([r.joint_position for r in records], dtype=np.float64).reshape(len(records), 7),
-        "gripper_position": np.array([r.gripper_position for r in records], dtype=np.float64).reshape(len(records), 1),
+        **sent,
         "rtt_ms": np.array([r.rtt_ms for r in records], dtype=np.float64),
         "session_id": np.array(episode.session_id),
         "prompt": np.array(episode.prompt),
@@ -643,11 +707,18 @@ def _stack_chunks(chunks: Sequence[np.ndarray]) -> np.ndarray:
     return out
 
 
+def _state_vector(record: CallRecord) -> np.ndarray:
+    return np.concatenate([np.ravel(v) for v in (record.state or {}).values()]) if record.state else np.zeros(0)
+
+
 def plot_episode(path: Path, episode: Episode) -> Path:
     records = episode.records
-    state = np.concatenate(
-        [np.array([r.joint_position for r in records]), np.array([r.gripper_position for r in records])], axis=1
-    )
+    if records and records[0].state is not None:
+        state = np.array([_state_vector(r) for r in records])
+    else:
+        state = np.concatenate(
+            [np.array([r.joint_position for r in records]), np.array([r.gripper_position for r in records])], axis=1
+        )
     title = f"{episode.prompt!r}: {len(records)} calls, session {episode.session_id}"
     return media.plot_actions(_stack_chunks([r.actions for r in records]), path, state=state, title=title)
 
@@ -764,6 +835,9 @@ def _info(args: argparse.Namespace, message: str) -> None:
 
 def _declared_size(metadata: Mapping[str, Any]) -> tuple[int, int] | None:
     value = metadata.get("image_resolution")
+    schema = embodiment_schema(metadata)
+    if schema is not None and schema["cameras"]:
+        value = schema["cameras"][0].get("resolution", value)
     try:
         height, width = (int(v) for v in value)
     except (TypeError, ValueError):

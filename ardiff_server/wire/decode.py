@@ -1,6 +1,9 @@
 """Where an observation is decoded: a RoboArena / DROID request dictionary -> :class:`PolicyRequest`.
 
-docs/spec.md §4 fixes the keys. The rules this module applies:
+docs/spec.md §4 fixes the keys. Another embodiment's requests are decoded by the policy's
+:class:`policies.embodiment.ObservationSchema` (``decode_request(payload, schema)``): every
+``observation/<camera>`` and ``observation/<state key>`` it names is required, images and state
+vectors obey the rules below, other keys are ignored. The rules this module applies:
 
 - Unknown keys are ignored (clients send extras, e.g. ``_right`` stereo images); a known
   key with a bad value is a :class:`RequestError` naming the key, what was expected
@@ -19,7 +22,9 @@ docs/spec.md §4 fixes the keys. The rules this module applies:
   C-contiguous (T, H, W, 3) (views of the frame where possible: the engine client copies them
   once, into shared memory). Any size within :data:`MAX_IMAGE_SIDE` / :data:`MAX_FRAMES` is
   accepted: policies resize, the declared resolution is a hint (docs/spec.md §4).
-- State vectors are numeric arrays or msgpack lists, returned as finite float32 1-D arrays.
+- State vectors are numeric arrays or msgpack lists, returned as finite float32 1-D arrays. A
+  leading batch axis of one is accepted ((1, 7): DreamZero's sim_evals client forwards the
+  simulator's per-environment arrays), a real batch ((2, 7)) is not.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ardiff_server.wire.protocol import ProtocolError, short_repr
+from policies.embodiment import ObservationSchema
 from policies.observation import RobotObservation
 
 __all__ = [
@@ -57,6 +63,7 @@ SESSION_ID_KEY = "session_id"
 SESSION_IDS_KEY = "session_ids"
 MAX_RESET_IDS = 256
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+IMAGE_EXPECTED = "a uint8 RGB image array (H, W, 3) or frame stack (T, H, W, 3)"
 WRIST_IMAGE_KEY = "observation/wrist_image_left"
 # (key, length) of the proprioceptive state vectors, in RobotObservation field order.
 STATE_KEYS = {
@@ -84,8 +91,9 @@ class PolicyRequest:
     session_ids: tuple[str, ...] = ()
 
 
-def decode_request(payload: Any) -> PolicyRequest:
-    """Validate one decoded wire message and turn it into a typed request."""
+def decode_request(payload: Any, schema: ObservationSchema | None = None) -> PolicyRequest:
+    """Validate one decoded wire message and turn it into a typed request (``schema``: the served
+    embodiment's keys; None: RoboArena's DROID keys)."""
     request = _require_request_map(payload)
     endpoint = _decode_endpoint(request.get(ENDPOINT_KEY))
     session_id = decode_session_id(request.get(SESSION_ID_KEY))
@@ -98,7 +106,8 @@ def decode_request(payload: Any) -> PolicyRequest:
             ids = tuple(dict.fromkeys((*named, *listed)))  # unique, in order
             return PolicyRequest("reset", session_id, None, reset_scope="named", session_ids=ids)
         return PolicyRequest("reset", session_id, None, reset_scope="named" if named else "current", session_ids=named)
-    return PolicyRequest(endpoint="infer", session_id=session_id, observation=_decode_observation(request))
+    observation = _decode_observation(request) if schema is None else _decode_embodiment_observation(request, schema)
+    return PolicyRequest(endpoint="infer", session_id=session_id, observation=observation)
 
 
 def _require_request_map(payload: Any) -> dict[str, Any]:
@@ -205,6 +214,32 @@ def _decode_observation(request: dict[str, Any]) -> RobotObservation:
     return observation
 
 
+def _decode_embodiment_observation(request: dict[str, Any], schema: ObservationSchema) -> RobotObservation:
+    """An embodiment's ``observation/<name>`` keys: every camera and state the schema names is required."""
+    cameras, states = {}, {}
+    for name in schema.cameras:
+        key = schema.key(name)
+        value = request.get(key)
+        if value is None:
+            raise RequestError(f"{key}: missing; expected {IMAGE_EXPECTED}{_unknown_keys(request, schema)}")
+        cameras[name] = _decode_image(key, value)
+    for part in schema.states:
+        key = schema.key(part.name)
+        value = request.get(key)
+        if value is None:
+            raise RequestError(f"{key}: missing; expected {_state_expected(part.dim)}{_unknown_keys(request, schema)}")
+        states[part.name] = _decode_state(key, value, part.dim)
+    prompt = request.get(PROMPT_KEY)
+    return RobotObservation(cameras=cameras, states=states, prompt=None if prompt is None else _decode_prompt(prompt))
+
+
+def _unknown_keys(request: dict[str, Any], schema: ObservationSchema) -> str:
+    """A hint naming the request's observation keys the schema does not know (a typo, another robot's keys)."""
+    known = {schema.key(name) for name in (*schema.cameras, *(p.name for p in schema.states))}
+    unknown = sorted(k for k in request if k.startswith("observation/") and k not in known)
+    return f" (this server serves embodiment {schema.embodiment}; unknown keys {short_repr(unknown[:4])})" if unknown else ""
+
+
 def _exterior_camera_keys(request: dict[str, Any]) -> tuple[str, str | None]:
     """(first, second) exterior camera keys under the convention the client uses."""
     if request.get(exterior_image_key(0)) is not None:
@@ -219,7 +254,7 @@ def _decode_image(key: str, value: Any) -> np.ndarray | None:
     """uint8 (H, W, 3) or (T, H, W, 3) -> owned C-contiguous (T, H, W, 3); None if absent."""
     if value is None:
         return None
-    expected = "a uint8 RGB image array (H, W, 3) or frame stack (T, H, W, 3)"
+    expected = IMAGE_EXPECTED
     if not isinstance(value, np.ndarray):
         raise RequestError(
             f"{key}: expected {expected} (images must be numpy arrays, not lists), got {_describe(value)}"
@@ -241,13 +276,20 @@ def _decode_image(key: str, value: Any) -> np.ndarray | None:
     return frames if frames.flags.c_contiguous else np.ascontiguousarray(frames)
 
 
+def _state_expected(length: int) -> str:
+    return f"{length} numbers (float array or list)" if length > 1 else "1 number (float, float array or list)"
+
+
 def _decode_state(key: str, value: Any, length: int) -> np.ndarray | None:
-    """A numeric array or list of ``length`` numbers -> finite float32 (length,); None if absent."""
+    """A numeric array or list of ``length`` numbers -> finite float32 (length,); None if absent.
+    A leading batch axis of one, ``(1, length)``, is accepted: one environment's state."""
     if value is None:
         return None
-    expected = f"{length} numbers (float array or list)" if length > 1 else "1 number (float, float array or list)"
+    expected = _state_expected(length)
     if length == 1 and _is_number(value):  # a bare gripper scalar
         value = [value]
+    if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], (list, tuple)):
+        value = value[0]  # [[...]]: a batch of one
     if isinstance(value, (list, tuple)):
         if len(value) != length:
             raise RequestError(f"{key}: expected {expected}, got a list of {len(value)}")
@@ -256,7 +298,7 @@ def _decode_state(key: str, value: Any, length: int) -> np.ndarray | None:
         raise RequestError(f"{key}: expected {expected}, got {_describe(value)}")
     if value.dtype.kind not in "fiu":
         raise RequestError(f"{key}: expected {expected}, got array of dtype {value.dtype}")
-    if value.shape != (length,) and not (length == 1 and value.shape == ()):
+    if value.shape != (length,) and value.shape != (1, length) and not (length == 1 and value.shape == ()):
         raise RequestError(f"{key}: expected {expected}, got shape {value.shape}")
     # Checked in float64 before the cast: beyond float32's range would become inf (and an
     # np.errstate() around the cast costs more than the rest of the decode).

@@ -18,8 +18,12 @@ DEFAULT_NEGATIVE_PROMPT = (
 )
 
 
-BUILTIN_TINY = "builtin:tiny"
-BUILTIN_TINY_5B = "builtin:tiny_5b"  # the same, on the Wan2.2-5B architecture (tiny.py)
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_TINY = "builtin:tiny"  # DROID
+BUILTIN_TINY_5B = "builtin:tiny_5b"  # DROID on the Wan2.2-5B architecture (tiny.py)
+BUILTIN_TINY_AGIBOT = "builtin:tiny_agibot"
+BUILTIN_TINY_YAM = "builtin:tiny_yam"
+BUILTIN_CHECKPOINTS = (BUILTIN_TINY, BUILTIN_TINY_5B, BUILTIN_TINY_AGIBOT, BUILTIN_TINY_YAM)
 SYNTHETIC_PREFIX = "synthetic:"  # random weights in a released geometry, made on the device (synthetic.py)
 
 
@@ -27,7 +31,7 @@ class DreamZeroConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
 
     name: Literal["dreamzero"] = "dreamzero"
-    checkpoint: str = pydantic.Field(BUILTIN_TINY, description="checkpoint directory, builtin:tiny or builtin:tiny_5b")
+    checkpoint: str = pydantic.Field(BUILTIN_TINY, description="checkpoint directory, or builtin:tiny / tiny_5b / tiny_agibot / tiny_yam")
     tokenizer: str | None = pydantic.Field(None, description="tokenizer directory (default: <checkpoint>/tokenizer)")
     view_size: tuple[int, int] | None = pydantic.Field(
         None, description="per-view (height, width) fed to the model (default: the checkpoint family's, 14B 176x320, 5B 160x320)"
@@ -41,9 +45,13 @@ class DreamZeroConfig(pydantic.BaseModel):
     seed: int = 1140
     dit_step_cache: Literal["off", "fixed", "dynamic"] = "fixed"
     dit_step_mask: list[bool] = pydantic.Field(default_factory=lambda: list(UPSTREAM_STEP_MASK))
-    embodiment: str = "oxe_droid"
+    embodiment: str | None = pydantic.Field(
+        None, description="embodiment tag in the checkpoint's metadata.json (default: its only one; oxe_droid among several)"
+    )
+    prompt_template: str | None = pydantic.Field(
+        None, description="'... {task} ...' for a tag upstream's collate has no template for (default: upstream's)"
+    )
     negative_prompt: str = DEFAULT_NEGATIVE_PROMPT
-    relative_action_dims: int = pydantic.Field(7, ge=0)
 
     @pydantic.model_validator(mode="after")
     def _check_mask(self) -> DreamZeroConfig:
@@ -59,7 +67,9 @@ class DreamZeroConfig(pydantic.BaseModel):
     def preflight(self) -> None:
         """Cheap checks before any worker is spawned: the checkpoint and tokenizer directories exist.
         Raises ValueError with one line naming the problem and the fix."""
-        if self.checkpoint in (BUILTIN_TINY, BUILTIN_TINY_5B) or self.checkpoint.startswith(SYNTHETIC_PREFIX):
+        if self.checkpoint.startswith((BUILTIN_PREFIX, SYNTHETIC_PREFIX)):
+            if self.checkpoint.startswith(BUILTIN_PREFIX) and self.checkpoint not in BUILTIN_CHECKPOINTS:
+                raise ValueError(f"policy.checkpoint: unknown {self.checkpoint!r}; built in: {', '.join(BUILTIN_CHECKPOINTS)}")
             return
         checkpoint = Path(self.checkpoint).expanduser()
         if not (checkpoint / "config.json").is_file():
@@ -74,3 +84,18 @@ class DreamZeroConfig(pydantic.BaseModel):
                 f"policy.tokenizer: {tokenizer} does not exist; point it at a local google/umt5-xxl tokenizer "
                 "directory (--set policy.tokenizer=/path/to/umt5-xxl)"
             )
+        self.embodiment_of(checkpoint)
+
+    def embodiment_of(self, checkpoint: Path):
+        """The embodiment this config serves from a checkpoint directory (torch-free: metadata.json and
+        experiment_cfg/conf.yaml). Raises ValueError naming what the checkpoint lacks."""
+        import json
+
+        from policies.dreamzero.embodiments import read_experiment_config, resolve
+
+        path = checkpoint / "experiment_cfg" / "metadata.json"
+        try:
+            metadata = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"policy.checkpoint: cannot read {path} ({exc}); the training run writes it under experiment_cfg/") from None
+        return resolve(metadata, read_experiment_config(checkpoint), tag=self.embodiment, prompt_template=self.prompt_template)

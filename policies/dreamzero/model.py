@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from policies.dreamzero.checkpoint import CheckpointDir, CheckpointError, load_component
 from policies.dreamzero.dit import CausalWanModel, DiTConfig
+from policies.dreamzero.embodiments import read_experiment_config
 from policies.dreamzero.encoders import WAN21_VAE_CONFIG, WAN22_VAE_CONFIG, ImageEncoder, TextEncoder, VideoVAE
 from policies.dreamzero.naming import (
     DIT_PREFIX,
@@ -252,6 +253,7 @@ class DreamZeroModel:
     tokenizer: Any
     action_head_config: ActionHeadConfig
     metadata: dict[str, Any]
+    experiment_config: dict[str, Any] | None = None  # experiment_cfg/conf.yaml: the training run's config, if shipped
 
     @classmethod
     def load(
@@ -294,4 +296,4 @@ class DreamZeroModel:
             raise CheckpointError(f"text encoder width {text_encoder.dim} != DiT text_dim {dit_cfg.text_dim}")
         check_dit_fits_vae(dit_cfg, vae)
         logger.info("loaded DreamZero checkpoint %s in %.1f s (%s, %s)", ckpt.path, time.perf_counter() - start, dtype, device)
-        return cls(dit, text_encoder, image_encoder, vae, tok, head, ckpt.metadata)
+        return cls(dit, text_encoder, image_encoder, vae, tok, head, ckpt.metadata, read_experiment_config(ckpt.path))

@@ -16,7 +16,11 @@ Per call (upstream ``WANPolicyHead.lazy_joint_video_action``):
 4. Denoise 2 latent frames + the 24-step action chunk with two flow-matching UniPC schedulers
    (16 steps, shift 5, fixed seed). CFG (5.0) on video only; actions use the conditional
    branch. The DiT step cache may reuse the previous velocity instead of running the DiT.
-5. Actions: q99-denormalized, joints relative to the last observed joint state.
+5. Actions: q99-denormalized, relative keys (DROID: the joints) plus the last observed state.
+
+What is robot-specific (cameras and their canvas, state / action keys, statistics, prompt
+template) is the served :class:`policies.embodiment.Embodiment`, read from the checkpoint
+(``policies/dreamzero/embodiments.py``); DROID is one of them.
 """
 
 from __future__ import annotations
@@ -35,20 +39,22 @@ import torch.nn.functional as F
 
 from kv import Branch, KVSpec, SessionKV, prepare_batch
 from policies.base import ChunkRecording, Policy, RuntimeOptions, StepResult
-from policies.dreamzero.config import BUILTIN_TINY, BUILTIN_TINY_5B, SYNTHETIC_PREFIX, DreamZeroConfig
+from policies.dreamzero.config import BUILTIN_PREFIX, SYNTHETIC_PREFIX, DreamZeroConfig
+from policies.dreamzero.embodiments import embodiment_prompt, resolve
 from policies.dreamzero.model import DreamZeroModel
 from policies.dreamzero.scheduler import FlowUniPCScheduler
 from policies.dreamzero.transforms import (
     CROP_SCALE,
     NormStats,
+    canvas_size,
     clean_prompt,
     crop_and_resize,
     denormalize_actions,
-    droid_prompt,
     normalize_state,
-    stitch_views,
-    to_absolute_joints,
+    stitch_canvas,
+    to_absolute,
 )
+from policies.embodiment import Embodiment, metadata_frame
 from policies.info import PolicyInfo, droid_server_config
 from policies.observation import RobotObservation, UnsupportedObservation
 
@@ -107,13 +113,19 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         self.dit_config = model.dit.config
         self.action_head_config = model.action_head_config
         self.guidance = options.guidance
-        self.view_size = tuple(config.view_size) if config.view_size is not None else self._family_view_size()
+        self.embodiment: Embodiment = resolve(
+            model.metadata, model.experiment_config, tag=config.embodiment, prompt_template=config.prompt_template
+        )
+        self.view_size = tuple(config.view_size) if config.view_size is not None else self._default_view_size()
         self.image_resolution = (
             tuple(config.image_resolution) if config.image_resolution is not None else self._family_image_resolution()
         )
         self._check_geometry()
-        self.action_stats = NormStats.from_metadata(model.metadata, config.embodiment, "action")
-        self.state_stats = NormStats.from_metadata(model.metadata, config.embodiment, "state")
+        self._check_embodiment()
+        self.action_stats = NormStats.from_quantiles(self.embodiment.action_stats)
+        self.state_stats = NormStats.from_quantiles(self.embodiment.state_stats)
+        state_slices = self.embodiment.state_slices
+        self._relative = [(a, state_slices[key]) for key, a in self.embodiment.action_slices.items() if key in self.embodiment.relative_action_keys]
         self.use_guidance = config.cfg_scale != 1.0
         if self.guidance.is_parallel and not self.use_guidance:
             raise ValueError("CFG-parallel needs cfg_scale != 1 (there is no second branch to run)")
@@ -129,13 +141,16 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             for block in self.dit.blocks:
                 block.compile(fullgraph=True, dynamic=False, backend=options.compile_backend)
 
-    def _family_view_size(self) -> tuple[int, int]:
-        """Per-view size the checkpoint was trained at (upstream's data config ``image_resolution_height/width``):
+    def _default_view_size(self) -> tuple[int, int]:
+        """Per-view size the checkpoint was trained at: the training run's own resize where its experiment_cfg/conf.yaml
+        says (a post-trained run), else the family's (upstream's data config ``image_resolution_height/width``):
         DreamZero-DROID 176x320 (droid_relative + the wan21 training script), the 5B 160x320 (droid_relative_wan22)."""
-        if self.config.checkpoint in (BUILTIN_TINY, BUILTIN_TINY_5B):
-            from policies.dreamzero.tiny import TINY_5B_VIEW_SIZE, TINY_VIEW_SIZE
+        if self.embodiment.trained_view_size is not None:
+            return tuple(self.embodiment.trained_view_size)
+        if self.config.checkpoint.startswith(BUILTIN_PREFIX):
+            from policies.dreamzero.tiny import TINY_5B_VIEW_SIZE, TINY_VARIANTS, TINY_VIEW_SIZE
 
-            return TINY_VIEW_SIZE if self.config.checkpoint == BUILTIN_TINY else TINY_5B_VIEW_SIZE
+            return TINY_5B_VIEW_SIZE if TINY_VARIANTS[self.config.checkpoint.removeprefix(BUILTIN_PREFIX)].wan22 else TINY_VIEW_SIZE
         if self.config.checkpoint.startswith(SYNTHETIC_PREFIX):
             from policies.dreamzero.synthetic import parse_spec
 
@@ -149,25 +164,21 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         else 160x320."""
         if not self.model.vae.is_wan22:
             return (180, 320)
-        try:
-            cameras = self.model.metadata[self.config.embodiment]["modalities"]["video"]
-            width, height = next(iter(cameras.values()))["resolution"]
-            return int(height), int(width)
-        except (KeyError, TypeError, ValueError, AttributeError, StopIteration):
-            return (160, 320)
+        first = self.embodiment.camera_resolutions[0] if self.embodiment.camera_resolutions else None
+        return tuple(first) if first is not None else (160, 320)
 
     @property
     def canvas_size(self) -> tuple[int, int]:
         """(height, width) of the video the VAE and CLIP see: the stitched views, or the checkpoint's target size."""
         target = self.action_head_config.target_video_size
-        return target if target is not None else (2 * self.view_size[0], 2 * self.view_size[1])
+        return target if target is not None else canvas_size(self.embodiment.layout, self.view_size)
 
     def _check_geometry(self) -> None:
         h, w = self.canvas_size
         s = self.model.vae.spatial_compression
         _, ph, pw = self.dit_config.patch_size
         target = self.action_head_config.target_video_size
-        what = f"target_video_height/width {h}x{w}" if target else f"view_size {self.view_size}"
+        what = f"target_video_height/width {h}x{w}" if target else f"view_size {list(self.view_size)} ({self.embodiment.layout} layout)"
         if h % (s * ph) or w % (s * pw):
             # The DiT's strided patch embedding would drop a latent row or column, and the sampler could not step the
             # smaller prediction against the full latent (upstream fails there too; its training crops instead).
@@ -175,6 +186,20 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         tokens = (h // s // ph) * (w // s // pw)
         if tokens != self.dit_config.frame_seqlen:
             raise ValueError(f"{what} gives {tokens} tokens per latent frame; the checkpoint's DiT expects frame_seqlen={self.dit_config.frame_seqlen}")
+
+    def _check_embodiment(self) -> None:
+        """The embodiment fits the checkpoint's DiT and the run's image size (one line naming the mismatch)."""
+        e, head = self.embodiment, self.action_head_config
+        if e.action_dim > head.max_action_dim:
+            raise ValueError(f"embodiment {e.tag}: {e.action_dim} action dims, the DiT predicts {head.max_action_dim}")
+        if e.state_dim > head.max_state_dim:
+            raise ValueError(f"embodiment {e.tag}: {e.state_dim} state dims, the DiT's state encoder takes {head.max_state_dim}")
+        chosen = self.config.view_size
+        if e.trained_view_size is not None and chosen is not None and tuple(e.trained_view_size) != tuple(chosen):
+            raise ValueError(
+                f"policy.view_size {list(chosen)} differs from the training run's per-view resize "
+                f"{list(e.trained_view_size)} (experiment_cfg/conf.yaml VideoResize); --set policy.view_size={list(e.trained_view_size)}"
+            )
 
     # -- interface ----------------------------------------------------------------------
 
@@ -184,23 +209,28 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
 
     @property
     def info(self) -> PolicyInfo:
+        e, horizon = self.embodiment, self.action_head_config.action_horizon
+        resolution = self.image_resolution
+        schema = e.schema(resolution) if e.wire == "keys" else None
         return PolicyInfo(
-            server_config=droid_server_config(self.image_resolution),
-            action_horizon=self.action_head_config.action_horizon,
+            server_config=droid_server_config(resolution) if schema is None else metadata_frame(e, schema, horizon),
+            action_horizon=horizon,
             action_dim=self.action_stats.dim,
             model="dreamzero",
             checkpoint=self.config.checkpoint,
             details={
                 "dit_step_cache": self.config.dit_step_cache, "num_inference_steps": self.config.num_inference_steps,
                 "backbone": "wan2.2-ti2v-5b" if self.model.vae.is_wan22 else "wan2.1-i2v-14b",
+                "embodiment": e.describe(resolution),
             },  # fmt: skip
             max_batch=64,  # step_batch runs any number of sessions in one forward; engine.max_batch caps it
+            observation_schema=schema,
         )
 
     def check_observation(self, observation: RobotObservation) -> None:
         """What :meth:`step` cannot take, refused before any session state changes."""
         try:
-            droid_prompt(observation.prompt)
+            embodiment_prompt(self.embodiment, observation.prompt)
         except ValueError as exc:
             raise UnsupportedObservation(f"prompt: {exc}") from None
         lengths = {name: frames.shape[0] for name, frames in observation.cameras.items() if frames is not None}
@@ -239,14 +269,14 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
 
     def warmup_observations(self) -> Iterator[RobotObservation]:
         """A session that fills one window and restarts it once: every shape a session meets."""
-        h, w = self.image_resolution
+        e = self.embodiment
+        sizes = [size or self.image_resolution for size in e.schema(self.image_resolution).resolutions]
         window_calls = 1 + -(-(self.dit_config.local_attn_size - 1) // self.dit_config.num_frame_per_block)
         for call in range(window_calls + 1):
-            frames = np.zeros((1 if call == 0 else FRAMES_PER_CALL, h, w, 3), dtype=np.uint8)
-            yield RobotObservation(
-                exterior_left=frames, exterior_right=frames, wrist=frames,
-                joint_position=np.zeros(7, np.float32), gripper_position=np.zeros(1, np.float32), prompt="warm up",
-            )  # fmt: skip
+            count = 1 if call == 0 else FRAMES_PER_CALL
+            cameras = {name: np.zeros((count, h, w, 3), dtype=np.uint8) for name, (h, w) in zip(e.cameras, sizes, strict=True)}
+            states = {p.name: np.zeros(p.dim, np.float32) for p in e.states}
+            yield RobotObservation(cameras=cameras, states=states, prompt="warm up")
 
     # -- one call, or several sessions' calls in one batch ------------------------------------
 
@@ -403,8 +433,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             lh, lw = call.session.first_latent.shape[-2:]
             call.latents = _seeded_noise((1, z, dit.num_frame_per_block, lh, lw), config.seed).to(self.device, self.dtype)
             call.actions = _seeded_noise((1, head.action_horizon, dit.action_dim), config.seed).to(self.device, self.dtype)
-            model_state = normalize_state(call.raw_state, self.state_stats, head.max_state_dim).reshape(1, 1, -1)
-            call.state = torch.from_numpy(model_state).to(self.device, self.dtype)
+            call.state = torch.from_numpy(self._model_state(call.raw_state).reshape(1, 1, -1)).to(self.device, self.dtype)
             call.video_scheduler = DecoupledVideoScheduler(head.video_inference_final_noise) if head.decouple_inference_noise else FlowUniPCScheduler()
             call.action_scheduler = FlowUniPCScheduler()
             call.video_scheduler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
@@ -479,7 +508,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
 
     def _advance_session(self, session: DreamZeroSession, observation: RobotObservation) -> dict[str, bool]:
         """Buffer the new frames and apply upstream's reset rules. Returns what happened."""
-        prompt = droid_prompt(observation.prompt)
+        prompt = embodiment_prompt(self.embodiment, observation.prompt)
         events = {"prompt_change": False, "window_restart": False}
         if session.prompt is not None and prompt != session.prompt:
             session.kv.restart_window(keep_cross_text=False)
@@ -496,9 +525,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         return events
 
     def _canvas(self, observation: RobotObservation) -> np.ndarray:
-        size = self.view_size
-        views = [None if v is None else crop_and_resize(v, size) for v in (observation.wrist, observation.exterior_left, observation.exterior_right)]
-        return stitch_views(*views, view_size=size)
+        size, e = self.view_size, self.embodiment
+        frames = [observation.cameras.get(name) for name in e.cameras]
+        views = [None if v is None else crop_and_resize(v, size, e.crop_scale) for v in frames]
+        return stitch_canvas(e.layout, views, view_size=size)
 
     def _video_tensor(self, session: DreamZeroSession) -> torch.Tensor:
         frames = list(session.frames)
@@ -606,14 +636,17 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         return True, 0
 
     def _raw_state(self, observation: RobotObservation) -> np.ndarray:
-        joints = observation.joint_position if observation.joint_position is not None else np.zeros(7)
-        gripper = observation.gripper_position if observation.gripper_position is not None else np.zeros(1)
-        return np.concatenate([np.asarray(joints, np.float64).ravel(), np.asarray(gripper, np.float64).ravel()])
+        """The embodiment's state keys concatenated (float64; a key not sent is zeros)."""
+        return self.embodiment.raw_state(observation.states)
+
+    def _model_state(self, raw_state: np.ndarray) -> np.ndarray:
+        """The state the DiT sees: q99-normalized, clamped, zero-padded to max_state_dim (float64)."""
+        return normalize_state(raw_state, self.state_stats, self.action_head_config.max_state_dim)
 
     def _postprocess(self, actions: torch.Tensor, raw_state: np.ndarray) -> np.ndarray:
         chunk = actions[0].float().cpu().numpy().astype(np.float64)
         real = denormalize_actions(chunk, self.action_stats)
-        real = to_absolute_joints(real, raw_state, self.config.relative_action_dims)
+        real = to_absolute(real, raw_state, self._relative)
         return real.astype(np.float32)
 
 
@@ -702,10 +735,10 @@ def _seeded_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 def resolve_checkpoint(checkpoint: str) -> Path:
-    if checkpoint in (BUILTIN_TINY, BUILTIN_TINY_5B):
+    if checkpoint.startswith(BUILTIN_PREFIX):  # builtin:tiny, builtin:tiny_agibot, ...
         from policies.dreamzero.tiny import ensure_tiny_checkpoint
 
-        return ensure_tiny_checkpoint(family="5b" if checkpoint == BUILTIN_TINY_5B else "14b")
+        return ensure_tiny_checkpoint(variant=checkpoint.removeprefix(BUILTIN_PREFIX))
     return Path(checkpoint).expanduser()
 
 

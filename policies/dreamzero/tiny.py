@@ -1,4 +1,4 @@
-"""The embedded tiny DreamZero: the real architecture at toy width, as a checkpoint on disk.
+"""The embedded tiny DreamZeros: the real architecture at toy width, as checkpoints on disk.
 
 ``write_tiny_checkpoint`` deterministically writes a checkpoint in exactly the released
 ``GEAR-Dreams/DreamZero-DROID`` layout (upstream tensor names, sharded safetensors with an
@@ -15,6 +15,13 @@ a ``ti2v`` DiT on 48-channel latents without the ``ys`` concat, the Wan2.2 VAE (
 residual blocks, 16x), the stitched video resized to ``target_video_height/width`` first. 96x192 views -> a
 192x384 canvas -> resized to 96x192 -> 6x12 latents -> 18 tokens per latent frame. Its metadata.json records
 DROID's camera resolution, from which upstream's 5B server (and this one) advertises ``image_resolution``.
+
+Besides DROID, post-trained-style checkpoints of upstream's other embodiments with the 14B tiny
+geometry (``builtin:tiny_agibot``, ``builtin:tiny_yam``): their own weights (another seed),
+upstream's metadata.json layout for the tag (modalities with shapes and camera resolutions, all
+six statistics per key; AgiBot's waist has a locked joint, q01 == q99) and an
+``experiment_cfg/conf.yaml`` with the parts of upstream's resolved training config the server
+reads, as a training run writes them. :data:`TINY_VARIANTS` lists every embedded checkpoint.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -72,12 +81,12 @@ of with and it warm up
 """
 
 
-def tiny_tokenizer():
+def tiny_tokenizer(corpus: str = _CORPUS):
     """A word-level tokenizer over the corpus (T5 specials: <pad> 0, </s> 1, <unk> 2)."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    words = sorted({w for w in pre_tokenizers.WhitespaceSplit().pre_tokenize_str(_CORPUS.lower()) for w in [w[0]]})
+    words = sorted({w for w in pre_tokenizers.WhitespaceSplit().pre_tokenize_str(corpus.lower()) for w in [w[0]]})
     pieces: list[str] = []
     for word in words:
         for piece, _ in pre_tokenizers.Whitespace().pre_tokenize_str(word):
@@ -109,15 +118,17 @@ def _init(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torc
     return noise / math.sqrt(max(fan_in, 1))
 
 
+def _stats(q01: list[float], q99: list[float]) -> dict:
+    mean = [(a + b) / 2 for a, b in zip(q01, q99)]
+    std = [(b - a) / 4 for a, b in zip(q01, q99)]
+    return {"q01": q01, "q99": q99, "mean": mean, "std": std, "min": [a * 1.2 for a in q01], "max": [b * 1.2 for b in q99]}
+
+
 def droid_metadata(camera_resolution: tuple[int, int] | None = None) -> dict:
     """DROID-like normalization statistics (relative joint actions, absolute gripper). With ``camera_resolution``
     (width, height), ``modalities.video`` is upstream's ``DatasetModalities`` form (per camera: resolution, channels,
     fps) instead of the camera list."""
-
-    def stats(q01: list[float], q99: list[float]) -> dict:
-        mean = [(a + b) / 2 for a, b in zip(q01, q99)]
-        std = [(b - a) / 4 for a, b in zip(q01, q99)]
-        return {"q01": q01, "q99": q99, "mean": mean, "std": std, "min": [a * 1.2 for a in q01], "max": [b * 1.2 for b in q99]}
+    stats = _stats
 
     joints_abs = ([-2.4, -1.2, -2.3, -2.9, -2.4, 0.4, -2.6], [2.4, 1.5, 2.3, -0.5, 2.4, 3.6, 2.6])
     joints_rel = ([-0.35, -0.3, -0.35, -0.4, -0.4, -0.4, -0.5], [0.35, 0.3, 0.35, 0.4, 0.4, 0.4, 0.5])
@@ -140,16 +151,142 @@ def _cameras(resolution: tuple[int, int] | None) -> list[str] | dict[str, dict]:
     return {name: {"resolution": list(resolution), "channels": 3, "fps": 15.0} for name in names}
 
 
-def write_tiny_checkpoint(out: str | Path, seed: int = 0) -> Path:
-    """Write the tiny checkpoint to ``out`` (created). Same bytes for the same seed, every time."""
-    return write_checkpoint(out, TINY_DIT, TINY_TEXT_ENCODER, TINY_IMAGE_ENCODER, TINY_VAE, seed=seed)
+# ------------------------------------------------------------------ other embodiments (post-trained style)
+
+TINY_CAMERA_RESOLUTION = (96, 160)  # (height, width) in metadata.json: 95 % crop -> 91x152 -> 48x80 views
 
 
-def write_tiny_5b_checkpoint(out: str | Path, seed: int = 0) -> Path:
-    """Write the tiny Wan2.2-5B checkpoint to ``out`` (created). Same bytes for the same seed, every time."""
+def _embodiment_metadata(tag: str, cameras: list[str], state: dict, action: dict) -> dict:
+    """``metadata.json[tag]`` in upstream's DatasetMetadata layout. ``state`` / ``action``: key -> (q01, q99, absolute)."""
+    h, w = TINY_CAMERA_RESOLUTION
+
+    def modality(table: dict) -> dict:
+        return {k: {"absolute": absolute, "rotation_type": None, "shape": [len(q01)], "continuous": True} for k, (q01, _, absolute) in table.items()}
+
+    return {
+        tag: {
+            "statistics": {
+                "state": {k: _stats(list(q01), list(q99)) for k, (q01, q99, _) in state.items()},
+                "action": {k: _stats(list(q01), list(q99)) for k, (q01, q99, _) in action.items()},
+            },
+            "modalities": {
+                "video": {c: {"resolution": [w, h], "channels": 3, "fps": 30.0} for c in cameras},
+                "state": modality(state),
+                "action": modality(action),
+            },
+            "embodiment_tag": tag,
+        }
+    }
+
+
+def agibot_metadata() -> dict:
+    """AgiBot: 3 cameras, 6 state keys (20 dims), 7 action keys (22 dims); all but the base velocity relative."""
+    arm_abs = ([-2.9, -2.0, -2.9, -2.6, -2.9, -1.6, -2.9], [2.9, 2.0, 2.9, 0.1, 2.9, 1.6, 2.9])
+    arm_rel = ([-0.3, -0.25, -0.3, -0.35, -0.3, -0.2, -0.4], [0.3, 0.25, 0.3, 0.35, 0.3, 0.2, 0.4])
+    state = {
+        "left_arm_joint_position": (*arm_abs, True), "right_arm_joint_position": (*arm_abs, True),
+        "left_effector_position": ([0.0], [1.0], True), "right_effector_position": ([0.0], [1.0], True),
+        "head_position": ([-0.5, -0.3], [0.5, 0.4], True),
+        "waist_position": ([0.2, 0.0], [0.2, 0.6], True),  # the first waist joint is locked: q01 == q99
+    }
+    action = {
+        "left_arm_joint_position": (*arm_rel, False), "right_arm_joint_position": (*arm_rel, False),
+        "left_effector_position": ([-0.5], [0.5], False), "right_effector_position": ([-0.5], [0.5], False),
+        "head_position": ([-0.05, -0.05], [0.05, 0.05], False), "waist_position": ([0.0, -0.04], [0.0, 0.04], False),
+        "robot_velocity": ([-0.3, -0.6], [0.3, 0.6], True),
+    }  # fmt: skip
+    return _embodiment_metadata("agibot", ["top_head", "hand_left", "hand_right"], state, action)
+
+
+def yam_metadata() -> dict:
+    """YAM: 3 cameras, bimanual 6 joints + gripper per arm (14 dims), every action key relative."""
+    joints_abs = ([-2.6, -0.1, -0.1, -1.6, -1.6, -2.0], [2.6, 3.1, 3.1, 1.6, 1.6, 2.0])
+    joints_rel = ([-0.2, -0.2, -0.25, -0.3, -0.3, -0.35], [0.2, 0.2, 0.25, 0.3, 0.3, 0.35])
+    state = {"left_joint_pos": (*joints_abs, True), "left_gripper_pos": ([0.0], [1.0], True),
+             "right_joint_pos": (*joints_abs, True), "right_gripper_pos": ([0.0], [1.0], True)}  # fmt: skip
+    action = {"left_joint_pos": (*joints_rel, False), "left_gripper_pos": ([-0.9], [0.9], False),
+              "right_joint_pos": (*joints_rel, False), "right_gripper_pos": ([-0.9], [0.9], False)}  # fmt: skip
+    return _embodiment_metadata("yam", ["top_camera-images-rgb", "left_camera-images-rgb", "right_camera-images-rgb"], state, action)
+
+
+def run_config(tag: str, language_key: str, view_size: tuple[int, int] = TINY_VIEW_SIZE) -> dict:
+    """The parts of a training run's resolved ``experiment_cfg/conf.yaml`` the server reads, as upstream writes them
+    (``groot/vla/configs/data/dreamzero/<tag>_relative.yaml`` over ``base_48_wan_fine_aug_relative.yaml``, the
+    DreamZero transform config, the training script's 176x320 resize replaced by the tiny view size)."""
+    from policies.dreamzero.embodiments import BUILTIN_MODALITIES, DEFAULT_INSTRUCTION, PROJECTOR_INDEX
+
+    mod = BUILTIN_MODALITIES[tag]
+    video = [f"video.{c}" for c in mod.cameras]
+    state = [f"state.{k}" for k in mod.states]
+    action = [f"action.{k}" for k in mod.actions]
+    return {
+        "relative_action": True, "relative_action_per_horizon": False, "relative_action_keys": list(mod.relative_action_keys),
+        "max_state_dim": 64, "action_horizon": 24, "state_horizon": 1, "num_frames": 33,
+        "image_resolution_height": view_size[0], "image_resolution_width": view_size[1],
+        "embodiment_tag_to_projector_index": dict(PROJECTOR_INDEX),
+        "modality_configs": {tag: {
+            "video": {"_target_": "groot.vla.data.dataset.ModalityConfig", "delta_indices": list(range(25)), "eval_delta_indices": [0], "modality_keys": video},
+            "state": {"_target_": "groot.vla.data.dataset.ModalityConfig", "delta_indices": [0], "modality_keys": state},
+            "action": {"_target_": "groot.vla.data.dataset.ModalityConfig", "delta_indices": list(range(24)), "modality_keys": action},
+            "language": {"_target_": "groot.vla.data.dataset.ModalityConfig", "delta_indices": [0], "modality_keys": [language_key]},
+        }},
+        "transforms": {tag: {"_target_": "groot.vla.data.transform.ComposedModalityTransform", "transforms": [
+            {"_target_": "groot.vla.data.transform.VideoToTensor", "apply_to": video},
+            {"_target_": "groot.vla.data.transform.VideoCrop", "apply_to": video, "scale": 0.95, "mode": "random"},
+            {"_target_": "groot.vla.data.transform.VideoResize", "apply_to": video, "height": view_size[0], "width": view_size[1], "interpolation": "linear"},
+            {"_target_": "groot.vla.data.transform.VideoColorJitter", "apply_to": video, "brightness": 0.3, "contrast": 0.4, "saturation": 0.5, "hue": 0.08},
+            {"_target_": "groot.vla.data.transform.VideoToNumpy", "apply_to": video},
+            {"_target_": "groot.vla.data.transform.StateActionToTensor", "apply_to": state},
+            {"_target_": "groot.vla.data.transform.StateActionTransform", "apply_to": state, "normalization_modes": dict.fromkeys(state, "q99")},
+            {"_target_": "groot.vla.data.transform.StateActionToTensor", "apply_to": action},
+            {"_target_": "groot.vla.data.transform.StateActionTransform", "apply_to": action, "normalization_modes": dict.fromkeys(action, "q99")},
+            {"_target_": "groot.vla.data.transform.ConcatTransform", "video_concat_order": video, "state_concat_order": state, "action_concat_order": action},
+            {"_target_": "groot.vla.model.dreamzero.transform.dreamzero_cotrain.DreamTransform", "default_instruction": DEFAULT_INSTRUCTION,
+             "language_dropout_prob": 0.0, "always_use_default_instruction": False, "max_state_dim": 64, "max_action_dim": 32,
+             "max_length": 512, "state_horizon": 1, "action_horizon": 24, "embodiment_tag_mapping": dict(PROJECTOR_INDEX),
+             "tokenizer_path": "google/umt5-xxl"},
+        ]}},
+    }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TinyVariant:
+    """One embedded tiny checkpoint: its weights' seed, its metadata.json, its run config, its tokenizer's words."""
+
+    name: str
+    seed: int
+    metadata: Callable[[], dict]
+    run_config: Callable[[], dict] | None = None
+    extra_words: str = ""
+    wan22: bool = False  # the Wan2.2-5B architecture (TINY_5B_*), else the 14B's (TINY_*)
+
+
+def _template_words() -> str:
+    from policies.dreamzero.embodiments import DEFAULT_INSTRUCTION, HEAD_HANDS_TEMPLATE, YAM_TEMPLATE
+
+    return " ".join(t.replace("{task}", "") for t in (HEAD_HANDS_TEMPLATE, YAM_TEMPLATE, DEFAULT_INSTRUCTION)) + " fold the towel shirt"
+
+
+TINY_VARIANTS: dict[str, TinyVariant] = {
+    "tiny": TinyVariant("tiny", 0, droid_metadata),
+    "tiny_5b": TinyVariant("tiny_5b", 0, lambda: droid_metadata((320, 180)), wan22=True),
+    "tiny_agibot": TinyVariant("tiny_agibot", 1, agibot_metadata, lambda: run_config("agibot", "annotation.language.action_text"), "agibot"),
+    "tiny_yam": TinyVariant("tiny_yam", 2, yam_metadata, lambda: run_config("yam", "annotation.task"), "yam"),
+}
+
+
+def write_tiny_checkpoint(out: str | Path, seed: int | None = None, variant: str = "tiny") -> Path:
+    """Write a tiny checkpoint to ``out`` (created). Same bytes for the same variant and seed, every time."""
+    spec = TINY_VARIANTS[variant]
+    corpus = _CORPUS + (_template_words() if spec.extra_words else "")
+    if spec.wan22:
+        dit, vae, target, version = TINY_5B_DIT, TINY_5B_VAE, TINY_5B_TARGET_VIDEO, ("ardiff_tiny_5b_version", TINY_5B_VERSION)
+    else:
+        dit, vae, target, version = TINY_DIT, TINY_VAE, None, ("ardiff_tiny_version", TINY_VERSION)
     return write_checkpoint(
-        out, TINY_5B_DIT, TINY_TEXT_ENCODER, TINY_IMAGE_ENCODER, TINY_5B_VAE, seed=seed,
-        target_video_size=TINY_5B_TARGET_VIDEO, camera_resolution=(320, 180), version=("ardiff_tiny_5b_version", TINY_5B_VERSION),
+        out, dit, TINY_TEXT_ENCODER, TINY_IMAGE_ENCODER, vae, seed=spec.seed if seed is None else seed,
+        metadata=spec.metadata(), run_config=spec.run_config() if spec.run_config else None, corpus=corpus,
+        target_video_size=target, version=version,
     )  # fmt: skip
 
 
@@ -162,17 +299,20 @@ def write_checkpoint(
     seed: int = 0,
     *,
     target_video_size: tuple[int, int] | None = None,
-    camera_resolution: tuple[int, int] | None = None,
     version: tuple[str, int] = ("ardiff_tiny_version", TINY_VERSION),
+    metadata: dict | None = None,
+    run_config: dict | None = None,
+    corpus: str = _CORPUS,
 ) -> Path:
     """Write a random-weight checkpoint of any geometry in the released layout (the tiny
-    tokenizer and DROID-like statistics included). ``text_encoder_cfg`` leaves out
+    tokenizer and DROID-like statistics included, unless ``metadata`` is given; ``run_config``
+    is written as ``experiment_cfg/conf.yaml``). ``text_encoder_cfg`` leaves out
     ``vocab_size``: it is sized to the tiny tokenizer. Benchmarks use this for real token
     geometry at small width (scripts/bench_chunk.py). A ``vae_cfg`` with ``is_residual`` writes the
     Wan2.2 VAE (the 5B layout), ``target_video_size`` its resize target (``checkpoint_config``)."""
     out = Path(out)
     (out / "experiment_cfg").mkdir(parents=True, exist_ok=True)
-    tokenizer = tiny_tokenizer()
+    tokenizer = tiny_tokenizer(corpus)
     tokenizer.save_pretrained(out / "tokenizer")
     text_encoder = {**text_encoder_cfg, "vocab_size": 8 * math.ceil(len(tokenizer) / 8)}
 
@@ -197,7 +337,11 @@ def write_checkpoint(
         version[0]: version[1],
     }
     _write_json(out / "config.json", config)
-    _write_json(out / "experiment_cfg" / "metadata.json", droid_metadata(camera_resolution))
+    _write_json(out / "experiment_cfg" / "metadata.json", droid_metadata() if metadata is None else metadata)
+    if run_config is not None:
+        import yaml
+
+        (out / "experiment_cfg" / "conf.yaml").write_text(yaml.safe_dump(run_config, sort_keys=False))
     return out
 
 
@@ -205,29 +349,33 @@ def _write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def _definition_digest(family: str = "14b") -> str:
+def _definition_digest(variant: str = "tiny") -> str:
     """Changes whenever anything that shapes the checkpoint's bytes changes (cache key)."""
-    if family == "5b":
+    if TINY_VARIANTS[variant].wan22:
         spec = [TINY_5B_VERSION, TINY_5B_DIT.to_dict(), TINY_TEXT_ENCODER, TINY_IMAGE_ENCODER, TINY_5B_VAE,
                 TINY_5B_TARGET_VIDEO, _CORPUS, droid_metadata((320, 180))]  # fmt: skip
-    else:
-        spec = [TINY_VERSION, TINY_DIT.to_dict(), TINY_TEXT_ENCODER, TINY_IMAGE_ENCODER, TINY_VAE, _CORPUS, droid_metadata()]
+        return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
+    spec = [TINY_VERSION, TINY_DIT.to_dict(), TINY_TEXT_ENCODER, TINY_IMAGE_ENCODER, TINY_VAE, _CORPUS, droid_metadata()]
+    if variant != "tiny":  # (the DROID checkpoint keeps the digest it always had)
+        v = TINY_VARIANTS[variant]
+        spec += [v.name, v.seed, v.metadata(), v.run_config() if v.run_config else None, _template_words()]
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
 
 
-def default_cache_dir(family: str = "14b") -> Path:
+def default_cache_dir(variant: str = "tiny") -> Path:
     root = os.environ.get("ARDIFF_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ardiff-server"
-    if family == "5b":
-        return Path(root) / f"tiny-dreamzero-5b-v{TINY_5B_VERSION}-{_definition_digest('5b')}"
-    return Path(root) / f"tiny-dreamzero-v{TINY_VERSION}-{_definition_digest()}"
+    if variant == "tiny_5b":
+        return Path(root) / f"tiny-dreamzero-5b-v{TINY_5B_VERSION}-{_definition_digest(variant)}"
+    name = "tiny-dreamzero" if variant == "tiny" else f"{variant.replace('_', '-')}-dreamzero"
+    return Path(root) / f"{name}-v{TINY_VERSION}-{_definition_digest(variant)}"
 
 
-def ensure_tiny_checkpoint(path: str | Path | None = None, family: str = "14b") -> Path:
-    """The tiny checkpoint's directory (``family`` "14b": builtin:tiny, "5b": builtin:tiny_5b), generating it on
-    first use (safe across processes)."""
-    if family not in ("14b", "5b"):
-        raise ValueError(f"tiny checkpoint family must be '14b' or '5b', got {family!r}")
-    target = Path(path) if path is not None else default_cache_dir(family)
+def ensure_tiny_checkpoint(path: str | Path | None = None, variant: str = "tiny") -> Path:
+    """A tiny checkpoint's directory (``variant``: a key of :data:`TINY_VARIANTS`; builtin:<variant>), generating it
+    on first use (safe across processes)."""
+    if variant not in TINY_VARIANTS:
+        raise ValueError(f"unknown tiny checkpoint {variant!r}; built in: {sorted(TINY_VARIANTS)}")
+    target = Path(path) if path is not None else default_cache_dir(variant)
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -236,7 +384,7 @@ def ensure_tiny_checkpoint(path: str | Path | None = None, family: str = "14b") 
         if not (target / "config.json").exists():
             staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
             try:
-                (write_tiny_5b_checkpoint if family == "5b" else write_tiny_checkpoint)(staging)
+                write_tiny_checkpoint(staging, variant=variant)
                 shutil.rmtree(target, ignore_errors=True)
                 staging.rename(target)  # atomic: readers never see a half-written checkpoint
             finally:

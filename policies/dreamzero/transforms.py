@@ -1,6 +1,10 @@
-"""DROID observation and action transforms for DreamZero (the ``oxe_droid`` embodiment).
+"""Observation and action transforms for DreamZero, written for DROID (``oxe_droid``) and used for every embodiment.
 
-Views: each camera frame is center-cropped to 95% and resized (bilinear, antialiased) to the
+Other embodiments (``policies/dreamzero/embodiments.py``) differ only in data: their cameras go onto a 2x2 grid
+(:func:`stitch_canvas`), their state / action keys and statistics come from the checkpoint, their relative keys
+are added back with :func:`to_absolute`.
+
+DROID views: each camera frame is center-cropped to 95% and resized (bilinear, antialiased) to the
 model's view size, then the three views are stitched into one 2x2 canvas::
 
     +-------------------------------+
@@ -17,16 +21,20 @@ absolute.
 
 from __future__ import annotations
 
-import ast
-import html
 from dataclasses import dataclass
 from typing import Any
 
-import ftfy
 import numpy as np
-import regex
 import torch
 import torch.nn.functional as F
+
+from policies.dreamzero.embodiments import DROID_TEMPLATE, clean_prompt, instruction, render_prompt
+from policies.embodiment import Layout, QuantileStats
+
+__all__ = [
+    "CROP_SCALE", "DROID_TEMPLATE", "NormStats", "canvas_size", "clean_prompt", "crop_and_resize", "denormalize_actions",
+    "droid_instruction", "droid_prompt", "normalize_state", "stitch_canvas", "stitch_views", "to_absolute", "to_absolute_joints",
+]  # fmt: skip
 
 CROP_SCALE = 0.95
 
@@ -44,22 +52,7 @@ CROP_SCALE = 0.95
 #  5. same file, ``HuggingfaceTokenizer(clean="whitespace")._clean`` on the whole templated string, right before
 #     tokenizing: ``whitespace_clean(basic_clean(text))`` = ftfy.fix_text, html.unescape twice, strip, collapse
 #     ``\s+`` (the ``regex`` module's) to one space, strip. The negative prompt goes through step 5 only.
-_UPSTREAM_MARKERS = ("<LAPA>", "<DREAM>", "<COTRAIN>")
-
-DROID_TEMPLATE = (
-    "A multi-view video shows that a robot {task} The video is split into three views: The top view shows the camera "
-    "view from the robot's wrist, the bottom-left view shows the camera view from the left exterior camera, and the "
-    "bottom-right view shows the camera view from the right exterior camera. During training, one of the two bottom "
-    "exterior views may be a black screen (dropped view). The robot {task}"
-)
-
-
-def clean_prompt(text: str) -> str:
-    """Upstream's tokenizer-side cleaning (``whitespace_clean(basic_clean(text))``), applied to every text it encodes."""
-    text = ftfy.fix_text(text)
-    text = html.unescape(html.unescape(text)).strip()
-    # Upstream's `re` is the `regex` module (\s = Unicode White_Space); `regex` comes with transformers.
-    return regex.sub(r"\s+", " ", text).strip()
+# Every embodiment's prompt takes steps 3-5 with its own template (policies/dreamzero/embodiments.py, torch-free).
 
 
 def droid_instruction(prompt: str | None) -> str:
@@ -68,24 +61,12 @@ def droid_instruction(prompt: str | None) -> str:
     A missing prompt (None) is the empty instruction, like upstream's server sends for an absent key.
     Raises ValueError for an empty list/tuple literal (``"[]"``), on which upstream's ``collate`` fails.
     """
-    text = "" if prompt is None else prompt.rstrip("\0")
-    for marker in _UPSTREAM_MARKERS:
-        text = text.replace(marker, "")
-    try:
-        parsed = ast.literal_eval(text)
-    except (ValueError, SyntaxError, TypeError):
-        return text
-    if isinstance(parsed, (list, tuple)):
-        if not parsed:
-            raise ValueError(f"prompt {prompt!r} is an empty {type(parsed).__name__} literal (upstream DreamZero fails on it)")
-        return str(parsed[0])
-    return str(parsed)
+    return instruction(prompt)
 
 
 def droid_prompt(prompt: str | None) -> str:
     """The exact text upstream tokenizes for a DROID prompt: instruction, template, cleaning (see above)."""
-    task = droid_instruction(prompt).lower()
-    return clean_prompt(DROID_TEMPLATE.format(task=task))
+    return render_prompt(DROID_TEMPLATE, prompt)
 
 
 def crop_and_resize(frames: np.ndarray, size: tuple[int, int], crop_scale: float = CROP_SCALE) -> np.ndarray:
@@ -127,6 +108,34 @@ def stitch_views(
     return canvas
 
 
+def canvas_size(layout: Layout, view_size: tuple[int, int]) -> tuple[int, int]:
+    """(height, width) of the model's canvas for a layout of views of ``view_size``."""
+    h, w = view_size
+    return (h, w) if layout == "single" else (2 * h, 2 * w)
+
+
+def stitch_canvas(layout: Layout, views: list[np.ndarray | None], view_size: tuple[int, int]) -> np.ndarray:
+    """Resized (T, h, w, 3) views in the embodiment's camera order (None: black) -> the (T, H, W, 3) canvas.
+
+    ``droid``: views are (left exterior, right exterior, wrist), see :func:`stitch_views`. ``grid`` (upstream's
+    2x2 for every other embodiment): view 0 top-left, view 1 bottom-left, view 2 top-right, bottom-right black.
+    ``single``: the one view is the canvas.
+    """
+    if layout == "droid":
+        return stitch_views(views[2], views[0], views[1], view_size=view_size)
+    present = [v for v in views if v is not None]
+    frames = max((v.shape[0] for v in present), default=1)
+    for view in present:
+        if view.shape[0] != frames:
+            raise ValueError(f"camera frame stacks differ in length: {[v.shape[0] for v in present]}")
+    h, w = view_size
+    canvas = np.zeros((frames, *canvas_size(layout, view_size), 3), dtype=np.uint8)
+    for view, (row, col) in zip(views, ((0, 0), (1, 0), (0, 1)), strict=False):
+        if view is not None:
+            canvas[:, row * h : (row + 1) * h, col * w : (col + 1) * w] = view
+    return canvas
+
+
 @dataclass(frozen=True)
 class NormStats:
     """q01 / q99 of the first ``len(q01)`` dims (DROID: 7 joints + gripper)."""
@@ -144,6 +153,10 @@ class NormStats:
         except (KeyError, TypeError) as exc:
             raise ValueError(f"metadata.json has no {embodiment}.statistics.{kind} joint/gripper q01/q99 ({exc})") from None
         return cls(np.asarray(q01, dtype=np.float64), np.asarray(q99, dtype=np.float64))
+
+    @classmethod
+    def from_quantiles(cls, stats: QuantileStats) -> NormStats:
+        return cls(*stats.arrays())
 
     @property
     def dim(self) -> int:
@@ -165,6 +178,15 @@ def normalize_state(state: np.ndarray, stats: NormStats, max_state_dim: int) -> 
 def denormalize_actions(actions: np.ndarray, stats: NormStats) -> np.ndarray:
     """(H, >= dim) in [-1, 1] -> (H, dim) real units: (x + 1) / 2 * (q99 - q01) + q01."""
     return (actions[:, : stats.dim] + 1.0) / 2.0 * (stats.q99 - stats.q01) + stats.q01
+
+
+def to_absolute(actions: np.ndarray, state: np.ndarray, slices: list[tuple[tuple[int, int], tuple[int, int]]]) -> np.ndarray:
+    """Relative action columns + the observed state they are relative to: ``slices`` pairs an action
+    column range with the state range of the same key (upstream's ``GrootSimPolicy.unapply``)."""
+    out = actions.copy()
+    for (a0, a1), (s0, s1) in slices:
+        out[:, a0:a1] += state[s0:s1]
+    return out
 
 
 def to_absolute_joints(actions: np.ndarray, joint_state: np.ndarray, relative_dims: int) -> np.ndarray:

@@ -38,7 +38,7 @@ def reference() -> tuple[dict, dict[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def tiny_5b_dir() -> Path:
-    return ensure_tiny_checkpoint(family="5b")
+    return ensure_tiny_checkpoint(variant="tiny_5b")
 
 
 @pytest.fixture(scope="module")

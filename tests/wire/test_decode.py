@@ -284,7 +284,7 @@ def test_bad_image_under_the_one_indexed_convention_names_its_key() -> None:
     "key, value, needle",
     [
         (JOINTS, np.zeros(6), "expected 7 numbers (float array or list), got shape (6,)"),
-        (JOINTS, np.zeros((1, 7)), "got shape (1, 7)"),
+        (JOINTS, np.zeros((2, 7)), "got shape (2, 7)"),  # a real batch; a batch of one is accepted (sim_evals)
         (JOINTS, [0.0] * 8, "got a list of 8"),
         (JOINTS, np.array(["1"] * 7), "got array of dtype <U1"),
         (JOINTS, np.ones(7, dtype=bool), "got array of dtype bool"),
@@ -392,7 +392,7 @@ def bad_state(length: int) -> st.SearchStrategy[Any]:
             lambda bad: st.integers(0, length - 1).map(lambda i: [bad if j == i else 0.0 for j in range(length)])
         ),
         st.sampled_from([np.nan, np.inf]).map(lambda bad: np.full(length, bad)),
-        st.just(np.zeros((length, 1))),
+        st.just(np.zeros((length, 1) if length > 1 else (2, 1))),  # a column; (1, 1) is a batch of one (accepted)
         st.text(max_size=3),
         st.just({"x": 0.0}),
         st.just([None] * length),

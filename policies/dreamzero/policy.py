@@ -31,8 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from kv import Branch, KVSpec, SessionKV
+from policies import hub
 from policies.base import ChunkRecording, Policy, RuntimeOptions, StepResult
 from policies.dreamzero.config import BUILTIN_TINY, SYNTHETIC_PREFIX, DreamZeroConfig
+from policies.dreamzero.dit import DiTConfig
 from policies.dreamzero.model import DreamZeroModel
 from policies.dreamzero.scheduler import FlowUniPCScheduler
 from policies.dreamzero.transforms import (
@@ -92,13 +94,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         self.options = options
         self.device = torch.device(options.device)
         self.dtype = getattr(torch, options.dtype)
-        if model is None and config.checkpoint.startswith(SYNTHETIC_PREFIX):
-            from policies.dreamzero.synthetic import synthetic_model
-
-            model = synthetic_model(config.checkpoint, dtype=self.dtype, device=self.device)
+        self.text_device = torch.device(resolve_device(config.text_encoder_device, str(self.device)))
+        self.image_device = torch.device(resolve_device(config.image_encoder_device, str(self.device)))
         if model is None:
-            checkpoint = resolve_checkpoint(config.checkpoint)
-            model = DreamZeroModel.load(checkpoint, tokenizer=config.tokenizer, dtype=self.dtype, device=self.device)
+            model = self._load(config, options)
         self.model = model
         self.dit = model.dit
         self.dit_config = model.dit.config
@@ -121,6 +120,22 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             # graph; all blocks share the code object and slot/table/layer changes are values.
             for block in self.dit.blocks:
                 block.compile(fullgraph=True, dynamic=False, backend=options.compile_backend)
+
+    def _load(self, config: DreamZeroConfig, options: RuntimeOptions) -> DreamZeroModel:
+        """The model from its checkpoint (or a synthetic one), after its memory plan was printed and checked."""
+        from policies.dreamzero import memory
+
+        devices = {"device": self.device, "text_encoder_device": self.text_device, "image_encoder_device": self.image_device}
+        if config.checkpoint.startswith(SYNTHETIC_PREFIX):
+            from policies.dreamzero.synthetic import synthetic_model
+
+            geometry = memory.synthetic_geometry(config.checkpoint)
+            check_memory_plan(geometry, config, options, self.device)
+            return synthetic_model(config.checkpoint, dtype=self.dtype, **devices)
+        checkpoint, tokenizer = resolve_files(config)
+        geometry = memory.checkpoint_geometry(checkpoint, config.view_size)
+        check_memory_plan(geometry, config, options, self.device)
+        return DreamZeroModel.load(checkpoint, tokenizer=tokenizer, dtype=self.dtype, **devices)
 
     def _check_geometry(self) -> None:
         h, w = self.config.view_size
@@ -146,7 +161,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             action_horizon=self.action_head_config.action_horizon,
             action_dim=self.action_stats.dim,
             model="dreamzero",
-            checkpoint=self.config.checkpoint,
+            checkpoint=hub.snapshot_label(self.config.checkpoint) or self.config.checkpoint,
             details={"dit_step_cache": self.config.dit_step_cache, "num_inference_steps": self.config.num_inference_steps},
         )
 
@@ -167,19 +182,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 )
 
     def kv_spec(self) -> KVSpec:
-        dit = self.dit_config
-        return KVSpec(
-            num_layers=dit.num_layers,
-            num_heads=dit.num_heads,
-            head_dim=dit.head_dim,
-            page_size=dit.frame_seqlen,  # one page = one latent frame
-            window_pages=dit.local_attn_size,
-            max_new_pages=dit.num_frame_per_block,
-            max_extra_tokens=dit.action_register_length,
-            cross_text_tokens=dit.text_len,
-            cross_image_tokens=dit.num_image_tokens if dit.model_type == "i2v" else 0,
-            dtype=self.dtype,
-        )
+        return dit_kv_spec(self.dit_config, self.dtype)
 
     def start_session(self, session_id: str, kv: SessionKV | None) -> DreamZeroSession:
         if kv is None:
@@ -218,7 +221,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         # vision: image conditioning at a window start
         if session.current_start_frame == 0:
             newest = video[:, :, -1:]
-            session.clip_feature = self.model.image_encoder(newest[:, :, 0])
+            session.clip_feature = self.model.image_encoder(newest[:, :, 0].to(self.image_device)).to(self.device, self.dtype)
             timer.mark("vision")
             session.ys, session.first_latent = self._image_conditioning(newest)
             self._populate_cross(session, prompt_embeds)
@@ -300,25 +303,26 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         video = torch.from_numpy(np.stack(frames)).to(self.device)
         return pixels_to_model_range(video.permute(3, 0, 1, 2).unsqueeze(0), self.dtype)
 
-    def _tokenize(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _encode_text(self, text: str) -> torch.Tensor:
+        """Text embeddings on the engine's device, whichever device the text encoder runs on."""
         tokens = self.model.tokenizer(
             text, max_length=self.dit_config.text_len, padding="max_length", truncation=True,
             return_tensors="pt", add_special_tokens=True,
         )  # fmt: skip
-        return tokens["input_ids"].to(self.device), tokens["attention_mask"].to(self.device)
+        embeds = self.model.text_encoder(tokens["input_ids"].to(self.text_device), tokens["attention_mask"].to(self.text_device))
+        return embeds.to(self.device, self.dtype)
 
     def _prompt_embeds(self, session: DreamZeroSession) -> dict[Branch, torch.Tensor]:
         """Text embeddings of the branches this process runs (the prompt's are cached per session)."""
         embeds = {}
         if Branch.COND in self.branches:
             if session.prompt_embeds is None:
-                session.prompt_embeds = self.model.text_encoder(*self._tokenize(session.prompt))
+                session.prompt_embeds = self._encode_text(session.prompt)
             embeds[Branch.COND] = session.prompt_embeds
         if Branch.UNCOND in self.branches:
             if self._negative_embeds is None:
                 # Upstream's tokenizer cleans the negative prompt too (no template, no lower-casing).
-                negative = clean_prompt(self.config.negative_prompt)
-                self._negative_embeds = self.model.text_encoder(*self._tokenize(negative))
+                self._negative_embeds = self._encode_text(clean_prompt(self.config.negative_prompt))
             embeds[Branch.UNCOND] = self._negative_embeds
         return embeds
 
@@ -510,12 +514,63 @@ def _seeded_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
 
 
+def dit_kv_spec(dit: DiTConfig, dtype: torch.dtype) -> KVSpec:
+    """What a DreamZero DiT needs from the paged KV cache (the policy's and the memory plan's)."""
+    return KVSpec(
+        num_layers=dit.num_layers,
+        num_heads=dit.num_heads,
+        head_dim=dit.head_dim,
+        page_size=dit.frame_seqlen,  # one page = one latent frame
+        window_pages=dit.local_attn_size,
+        max_new_pages=dit.num_frame_per_block,
+        max_extra_tokens=dit.action_register_length,
+        cross_text_tokens=dit.text_len,
+        cross_image_tokens=dit.num_image_tokens if dit.model_type == "i2v" else 0,
+        dtype=dtype,
+    )
+
+
 def resolve_checkpoint(checkpoint: str) -> Path:
     if checkpoint == BUILTIN_TINY:
         from policies.dreamzero.tiny import ensure_tiny_checkpoint
 
         return ensure_tiny_checkpoint()
     return Path(checkpoint).expanduser()
+
+
+def resolve_files(config: DreamZeroConfig) -> tuple[Path, Path | None]:
+    """Checkpoint and tokenizer directories. The front end has already turned Hugging Face ids
+    into local snapshots (``DreamZeroConfig.preflight``); an engine started without it (Ray
+    replicas, in-process tests) fetches them here."""
+    if config.checkpoint == BUILTIN_TINY:
+        return resolve_checkpoint(config.checkpoint), Path(config.tokenizer).expanduser() if config.tokenizer else None
+    return config.local_files()
+
+
+def resolve_device(wanted: str, engine_device: str) -> str:
+    """A placement setting (``engine``, ``cpu``, ``cuda``, ``cuda:N``) as a device."""
+    from policies.dreamzero.memory import resolve_device as resolve
+
+    return resolve(wanted, engine_device)
+
+
+def check_memory_plan(geometry, config: DreamZeroConfig, options: RuntimeOptions, device: torch.device) -> None:
+    """Log this process's memory plan and refuse (StartRefused, one line) if a device cannot hold its part."""
+    from policies.dreamzero import memory
+
+    settings = memory.PlanSettings(
+        engine_device=str(device), dtype=getattr(torch, options.dtype),
+        text_encoder_device=config.text_encoder_device, image_encoder_device=config.image_encoder_device,
+        branches=len(options.guidance.local_branches) if config.cfg_scale != 1.0 else 1,
+        cfg_parallel_size=2 if options.guidance.is_parallel else 1, max_sessions=options.max_sessions,
+        kv_budget_gib=options.kv_budget_gib, kv_memory_fraction=options.kv_memory_fraction,
+    )  # fmt: skip
+    used = {settings.device_of(c) for c in memory.COMPONENTS}
+    memory.check_devices_exist(sorted(used), torch.cuda.device_count() if any(d.startswith("cuda") for d in used) else 0)
+    free = {d: memory.free_bytes(d) for d in used | {"cpu"}}
+    plan = memory.plan_memory(geometry, settings, free)
+    logger.info("%s", plan.describe())
+    plan.check()
 
 
 def build_dreamzero(config: DreamZeroConfig, options: RuntimeOptions) -> DreamZeroPolicy:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,33 +132,50 @@ def parameters() -> dict[str, dict[str, int]]:
 
 # ------------------------------------------------------------------------------ VAE calibration
 
-_MEASURE = r"""
-import re, sys, torch
-torch.set_num_threads(2)
-from diffusers import AutoencoderKLWan
-h, w, config = int(sys.argv[1]), int(sys.argv[2]), eval(sys.argv[3])
-vae = AutoencoderKLWan(**config).eval()
-video = torch.randn(1, 3, 9, h, w)
-status = lambda key: int(re.search(key + r":\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
-with torch.no_grad():
-    vae.encode(video[:, :, :5])
-    before = status("VmRSS")
-    open("/proc/self/clear_refs", "w").write("5")  # resets the peak (VmHWM) to the current RSS
-    vae.encode(video)
-    print(status("VmHWM") - before)
-"""
+def peak_tensor_bytes(run) -> int:
+    """The most bytes of CPU tensors alive at once while ``run()`` executes: the running sum of the
+    profiler's allocation events (what ``torch.cuda.max_memory_allocated`` is on a GPU; no allocator
+    caching or fragmentation)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def vae_peak(height: int, width: int, config: dict, frames: int = 9) -> tuple[int, int]:
+    """(peak bytes of a float32 encode of ``frames`` frames, the plan's unit: first-level channels x 6 frames x H x W x 4 bytes)."""
+    from diffusers import AutoencoderKLWan
+
+    with torch.no_grad():
+        vae = AutoencoderKLWan(**config).eval()
+        video = torch.randn(1, 3, frames, height, width)
+        vae.encode(video[:, :, :5])  # first-call allocations out of the way
+        peak = peak_tensor_bytes(lambda: vae.encode(video))
+    patch = config.get("patch_size") or 1
+    return peak, config["base_dim"] * memory.VAE_CHUNK_FRAMES * (height // patch) * (width // patch) * 4
+
+
+VAE_CASES = (
+    ("Wan2.1", 88, 160, {"base_dim": 96}),
+    ("Wan2.1", 176, 320, {"base_dim": 96}),
+    ("Wan2.1", 352, 640, {"base_dim": 96}),
+    ("Wan2.2", 160, 320, WAN22_VAE),
+)
 
 
 def measure_vae() -> list[dict]:
-    """Peak memory of a 9-frame float32 VAE encode on this CPU (each in a fresh process), against the
-    plan's unit (first-level channels x 6 frames x H x W x 4 bytes): the ratio is VAE_LIVE_TENSORS."""
-    cases = [("Wan2.1", 88, 160, {"base_dim": 96}), ("Wan2.1", 176, 320, {"base_dim": 96}), ("Wan2.2", 160, 320, WAN22_VAE)]
+    """The VAE activation constants (``memory.VAE_LIVE_TENSORS``, ``RESIDUAL_VAE_LIVE_TENSORS``) measured: peak / unit per case."""
     out = []
-    for name, h, w, config in cases:
-        peak = int(subprocess.run([sys.executable, "-c", _MEASURE, str(h), str(w), repr(config)], capture_output=True, text=True, check=True).stdout)
-        patch = config.get("patch_size") or 1
-        unit = config["base_dim"] * memory.VAE_CHUNK_FRAMES * (h // patch) * (w // patch) * 4
+    for name, h, w, config in VAE_CASES:
+        peak, unit = vae_peak(h, w, config)
         out.append({"vae": name, "input": f"{h}x{w}", "peak_mib": round(peak / 2**20), "unit_mib": round(unit / 2**20, 1), "ratio": round(peak / unit, 2)})
+        print(out[-1], flush=True)
     return out
 
 
@@ -169,9 +185,9 @@ def main() -> None:
     parser.add_argument("--measure-vae", action="store_true", help="measure the VAE's peak on this CPU (a few minutes)")
     args = parser.parse_args()
     if args.measure_vae:
-        for row in measure_vae():
-            print(row)
-        print(f"memory.VAE_LIVE_TENSORS = {memory.VAE_LIVE_TENSORS}")
+        torch.set_num_threads(2)
+        measure_vae()
+        print(f"memory.VAE_LIVE_TENSORS = {memory.VAE_LIVE_TENSORS}, RESIDUAL_VAE_LIVE_TENSORS = {memory.RESIDUAL_VAE_LIVE_TENSORS}")
         return
     table = rows()
     counts = parameters()

@@ -105,8 +105,9 @@ def test_a_fraction_budget_is_sized_from_what_the_weights_leave(droid):
 def test_activation_estimate_orders_the_phases(droid, tiny):
     phases = memory.activation_bytes(droid, torch.bfloat16)
     assert phases["vae"] > phases["dit"] > phases["text_encoder"] > phases["image_encoder"] > 0
-    # the 352x640 VAE chunk: 8 x 96 channels x 6 frames x 352 x 640 x 4 bytes + the 33-frame input
-    assert phases["vae"] == 8 * 96 * 6 * 352 * 640 * 4 + 3 * 33 * 352 * 640 * 2
+    # the 352x640 VAE chunk: 7 x 96 channels x 6 frames x 352 x 640 x 4 bytes + the 33-frame input
+    assert phases["vae"] == 7 * 96 * 6 * 352 * 640 * 4 + 3 * 33 * 352 * 640 * 2
+    assert phases["vae"] > 3363 * 2**20  # measured: a 9-frame float32 encode at 352x640 peaks at 3363 MiB of tensors
     assert memory.activation_bytes(tiny, torch.float32)["vae"] < 64 * 2**20
 
 
@@ -126,12 +127,12 @@ def test_placement_moves_encoder_weights_and_activations_off_the_gpu(droid):
 @pytest.mark.parametrize(
     ("free_gib", "settings", "needle"),
     [
-        # 14B, both branches, UMT5 and CLIP on the GPU, one session: 68.3 GiB
-        (48, {"max_sessions": 1}, "needs 68.3 GiB on cuda:0, has 48.0 GiB free"),
+        # 14B, both branches, UMT5 and CLIP on the GPU, one session: 67.8 GiB
+        (48, {"max_sessions": 1}, "needs 67.8 GiB on cuda:0, has 48.0 GiB free"),
         (48, {"max_sessions": 1}, "set policy.text_encoder_device=cpu and engine.cfg_parallel_size=2"),
         (47, {"max_sessions": 1}, "set policy.text_encoder_device=cpu, policy.image_encoder_device=cpu and engine.cfg_parallel_size=2"),
         (62, {"max_sessions": 1}, "set policy.text_encoder_device=cpu or engine.cfg_parallel_size=2"),
-        (24, {"max_sessions": 1}, "even with every placement option it needs 46.5 GiB on cuda:0: use a device with more memory"),
+        (24, {"max_sessions": 1}, "even with every placement option it needs 46.0 GiB on cuda:0: use a device with more memory"),
         (80, {"kv_memory_fraction": 0.9, "max_sessions": 4}, "set engine.kv_memory_fraction=0.8"),
         (80, {"kv_budget_gib": 60.0}, "set engine.kv_budget_gib=3"),
     ],

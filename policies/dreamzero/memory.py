@@ -42,10 +42,13 @@ GiB = 2**30
 CUDA_RESERVE_BYTES = 1 * GiB
 # A causal-conv VAE chunk: 4 new frames plus the 2 cached ones its convolutions concatenate.
 VAE_CHUNK_FRAMES = 6
-# Tensors of (first-level channels x 6 frames x H x W) x 4 bytes alive at a VAE encode's peak, measured
-# on a CPU in float32 (scripts/memory_plan.py --measure-vae): Wan2.1 VAE at 176x320 6.3, at 88x160 7.0;
-# Wan2.2 VAE at 160x320 7.9 (its first level is at half resolution, after the 2x2 patchify).
-VAE_LIVE_TENSORS = 8
+# Tensors of (first-level channels x 6 frames x H x W) x 4 bytes alive at a VAE encode's peak: the
+# exact peak of live tensor bytes of a 9-frame float32 encode on a CPU over that unit, rounded up
+# (scripts/memory_plan.py --measure-vae): Wan2.1 VAE 6.88 / 6.82 / 6.79 at 88x160 / 176x320 /
+# 352x640; Wan2.2 VAE (is_residual: its first level at half resolution after the 2x2 patchify, plus
+# the residual down-sampling's shortcut copies) 8.37 at 160x320.
+VAE_LIVE_TENSORS = 7
+RESIDUAL_VAE_LIVE_TENSORS = 9
 COMPONENTS = ("dit", "text_encoder", "image_encoder", "vae")
 LABELS = {"dit": "DiT", "text_encoder": "text encoder", "image_encoder": "image encoder", "vae": "VAE"}
 
@@ -119,10 +122,12 @@ def checkpoint_geometry(checkpoint: str | Path, view_size: tuple[int, int]) -> M
     """A checkpoint directory's geometry: its config.json read and its networks built on the meta device."""
     from policies.dreamzero.checkpoint import CheckpointDir
     from policies.dreamzero.model import meta_modules
+    from policies.hub import snapshot_label
 
     ckpt = CheckpointDir(checkpoint)
     head, _, modules = meta_modules(ckpt)
-    return geometry_from_modules(str(checkpoint), *modules, canvas=stitched_canvas(view_size), num_frames=head.num_frames)
+    name = snapshot_label(checkpoint) or str(checkpoint)
+    return geometry_from_modules(name, *modules, canvas=stitched_canvas(view_size), num_frames=head.num_frames)
 
 
 def synthetic_geometry(checkpoint: str) -> ModelGeometry:
@@ -325,9 +330,10 @@ def activation_bytes(geometry: ModelGeometry, dtype: torch.dtype) -> dict[str, i
       inside a block its modulation (6 L x dim) plus the larger of self-attention (norms, q, k, v,
       output: 8 L x dim; RoPE in float32: 3 L x dim x 4 bytes; the visible window's K/V gathered
       by the sdpa backend: 2 x block-table tokens x dim) and the FFN (2 L x ffn_dim + 2 L x dim).
-    * VAE, one causal chunk at the first (full-resolution) level: 8 tensors of channels x 6 frames
-      x H x W in float32 (CUDA autocast keeps its norms in float32), plus the 33-frame input; the
-      decoder (recordings) by the same rule with its own first-level channels.
+    * VAE, one causal chunk at the first (full-resolution) level: 7 tensors (9 for the Wan2.2 VAE)
+      of channels x 6 frames x H x W in float32, measured (an upper bound in bf16, where only the
+      norms under CUDA autocast stay float32), plus the 33-frame input; the decoder (recordings)
+      by the same rule with its own first-level channels.
     * Text encoder: text_len tokens through UMT5 (6 d_model + 3 d_ff per token) and its eager
       attention's float32 scores and probabilities (2 x heads x text_len^2).
     * Image encoder: the same for CLIP's tokens, plus the image resized to its input size.
@@ -346,7 +352,8 @@ def activation_bytes(geometry: ModelGeometry, dtype: torch.dtype) -> dict[str, i
     h, w = geometry.canvas
     patch = vae.get("patch_size") or 1
     channels = max(vae.get("base_dim", 96), vae.get("decoder_base_dim") or 0)
-    chunk = VAE_LIVE_TENSORS * channels * VAE_CHUNK_FRAMES * (h // patch) * (w // patch) * 4
+    live = RESIDUAL_VAE_LIVE_TENSORS if vae.get("is_residual") else VAE_LIVE_TENSORS
+    chunk = live * channels * VAE_CHUNK_FRAMES * (h // patch) * (w // patch) * 4
     vae_bytes = chunk + 3 * geometry.num_frames * h * w * b
 
     text = geometry.text
@@ -356,7 +363,7 @@ def activation_bytes(geometry: ModelGeometry, dtype: torch.dtype) -> dict[str, i
     image = geometry.image
     m = 1 + (image["image_size"] // image["patch_size"]) ** 2
     image_bytes = m * (6 * image["hidden_size"] + 3 * image["intermediate_size"]) * b + 2 * image["num_attention_heads"] * m * m * 4
-    image_bytes += 3 * image["image_size"] ** 2 * 4 + 3 * h * w * b // 4  # the resized image; the newest view
+    image_bytes += 3 * image["image_size"] ** 2 * 4 + 3 * h * w * b  # the resized image; the newest frame
     return {"dit": dit_bytes, "vae": vae_bytes, "text_encoder": text_bytes, "image_encoder": image_bytes}
 
 

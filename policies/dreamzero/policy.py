@@ -127,10 +127,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
 
         devices = {"device": self.device, "text_encoder_device": self.text_device, "image_encoder_device": self.image_device}
         if config.checkpoint.startswith(SYNTHETIC_PREFIX):
-            from policies.dreamzero.synthetic import synthetic_model
+            from policies.dreamzero.synthetic import is_resident, synthetic_model
 
-            geometry = memory.synthetic_geometry(config.checkpoint)
-            check_memory_plan(geometry, config, options, self.device)
+            if not is_resident(config.checkpoint, dtype=self.dtype, **devices):  # else its weights are already there (gpu_check)
+                check_memory_plan(memory.synthetic_geometry(config.checkpoint), config, options, self.device)
             return synthetic_model(config.checkpoint, dtype=self.dtype, **devices)
         checkpoint, tokenizer = resolve_files(config)
         geometry = memory.checkpoint_geometry(checkpoint, config.view_size)
@@ -558,6 +558,8 @@ def check_memory_plan(geometry, config: DreamZeroConfig, options: RuntimeOptions
     """Log this process's memory plan and refuse (StartRefused, one line) if a device cannot hold its part."""
     from policies.dreamzero import memory
 
+    if device.type == "cuda" and device.index is None:  # "cuda": this process's current GPU, named like the placements
+        device = torch.device("cuda", torch.cuda.current_device())
     settings = memory.PlanSettings(
         engine_device=str(device), dtype=getattr(torch, options.dtype),
         text_encoder_device=config.text_encoder_device, image_encoder_device=config.image_encoder_device,

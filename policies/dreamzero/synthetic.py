@@ -282,9 +282,20 @@ def build_model(
     return DreamZeroModel(dit, text_encoder, image_encoder, vae, tokenizer, spec.head, droid_metadata())
 
 
+_resident: tuple | None = None  # the key of the model _cached_model holds
+
+
 @functools.lru_cache(maxsize=1)
 def _cached_model(checkpoint: str, dtype: torch.dtype, device: str, text_device: str, image_device: str) -> DreamZeroModel:
-    return build_model(parse_spec(checkpoint), dtype=dtype, device=device, text_encoder_device=text_device, image_encoder_device=image_device)
+    global _resident
+    model = build_model(parse_spec(checkpoint), dtype=dtype, device=device, text_encoder_device=text_device, image_encoder_device=image_device)
+    _resident = (checkpoint, dtype, device, text_device, image_device)
+    return model
+
+
+def _key(checkpoint: str, dtype: torch.dtype, device, text_encoder_device, image_encoder_device) -> tuple:
+    name = lambda d: str(torch.device(d if d is not None else device))  # noqa: E731
+    return checkpoint, dtype, name(device), name(text_encoder_device), name(image_encoder_device)
 
 
 def synthetic_model(
@@ -298,12 +309,25 @@ def synthetic_model(
     """The model for a ``synthetic:`` checkpoint. The last one built is kept, so that several
     engines in one process (gpu_check's variants) share one set of weights instead of holding
     two copies of a 46 GB model; call :func:`release_cached_model` to drop it."""
-    name = lambda d: str(torch.device(d if d is not None else device))  # noqa: E731
-    return _cached_model(checkpoint, dtype, name(device), name(text_encoder_device), name(image_encoder_device))
+    return _cached_model(*_key(checkpoint, dtype, device, text_encoder_device, image_encoder_device))
+
+
+def is_resident(
+    checkpoint: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    text_encoder_device: torch.device | str | None = None,
+    image_encoder_device: torch.device | str | None = None,
+) -> bool:
+    """Whether :func:`synthetic_model` would return the model it keeps (no new weights allocated)."""
+    return _resident == _key(checkpoint, dtype, device, text_encoder_device, image_encoder_device)
 
 
 def release_cached_model() -> None:
+    global _resident
     _cached_model.cache_clear()
+    _resident = None
 
 
 def parameter_bytes(model: DreamZeroModel) -> dict[str, int]:

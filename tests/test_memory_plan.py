@@ -273,3 +273,23 @@ def load_script():
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def test_the_server_refuses_a_plan_that_does_not_fit_in_one_line(tmp_path):
+    """Through the real CLI: the worker prints its plan, refuses before loading, and the server exits."""
+    import os
+    import subprocess
+
+    from tests.server_harness import REPO
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-m", "ardiff_server", "--config", "tiny", "--port", "0", "--set", "engine.kv_budget_gib=100000"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    log = out.stdout + out.stderr
+    assert out.returncode == 1, log
+    assert "memory plan: " in log and "KV pool" in log and "DOES NOT FIT" in log  # the plan, printed
+    refusals = [line for line in log.splitlines() if "memory plan: needs 100000.0 GiB on cpu, has " in line]
+    assert len(refusals) == 2 and all("set engine.kv_budget_gib=" in line for line in refusals), log  # the worker's line, the server's
+    assert "Traceback" not in log and "listening" not in log

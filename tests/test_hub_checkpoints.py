@@ -98,6 +98,13 @@ def test_anything_else_is_one_line_naming_the_key(text, needle):
     assert "\n" not in str(caught.value)
 
 
+def test_builtin_and_synthetic_names_are_not_resolved():
+    assert DreamZeroConfig().preflight().checkpoint == "builtin:tiny"
+    assert DreamZeroConfig(checkpoint="synthetic:droid").preflight().checkpoint == "synthetic:droid"
+    with pytest.raises(ValueError, match="unknown 'builtin:huge'; the built-in checkpoint is builtin:tiny"):
+        DreamZeroConfig(checkpoint="builtin:huge").preflight()
+
+
 def test_an_existing_local_directory_wins_over_an_id_of_the_same_shape(tmp_path, monkeypatch):
     (tmp_path / "org" / "name").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)

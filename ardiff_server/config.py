@@ -246,8 +246,9 @@ def validate_config(raw: dict[str, Any], source: str = "<config>") -> AppConfig:
 
 def preflight(config: AppConfig, *, local: bool = True) -> None:
     """What would make every worker fail, checked before any is spawned (no torch needed):
-    devices that are not there, and the policy's own files (checkpoint, tokenizer). Raises
-    ConfigError with one line naming the problem and the fix. ``local=False`` (Ray Serve: the
+    devices that are not there, and the policy's own files (checkpoint, tokenizer). A policy's
+    ``preflight()`` may return its config with files resolved (Hugging Face ids fetched into the
+    hub cache): the workers get that one. Raises ConfigError with one line naming the problem and the fix. ``local=False`` (Ray Serve: the
     engines run on other nodes) checks only what does not depend on this machine."""
     try:
         device_lists = config.engine.replica_device_lists()
@@ -277,9 +278,11 @@ def preflight(config: AppConfig, *, local: bool = True) -> None:
     check = getattr(config.policy_options(), "preflight", None)
     if check is not None:
         try:
-            check()
+            resolved = check()
         except ValueError as exc:
             raise ConfigError(f"{config.source}: {exc}") from None
+        if isinstance(resolved, pydantic.BaseModel):  # e.g. Hugging Face ids resolved to local snapshots
+            config.policy = resolved.model_dump(mode="json")
 
 
 def cuda_device_count() -> int:

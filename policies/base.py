@@ -22,6 +22,11 @@ from policies.info import PolicyInfo
 from policies.observation import RobotObservation
 
 
+class StartRefused(RuntimeError):
+    """A policy refuses to start on this machine (e.g. its memory plan does not fit a device).
+    The message is one line naming the problem and the fix: workers log it without a traceback."""
+
+
 @dataclass(frozen=True)
 class RuntimeOptions:
     """Engine settings a policy needs to build itself."""
@@ -33,6 +38,11 @@ class RuntimeOptions:
     compile_backend: str = "inductor"  # torch.compile backend ("eager" checks graph capture only)
     cuda_graphs: bool = False
     record: bool = False  # fill StepResult.recording (server.record_dir)
+    # How the engine sizes the KV pool (a policy's memory plan checks it before loading weights).
+    max_sessions: int = 8
+    kv_budget_gib: float | None = None
+    kv_memory_fraction: float = 0.5
+    max_batch: int = 1  # sessions per forward (engine.max_batch): KV scratch and activations scale with it
 
 
 @dataclass

@@ -605,6 +605,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     report["params_b"] = sum(sum(p.numel() for p in m.parameters()) for m in (model.dit, model.text_encoder, model.image_encoder, model.vae)) / 1e9
     del model
     log(f"synthetic model: {report['params_b']:.2f} B parameters, {gib(sum(weights.values())):.2f} GiB in {report['materialize_s']:.1f} s")
+    # The server's memory plan for this engine, to hold against the measured peaks (calibrates its estimates).
+    from policies.dreamzero import memory
+
+    budget = kv_budget_gib(kv_spec_for(args.checkpoint, args.dtype)[0], args.max_sessions)
+    settings = memory.PlanSettings(args.device, dtype, max_sessions=args.max_sessions, kv_budget_gib=budget)
+    plan = memory.plan_memory(memory.synthetic_geometry(args.checkpoint), settings).device(args.device)
+    report["memory_plan_gib"] = {"weights": gib(sum(plan.weights.values())), "kv": gib(plan.kv.pool_bytes), "activations": gib(plan.activations),
+                                 "reserve": gib(plan.reserve), "total": gib(plan.total)}  # fmt: skip
+    log(f"memory plan: {report['memory_plan_gib']}")
 
     obs = observations(args.calls)
     load = ForeignLoad()

@@ -2,7 +2,7 @@
 """Record what upstream DreamZero's eval transforms make of one raw observation, per embodiment.
 
 Runs upstream's own code (dreamzero0/dreamzero, imported from ``--upstream``) on deterministic raw
-observations and writes the reference ``tests/test_embodiment_parity.py`` compares this server with:
+observations and writes the reference ``tests/policies/test_embodiment_parity.py`` compares this server with:
 
 * the composed training config of each embodiment upstream defines (oxe_droid, agibot, yam): upstream's
   hydra yaml files merged in hydra's order (transform/base, transform/dreamzero_cotrain, data base_48,
@@ -52,7 +52,7 @@ TEMPLATE_TAGS = ("agibot", "oxe_droid", "gr1_unified", "mecka_hands", "xdof", "y
 
 def raw_inputs(tag: str, cameras: list[str], states: dict[str, int], frames: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Deterministic raw frames (uint8) and states (float64, (1, dim), some beyond q01 / q99) of one observation.
-    ``tests/test_embodiment_parity.py`` regenerates them with this same function."""
+    ``tests/policies/test_embodiment_parity.py`` regenerates them with this same function."""
     rng = np.random.default_rng([SEED, sum(tag.encode()), frames])
     images = {c: rng.integers(0, 256, (frames, *RAW_SIZE, 3), dtype=np.uint8) for c in cameras}
     state = {k: rng.uniform(-3.5, 3.5, (1, d)) for k, d in states.items()}

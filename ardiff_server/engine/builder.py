@@ -49,7 +49,9 @@ def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> Se
         device=str(device), dtype=engine_config.dtype,
         guidance=Guidance.single() if world_size == 1 else Guidance.parallel(rank),
         compile=engine_config.compile, compile_backend=engine_config.compile_backend, cuda_graphs=engine_config.cuda_graphs,
-        record=config.server.record_dir is not None and rank == 0,
+        record=config.server.record_dir is not None and rank == 0, max_sessions=engine_config.max_sessions,
+        kv_budget_gib=engine_config.kv_budget_gib, kv_memory_fraction=engine_config.kv_memory_fraction,
+        max_batch=engine_config.batch_limit,
     )  # fmt: skip
     policy = build_policy(config.policy_name, config.policy_options(), options)
     max_batch = min(engine_config.batch_limit, policy.info.max_batch)

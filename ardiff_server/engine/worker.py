@@ -70,9 +70,16 @@ def worker_main(
         engine = start_engine(config, rank, world_size, control, warmup=warmup)
         arena = SharedArena.attach(arena_name) if arena_name else None
     except BaseException as exc:
-        logger.exception("worker failed to start")
+        from policies.base import StartRefused
+
+        if isinstance(exc, StartRefused):  # the policy explains itself in one line (e.g. its memory plan)
+            logger.error("%s", exc)
+            error = str(exc)
+        else:
+            logger.exception("worker failed to start")
+            error = f"{type(exc).__name__}: {exc}"
         if channel is not None:
-            channel.send(StartFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            channel.send(StartFailed(error, traceback.format_exc()))
         raise SystemExit(1) from None
     stats = gather_stats(engine, control)  # a collective: every rank takes part
     if channel is not None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
 import pydantic
+
+from policies import hub
 
 # Upstream's default (NUM_DIT_STEPS=8): which of the 16 denoise steps run the DiT.
 UPSTREAM_STEP_MASK = [True, True, True, False, False, False, True, False, False, False, True, False, False, True, True, True]
@@ -26,15 +29,38 @@ BUILTIN_TINY_YAM = "builtin:tiny_yam"
 BUILTIN_CHECKPOINTS = (BUILTIN_TINY, BUILTIN_TINY_5B, BUILTIN_TINY_AGIBOT, BUILTIN_TINY_YAM)
 SYNTHETIC_PREFIX = "synthetic:"  # random weights in a released geometry, made on the device (synthetic.py)
 
+# What the server reads from a checkpoint (checkpoint.py), and so all it fetches of a hub repo.
+CHECKPOINT_FILES = (
+    "config.json", "model.safetensors", "model.safetensors.index.json", "model-*.safetensors",
+    "experiment_cfg/metadata.json", "experiment_cfg/conf.yaml", "vae/config.json",
+)  # fmt: skip
+CHECKPOINT_TOKENIZER_FILES = ("tokenizer/*",)  # only when policy.tokenizer is not given
+# A tokenizer repo (google/umt5-xxl) without its model weights.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "spiece.model", "config.json")
+CHECKPOINT_EXAMPLE = "/path/to/DreamZero-DROID"
+TOKENIZER_EXAMPLE = "/path/to/umt5-xxl"
+# Where a once-per-prompt / once-per-window encoder runs: the engine's device (the DiT's), or another.
+_COMPONENT_DEVICE = re.compile(r"^(engine|cpu|cuda(:\d+)?)$")
+
 
 class DreamZeroConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
 
     name: Literal["dreamzero"] = "dreamzero"
-    checkpoint: str = pydantic.Field(BUILTIN_TINY, description="checkpoint directory, or builtin:tiny / tiny_5b / tiny_agibot / tiny_yam")
-    tokenizer: str | None = pydantic.Field(None, description="tokenizer directory (default: <checkpoint>/tokenizer)")
+    checkpoint: str = pydantic.Field(
+        BUILTIN_TINY,
+        description="checkpoint directory, Hugging Face id (org/name[@revision]), builtin:tiny / tiny_5b / tiny_agibot / tiny_yam or synthetic:<preset>",
+    )
+    tokenizer: str | None = pydantic.Field(
+        None, description="tokenizer directory or Hugging Face id, e.g. google/umt5-xxl (default: <checkpoint>/tokenizer)"
+    )
+    # UMT5-XXL (5.7 B parameters) runs once per prompt (its embeddings are cached per session) and
+    # CLIP once per window: on "cpu" they free GPU memory for the DiT and the KV cache.
+    text_encoder_device: str = pydantic.Field("engine", description="engine (the DiT's device), cpu, cuda or cuda:N")
+    image_encoder_device: str = pydantic.Field("engine", description="engine (the DiT's device), cpu, cuda or cuda:N")
     view_size: tuple[int, int] | None = pydantic.Field(
-        None, description="per-view (height, width) fed to the model (default: the checkpoint family's, 14B 176x320, 5B 160x320)"
+        None,
+        description="per-view (height, width) fed to the model (default: the training run's resize, else the family's: 14B 176x320, 5B 160x320)",
     )
     image_resolution: tuple[int, int] | None = pydantic.Field(
         None, description="camera size advertised to clients (default: 14B 180x320; 5B its metadata.json's, else 160x320)"
@@ -53,6 +79,13 @@ class DreamZeroConfig(pydantic.BaseModel):
     )
     negative_prompt: str = DEFAULT_NEGATIVE_PROMPT
 
+    @pydantic.field_validator("text_encoder_device", "image_encoder_device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if not _COMPONENT_DEVICE.match(value):
+            raise ValueError("expected engine, cpu, cuda or cuda:<index>")
+        return value
+
     @pydantic.model_validator(mode="after")
     def _check_mask(self) -> DreamZeroConfig:
         if self.dit_step_cache == "fixed":
@@ -64,27 +97,40 @@ class DreamZeroConfig(pydantic.BaseModel):
                 raise ValueError("dit_step_mask must run the DiT on the first step")
         return self
 
-    def preflight(self) -> None:
-        """Cheap checks before any worker is spawned: the checkpoint and tokenizer directories exist.
+    def preflight(self) -> DreamZeroConfig:
+        """Before any worker is spawned: Hugging Face ids become local snapshot directories (fetched
+        into the hub cache when missing), then the checkpoint and tokenizer directories are checked.
+        Returns the config the workers get: local paths only, so they never touch the network.
         Raises ValueError with one line naming the problem and the fix."""
         if self.checkpoint.startswith((BUILTIN_PREFIX, SYNTHETIC_PREFIX)):
             if self.checkpoint.startswith(BUILTIN_PREFIX) and self.checkpoint not in BUILTIN_CHECKPOINTS:
                 raise ValueError(f"policy.checkpoint: unknown {self.checkpoint!r}; built in: {', '.join(BUILTIN_CHECKPOINTS)}")
-            return
-        checkpoint = Path(self.checkpoint).expanduser()
+            return self
+        checkpoint, tokenizer = self.local_files()
+        self.embodiment_of(checkpoint)
+        return self.model_copy(update={"checkpoint": str(checkpoint), "tokenizer": str(tokenizer)})
+
+    def local_files(self) -> tuple[Path, Path]:
+        """The checkpoint and tokenizer directories, hub ids fetched (see ``policies/hub.py``)."""
+        patterns = CHECKPOINT_FILES + (() if self.tokenizer else CHECKPOINT_TOKENIZER_FILES)
+        checkpoint = hub.resolve(self.checkpoint, key="policy.checkpoint", example=CHECKPOINT_EXAMPLE, allow_patterns=patterns)
+        source = "" if checkpoint.as_posix() == Path(self.checkpoint).expanduser().as_posix() else f" ({self.checkpoint})"
         if not (checkpoint / "config.json").is_file():
-            what = "has no config.json" if checkpoint.is_dir() else "does not exist"
+            what = "has no config.json" if checkpoint.is_dir() else "is not a directory"
             raise ValueError(
-                f"policy.checkpoint: {checkpoint} {what}; point it at a local GEAR-Dreams/DreamZero-DROID "
-                "directory (--set policy.checkpoint=/path/to/DreamZero-DROID)"
+                f"policy.checkpoint: {checkpoint}{source} {what}; point it at a DreamZero checkpoint: a local directory "
+                f"(--set policy.checkpoint={CHECKPOINT_EXAMPLE}) or its Hugging Face id (GEAR-Dreams/DreamZero-DROID)"
             )
-        tokenizer = Path(self.tokenizer).expanduser() if self.tokenizer else checkpoint / "tokenizer"
+        if self.tokenizer:
+            tokenizer = hub.resolve(self.tokenizer, key="policy.tokenizer", example=TOKENIZER_EXAMPLE, allow_patterns=TOKENIZER_FILES)
+        else:
+            tokenizer = checkpoint / "tokenizer"
         if not tokenizer.is_dir():
             raise ValueError(
-                f"policy.tokenizer: {tokenizer} does not exist; point it at a local google/umt5-xxl tokenizer "
-                "directory (--set policy.tokenizer=/path/to/umt5-xxl)"
+                f"policy.tokenizer: {tokenizer} does not exist; give a google/umt5-xxl tokenizer: a local directory "
+                f"(--set policy.tokenizer={TOKENIZER_EXAMPLE}) or its Hugging Face id (--set policy.tokenizer=google/umt5-xxl)"
             )
-        self.embodiment_of(checkpoint)
+        return checkpoint, tokenizer
 
     def embodiment_of(self, checkpoint: Path):
         """The embodiment this config serves from a checkpoint directory (torch-free: metadata.json and

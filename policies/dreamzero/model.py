@@ -244,6 +244,18 @@ def check_dit_fits_vae(dit: DiTConfig, vae: VideoVAE) -> None:
         )
 
 
+def meta_modules(ckpt: CheckpointDir) -> tuple[ActionHeadConfig, DiTConfig, tuple[CausalWanModel, TextEncoder, ImageEncoder, VideoVAE]]:
+    """A checkpoint's configs and its four networks built on the meta device (no memory): the
+    loader fills them, the memory plan counts them."""
+    head, dit_cfg = read_config(ckpt)
+    with torch.device("meta"):
+        dit = CausalWanModel(dit_cfg)
+        text_encoder = TextEncoder.from_config(ckpt.component_config("text_encoder_cfg"))
+        image_encoder = ImageEncoder.from_config(ckpt.component_config("image_encoder_cfg"))
+        vae = VideoVAE.from_config(read_vae_config(ckpt))
+    return head, dit_cfg, (dit, text_encoder, image_encoder, vae)
+
+
 @dataclass
 class DreamZeroModel:
     dit: CausalWanModel
@@ -263,24 +275,23 @@ class DreamZeroModel:
         tokenizer: str | Path | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        text_encoder_device: torch.device | str | None = None,
+        image_encoder_device: torch.device | str | None = None,
     ) -> DreamZeroModel:
+        """The model on ``device``; the text / image encoders on their own devices if given (they
+        run once per prompt / window; the policy moves their outputs to ``device``)."""
         start = time.perf_counter()
         ckpt = CheckpointDir(checkpoint)
-        head, dit_cfg = read_config(ckpt)
-        with torch.device("meta"):
-            dit = CausalWanModel(dit_cfg)
-            text_encoder = TextEncoder.from_config(ckpt.component_config("text_encoder_cfg"))
-            image_encoder = ImageEncoder.from_config(ckpt.component_config("image_encoder_cfg"))
-            vae = VideoVAE.from_config(read_vae_config(ckpt))
+        head, dit_cfg, (dit, text_encoder, image_encoder, vae) = meta_modules(ckpt)
         vae_config = dict(vae.model.config)
         components = [
-            (dit, DIT_PREFIX, identity_targets),
-            (text_encoder, TEXT_ENCODER_PREFIX, text_encoder_targets),
-            (image_encoder, IMAGE_ENCODER_PREFIX, image_encoder_targets),
-            (vae, VAE_PREFIX, lambda key: vae_targets(key, vae_config)),
+            (dit, DIT_PREFIX, identity_targets, device),
+            (text_encoder, TEXT_ENCODER_PREFIX, text_encoder_targets, text_encoder_device or device),
+            (image_encoder, IMAGE_ENCODER_PREFIX, image_encoder_targets, image_encoder_device or device),
+            (vae, VAE_PREFIX, lambda key: vae_targets(key, vae_config), device),
         ]
-        for module, prefix, targets in components:
-            load_component(module, ckpt.weights, prefix, targets, dtype=dtype, device=device)
+        for module, prefix, targets, module_device in components:
+            load_component(module, ckpt.weights, prefix, targets, dtype=dtype, device=module_device)
             module.eval().requires_grad_(False)
 
         tokenizer_path = Path(tokenizer).expanduser() if tokenizer else ckpt.path / "tokenizer"

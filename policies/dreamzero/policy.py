@@ -38,8 +38,10 @@ import torch
 import torch.nn.functional as F
 
 from kv import Branch, KVSpec, SessionKV, prepare_batch
+from policies import hub
 from policies.base import ChunkRecording, Policy, RuntimeOptions, StepResult
 from policies.dreamzero.config import BUILTIN_PREFIX, SYNTHETIC_PREFIX, DreamZeroConfig
+from policies.dreamzero.dit import DiTConfig
 from policies.dreamzero.embodiments import embodiment_prompt, resolve
 from policies.dreamzero.model import DreamZeroModel
 from policies.dreamzero.scheduler import FlowUniPCScheduler
@@ -101,13 +103,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         self.options = options
         self.device = torch.device(options.device)
         self.dtype = getattr(torch, options.dtype)
-        if model is None and config.checkpoint.startswith(SYNTHETIC_PREFIX):
-            from policies.dreamzero.synthetic import synthetic_model
-
-            model = synthetic_model(config.checkpoint, dtype=self.dtype, device=self.device)
+        self.text_device = torch.device(resolve_device(config.text_encoder_device, str(self.device)))
+        self.image_device = torch.device(resolve_device(config.image_encoder_device, str(self.device)))
         if model is None:
-            checkpoint = resolve_checkpoint(config.checkpoint)
-            model = DreamZeroModel.load(checkpoint, tokenizer=config.tokenizer, dtype=self.dtype, device=self.device)
+            model = self._load(config, options)
         self.model = model
         self.dit = model.dit
         self.dit_config = model.dit.config
@@ -173,6 +172,23 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         target = self.action_head_config.target_video_size
         return target if target is not None else canvas_size(self.embodiment.layout, self.view_size)
 
+    def _load(self, config: DreamZeroConfig, options: RuntimeOptions) -> DreamZeroModel:
+        """The model from its checkpoint (or a synthetic one), after its memory plan was printed and checked."""
+        from policies.dreamzero import memory
+
+        devices = {"device": self.device, "text_encoder_device": self.text_device, "image_encoder_device": self.image_device}
+        if config.checkpoint.startswith(SYNTHETIC_PREFIX):
+            from policies.dreamzero.synthetic import is_resident, synthetic_model
+
+            if not is_resident(config.checkpoint, dtype=self.dtype, **devices):  # else its weights are already there (gpu_check)
+                check_memory_plan(memory.synthetic_geometry(config.checkpoint), config, options, self.device)
+            return synthetic_model(config.checkpoint, dtype=self.dtype, **devices)
+        checkpoint, tokenizer = resolve_files(config)
+        # The canvas the VAE sees (activations): the view size as it will be, before the model says it.
+        geometry = memory.checkpoint_geometry(checkpoint, config.view_size or config.embodiment_of(checkpoint).trained_view_size)
+        check_memory_plan(geometry, config, options, self.device)
+        return DreamZeroModel.load(checkpoint, tokenizer=tokenizer, dtype=self.dtype, **devices)
+
     def _check_geometry(self) -> None:
         h, w = self.canvas_size
         s = self.model.vae.spatial_compression
@@ -217,7 +233,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             action_horizon=horizon,
             action_dim=self.action_stats.dim,
             model="dreamzero",
-            checkpoint=self.config.checkpoint,
+            checkpoint=hub.snapshot_label(self.config.checkpoint) or self.config.checkpoint,
             details={
                 "dit_step_cache": self.config.dit_step_cache, "num_inference_steps": self.config.num_inference_steps,
                 "backbone": "wan2.2-ti2v-5b" if self.model.vae.is_wan22 else "wan2.1-i2v-14b",
@@ -244,19 +260,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 )
 
     def kv_spec(self) -> KVSpec:
-        dit = self.dit_config
-        return KVSpec(
-            num_layers=dit.num_layers,
-            num_heads=dit.num_heads,
-            head_dim=dit.head_dim,
-            page_size=dit.frame_seqlen,  # one page = one latent frame
-            window_pages=dit.local_attn_size,
-            max_new_pages=dit.num_frame_per_block,
-            max_extra_tokens=dit.action_register_length,
-            cross_text_tokens=dit.text_len,
-            cross_image_tokens=dit.num_image_tokens if dit.has_image_context else 0,
-            dtype=self.dtype,
-        )
+        return dit_kv_spec(self.dit_config, self.dtype)
 
     def start_session(self, session_id: str, kv: SessionKV | None) -> DreamZeroSession:
         if kv is None:
@@ -337,7 +341,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         timer.mark("text")
         if session.current_start_frame == 0:
             newest = video[:, :, -1:]
-            session.clip_feature = self.model.image_encoder(newest[:, :, 0])
+            session.clip_feature = self.model.image_encoder(newest[:, :, 0].to(self.image_device)).to(self.device, self.dtype)
             timer.mark("vision")
             session.ys, session.first_latent = self._image_conditioning(newest)  # ys: None for the 5B
             self._populate_cross(session, prompt_embeds)
@@ -543,24 +547,28 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         return video
 
     def _tokenize(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input ids, attention mask) padded to the DiT's text length, on the text encoder's device."""
         tokens = self.model.tokenizer(
             text, max_length=self.dit_config.text_len, padding="max_length", truncation=True,
             return_tensors="pt", add_special_tokens=True,
         )  # fmt: skip
-        return tokens["input_ids"].to(self.device), tokens["attention_mask"].to(self.device)
+        return tokens["input_ids"].to(self.text_device), tokens["attention_mask"].to(self.text_device)
+
+    def _encode_text(self, text: str) -> torch.Tensor:
+        """Text embeddings on the engine's device, whichever device the text encoder runs on."""
+        return self.model.text_encoder(*self._tokenize(text)).to(self.device, self.dtype)
 
     def _prompt_embeds(self, session: DreamZeroSession) -> dict[Branch, torch.Tensor]:
         """Text embeddings of the branches this process runs (the prompt's are cached per session)."""
         embeds = {}
         if Branch.COND in self.branches:
             if session.prompt_embeds is None:
-                session.prompt_embeds = self.model.text_encoder(*self._tokenize(session.prompt))
+                session.prompt_embeds = self._encode_text(session.prompt)
             embeds[Branch.COND] = session.prompt_embeds
         if Branch.UNCOND in self.branches:
             if self._negative_embeds is None:
                 # Upstream's tokenizer cleans the negative prompt too (no template, no lower-casing).
-                negative = clean_prompt(self.config.negative_prompt)
-                self._negative_embeds = self.model.text_encoder(*self._tokenize(negative))
+                self._negative_embeds = self._encode_text(clean_prompt(self.config.negative_prompt))
             embeds[Branch.UNCOND] = self._negative_embeds
         return embeds
 
@@ -734,12 +742,65 @@ def _seeded_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
 
 
+def dit_kv_spec(dit: DiTConfig, dtype: torch.dtype) -> KVSpec:
+    """What a DreamZero DiT needs from the paged KV cache (the policy's and the memory plan's)."""
+    return KVSpec(
+        num_layers=dit.num_layers,
+        num_heads=dit.num_heads,
+        head_dim=dit.head_dim,
+        page_size=dit.frame_seqlen,  # one page = one latent frame
+        window_pages=dit.local_attn_size,
+        max_new_pages=dit.num_frame_per_block,
+        max_extra_tokens=dit.action_register_length,
+        cross_text_tokens=dit.text_len,
+        cross_image_tokens=dit.num_image_tokens if dit.has_image_context else 0,
+        dtype=dtype,
+    )
+
+
 def resolve_checkpoint(checkpoint: str) -> Path:
     if checkpoint.startswith(BUILTIN_PREFIX):  # builtin:tiny, builtin:tiny_agibot, ...
         from policies.dreamzero.tiny import ensure_tiny_checkpoint
 
         return ensure_tiny_checkpoint(variant=checkpoint.removeprefix(BUILTIN_PREFIX))
     return Path(checkpoint).expanduser()
+
+
+def resolve_files(config: DreamZeroConfig) -> tuple[Path, Path | None]:
+    """Checkpoint and tokenizer directories. The front end has already turned Hugging Face ids
+    into local snapshots (``DreamZeroConfig.preflight``); an engine started without it (Ray
+    replicas, in-process tests) fetches them here."""
+    if config.checkpoint.startswith(BUILTIN_PREFIX):
+        return resolve_checkpoint(config.checkpoint), Path(config.tokenizer).expanduser() if config.tokenizer else None
+    return config.local_files()
+
+
+def resolve_device(wanted: str, engine_device: str) -> str:
+    """A placement setting (``engine``, ``cpu``, ``cuda``, ``cuda:N``) as a device."""
+    from policies.dreamzero.memory import resolve_device as resolve
+
+    return resolve(wanted, engine_device)
+
+
+def check_memory_plan(geometry, config: DreamZeroConfig, options: RuntimeOptions, device: torch.device) -> None:
+    """Log this process's memory plan and refuse (StartRefused, one line) if a device cannot hold its part."""
+    from policies.dreamzero import memory
+
+    if device.type == "cuda" and device.index is None:  # "cuda": this process's current GPU, named like the placements
+        device = torch.device("cuda", torch.cuda.current_device())
+    settings = memory.PlanSettings(
+        engine_device=str(device), dtype=getattr(torch, options.dtype),
+        text_encoder_device=config.text_encoder_device, image_encoder_device=config.image_encoder_device,
+        branches=len(options.guidance.local_branches) if config.cfg_scale != 1.0 else 1,
+        cfg_parallel_size=2 if options.guidance.is_parallel else 1, max_sessions=options.max_sessions,
+        kv_budget_gib=options.kv_budget_gib, kv_memory_fraction=options.kv_memory_fraction, max_batch=options.max_batch,
+    )  # fmt: skip
+    used = {settings.device_of(c) for c in memory.COMPONENTS}
+    memory.check_devices_exist(sorted(used), torch.cuda.device_count() if any(d.startswith("cuda") for d in used) else 0)
+    free = {d: memory.free_bytes(d) for d in used | {"cpu"}}
+    plan = memory.plan_memory(geometry, settings, free)
+    logger.info("%s", plan.describe())
+    plan.check()
 
 
 def build_dreamzero(config: DreamZeroConfig, options: RuntimeOptions) -> DreamZeroPolicy:

@@ -263,17 +263,28 @@ def meta_modules(spec: SyntheticSpec) -> tuple[CausalWanModel, TextEncoder, Imag
         )
 
 
-def build_model(spec: SyntheticSpec, *, dtype: torch.dtype, device: torch.device | str) -> DreamZeroModel:
-    """The synthetic DreamZero on ``device`` in ``dtype`` (see the module docstring)."""
+def build_model(
+    spec: SyntheticSpec,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    text_encoder_device: torch.device | str | None = None,
+    image_encoder_device: torch.device | str | None = None,
+) -> DreamZeroModel:
+    """The synthetic DreamZero on ``device`` in ``dtype`` (see the module docstring); the text /
+    image encoders on their own devices if given."""
     from policies.dreamzero.tiny import droid_metadata, tiny_tokenizer
 
     device = torch.device(device)
     start = time.perf_counter()
     dit, text_encoder, image_encoder, vae = meta_modules(spec)
-    generator = torch.Generator(device=device).manual_seed(spec.seed)
     depths = (spec.dit.num_layers, spec.text_config["num_layers"], spec.image_config["num_hidden_layers"], 1)
-    for module, depth in zip((dit, text_encoder, image_encoder, vae), depths):
-        materialize(module, device=device, dtype=dtype, generator=generator, depth=depth)
+    devices = [device, torch.device(text_encoder_device or device), torch.device(image_encoder_device or device), device]
+    generators: dict[torch.device, torch.Generator] = {}
+    for module, depth, module_device in zip((dit, text_encoder, image_encoder, vae), depths, devices):
+        if module_device not in generators:  # one seeded stream per device (a generator lives on one)
+            generators[module_device] = torch.Generator(device=module_device).manual_seed(spec.seed)
+        materialize(module, device=module_device, dtype=dtype, generator=generators[module_device], depth=depth)
     tokenizer = tiny_tokenizer()  # the tiny word-level tokenizer: its ids are a subset of any vocab here
     if len(tokenizer) > spec.text_config["vocab_size"]:
         raise ValueError(f"text_vocab {spec.text_config['vocab_size']} is smaller than the tokenizer's {len(tokenizer)} ids")
@@ -282,8 +293,9 @@ def build_model(spec: SyntheticSpec, *, dtype: torch.dtype, device: torch.device
             f"image encoder gives {image_encoder.num_tokens} tokens of width {image_encoder.dim}, the DiT expects "
             f"{spec.dit.num_image_tokens} of width {spec.dit.clip_dim}"
         )
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    for module_device in generators:
+        if module_device.type == "cuda":
+            torch.cuda.synchronize(module_device)
     params = sum(p.numel() for m in (dit, text_encoder, image_encoder, vae) for p in m.parameters())
     logger.info("synthetic DreamZero %s: %.2f B parameters on %s (%s) in %.1f s", spec.preset, params / 1e9, device, dtype,
                 time.perf_counter() - start)  # fmt: skip
@@ -293,20 +305,52 @@ def build_model(spec: SyntheticSpec, *, dtype: torch.dtype, device: torch.device
     return DreamZeroModel(dit, text_encoder, image_encoder, vae, tokenizer, spec.head, metadata)
 
 
+_resident: tuple | None = None  # the key of the model _cached_model holds
+
+
 @functools.lru_cache(maxsize=1)
-def _cached_model(checkpoint: str, dtype: torch.dtype, device: str) -> DreamZeroModel:
-    return build_model(parse_spec(checkpoint), dtype=dtype, device=device)
+def _cached_model(checkpoint: str, dtype: torch.dtype, device: str, text_device: str, image_device: str) -> DreamZeroModel:
+    global _resident
+    model = build_model(parse_spec(checkpoint), dtype=dtype, device=device, text_encoder_device=text_device, image_encoder_device=image_device)
+    _resident = (checkpoint, dtype, device, text_device, image_device)
+    return model
 
 
-def synthetic_model(checkpoint: str, *, dtype: torch.dtype, device: torch.device | str) -> DreamZeroModel:
+def _key(checkpoint: str, dtype: torch.dtype, device, text_encoder_device, image_encoder_device) -> tuple:
+    name = lambda d: str(torch.device(d if d is not None else device))  # noqa: E731
+    return checkpoint, dtype, name(device), name(text_encoder_device), name(image_encoder_device)
+
+
+def synthetic_model(
+    checkpoint: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    text_encoder_device: torch.device | str | None = None,
+    image_encoder_device: torch.device | str | None = None,
+) -> DreamZeroModel:
     """The model for a ``synthetic:`` checkpoint. The last one built is kept, so that several
     engines in one process (gpu_check's variants) share one set of weights instead of holding
     two copies of a 46 GB model; call :func:`release_cached_model` to drop it."""
-    return _cached_model(checkpoint, dtype, str(torch.device(device)))
+    return _cached_model(*_key(checkpoint, dtype, device, text_encoder_device, image_encoder_device))
+
+
+def is_resident(
+    checkpoint: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    text_encoder_device: torch.device | str | None = None,
+    image_encoder_device: torch.device | str | None = None,
+) -> bool:
+    """Whether :func:`synthetic_model` would return the model it keeps (no new weights allocated)."""
+    return _resident == _key(checkpoint, dtype, device, text_encoder_device, image_encoder_device)
 
 
 def release_cached_model() -> None:
+    global _resident
     _cached_model.cache_clear()
+    _resident = None
 
 
 def parameter_bytes(model: DreamZeroModel) -> dict[str, int]:

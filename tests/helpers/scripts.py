@@ -16,5 +16,6 @@ def load_script(name: str) -> ModuleType:
         sys.path.append(str(SCRIPTS))
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module

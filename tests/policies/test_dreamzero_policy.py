@@ -14,35 +14,7 @@ from policies.base import RuntimeOptions
 from policies.dreamzero.policy import DreamZeroConfig, DreamZeroPolicy
 from policies.guidance import Guidance
 from policies.observation import RobotObservation
-
-TINY = {"view_size": (48, 80)}
-
-
-def observations(n: int, seed: int = 0, prompt: str = "pick up the cup"):
-    rng = np.random.default_rng(seed)
-    for call in range(n):
-        shape = (1 if call == 0 else 4, 90, 160, 3)
-        cam = lambda: rng.integers(0, 256, shape, dtype=np.uint8)  # noqa: E731, B023 (used at once)
-        yield RobotObservation(
-            exterior_left=cam(), exterior_right=cam(), wrist=cam(),
-            joint_position=rng.uniform(-1, 1, 7).astype(np.float32), gripper_position=np.array([0.3], np.float32),
-            prompt=prompt,
-        )  # fmt: skip
-
-
-def make_policy(tiny_model, branches=None, guidance=None, **overrides) -> tuple[DreamZeroPolicy, PagedKVCache]:
-    options = RuntimeOptions(guidance=guidance or Guidance.single())
-    policy = DreamZeroPolicy(DreamZeroConfig(**{**TINY, **overrides}), options, model=tiny_model)
-    branches = branches or policy.branches
-    spec = policy.kv_spec()
-    cache = PagedKVCache(spec, num_pages=3 * len(branches) * spec.pages_per_branch + 1, max_sessions=3, branches=branches)
-    return policy, cache
-
-
-def rollout(policy, cache, obs, session_id="s"):
-    session = policy.start_session(session_id, cache.open_session(session_id))
-    results = [policy.step(session, o) for o in obs]
-    return session, results
+from tests.helpers.dreamzero import TINY, make_policy, observations, rollout
 
 
 def test_thirteen_call_rollout_walks_the_window_and_frees_every_page(tiny_model):

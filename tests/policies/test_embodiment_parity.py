@@ -163,7 +163,7 @@ def test_prompt_text_and_token_ids_are_upstreams_exactly(ref, tag):
             assert text == str(arrays[f"{name}/text"]), name
             assert clean_prompt(DEFAULT_NEGATIVE_PROMPT) == str(arrays[f"{name}/negative_text"])
             # what DreamZeroPolicy._tokenize hands the text encoder
-            stub = SimpleNamespace(model=SimpleNamespace(tokenizer=tokenizer), dit_config=SimpleNamespace(text_len=512), device="cpu")
+            stub = SimpleNamespace(model=SimpleNamespace(tokenizer=tokenizer), dit_config=SimpleNamespace(text_len=512), text_device="cpu")
             ids, mask = DreamZeroPolicy._tokenize(stub, text)
             np.testing.assert_array_equal(ids[0].numpy(), arrays[f"{name}/input_ids"])
             np.testing.assert_array_equal(mask[0].numpy(), arrays[f"{name}/attention_mask"])

@@ -78,7 +78,7 @@ def test_preflight_accepts_a_synthetic_checkpoint_where_a_missing_directory_is_r
     missing = str(tmp_path / "DreamZero-DROID")
     with pytest.raises(ValueError, match="does not exist"):
         DreamZeroConfig(checkpoint=missing).preflight()
-    assert DreamZeroConfig(checkpoint="synthetic:droid").preflight() is None  # no directory to look for
+    assert DreamZeroConfig(checkpoint="synthetic:droid").preflight().checkpoint == "synthetic:droid"  # no directory to look for
 
 
 @pytest.fixture(scope="module")

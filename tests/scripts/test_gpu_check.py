@@ -54,6 +54,9 @@ def test_reduced_run_reports_every_figure_the_device_run_reports(reduced_run):
     assert report["variants"]["flex+compile"]["vs_reference"]["ok"]
     assert report["variants"]["flex+compile"]["compile"] and report["variants"]["flex+compile"]["backend"] == "flex"
     assert report["flops"]["compute_bound_ms"] > 0 and report["anchors"]["vllm_omni_ms_one_h200"] == 1095.0
+    # the server's memory plan beside it: its weights (meta-device counts) are what was materialized
+    plan = report["memory_plan_gib"]
+    assert plan["weights"] == pytest.approx(sum(report["weights_gib"].values()), abs=1e-3) and plan["total"] > plan["weights"] + plan["kv"]
 
     # several robots per engine step: a window start then a steady call, for 1 and 2 sessions
     rows = report["batches"]["rows"]

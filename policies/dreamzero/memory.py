@@ -1,0 +1,536 @@
+"""The memory plan of one DreamZero engine process: what it puts on each device, before any weight is loaded.
+
+Per device the plan adds up:
+
+* weights: exact parameter counts of the four networks, built on the meta device from the
+  checkpoint's configs (nothing is allocated), times the engine dtype's size;
+* the KV pool exactly as the engine sizes it (``kv.PagedKVCache.pages_for_budget`` on the
+  policy's ``KVSpec``): pages, scratch, the null page and the cross-attention slots of every
+  session the engine admits;
+* activations: an estimate of the largest phase that runs there (a DiT forward, a VAE encode or
+  decode, a text / image encode; phases run one after another, so the largest counts), see
+  :func:`activation_bytes`;
+* on CUDA a fixed reserve for what PyTorch does not account as tensors (cuBLAS / cuDNN
+  workspaces, NCCL buffers, allocator fragmentation).
+
+:meth:`MemoryPlan.check` compares that with the free memory of each device (injected: the
+worker passes ``torch.cuda.mem_get_info``, tests pass numbers) and raises :class:`MemoryPlanError`
+with one line naming the device, the need, what is free and the settings that would make it fit
+(found by re-planning with each of them).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kv import KVSpec, PagedKVCache
+from policies.base import StartRefused
+from policies.dreamzero.dit import DiTConfig
+
+GiB = 2**30
+# What CUDA needs beyond the tensors PyTorch accounts: cuBLAS / cuDNN workspaces (the VAE's 3-D
+# convolutions), NCCL buffers under CFG-parallel, caching-allocator fragmentation. A prior, to be
+# calibrated against scripts/gpu_check.py's measured peak on a real GPU.
+CUDA_RESERVE_BYTES = 1 * GiB
+# A causal-conv VAE chunk: 4 new frames plus the 2 cached ones its convolutions concatenate.
+VAE_CHUNK_FRAMES = 6
+# Tensors of (first-level channels x 6 frames x H x W) x 4 bytes alive at a VAE encode's peak: the
+# exact peak of live tensor bytes of a 9-frame float32 encode on a CPU over that unit, rounded up
+# (scripts/memory_plan.py --measure-vae): Wan2.1 VAE 6.88 / 6.82 / 6.79 at 88x160 / 176x320 /
+# 352x640; Wan2.2 VAE (is_residual: its first level at half resolution after the 2x2 patchify, plus
+# the residual down-sampling's shortcut copies) 8.37 at 160x320.
+VAE_LIVE_TENSORS = 7
+RESIDUAL_VAE_LIVE_TENSORS = 9
+COMPONENTS = ("dit", "text_encoder", "image_encoder", "vae")
+LABELS = {"dit": "DiT", "text_encoder": "text encoder", "image_encoder": "image encoder", "vae": "VAE"}
+
+
+class MemoryPlanError(StartRefused):
+    """The plan does not fit a device; the message is one line with the fix."""
+
+
+# ------------------------------------------------------------------------------ geometry
+
+
+@dataclass(frozen=True)
+class ComponentSize:
+    floating: int  # floating-point parameters and persistent buffers: stored in the engine dtype
+    other_bytes: int = 0  # integer buffers (CLIP's position ids)
+
+    def bytes(self, dtype: torch.dtype) -> int:
+        return self.floating * _itemsize(dtype) + self.other_bytes
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """What the plan needs to know about a DreamZero model: sizes from the meta device, shapes from configs."""
+
+    name: str
+    dit: DiTConfig
+    sizes: Mapping[str, ComponentSize]  # by COMPONENTS
+    text: Mapping[str, Any]  # UMT5Config fields
+    image: Mapping[str, Any]  # CLIPVisionConfig fields
+    vae: Mapping[str, Any]  # AutoencoderKLWan config
+    canvas: tuple[int, int]  # (h, w) of the frames the VAE encodes
+    num_frames: int = 33  # frames of the window-start image conditioning
+
+    @property
+    def parameters(self) -> int:
+        return sum(size.floating for size in self.sizes.values())
+
+
+def geometry_from_modules(
+    name: str, dit: nn.Module, text_encoder: nn.Module, image_encoder: nn.Module, vae: nn.Module, *, canvas: tuple[int, int], num_frames: int = 33
+) -> ModelGeometry:
+    """Sizes of modules built on the meta device (tied tensors counted once) and their configs."""
+    modules = {"dit": dit, "text_encoder": text_encoder, "image_encoder": image_encoder, "vae": vae}
+    return ModelGeometry(
+        name=name,
+        dit=dit.config,
+        sizes={key: module_size(module) for key, module in modules.items()},
+        text=_config_of(text_encoder).to_dict(),
+        image=_config_of(image_encoder).to_dict(),
+        vae=dict(_config_of(vae)),
+        canvas=canvas,
+        num_frames=num_frames,
+    )
+
+
+def module_size(module: nn.Module) -> ComponentSize:
+    floating = other = 0
+    seen: set[int] = set()
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        if tensor.is_floating_point():
+            floating += tensor.numel()
+        else:
+            other += tensor.numel() * tensor.element_size()
+    return ComponentSize(floating, other)
+
+
+def checkpoint_geometry(checkpoint: str | Path, view_size: Sequence[int] | None) -> ModelGeometry:
+    """A checkpoint directory's geometry: its config.json read and its networks built on the meta device. The
+    canvas the VAE sees is the checkpoint's resize target (the 5B), else the stitched views (``view_size``;
+    None: the 14B's 176x320)."""
+    from policies.dreamzero.checkpoint import CheckpointDir
+    from policies.dreamzero.model import meta_modules
+    from policies.hub import snapshot_label
+
+    ckpt = CheckpointDir(checkpoint)
+    head, _, modules = meta_modules(ckpt)
+    name = snapshot_label(checkpoint) or str(checkpoint)
+    target = head.target_video_size
+    canvas = tuple(target) if target is not None else stitched_canvas(view_size or (176, 320))
+    return geometry_from_modules(name, *modules, canvas=canvas, num_frames=head.num_frames)
+
+
+def synthetic_geometry(checkpoint: str) -> ModelGeometry:
+    """A ``synthetic:`` checkpoint's geometry (its own view size)."""
+    from policies.dreamzero.synthetic import meta_modules, parse_spec
+
+    spec = parse_spec(checkpoint)
+    return geometry_from_modules(checkpoint, *meta_modules(spec), canvas=stitched_canvas(spec.view_size), num_frames=spec.head.num_frames)
+
+
+def stitched_canvas(view_size: Sequence[int]) -> tuple[int, int]:
+    """DROID's canvas: the wrist view on top, the two exterior views below (twice the view)."""
+    return 2 * view_size[0], 2 * view_size[1]
+
+
+# ------------------------------------------------------------------------------ the plan
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """Where things go and how the KV pool is sized (the engine's and the policy's settings)."""
+
+    engine_device: str  # the DiT's, the VAE's and the KV cache's
+    dtype: torch.dtype = torch.bfloat16
+    text_encoder_device: str = "engine"
+    image_encoder_device: str = "engine"
+    branches: int = 2  # CFG branches this process runs (1 under CFG-parallel or without guidance)
+    cfg_parallel_size: int = 1
+    max_sessions: int = 8
+    kv_budget_gib: float | None = None  # None: kv_memory_fraction of what the weights leave free
+    kv_memory_fraction: float = 0.5
+    max_batch: int = 1  # sessions per forward (engine.max_batch): scratch pages and the DiT / VAE activations scale with it
+
+    def device_of(self, component: str) -> str:
+        wanted = {"text_encoder": self.text_encoder_device, "image_encoder": self.image_encoder_device}.get(component, "engine")
+        return resolve_device(wanted, self.engine_device)
+
+
+def resolve_device(wanted: str, engine_device: str) -> str:
+    """``engine`` -> the engine's device; ``cuda`` -> the engine's GPU if it has one, else cuda:0."""
+    if wanted == "engine":
+        return engine_device
+    if wanted == "cuda":
+        return engine_device if engine_device.startswith("cuda:") else "cuda:0"
+    return wanted
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    spec: KVSpec
+    branches: int
+    max_sessions: int
+    pages: int  # pool pages as the engine sizes them (the null page and scratch excluded)
+    max_batch: int = 1  # scratch for this many sessions per forward
+
+    @property
+    def session_pages(self) -> int:
+        return self.branches * self.spec.pages_per_branch
+
+    @property
+    def session_bytes(self) -> int:
+        """One session at its worst: its pages in every local branch plus its cross-attention slots."""
+        return self.session_pages * self.spec.page_bytes + self.branches * self.spec.cross_slot_bytes
+
+    @property
+    def pool_bytes(self) -> int:
+        """What the engine allocates: pages + null page + scratch, and the cross slots of max_sessions."""
+        spec = self.spec
+        pages = self.pages + 1 + self.max_batch * self.branches * spec.scratch_pages_per_branch
+        return pages * spec.page_bytes + self.max_sessions * self.branches * spec.cross_slot_bytes
+
+    @property
+    def sessions(self) -> int:
+        """Sessions whose worst case the pool holds at once."""
+        return min(self.max_sessions, self.pages // self.session_pages)
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    device: str
+    weights: Mapping[str, int]  # component -> bytes on this device
+    activations: int
+    reserve: int
+    kv: KVPlan | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.weights.values()) + (self.kv.pool_bytes if self.kv else 0) + self.activations + self.reserve
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    geometry: ModelGeometry
+    settings: PlanSettings
+    devices: tuple[DevicePlan, ...]
+    free: Mapping[str, int] = field(default_factory=dict)  # bytes free per device when planned (the CPU's too: remedies move encoders there)
+
+    def device(self, name: str) -> DevicePlan:
+        return next(d for d in self.devices if d.device == name)
+
+    def shortfalls(self) -> list[DevicePlan]:
+        return [d for d in self.devices if d.device in self.free and d.total > self.free[d.device]]
+
+    def describe(self) -> str:
+        """A table per device, for the start-up log."""
+        s = self.settings
+        lines = [
+            f"memory plan: {self.geometry.name} ({_count(self.geometry.parameters)} parameters, {str(s.dtype).removeprefix('torch.')}), "
+            f"{s.branches} CFG branch(es) in this process"
+        ]
+        for d in self.devices:
+            free = f"{_size(self.free[d.device])} free" if d.device in self.free else "free unknown"
+            fits = "" if d.device not in self.free else ("  fits" if d.total <= self.free[d.device] else "  DOES NOT FIT")
+            lines.append(f"  {d.device}: needs {_size(d.total)}, {free}{fits}")
+            for component, size in d.weights.items():
+                lines.append(f"    {LABELS[component] + ' weights':<24}{_size(size):>11}")
+            if d.kv is not None:
+                kv = d.kv
+                lines.append(
+                    f"    {'KV pool':<24}{_size(kv.pool_bytes):>11}  ({kv.pages} pages of {_size(kv.spec.page_bytes)}; a session: "
+                    f"{kv.session_pages} pages + {kv.branches} cross slot(s) = {_size(kv.session_bytes)}; {kv.sessions} of max_sessions "
+                    f"{kv.max_sessions} fit at once; scratch for {kv.max_batch} per forward)"
+                )
+            lines.append(f"    {'activations (estimate)':<24}{_size(d.activations):>11}")
+            if d.reserve:
+                lines.append(f"    {'CUDA reserve':<24}{_size(d.reserve):>11}")
+        return "\n".join(lines)
+
+    def check(self) -> None:
+        """Raise MemoryPlanError (one line with the fix) if a device cannot hold its part."""
+        short = self.shortfalls()
+        if not short:
+            return
+        worst = short[0]
+        fix = suggest_fix(self)
+        raise MemoryPlanError(
+            f"memory plan: needs {worst.total / GiB:.1f} GiB on {worst.device}, has {self.free[worst.device] / GiB:.1f} GiB free "
+            f"({_breakdown(worst)}): {fix}"
+        )
+
+
+def plan_memory(geometry: ModelGeometry, settings: PlanSettings, free: Mapping[str, int] | None = None) -> MemoryPlan:
+    """The plan of one engine process. ``free`` (bytes per device) sizes a fraction-based KV pool
+    the way the engine does (a fraction of what the weights leave free) and is what :meth:`MemoryPlan.check`
+    compares against; without it the pool is the budget's, or the floor of one session."""
+    free = dict(free or {})
+    dtype = settings.dtype
+    engine = settings.engine_device
+    by_device: dict[str, dict[str, int]] = {}
+    for component in COMPONENTS:
+        by_device.setdefault(settings.device_of(component), {})[component] = geometry.sizes[component].bytes(dtype)
+    by_device.setdefault(engine, {})
+    phases = activation_bytes(geometry, dtype)
+    for batched in ("dit", "vae"):  # one forward / encode holds every session of a batch
+        phases[batched] *= settings.max_batch
+    devices = []
+    for device, weights in by_device.items():
+        here = [c for c in COMPONENTS if settings.device_of(c) == device]
+        activations = max(phases[c] for c in here) if here else 0
+        kv = None
+        if device == engine:
+            spec = dit_kv_spec(geometry.dit, dtype)
+            if settings.kv_budget_gib is not None:
+                budget = int(settings.kv_budget_gib * GiB)
+            else:
+                budget = int(max(0, free.get(device, 0) - sum(weights.values())) * settings.kv_memory_fraction)
+            pages = pages_for_budget(spec, budget, max_sessions=settings.max_sessions, num_branches=settings.branches, max_batch=settings.max_batch)
+            kv = KVPlan(spec, settings.branches, settings.max_sessions, pages, settings.max_batch)
+        reserve = CUDA_RESERVE_BYTES if device.startswith("cuda") else 0
+        devices.append(DevicePlan(device, weights, activations, reserve, kv))
+    devices.sort(key=lambda d: (d.device != engine, d.device))
+    return MemoryPlan(geometry, settings, tuple(devices), free)
+
+
+def pages_for_budget(spec: KVSpec, budget: int, *, max_sessions: int, num_branches: int, max_batch: int = 1) -> int:
+    """The engine's pool size (``PagedKVCache.pages_for_budget``) without its floor warning: a plan
+    may try budgets that the engine would never be given."""
+    import logging
+
+    cache_logger = logging.getLogger("kv.cache")
+    level = cache_logger.level
+    cache_logger.setLevel(logging.ERROR)
+    try:
+        return PagedKVCache.pages_for_budget(spec, budget, max_sessions=max_sessions, num_branches=num_branches, max_batch=max_batch)
+    finally:
+        cache_logger.setLevel(level)
+
+
+def dit_kv_spec(dit: DiTConfig, dtype: torch.dtype) -> KVSpec:
+    """The KV geometry of a DreamZero DiT (the policy's ``kv_spec``)."""
+    from policies.dreamzero.policy import dit_kv_spec as spec_of
+
+    return spec_of(dit, dtype)
+
+
+# ------------------------------------------------------------------------------ activations
+
+
+def activation_bytes(geometry: ModelGeometry, dtype: torch.dtype) -> dict[str, int]:
+    """Estimated peak bytes of the tensors each component's largest call keeps alive at once.
+
+    * DiT, one denoise forward (the largest: ``num_frame_per_block`` latent frames + the action
+      register, L tokens): across layers x, e (L x dim) and the per-token modulation (6 L x dim);
+      inside a block its modulation (6 L x dim) plus the larger of self-attention (norms, q, k, v,
+      output: 8 L x dim; RoPE in float32: 3 L x dim x 4 bytes; the visible window's K/V gathered
+      by the sdpa backend: 2 x block-table tokens x dim) and the FFN (2 L x ffn_dim + 2 L x dim).
+    * VAE, one causal chunk at the first (full-resolution) level: 7 tensors (9 for the Wan2.2 VAE)
+      of channels x 6 frames x H x W in float32, measured (an upper bound in bf16, where only the
+      norms under CUDA autocast stay float32), plus the 33-frame input; the decoder (recordings)
+      by the same rule with its own first-level channels.
+    * Text encoder: text_len tokens through UMT5 (6 d_model + 3 d_ff per token) and its eager
+      attention's float32 scores and probabilities (2 x heads x text_len^2).
+    * Image encoder: the same for CLIP's tokens, plus the image resized to its input size.
+    """
+    b = _itemsize(dtype)
+    dit = geometry.dit
+    spec = dit_kv_spec(dit, dtype)
+    tokens = dit.num_frame_per_block * dit.frame_seqlen + dit.action_register_length
+    dim, ffn = dit.dim, dit.ffn_dim
+    window = spec.block_table_width * spec.page_size
+    attention = 8 * tokens * dim * b + 3 * tokens * dim * 4 + 2 * window * dim * b
+    feed_forward = (2 * tokens * ffn + 2 * tokens * dim) * b
+    dit_bytes = (8 + 6) * tokens * dim * b + max(attention, feed_forward)
+
+    vae = geometry.vae
+    h, w = geometry.canvas
+    patch = vae.get("patch_size") or 1
+    channels = max(vae.get("base_dim", 96), vae.get("decoder_base_dim") or 0)
+    live = RESIDUAL_VAE_LIVE_TENSORS if vae.get("is_residual") else VAE_LIVE_TENSORS
+    chunk = live * channels * VAE_CHUNK_FRAMES * (h // patch) * (w // patch) * 4
+    vae_bytes = chunk + 3 * geometry.num_frames * h * w * b
+
+    text = geometry.text
+    n = dit.text_len
+    text_bytes = n * (6 * text["d_model"] + 3 * text["d_ff"]) * b + 2 * text["num_heads"] * n * n * 4
+
+    image = geometry.image
+    m = 1 + (image["image_size"] // image["patch_size"]) ** 2
+    image_bytes = m * (6 * image["hidden_size"] + 3 * image["intermediate_size"]) * b + 2 * image["num_attention_heads"] * m * m * 4
+    image_bytes += 3 * image["image_size"] ** 2 * 4 + 3 * h * w * b  # the resized image; the newest frame
+    return {"dit": dit_bytes, "vae": vae_bytes, "text_encoder": text_bytes, "image_encoder": image_bytes}
+
+
+# ------------------------------------------------------------------------------ fixes
+
+
+def _text_on_cpu(s: PlanSettings) -> PlanSettings | None:
+    return replace(s, text_encoder_device="cpu") if s.device_of("text_encoder").startswith("cuda") else None
+
+
+def _image_on_cpu(s: PlanSettings) -> PlanSettings | None:
+    return replace(s, image_encoder_device="cpu") if s.device_of("image_encoder").startswith("cuda") else None
+
+
+def _cfg_parallel(s: PlanSettings) -> PlanSettings | None:
+    return replace(s, cfg_parallel_size=2, branches=1) if s.cfg_parallel_size == 1 and s.branches == 2 else None
+
+
+def _one_session(s: PlanSettings) -> PlanSettings | None:
+    return replace(s, max_sessions=1) if s.max_sessions > 1 else None
+
+
+# Settings a plan that does not fit may suggest, tried alone, then in pairs, ...; None: not applicable.
+REMEDIES: tuple[tuple[str, Callable[[PlanSettings], PlanSettings | None]], ...] = (
+    ("policy.text_encoder_device=cpu", _text_on_cpu),
+    ("policy.image_encoder_device=cpu", _image_on_cpu),
+    ("engine.cfg_parallel_size=2", _cfg_parallel),  # a second GPU, one CFG branch on each
+    ("engine.max_sessions=1", _one_session),
+)
+
+
+def suggest_fix(plan: MemoryPlan) -> str:
+    """What makes the plan fit: a smaller KV budget if the weights and one session's pages fit,
+    else the fewest placement settings (every alternative of that size), else a larger GPU.
+    A second GPU for CFG-parallel is assumed to have what this one has free."""
+    budget = _budget_fix(plan)
+    if budget:
+        return f"set {budget}"
+    for count in range(1, len(REMEDIES) + 1):
+        found = []
+        for combo in itertools.combinations(REMEDIES, count):
+            candidate: PlanSettings | None = plan.settings
+            for _, apply in combo:
+                candidate = apply(candidate) if candidate is not None else None
+            if candidate is None:
+                continue
+            trial = plan_memory(plan.geometry, candidate, plan.free)
+            if _fits_with_floor(trial):
+                found.append(_join([name for name, _ in combo] + [b for b in (_budget_fix(trial),) if b]))
+        if found:
+            return "set " + (" or " if count == 1 else "; or ").join(found[:2])
+    smallest = plan_memory(plan.geometry, _with_every_remedy(plan.settings), plan.free)
+    worst = max(smallest.devices, key=lambda d: d.total - smallest.free.get(d.device, 0))
+    return (
+        f"even with every placement option it needs {_floor_total(worst) / GiB:.1f} GiB on {worst.device}: "
+        "use a device with more memory (docs/performance.md lists what fits where)"
+    )
+
+
+def _join(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _floor_total(d: DevicePlan) -> int:
+    """The device's need with the KV pool at the engine's floor (one session's pages)."""
+    if d.kv is None:
+        return d.total
+    floor = replace(d.kv, pages=d.kv.session_pages)
+    return d.total - d.kv.pool_bytes + floor.pool_bytes
+
+
+def _fits_with_floor(plan: MemoryPlan) -> bool:
+    return all(d.device in plan.free and _floor_total(d) <= plan.free[d.device] for d in plan.devices)
+
+
+def _budget_fix(plan: MemoryPlan) -> str | None:
+    """The KV setting that makes the engine device fit, when only the pool's size is the problem."""
+    settings = plan.settings
+    engine = plan.device(settings.engine_device)
+    free = plan.free.get(engine.device)
+    if engine.kv is None or free is None or engine.total <= free or _floor_total(engine) > free:
+        return None
+    if settings.kv_budget_gib is not None:
+        key, current = "kv_budget_gib", settings.kv_budget_gib
+    else:
+        key, current = "kv_memory_fraction", settings.kv_memory_fraction
+
+    def fits(steps: int) -> bool:
+        trial = plan_memory(plan.geometry, replace(settings, **{key: steps / 100}), plan.free)
+        return trial.device(engine.device).total <= free
+
+    # The largest value (in hundredths, at least 0.01: the floor fits) that fits: the need grows with it.
+    low, high = 1, max(1, round(current * 100))
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return f"engine.{key}={low / 100:g}"
+
+
+def _with_every_remedy(settings: PlanSettings) -> PlanSettings:
+    for _, apply in REMEDIES:
+        settings = apply(settings) or settings
+    return settings
+
+
+def _breakdown(d: DevicePlan) -> str:
+    parts = [f"weights {sum(d.weights.values()) / GiB:.1f}"]
+    if d.kv is not None:
+        parts.append(f"KV {d.kv.pool_bytes / GiB:.1f}")
+    parts.append(f"activations {d.activations / GiB:.1f}")
+    if d.reserve:
+        parts.append(f"reserve {d.reserve / GiB:.1f}")
+    return " + ".join(parts) + " GiB"
+
+
+# ------------------------------------------------------------------------------ devices
+
+
+def free_bytes(device: str) -> int:
+    """Free memory of a device now: CUDA's free memory (a context on that device is created), or the host's available RAM."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free)
+    return host_available_bytes()
+
+
+def host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        import psutil  # not Linux
+
+        return int(psutil.virtual_memory().available)
+
+
+def check_devices_exist(devices: Sequence[str], cuda_count: int) -> None:
+    """Placement devices this machine has (the engine's own are checked before workers start)."""
+    for device in devices:
+        match = re.fullmatch(r"cuda:(\d+)", device)
+        if match and int(match[1]) >= cuda_count:
+            have = f"{cuda_count} CUDA device(s)" if cuda_count else "no CUDA device"
+            raise MemoryPlanError(f"{device}: this machine has {have}; set policy.text_encoder_device / image_encoder_device to cpu or engine")
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _config_of(module: nn.Module) -> Any:
+    inner = getattr(module, "model", module)
+    return inner.config
+
+
+def _size(value: int) -> str:
+    return f"{value / GiB:.2f} GiB" if value >= 0.1 * GiB else f"{value / 2**20:.1f} MiB"
+
+
+def _count(value: int) -> str:
+    return f"{value / 1e9:.2f} B" if value >= 1e8 else f"{value / 1e6:.2f} M"

@@ -1,0 +1,203 @@
+#!/usr/bin/env python
+"""GiB per GPU for DreamZero's two families, by placement, against common cards (the table in docs/performance.md).
+
+Everything comes from ``policies/dreamzero/memory.py``, the plan the server prints and checks at
+start-up: weights from the networks built on the meta device (exact parameter counts), the KV
+pool from ``kv.PagedKVCache.pages_for_budget``, the activation estimate and the CUDA reserve.
+
+Geometries:
+
+* **14B**: ``synthetic:droid``, GEAR-Dreams/DreamZero-DROID's released geometry (Wan2.1-I2V-14B DiT,
+  UMT5-XXL, CLIP ViT-H/14, Wan2.1 VAE; 352x640 canvas, 880 tokens per latent frame).
+* **5B**: upstream's ``wan_flow_matching_action_tf_wan22.yaml`` (Wan2.2-TI2V-5B: dim 3072, 30
+  layers, 24 heads, FFN 14336, 48 latent channels, frame_seqlen 50 at a 160x320 canvas) with
+  the same encoders and the Wan2.2 VAE (``WanVideoVAE38``: base 160, decoder 256, z 48, 2x2
+  patchify, 16x spatial). Upstream builds ``model_type: ti2v`` exactly as ``i2v`` (the I2V
+  cross-attention with its image K/V and the CLIP projection ``img_emb``), and without the
+  first-frame concat its patch embedding takes the 48 noisy channels alone: so this DiT is
+  counted as our ``i2v`` CausalWanModel with in_dim = out_dim = 48. The VAE is diffusers'
+  ``AutoencoderKLWan`` with its Wan2.2 options, on the meta device.
+
+Each configuration holds one session (``engine.max_sessions: 1``: the pool at its floor); the
+"+session" column is what each further session adds (its pages and cross-attention slots). A
+card's free memory is its size less 0.5 GiB for the CUDA context.
+
+    python scripts/memory_plan.py            # the markdown table
+    python scripts/memory_plan.py --json
+    python scripts/memory_plan.py --measure-vae   # re-measure the VAE activation constant on this CPU (minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from policies.dreamzero import memory  # noqa: E402
+from policies.dreamzero.dit import DiTConfig  # noqa: E402
+
+GiB = memory.GiB
+CARDS_GIB = (24, 48, 80, 141)
+CONTEXT_GIB = 0.5  # the CUDA context, before anything is allocated
+
+# Upstream's Wan2.2-TI2V-5B DreamZero (groot/vla/configs/model/dreamzero/action_head/wan_flow_matching_action_tf_wan22.yaml).
+DIT_5B = DiTConfig(model_type="i2v", in_dim=48, out_dim=48, dim=3072, ffn_dim=14336, num_heads=24, num_layers=30, frame_seqlen=50)
+# WanVideoVAE38 (groot/vla/model/dreamzero/modules/wan_video_vae.py: VideoVAE38_ dim 160, dec_dim 256, z_dim 48) in diffusers' terms.
+WAN22_VAE = {
+    "base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "is_residual": True, "in_channels": 12, "out_channels": 12,
+    "patch_size": 2, "scale_factor_spatial": 16, "scale_factor_temporal": 4,
+}  # fmt: skip
+CANVAS_5B = (160, 320)  # target_video_height / width
+
+
+def geometry_14b() -> memory.ModelGeometry:
+    return memory.synthetic_geometry("synthetic:droid")
+
+
+def geometry_5b() -> memory.ModelGeometry:
+    from diffusers import AutoencoderKLWan
+
+    from policies.dreamzero.dit import CausalWanModel
+    from policies.dreamzero.encoders import ImageEncoder, TextEncoder
+
+    with torch.device("meta"):
+        modules = (CausalWanModel(DIT_5B), TextEncoder.from_config(), ImageEncoder.from_config(), AutoencoderKLWan(**WAN22_VAE))
+    return memory.geometry_from_modules("DreamZero Wan2.2-5B", *modules, canvas=CANVAS_5B)
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    gpus: int  # 1: both CFG branches on one GPU; 2: CFG-parallel
+    text: str  # where UMT5 runs
+    image: str  # where CLIP runs
+    weights: float  # GiB on each GPU
+    kv: float  # the pool for one session
+    activations: float
+    reserve: float
+    total: float  # GiB per GPU, one session
+    per_session: float  # GiB each further session adds
+    sessions: dict[int, int]  # card GiB -> sessions that fit (0: does not fit)
+
+
+def rows() -> list[Row]:
+    out = []
+    for name, geometry in (("14B", geometry_14b()), ("5B", geometry_5b())):
+        for gpus in (1, 2):
+            for text, image in (("engine", "engine"), ("cpu", "engine"), ("cpu", "cpu")):
+                settings = memory.PlanSettings(
+                    engine_device="cuda:0", dtype=torch.bfloat16, text_encoder_device=text, image_encoder_device=image,
+                    branches=2 // gpus, cfg_parallel_size=gpus, max_sessions=1,
+                )  # fmt: skip
+                gpu = memory.plan_memory(geometry, settings).device("cuda:0")
+                total, per_session = gpu.total, gpu.kv.session_bytes
+                fits = {}
+                for card in CARDS_GIB:
+                    free = (card - CONTEXT_GIB) * GiB
+                    fits[card] = 0 if total > free else 1 + int((free - total) // per_session)
+                out.append(Row(
+                    name, gpus, "GPU" if text == "engine" else "CPU", "GPU" if image == "engine" else "CPU",
+                    sum(gpu.weights.values()) / GiB, gpu.kv.pool_bytes / GiB, gpu.activations / GiB, gpu.reserve / GiB,
+                    total / GiB, per_session / GiB, fits,
+                ))  # fmt: skip
+    return out
+
+
+def markdown(table: list[Row]) -> str:
+    cards = " | ".join(f"{c} GiB" for c in CARDS_GIB)
+    lines = [
+        f"| model | GPUs (CFG) | UMT5 | CLIP | weights | KV, 1 session | activations | reserve | **GiB per GPU** | +session | {cards} |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(CARDS_GIB),
+    ]
+    for r in table:
+        cfg = "1 (both branches)" if r.gpus == 1 else "2 (CFG-parallel)"
+        fits = " | ".join(("-" if n == 0 else f"{n if n < 100 else '99+'}") for n in r.sessions.values())
+        lines.append(
+            f"| {r.model} | {cfg} | {r.text} | {r.image} | {r.weights:.1f} | {r.kv:.1f} | {r.activations:.1f} | {r.reserve:.1f} "
+            f"| **{r.total:.1f}** | {r.per_session:.2f} | {fits} |"
+        )
+    return "\n".join(lines)
+
+
+def parameters() -> dict[str, dict[str, int]]:
+    return {name: {c: s.floating for c, s in g.sizes.items()} for name, g in (("14B", geometry_14b()), ("5B", geometry_5b()))}
+
+
+# ------------------------------------------------------------------------------ VAE calibration
+
+def peak_tensor_bytes(run) -> int:
+    """The most bytes of CPU tensors alive at once while ``run()`` executes: the running sum of the
+    profiler's allocation events (what ``torch.cuda.max_memory_allocated`` is on a GPU; no allocator
+    caching or fragmentation)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def vae_peak(height: int, width: int, config: dict, frames: int = 9) -> tuple[int, int]:
+    """(peak bytes of a float32 encode of ``frames`` frames, the plan's unit: first-level channels x 6 frames x H x W x 4 bytes)."""
+    from diffusers import AutoencoderKLWan
+
+    with torch.no_grad():
+        vae = AutoencoderKLWan(**config).eval()
+        video = torch.randn(1, 3, frames, height, width)
+        vae.encode(video[:, :, :5])  # first-call allocations out of the way
+        peak = peak_tensor_bytes(lambda: vae.encode(video))
+    patch = config.get("patch_size") or 1
+    return peak, config["base_dim"] * memory.VAE_CHUNK_FRAMES * (height // patch) * (width // patch) * 4
+
+
+VAE_CASES = (
+    ("Wan2.1", 88, 160, {"base_dim": 96}),
+    ("Wan2.1", 176, 320, {"base_dim": 96}),
+    ("Wan2.1", 352, 640, {"base_dim": 96}),
+    ("Wan2.2", 160, 320, WAN22_VAE),
+)
+
+
+def measure_vae() -> list[dict]:
+    """The VAE activation constants (``memory.VAE_LIVE_TENSORS``, ``RESIDUAL_VAE_LIVE_TENSORS``) measured: peak / unit per case."""
+    out = []
+    for name, h, w, config in VAE_CASES:
+        peak, unit = vae_peak(h, w, config)
+        out.append({"vae": name, "input": f"{h}x{w}", "peak_mib": round(peak / 2**20), "unit_mib": round(unit / 2**20, 1), "ratio": round(peak / unit, 2)})
+        print(out[-1], flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--measure-vae", action="store_true", help="measure the VAE's peak on this CPU (a few minutes)")
+    args = parser.parse_args()
+    if args.measure_vae:
+        torch.set_num_threads(2)
+        measure_vae()
+        print(f"memory.VAE_LIVE_TENSORS = {memory.VAE_LIVE_TENSORS}, RESIDUAL_VAE_LIVE_TENSORS = {memory.RESIDUAL_VAE_LIVE_TENSORS}")
+        return
+    table = rows()
+    counts = parameters()
+    for name, parts in counts.items():
+        print(f"{name}: " + ", ".join(f"{memory.LABELS[c]} {n:,}" for c, n in parts.items()) + f"; {sum(parts.values()):,} in all")
+    print()
+    print(markdown(table))
+    if args.json:
+        print(json.dumps({"parameters": counts, "rows": [r.__dict__ for r in table]}))
+
+
+if __name__ == "__main__":
+    main()

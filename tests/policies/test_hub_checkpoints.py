@@ -1,0 +1,175 @@
+"""Checkpoints and tokenizers by Hugging Face id, served from a hub cache with HF_HUB_OFFLINE=1 (no network)."""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+from policies import hub
+from policies.dreamzero.config import CHECKPOINT_FILES, DreamZeroConfig
+from tests.helpers.hub_cache import populate_hub_cache
+from tests.helpers.server_harness import REPO, ServerProcess, droid_observation
+
+REPO_ID = "test-org/DreamZero-tiny"
+TOKENIZER_ID = "test-org/tiny-umt5"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+OLD_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+@pytest.fixture(scope="module")
+def hf_home(tmp_path_factory) -> Path:
+    """HF_HOME with the tiny checkpoint cached as REPO_ID (main and tag v1 at COMMIT; an older
+    commit holding only its metadata) and its tokenizer alone as TOKENIZER_ID."""
+    from policies.dreamzero.tiny import ensure_tiny_checkpoint
+
+    home = tmp_path_factory.mktemp("hf_home")
+    tiny = ensure_tiny_checkpoint()
+    populate_hub_cache(home / "hub", REPO_ID, tiny, commit=COMMIT, refs=("main", "v1"))
+    old = tmp_path_factory.mktemp("old")
+    (old / "experiment_cfg").mkdir()
+    (old / "experiment_cfg" / "metadata.json").write_text((tiny / "experiment_cfg" / "metadata.json").read_text())
+    populate_hub_cache(home / "hub", REPO_ID, old, commit=OLD_COMMIT, refs=())
+    populate_hub_cache(home / "hub", TOKENIZER_ID, tiny / "tokenizer", commit=COMMIT)
+    return home
+
+
+@pytest.fixture
+def offline_hub(hf_home, monkeypatch) -> Path:
+    """huggingface_hub in this process pointed at the cache, offline (it read the environment at import)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return hf_home / "hub"
+
+
+def test_the_cache_has_the_hubs_own_layout(hf_home):
+    from huggingface_hub import scan_cache_dir
+
+    info = scan_cache_dir(hf_home / "hub")
+    assert not info.warnings, info.warnings
+    repos = {r.repo_id: r for r in info.repos}
+    assert set(repos) == {REPO_ID, TOKENIZER_ID}
+    revisions = {r.commit_hash: r for r in repos[REPO_ID].revisions}
+    assert set(revisions) == {COMMIT, OLD_COMMIT} and revisions[COMMIT].refs == {"main", "v1"}
+    assert "model.safetensors.index.json" in {f.file_name for f in revisions[COMMIT].files}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("GEAR-Dreams/DreamZero-DROID", hub.HubId("GEAR-Dreams/DreamZero-DROID")),
+        ("google/umt5-xxl@main", hub.HubId("google/umt5-xxl", "main")),
+        (f"org/name@{COMMIT}", hub.HubId("org/name", COMMIT)),
+        ("org/name@refs/pr/3", hub.HubId("org/name", "refs/pr/3")),
+        ("org/my_model.v2", hub.HubId("org/my_model.v2")),
+    ],
+)
+def test_hub_ids_are_org_slash_name_with_an_optional_revision(text, expected):
+    assert hub.classify(text, key="policy.checkpoint", example="/x") == expected
+    assert str(expected) == text
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("/models/DreamZero-DROID", "policy.checkpoint: /models/DreamZero-DROID does not exist"),
+        ("./org/name", "does not exist"),  # a path, even though it ends like an id
+        ("models/org/name", "does not exist"),
+        ("DreamZero-DROID", "neither an existing local directory nor a Hugging Face id"),
+        ("org/na--me", "neither"),
+        ("org/name@", "neither"),
+        ("org/name@a..b", "neither"),
+        ("org /name", "neither"),
+        ("", "neither"),
+    ],
+)
+def test_anything_else_is_one_line_naming_the_key(text, needle):
+    with pytest.raises(hub.HubError, match=needle) as caught:
+        hub.classify(text, key="policy.checkpoint", example="/x")
+    assert "\n" not in str(caught.value)
+
+
+def test_builtin_and_synthetic_names_are_not_resolved():
+    assert DreamZeroConfig().preflight().checkpoint == "builtin:tiny"
+    assert DreamZeroConfig(checkpoint="synthetic:droid").preflight().checkpoint == "synthetic:droid"
+    with pytest.raises(ValueError, match="unknown 'builtin:huge'; built in: builtin:tiny, builtin:tiny_5b"):
+        DreamZeroConfig(checkpoint="builtin:huge").preflight()
+
+
+def test_an_existing_local_directory_wins_over_an_id_of_the_same_shape(tmp_path, monkeypatch):
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert hub.classify("org/name", key="k", example="/x") == Path("org/name")
+
+
+def test_preflight_resolves_ids_to_snapshots_and_fetches_only_what_the_server_reads(offline_hub):
+    snapshot = offline_hub / "models--test-org--DreamZero-tiny" / "snapshots" / COMMIT
+    resolved = DreamZeroConfig(checkpoint=REPO_ID).preflight()
+    assert resolved.checkpoint == str(snapshot) and resolved.tokenizer == str(snapshot / "tokenizer")
+    for revision in ("v1", COMMIT):  # a tag, a commit
+        assert DreamZeroConfig(checkpoint=f"{REPO_ID}@{revision}").preflight().checkpoint == str(snapshot)
+    with_tokenizer = DreamZeroConfig(checkpoint=REPO_ID, tokenizer=TOKENIZER_ID).preflight()
+    assert with_tokenizer.tokenizer == str(offline_hub / "models--test-org--tiny-umt5" / "snapshots" / COMMIT)
+    # What the server reads matches the patterns; the tokenizer's files too.
+    from huggingface_hub.utils import filter_repo_objects
+
+    files = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()]
+    wanted = set(filter_repo_objects(files, allow_patterns=list(CHECKPOINT_FILES)))
+    assert wanted == {f for f in files if not f.startswith("tokenizer/")}
+    assert hub.snapshot_label(resolved.checkpoint) == f"{REPO_ID}@{COMMIT}"
+
+
+def test_an_incomplete_or_foreign_snapshot_and_an_uncached_id_fail_in_one_line(offline_hub):
+    with pytest.raises(ValueError, match=f"policy.checkpoint: .*/{OLD_COMMIT} \\({REPO_ID}@{OLD_COMMIT}\\) has no config.json"):
+        DreamZeroConfig(checkpoint=f"{REPO_ID}@{OLD_COMMIT}").preflight()
+    with pytest.raises(ValueError, match=re.escape("policy.tokenizer: /no/such/umt5 does not exist")):
+        DreamZeroConfig(checkpoint=REPO_ID, tokenizer="/no/such/umt5").preflight()
+    with pytest.raises(hub.HubError) as caught:
+        DreamZeroConfig(checkpoint="test-org/not-cached@v2").preflight()
+    message = str(caught.value)
+    assert message.startswith("policy.checkpoint: test-org/not-cached@v2 is not in the Hugging Face cache")
+    assert "HF_HUB_OFFLINE=1" in message and "hf download test-org/not-cached --revision v2" in message and "\n" not in message
+    with pytest.raises(hub.HubError, match=re.escape("policy.tokenizer: google/umt5-xxl is not in the Hugging Face cache")):
+        DreamZeroConfig(checkpoint=REPO_ID, tokenizer="google/umt5-xxl").preflight()
+
+
+def test_a_hub_id_is_served_through_the_cli_from_the_offline_cache(hf_home, tmp_path):
+    env = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hf_home / "hub")}
+    args = ["--set", f"policy.checkpoint={REPO_ID}@v1", "--set", "engine.warmup=false"]
+    with ServerProcess("tiny", tmp_path, args=args, env=env) as process:
+        client = WebsocketClientPolicy(host="127.0.0.1", port=process.port)
+        assert client.get_server_metadata() is not None
+        replies = [client.infer(droid_observation(1 if i == 0 else 4, seed=i, size=(90, 160), session_id="hub")) for i in range(2)]
+        assert all(r["actions"].shape == (24, 8) and np.isfinite(r["actions"]).all() for r in replies)
+        status, body = process.http("/info")
+        assert status == 200 and f"{REPO_ID}@{COMMIT}" in body, body  # the snapshot's commit, not a temp path
+        maps = Path(f"/proc/{process.proc.pid}/maps").read_text()
+        assert "libtorch" not in maps, "resolving the id loaded torch into the front end"
+
+
+def test_an_uncached_id_fails_before_any_worker_with_one_line(tmp_path):
+    env = {**os.environ, "HF_HOME": str(tmp_path / "empty"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    env.pop("HF_HUB_CACHE", None)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(
+        [sys.executable, "-m", "ardiff_server", "--config", "tiny", "--set", "policy.checkpoint=GEAR-Dreams/DreamZero-DROID"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "policy.checkpoint: GEAR-Dreams/DreamZero-DROID is not in the Hugging Face cache" in lines[0]
+    assert "--set policy.checkpoint=/path/to/DreamZero-DROID" in lines[0] and "hf download GEAR-Dreams/DreamZero-DROID" in lines[0]
+    assert "worker" not in out.stdout + out.stderr
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    assert cpu_s < 2.0, f"{cpu_s:.1f} s of CPU: the failure should come before anything heavy is imported"  # ~0.8 s

@@ -269,4 +269,5 @@ class SessionEngine:
             endings=dict(self.endings),
             kv_pages_total=kv["pages_total"],
             kv_pages_free=kv["pages_free"],
+            session_capacity=kv.get("session_capacity", self.max_sessions),
         )

@@ -85,6 +85,7 @@ class EngineStats:
     endings: dict[str, int] = field(default_factory=dict)  # reason -> sessions ended that way
     kv_pages_total: int = 0
     kv_pages_free: int = 0
+    session_capacity: int = 0  # sessions it can hold: engine.max_sessions, or fewer if the KV pool is smaller
 
     @property
     def sessions(self) -> int:

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import pydantic
 import yaml
 
+from ardiff_server.net import TlsError, server_tls_context
 from policies.registry import policy_entry
 
 CONFIG_DIR = Path(os.environ.get("ARDIFF_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs"))
@@ -326,8 +327,6 @@ def preflight(config: AppConfig, *, local: bool = True) -> None:
 
 def check_tls(config: AppConfig) -> None:
     """Load ``server.tls_cert``/``tls_key`` as the server will; ConfigError (one line) if it cannot."""
-    from ardiff_server.net import TlsError, server_tls_context
-
     try:
         server_tls_context(config.server.tls_cert, config.server.tls_key)
     except TlsError as exc:

@@ -22,6 +22,8 @@ def server_tls_context(cert: str, key: str | None = None) -> ssl.SSLContext:
     """The server side of ``wss://`` and ``https://``: TLS 1.2 or newer, ``cert`` (a PEM chain, leaf
     first: Let's Encrypt's ``fullchain.pem``) and ``key`` (PEM, unencrypted; None: it is in ``cert``).
     Raises :class:`TlsError` for a missing, unreadable, malformed, encrypted or mismatched pair."""
+    cert = str(Path(cert).expanduser())
+    key = str(Path(key).expanduser()) if key is not None else None
     cert_text = _read(cert, "server.tls_cert")
     if "-----BEGIN CERTIFICATE-----" not in cert_text:
         raise TlsError(f"server.tls_cert: {cert} holds no PEM certificate (-----BEGIN CERTIFICATE-----); give the certificate chain, e.g. fullchain.pem")
@@ -40,6 +42,8 @@ def server_tls_context(cert: str, key: str | None = None) -> ssl.SSLContext:
         if exc.reason == "KEY_VALUES_MISMATCH":
             raise TlsError(f"{key_option}: {key_file} is not the private key of the certificate in {cert}; give the key it was issued with") from None
         raise TlsError(f"server.tls_cert/tls_key: OpenSSL cannot load {cert} with {key_file} ({exc.reason or exc}); check both are PEM") from None
+    except OSError as exc:  # replaced or removed since it was read (after SSLError: a subclass)
+        raise TlsError(f"server.tls_cert/tls_key: cannot load {cert} with {key_file} ({exc.strerror or exc})") from None
     return context
 
 
@@ -48,7 +52,7 @@ _DECRYPT = "write a decrypted copy readable only by the server's user (openssl p
 
 def _read(path: str, option: str) -> str:
     try:
-        return Path(path).expanduser().read_text(errors="replace")
+        return Path(path).read_text(errors="replace")
     except FileNotFoundError:
         raise TlsError(f"{option}: {path} does not exist; give the path of a PEM file") from None
     except OSError as exc:

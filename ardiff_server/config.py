@@ -57,7 +57,7 @@ class ServerConfig(_Section):
     ping_timeout_s: float | None = pydantic.Field(60.0, gt=0)
     write_limit_bytes: int = pydantic.Field(16 * 2**20, ge=2**16)  # unsent bytes one connection may pile up
     idle_timeout_s: float | None = pydantic.Field(600.0, gt=0)  # close connections with no request this long
-    request_timeout_s: float = pydantic.Field(300.0, gt=0)  # one step's compute; past it the worker is restarted
+    request_timeout_s: float = pydantic.Field(300.0, gt=0)  # one step's compute per session in it; past it the worker is restarted
     session_ttl_s: float = pydantic.Field(300.0, ge=0)  # a session nobody uses lives this long
     shutdown_grace_s: float = pydantic.Field(3.0, ge=0)  # SIGTERM: how long the worker may finish its step
     record_dir: str | None = None  # per-session recordings (rollout.mp4, actions.npz, ...); needs the viz extra
@@ -98,6 +98,8 @@ class EngineConfig(_Section):
     cfg_parallel_size: Literal[1, 2] = 1
     devices: list[str] | None = None  # per CFG rank, e.g. [cuda:0, cuda:1]; default: device
     max_sessions: int = pydantic.Field(8, ge=1)  # LRU cap
+    max_batch: int = pydantic.Field(4, ge=1, le=64)  # sessions per forward when several robots' requests wait together
+    batch_wait_ms: float = pydantic.Field(0.0, ge=0, le=1000)  # how long a partial batch waits for more (0: only what is queued)
     kv_budget_gib: float | None = pydantic.Field(None, gt=0)  # None: kv_memory_fraction of free memory
     kv_memory_fraction: float = pydantic.Field(0.5, gt=0, le=1)
     attention_backend: Literal["auto", "sdpa", "flash", "flex"] = "auto"
@@ -128,6 +130,15 @@ class EngineConfig(_Section):
             # auto would fall back to sdpa without vLLM, and capture would then quietly run eagerly
             raise ValueError("cuda_graphs needs attention_backend flash (vLLM) or flex (sdpa reads lengths on the host)")
         return self
+
+    @property
+    def batch_limit(self) -> int:
+        """Sessions one forward may hold: ``max_batch``, never more than the session table holds."""
+        return min(self.max_batch, self.max_sessions)
+
+    @property
+    def batch_wait_s(self) -> float:
+        return self.batch_wait_ms / 1000.0
 
     def rank_device(self, rank: int) -> str:
         return self.devices[rank] if self.devices else self.device

@@ -14,7 +14,7 @@ from kv.attention import PagedLayerInputs, paged_attention, paged_write_attend
 from kv.cache import PagedKVCache
 from kv.dense import DenseKVCache, DenseLayerKV
 from kv.pool import CapacityError, PagePool
-from kv.session import ForwardContext, SessionKV
+from kv.session import ForwardContext, SessionKV, prepare_batch
 from kv.spec import Branch, CrossKV, KVSpec
 from kv.storage import CrossAttentionSlots, PagedStorage
 from kv.window import pages_to_evict, visible_pages
@@ -36,5 +36,6 @@ __all__ = [
     "paged_attention",
     "paged_write_attend",
     "pages_to_evict",
+    "prepare_batch",
     "visible_pages",
 ]

@@ -40,11 +40,11 @@ class PagedLayerInputs(NamedTuple):
 
     key_cache: torch.Tensor  # (num_pages, page_size, heads, head_dim): this layer's K pool, written in place
     value_cache: torch.Tensor  # same for V
-    video_slots: torch.Tensor  # (Lv,) int64 flat slots of the current video tokens
-    extra_slots: torch.Tensor  # (Le,) int64 flat slots of the extra tokens (may be empty)
-    block_table: torch.Tensor  # (1, width) int32, padded with the null page
-    cu_seqlens_q: torch.Tensor  # (2,) int32
-    seq_lens: torch.Tensor  # (1,) int32: real key length (video + extra)
+    video_slots: torch.Tensor  # (Lv,) int64 flat slots of the current video tokens, sequence after sequence
+    extra_slots: torch.Tensor  # (Le,) int64 flat slots of the extra tokens, same order (may be empty)
+    block_table: torch.Tensor  # (B, width) int32, a row per sequence, padded with the null page
+    cu_seqlens_q: torch.Tensor  # (B + 1,) int32: where each sequence's queries start
+    seq_lens: torch.Tensor  # (B,) int32: each sequence's real key length (video + extra)
     max_seqlen_q: int
     max_seqlen_k: int
     backend: str  # "auto" | "sdpa" | "flash" | "flex"
@@ -158,32 +158,36 @@ FLEX_BLOCK = 128
 
 
 def _flex_block_mask(block_table: torch.Tensor, seq_lens: torch.Tensor, num_pages: int, page_size: int, q_len: int):
-    """The BlockMask of one sequence (batch 1) over a pool of ``num_pages`` pages."""
+    """The BlockMask of B sequences (a row of the block table each) over a pool of ``num_pages`` pages."""
     from torch.nn.attention.flex_attention import BlockMask
 
     device = block_table.device
+    batch = block_table.shape[0]
     total = num_pages * page_size
     kv_blocks = -(-total // FLEX_BLOCK)
     q_blocks = -(-q_len // FLEX_BLOCK)
-    table = block_table[0].long()
-    positions = torch.arange(table.shape[0], device=device)
-    lens = (seq_lens[:1].long() - positions * page_size).clamp(0, page_size)  # tokens used at each table slot
+    table = block_table.long()
+    positions = torch.arange(table.shape[1], device=device)
+    lens = (seq_lens[:, None].long() - positions[None] * page_size).clamp(0, page_size)  # tokens used at each table slot
     # Padding slots point at the null page with length 0; "amax" keeps any duplicate harmless.
-    page_len = torch.zeros(num_pages, dtype=torch.long, device=device).scatter_reduce(0, table, lens, "amax")
+    page_len = torch.zeros(batch, num_pages, dtype=torch.long, device=device).scatter_reduce(1, table, lens, "amax")
     tokens = torch.arange(kv_blocks * FLEX_BLOCK, device=device)
-    visible = (page_len[(tokens // page_size).clamp(max=num_pages - 1)] > tokens % page_size) & (tokens < total)
-    count = visible.view(kv_blocks, FLEX_BLOCK).sum(1)
+    visible = (page_len[:, (tokens // page_size).clamp(max=num_pages - 1)] > tokens % page_size) & (tokens < total)
+    count = visible.view(batch, kv_blocks, FLEX_BLOCK).sum(2)
     full = count == FLEX_BLOCK
     partial = (count > 0) & ~full
 
     def indices(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # The flagged blocks first (stable: ascending pool order), the count says how many are read.
-        order = torch.argsort((~flags).to(torch.int8), stable=True).to(torch.int32)
-        num = flags.sum().to(torch.int32)
-        return num.view(1, 1, 1).expand(1, 1, q_blocks).contiguous(), order.view(1, 1, 1, -1).expand(1, 1, q_blocks, kv_blocks).contiguous()
+        # Per sequence: the flagged blocks first (stable: ascending pool order), the count says how many are read.
+        order = torch.argsort((~flags).to(torch.int8), dim=1, stable=True).to(torch.int32)
+        num = flags.sum(1).to(torch.int32)
+        return (
+            num.view(batch, 1, 1).expand(batch, 1, q_blocks).contiguous(),
+            order.view(batch, 1, 1, -1).expand(batch, 1, q_blocks, kv_blocks).contiguous(),
+        )
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return page_len[kv_idx // page_size] > kv_idx % page_size
+        return page_len[b, kv_idx // page_size] > kv_idx % page_size
 
     kv_num, kv_idx = indices(partial)
     full_num, full_idx = indices(full)
@@ -256,15 +260,19 @@ def flex_paged_attention(
     scale: float,
     compiled: bool | None = None,
 ) -> torch.Tensor:
-    """Paged attention with FlexAttention, reading the pages in place. One sequence (batch 1).
+    """Paged attention with FlexAttention, reading the pages in place.
 
-    ``query`` is (total_q, heads, head_dim); ``compiled`` defaults to True on CUDA (the eager
-    path materializes query x pool scores) and False on CPU.
+    ``query`` is (total_q, heads, head_dim): B sequences (a block-table row each) of equal query
+    length, stacked. The pool is one key sequence shared by all B query sequences (broadcast over
+    the batch); each sequence's block mask lets it see its own pages only. ``compiled`` defaults
+    to True on CUDA (the eager path materializes query x pool scores) and False on CPU.
     """
-    if block_table.shape[0] != 1:
-        raise ValueError(f"the flex backend attends one sequence per call, got a block table of {block_table.shape[0]}")
+    batch = block_table.shape[0]
+    if query.shape[0] % batch:
+        raise ValueError(f"the flex backend needs equal query lengths: {query.shape[0]} queries for {batch} sequences")
+    q_len = query.shape[0] // batch
     num_pages, page_size, heads, dim = key_cache.shape
-    mask = _cached_block_mask(block_table, seq_lens, num_pages, page_size, query.shape[0])
+    mask = _cached_block_mask(block_table, seq_lens, num_pages, page_size, q_len)
     # (P, S, H, D) -> (1, H, P * S, D): a strided view of the pool, nothing is copied.
     key = key_cache.view(1, num_pages * page_size, heads, dim).transpose(1, 2)
     value = value_cache.view(1, num_pages * page_size, heads, dim).transpose(1, 2)
@@ -273,8 +281,8 @@ def flex_paged_attention(
     # with ADInplaceOrView excluded on some paths (the first run of an enclosing compiled graph)
     # and not on others, and the compiled kernel's guards would recompile for each state.
     with torch._C._AutoDispatchBelowADInplaceOrView():
-        out = kernel(query.unsqueeze(0).transpose(1, 2), key, value, block_mask=mask, scale=scale)
-    return out[0].transpose(0, 1)
+        out = kernel(query.view(batch, q_len, heads, dim).transpose(1, 2), key, value, block_mask=mask, scale=scale)
+    return out.transpose(1, 2).reshape(batch * q_len, heads, dim)
 
 
 def paged_attention(

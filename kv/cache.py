@@ -32,6 +32,7 @@ class PagedKVCache:
         branches: Sequence[Branch] = (Branch.COND, Branch.UNCOND),
         device: torch.device | str = "cpu",
         attention_backend: str = "auto",
+        max_batch: int = 1,
     ) -> None:
         if not branches or len(set(branches)) != len(branches):
             raise ValueError(f"branches must be a non-empty set of CFG branches, got {branches}")
@@ -43,7 +44,7 @@ class PagedKVCache:
         self.pool = PagePool(num_pages)
         self.storage = PagedStorage(
             spec, pool_pages=num_pages, max_sessions=max_sessions, branches=self.branches,
-            device=torch.device(device), attention_backend=attention_backend,
+            device=torch.device(device), attention_backend=attention_backend, max_batch=max_batch,
         )  # fmt: skip
         self._sessions: dict[str, SessionKV] = {}
         self.reservation_per_session = len(self.branches) * spec.pages_per_branch
@@ -54,13 +55,15 @@ class PagedKVCache:
             )
 
     @staticmethod
-    def pages_for_budget(spec: KVSpec, budget_bytes: int, *, max_sessions: int, num_branches: int) -> int:
+    def pages_for_budget(spec: KVSpec, budget_bytes: int, *, max_sessions: int, num_branches: int, max_batch: int = 1) -> int:
         """Pool pages (null page excluded) a byte budget buys.
 
-        Cross-attention slots and scratch pages are deducted first; the pool never drops below
-        what one session needs for the branches this rank runs (1 under CFG-parallel, else 2).
+        Cross-attention slots and scratch pages (one region per branch and batch slot) are
+        deducted first; the pool never drops below what one session needs for the branches this
+        rank runs (1 under CFG-parallel, else 2).
         """
-        fixed = max_sessions * num_branches * spec.cross_slot_bytes + num_branches * spec.scratch_pages_per_branch * spec.page_bytes
+        scratch = max_batch * num_branches * spec.scratch_pages_per_branch
+        fixed = max_sessions * num_branches * spec.cross_slot_bytes + scratch * spec.page_bytes
         pages = max(0, budget_bytes - fixed) // spec.page_bytes
         floor = num_branches * spec.pages_per_branch
         if pages < floor:
@@ -80,8 +83,9 @@ class PagedKVCache:
         branches: Sequence[Branch] = (Branch.COND, Branch.UNCOND),
         device: torch.device | str = "cpu",
         attention_backend: str = "auto",
+        max_batch: int = 1,
     ) -> PagedKVCache:
-        pages = cls.pages_for_budget(spec, budget_bytes, max_sessions=max_sessions, num_branches=len(branches))
+        pages = cls.pages_for_budget(spec, budget_bytes, max_sessions=max_sessions, num_branches=len(branches), max_batch=max_batch)
         return cls(
             spec,
             num_pages=pages + 1,  # + the null page
@@ -89,6 +93,7 @@ class PagedKVCache:
             branches=branches,
             device=device,
             attention_backend=attention_backend,
+            max_batch=max_batch,
         )
 
     # -- sessions --------------------------------------------------------------------

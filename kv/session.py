@@ -13,6 +13,11 @@ Life of a branch forward::
 Prefill forwards (``commit=True``) write into pages the branch will own; denoise forwards
 (``commit=False``) write into the rank's scratch pages, which are reused every forward and
 never committed. Extra (action/state) tokens always go to scratch.
+
+Several sequences (sessions x branches) in one forward: :func:`prepare_batch` lays their block
+table rows, slots and lengths side by side; each sequence attends only to its own pages and
+its own new tokens. The ``slot``-th session of a batch writes into its own scratch region
+(``begin_forward(..., scratch_slot=slot)``).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class ForwardContext:
         num_video_tokens: int,
         commit: bool,
         extra_tokens: int,
+        scratch_slot: int = 0,
     ) -> None:
         spec = session.storage.spec
         if num_video_tokens <= 0 or num_video_tokens % spec.page_size:
@@ -60,75 +66,118 @@ class ForwardContext:
         self.num_video_tokens = num_video_tokens
         self.commit = commit
         self.extra_tokens = extra_tokens
+        self.scratch_slot = scratch_slot
         self.new_pages: list[int] = []  # pages this forward allocated (commit forwards only)
         self.layer_inputs: list[PagedLayerInputs] | None = None
+        self._sequence: _Sequence | None = None
 
     @property
     def prepared(self) -> bool:
-        return self.layer_inputs is not None
+        """Its pages are allocated and laid out (a forward may have written them)."""
+        return self._sequence is not None
 
     @property
     def num_new_pages(self) -> int:
         return self.num_video_tokens // self.session.storage.spec.page_size
 
-    def prepare(self, device: torch.device | str | None = None) -> list[PagedLayerInputs]:
-        """Allocate the current chunk's pages and build the block-table metadata all layers share.
+    @property
+    def query_len(self) -> int:
+        return self.num_video_tokens + self.extra_tokens
 
-        Host-side work done once per branch forward, outside any compiled region. Idempotent.
-        """
-        if self.layer_inputs is not None:
-            return self.layer_inputs
+    def prepare(self, device: torch.device | str | None = None) -> list[PagedLayerInputs]:
+        """Allocate the current chunk's pages and build the block-table metadata all layers share
+        (a forward of this one sequence). Host-side work done once per forward, outside any
+        compiled region. Idempotent."""
+        if self.layer_inputs is None:
+            self.layer_inputs = prepare_batch([self], device)
+        return self.layer_inputs
+
+    def _plan(self) -> _Sequence:
+        """Allocate (once) and lay out this sequence: its block-table row, slots and key length."""
+        if self._sequence is not None:
+            return self._sequence
         storage = self.session.storage
         spec = storage.spec
-        device = torch.device(device) if device is not None else storage.device
         branch_kv = self.session.branch(self.branch)
-        scratch = storage.scratch_pages(self.branch)
+        scratch = storage.scratch_pages(self.branch, self.scratch_slot)
         if self.commit:
             self.new_pages = self.session.pool.allocate(self.num_new_pages)
             video_pages = self.new_pages
         else:
             video_pages = scratch[: self.num_new_pages]
         extra_pages = scratch[spec.max_new_pages : spec.max_new_pages + -(-self.extra_tokens // spec.page_size)]
-
         visible = visible_pages(branch_kv.resident, video_pages, window_pages=spec.window_pages, sink_pages=spec.sink_pages)
         table = visible + extra_pages
         table += [0] * (spec.block_table_width - len(table))
-        seq_len = len(visible) * spec.page_size + self.extra_tokens
-        query_len = self.num_video_tokens + self.extra_tokens
-
-        video_slots = _slots(video_pages, self.num_video_tokens, spec.page_size, device)
-        extra_slots = _slots(extra_pages, self.extra_tokens, spec.page_size, device)
-        block_table = torch.tensor([table], dtype=torch.int32, device=device)
-        cu_seqlens_q = torch.tensor([0, query_len], dtype=torch.int32, device=device)
-        seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
-        # max_seqlen_k is the padded capacity, not the real length, so it is the same for every
-        # forward of this geometry (a constant for torch.compile / CUDA graphs).
-        max_seqlen_k = spec.block_table_width * spec.page_size
-        self.layer_inputs = [
-            PagedLayerInputs(
-                key_cache=storage.key_cache(i),
-                value_cache=storage.value_cache(i),
-                video_slots=video_slots,
-                extra_slots=extra_slots,
-                block_table=block_table,
-                cu_seqlens_q=cu_seqlens_q,
-                seq_lens=seq_lens,
-                max_seqlen_q=query_len,
-                max_seqlen_k=max_seqlen_k,
-                backend=storage.attention_backend,
-            )
-            for i in range(spec.num_layers)
-        ]
-        return self.layer_inputs
+        self._sequence = _Sequence(
+            table=table,
+            video_slots=_slots(video_pages, self.num_video_tokens, spec.page_size),
+            extra_slots=_slots(extra_pages, self.extra_tokens, spec.page_size),
+            seq_len=len(visible) * spec.page_size + self.extra_tokens,
+        )
+        return self._sequence
 
 
-def _slots(pages: list[int], num_tokens: int, page_size: int, device: torch.device) -> torch.Tensor:
-    """Flat pool slots (page * page_size + offset) of the first ``num_tokens`` tokens of ``pages``."""
+@dataclass(frozen=True)
+class _Sequence:
+    table: list[int]
+    video_slots: torch.Tensor  # host int64
+    extra_slots: torch.Tensor
+    seq_len: int
+
+
+def prepare_batch(contexts: list[ForwardContext], device: torch.device | str | None = None) -> list[PagedLayerInputs]:
+    """Per-layer inputs of ONE forward over several sequences (each a session branch's forward
+    context, in the order their tokens are stacked): the block table has a row per sequence, the
+    slots of all sequences are concatenated, and ``cu_seqlens_q`` / ``seq_lens`` say where each
+    sequence's queries and keys end. Every context must run against the same storage and have
+    the same query length (one tensor batch). Allocates each context's pages now."""
+    if not contexts:
+        raise ValueError("a forward needs at least one sequence")
+    storage = contexts[0].session.storage
+    if any(ctx.session.storage is not storage for ctx in contexts):
+        raise ValueError("a batched forward runs against one cache")
+    query_len = contexts[0].query_len
+    if any(ctx.query_len != query_len for ctx in contexts):
+        raise ValueError(f"a batched forward needs equal query lengths, got {[ctx.query_len for ctx in contexts]}")
+    spec = storage.spec
+    device = torch.device(device) if device is not None else storage.device
+    plans = [ctx._plan() for ctx in contexts]
+    video_slots = torch.cat([p.video_slots for p in plans]).to(device)
+    extra_slots = torch.cat([p.extra_slots for p in plans]).to(device)
+    block_table = torch.tensor([p.table for p in plans], dtype=torch.int32, device=device)
+    cu_seqlens_q = torch.arange(len(plans) + 1, dtype=torch.int32, device=device) * query_len
+    seq_lens = torch.tensor([p.seq_len for p in plans], dtype=torch.int32, device=device)
+    # max_seqlen_k is the padded capacity, not the real length, so it is the same for every
+    # forward of this geometry (a constant for torch.compile / CUDA graphs).
+    max_seqlen_k = spec.block_table_width * spec.page_size
+    layer_inputs = [
+        PagedLayerInputs(
+            key_cache=storage.key_cache(i),
+            value_cache=storage.value_cache(i),
+            video_slots=video_slots,
+            extra_slots=extra_slots,
+            block_table=block_table,
+            cu_seqlens_q=cu_seqlens_q,
+            seq_lens=seq_lens,
+            max_seqlen_q=query_len,
+            max_seqlen_k=max_seqlen_k,
+            backend=storage.attention_backend,
+        )
+        for i in range(spec.num_layers)
+    ]
+    for ctx in contexts:
+        ctx.layer_inputs = layer_inputs
+    return layer_inputs
+
+
+def _slots(pages: list[int], num_tokens: int, page_size: int) -> torch.Tensor:
+    """Flat pool slots (page * page_size + offset) of the first ``num_tokens`` tokens of ``pages`` (host)."""
     if num_tokens == 0:
-        return torch.empty(0, dtype=torch.long, device=device)
+        return torch.empty(0, dtype=torch.long)
     page_ids = torch.tensor(pages, dtype=torch.long)
     offsets = torch.arange(num_tokens, dtype=torch.long)
-    return (page_ids[offsets // page_size] * page_size + offsets % page_size).to(device)
+    return page_ids[offsets // page_size] * page_size + offsets % page_size
 
 
 @dataclass
@@ -171,7 +220,7 @@ class SessionKV:
     # -- self-attention ---------------------------------------------------------------
 
     def begin_forward(
-        self, branch: Branch, *, num_video_tokens: int, commit: bool, extra_tokens: int = 0
+        self, branch: Branch, *, num_video_tokens: int, commit: bool, extra_tokens: int = 0, scratch_slot: int = 0
     ) -> ForwardContext:
         self._check_open()
         self.storage.check_local(branch)
@@ -182,7 +231,7 @@ class SessionKV:
                 "committed; call complete() or abort() first"
             )
         state.pending = ForwardContext(
-            self, branch, num_video_tokens=num_video_tokens, commit=commit, extra_tokens=extra_tokens
+            self, branch, num_video_tokens=num_video_tokens, commit=commit, extra_tokens=extra_tokens, scratch_slot=scratch_slot
         )
         return state.pending
 

@@ -3,7 +3,9 @@
 Layout per layer: a K tensor and a V tensor, each ``(num_pages_total, page_size, heads, head_dim)``,
 which a block-table kernel reads in place and the sdpa path gathers from. Page ids
 ``1 .. pool_pages - 1`` belong to the :class:`~kv.pool.PagePool` (0 is the null page); the pages
-after them are scratch, a fixed region per local CFG branch for K/V that is never committed.
+after them are scratch, K/V that is never committed: one region per local CFG branch and batch
+slot, so that the sequences of a batched forward (several sessions' denoise steps in one
+forward) never write over each other.
 Cross-attention K/V sit in static per-layer slot tensors, one slot per session branch.
 
 This module knows shapes and addresses only; who owns which page is ``pool.py`` and
@@ -85,8 +87,8 @@ class CrossAttentionSlots:
 
 class PagedStorage:
     """The tensors of one rank's cache: ``pool_pages`` pool pages (null page included), then
-    ``scratch_pages_per_branch`` scratch pages per local branch; cross slots for
-    ``max_sessions`` sessions x local branches."""
+    ``scratch_pages_per_branch`` scratch pages per local branch and batch slot (``max_batch``
+    sessions per forward); cross slots for ``max_sessions`` sessions x local branches."""
 
     def __init__(
         self,
@@ -97,13 +99,17 @@ class PagedStorage:
         branches: Sequence[Branch],
         device: torch.device,
         attention_backend: str,
+        max_batch: int = 1,
     ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.spec = spec
         self.device = device
         self.branches = tuple(branches)
         self.attention_backend = attention_backend
+        self.max_batch = max_batch
         self._scratch_base = pool_pages
-        total = pool_pages + len(self.branches) * spec.scratch_pages_per_branch
+        total = pool_pages + max_batch * len(self.branches) * spec.scratch_pages_per_branch
         # K and V are separate base tensors per layer (not views of one): the paged op mutates them
         # in place, and torch.compile can only re-inplace a mutation of a whole graph input; a
         # view into a shared base makes inductor copy the whole layer pool around every call.
@@ -123,11 +129,14 @@ class PagedStorage:
         if branch not in self.branches:
             raise RuntimeError(f"branch {Branch(branch).name} does not run on this rank (local: {self.branches})")
 
-    def scratch_pages(self, branch: Branch) -> list[int]:
-        """This branch's scratch region: ``max_new_pages`` video pages, then the extra pages."""
+    def scratch_pages(self, branch: Branch, slot: int = 0) -> list[int]:
+        """The scratch region of ``branch`` for the ``slot``-th session of a batched forward:
+        ``max_new_pages`` video pages, then the extra pages."""
         self.check_local(branch)
+        if not 0 <= slot < self.max_batch:
+            raise ValueError(f"scratch slot {slot} outside the batch of {self.max_batch}")
         per_branch = self.spec.scratch_pages_per_branch
-        start = self._scratch_base + self.branches.index(branch) * per_branch
+        start = self._scratch_base + (slot * len(self.branches) + self.branches.index(branch)) * per_branch
         return list(range(start, start + per_branch))
 
     @property

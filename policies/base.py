@@ -8,7 +8,7 @@ keeps whatever else a session needs (frame buffers, conditioning) in the object 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -86,6 +86,20 @@ class Policy(abc.ABC, Generic[S]):
 
         Observation arrays are read-only views valid during this call only (they may live in
         shared memory): copy what the session keeps."""
+
+    def step_batch(self, items: Sequence[tuple[S, RobotObservation]]) -> list[StepResult | BaseException]:
+        """One call for each of several distinct sessions (at most ``engine.max_batch`` and
+        ``info.max_batch``), results in order; a failed session's entry is its exception (the engine
+        ends that session, the others carry on). A policy that can run several sessions in one
+        forward overrides this and says how many in ``PolicyInfo.max_batch``; the default runs
+        them one after another (the engine then never batches: ``max_batch`` 1)."""
+        results: list[StepResult | BaseException] = []
+        for session, observation in items:
+            try:
+                results.append(self.step(session, observation))
+            except Exception as exc:
+                results.append(exc)
+        return results
 
     def end_session(self, session: S) -> None:  # noqa: B027 - optional hook
         """Drop per-session model state. The engine closes the session's KV itself."""

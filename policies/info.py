@@ -43,6 +43,10 @@ class PolicyInfo:
     model: str
     checkpoint: str | None = None
     details: dict[str, Any] = field(default_factory=dict)  # JSON-able extras for /info
+    # Sessions one Policy.step_batch call can hold in one forward. 1 for a policy without a real
+    # batched forward: batching steps that run one after another only adds batch-mates' compute
+    # to each request's latency (and to its request_timeout_s), so the engine does not.
+    max_batch: int = 1
 
     def __post_init__(self) -> None:
         keys = tuple(self.server_config)

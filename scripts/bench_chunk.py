@@ -103,7 +103,7 @@ def dit_forward_flops(cfg: DiTConfig, *, new_frames: int, visible_frames: int, w
     n_extra = cfg.action_register_length if with_actions else 0
     n = n_video + n_extra
     n_keys = visible_frames * cfg.frame_seqlen + n_extra
-    n_context = cfg.text_len + (cfg.num_image_tokens if cfg.model_type == "i2v" else 0)
+    n_context = cfg.text_len + (cfg.num_image_tokens if cfg.has_image_context else 0)
     patch = cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2]
 
     flops = 2 * n_video * cfg.in_dim * patch * d  # patch embedding (a strided conv = a matmul)

@@ -28,86 +28,22 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from benchlib import ForeignLoad, ServerSubprocess, percentile
+from benchlib import ForeignLoad, RobotsResult, ServerSubprocess, measure_robots, openpi_robot, percentile
 
 
-def robot(port: int, index: int, warmup: int, calls: int, barrier: Any, gap_ms: float = 0.0) -> dict[str, Any]:
-    """One robot (a pool process): an episode of 1 frame then 4-frame stacks, timed after warm-up."""
-    from openpi_client.websocket_client_policy import WebsocketClientPolicy
-
-    rng = np.random.default_rng(index)
-    client = WebsocketClientPolicy(host="127.0.0.1", port=port)
-    session = f"bench-replicas-{index}-{time.monotonic_ns()}"
-
-    def observation(frames: int) -> dict:
-        shape = (180, 320, 3) if frames == 1 else (frames, 180, 320, 3)
-        return {
-            "observation/exterior_image_0_left": rng.integers(0, 256, shape, dtype=np.uint8),
-            "observation/exterior_image_1_left": rng.integers(0, 256, shape, dtype=np.uint8),
-            "observation/wrist_image_left": rng.integers(0, 256, shape, dtype=np.uint8),
-            "observation/joint_position": rng.uniform(-1, 1, 7),
-            "observation/gripper_position": rng.uniform(0, 1, 1),
-            "prompt": "pick up the cup",
-            "session_id": session,
-        }
-
-    # Made once: generating 2 MB of random frames per call would take the robots' CPU from the
-    # server on a small machine (robots are other machines in real life).
-    stacks = [observation(4) for _ in range(3)]
-    replicas = set()
-    for i in range(warmup):
-        replicas.add(client.infer(observation(1) if i == 0 else stacks[i % 3])["session"]["replica"])
-    barrier.wait(timeout=600)
-    latency, window = [], [time.monotonic(), 0.0]
-    for i in range(calls):
-        start = time.perf_counter()
-        replicas.add(client.infer(stacks[i % 3])["session"]["replica"])
-        latency.append((time.perf_counter() - start) * 1000.0)
-        time.sleep(gap_ms / 1000.0)  # the robot executes its chunk
-    window[1] = time.monotonic()
-    client.infer({"endpoint": "reset", "session_id": session})
-    client._ws.close()
-    return {"latency_ms": latency, "window": window, "replicas": sorted(replicas)}
-
-
-@dataclass
-class Result:
-    replicas: int
-    robots: int
-    calls: int
-    calls_per_s: float
-    latency_p50_ms: float
-    latency_p99_ms: float
-    spread: str  # which replica each robot used
-
-
-def measure(pool, manager, port: int, replicas: int, robots: int, warmup: int, calls: int) -> Result:
-    barrier = manager.Barrier(robots + 1)
-    futures = [pool.submit(robot, port, i, warmup, calls, barrier) for i in range(robots)]
-    barrier.wait(timeout=600)
-    runs = [f.result(timeout=1800) for f in futures]
-    latency = [x for r in runs for x in r["latency_ms"]]
-    elapsed = max(r["window"][1] for r in runs) - min(r["window"][0] for r in runs)
-    return Result(
-        replicas, robots, len(latency), len(latency) / elapsed, statistics.median(latency), percentile(latency, 99),
-        " ".join("/".join(map(str, r["replicas"])) for r in runs),
-    )
-
-
-def table(results: list[Result]) -> str:
+def table(results: list[RobotsResult]) -> str:
     head = f"{'robots':>6} {'replicas':>8} {'calls':>5} {'calls/s':>8} {'vs 1 rep':>8} {'p50 ms':>8} {'p99 ms':>8}  replica per robot"
     lines = [head, "-" * len(head)]
-    base = {r.robots: r.calls_per_s for r in results if r.replicas == 1}
-    for r in sorted(results, key=lambda r: (r.robots, r.replicas)):
+    base = {r.robots: r.calls_per_s for r in results if r.label == "1"}
+    for r in sorted(results, key=lambda r: (r.robots, int(r.label))):
         ratio = r.calls_per_s / base[r.robots] if r.robots in base else float("nan")
         lines.append(
-            f"{r.robots:>6} {r.replicas:>8} {r.calls:>5} {r.calls_per_s:>8.2f} {ratio:>7.2f}x "
+            f"{r.robots:>6} {r.label:>8} {r.calls:>5} {r.calls_per_s:>8.2f} {ratio:>7.2f}x "
             f"{r.latency_p50_ms:>8.1f} {r.latency_p99_ms:>8.1f}  {r.spread}"
         )
     return "\n".join(lines)
@@ -123,7 +59,7 @@ def recording(pool, manager, args) -> list[dict[str, Any]]:
                     "--set", "engine.threads=1"] + (["--record", folder] if record else [])  # fmt: skip
             with ServerSubprocess(f"record={record}", argv) as server:
                 barrier = manager.Barrier(2)
-                future = pool.submit(robot, server.port, 0, args.warmup, args.calls, barrier, args.gap_ms)
+                future = pool.submit(openpi_robot, server.port, 0, args.warmup, args.calls, barrier, args.gap_ms)
                 barrier.wait(timeout=600)
                 run = future.result(timeout=1800)
             latency = run["latency_ms"]
@@ -162,17 +98,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     robot_counts = [int(x) for x in args.robots.split(",")]
     replica_counts = [int(x) for x in args.replicas.split(",")]
-    results: list[Result] = []
+    results: list[RobotsResult] = []
     load = ForeignLoad()
     started = time.perf_counter()
     ctx = get_context("spawn")
     with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=max(robot_counts), mp_context=ctx) as pool:
         for replicas in replica_counts:
             argv = [sys.executable, "-m", "ardiff_server", "--config", args.config, "--port", "0", "--log-level", "WARNING",
-                    "--set", f"engine.replicas={replicas}", "--set", "engine.threads=1", "--set", "engine.max_sessions=8"]  # fmt: skip
+                    "--set", f"engine.replicas={replicas}", "--set", "engine.threads=1", "--set", "engine.max_sessions=8",
+                    "--set", "engine.max_batch=1"]  # fmt: skip
             with ServerSubprocess(f"{replicas} replica(s)", argv) as server:
                 for robots in robot_counts:
-                    result = measure(pool, manager, server.port, replicas, robots, args.warmup, args.calls)
+                    result = measure_robots(pool, manager, server.port, str(replicas), robots, args.warmup, args.calls)
                     print(f"  {replicas} replica(s), {robots} robot(s): {result.calls_per_s:.2f} calls/s, "
                           f"p50 {result.latency_p50_ms:.0f} ms", file=sys.stderr, flush=True)  # fmt: skip
                     results.append(result)

@@ -10,7 +10,9 @@ import subprocess
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -136,3 +138,76 @@ def droid_request(session_id: str, seed: int) -> dict:
 
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+# ------------------------------------------------------------ robots against a served endpoint
+
+
+def openpi_robot(port: int, index: int, warmup: int, calls: int, barrier: Any, gap_ms: float = 0.0) -> dict[str, Any]:
+    """One robot (a pool process, the real openpi client, its own session): an episode of 1 frame
+    then 4-frame stacks as DreamZero's client sends them, timed after ``warmup`` calls."""
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    rng = np.random.default_rng(index)
+    client = WebsocketClientPolicy(host="127.0.0.1", port=port)
+    session = f"bench-{index}-{time.monotonic_ns()}"
+
+    def observation(frames: int) -> dict:
+        shape = (180, 320, 3) if frames == 1 else (frames, 180, 320, 3)
+        return {
+            "observation/exterior_image_0_left": rng.integers(0, 256, shape, dtype=np.uint8),
+            "observation/exterior_image_1_left": rng.integers(0, 256, shape, dtype=np.uint8),
+            "observation/wrist_image_left": rng.integers(0, 256, shape, dtype=np.uint8),
+            "observation/joint_position": rng.uniform(-1, 1, 7),
+            "observation/gripper_position": rng.uniform(0, 1, 1),
+            "prompt": "pick up the cup",
+            "session_id": session,
+        }
+
+    # Made once: generating 2 MB of random frames per call would take the robots' CPU from the
+    # server on a small machine (robots are other machines in real life).
+    stacks = [observation(4) for _ in range(3)]
+    replicas, batch_sizes = set(), []
+    for i in range(warmup):
+        replicas.add(client.infer(observation(1) if i == 0 else stacks[i % 3])["session"]["replica"])
+    barrier.wait(timeout=600)
+    latency, window = [], [time.monotonic(), 0.0]
+    for i in range(calls):
+        start = time.perf_counter()
+        session_info = client.infer(stacks[i % 3])["session"]
+        latency.append((time.perf_counter() - start) * 1000.0)
+        replicas.add(session_info["replica"])
+        batch_sizes.append(session_info.get("batch_size", 1))
+        time.sleep(gap_ms / 1000.0)  # the robot executes its chunk
+    window[1] = time.monotonic()
+    client.infer({"endpoint": "reset", "session_id": session})
+    client._ws.close()
+    return {"latency_ms": latency, "window": window, "replicas": sorted(replicas), "batch_sizes": batch_sizes}
+
+
+@dataclass
+class RobotsResult:
+    label: str  # the server variant
+    robots: int
+    calls: int
+    calls_per_s: float
+    latency_p50_ms: float
+    latency_p99_ms: float
+    mean_batch: float  # sessions per engine step, as the replies report it
+    spread: str  # which replica each robot used
+
+
+def measure_robots(pool, manager, port: int, label: str, robots: int, warmup: int, calls: int, gap_ms: float = 0.0) -> RobotsResult:
+    """``robots`` openpi robots at once (after their warm-up, started together on a barrier):
+    calls per second all together, round-trip latency per call (p50 / p99)."""
+    barrier = manager.Barrier(robots + 1)
+    futures = [pool.submit(openpi_robot, port, i, warmup, calls, barrier, gap_ms) for i in range(robots)]
+    barrier.wait(timeout=600)
+    runs = [f.result(timeout=1800) for f in futures]
+    latency = [x for r in runs for x in r["latency_ms"]]
+    batches = [x for r in runs for x in r["batch_sizes"]]
+    elapsed = max(r["window"][1] for r in runs) - min(r["window"][0] for r in runs)
+    return RobotsResult(
+        label, robots, len(latency), len(latency) / elapsed, float(np.median(latency)), percentile(latency, 99),
+        float(np.mean(batches)) if batches else 1.0, " ".join("/".join(map(str, r["replicas"])) for r in runs),
+    )

@@ -19,7 +19,9 @@ and session engine (``build_engine`` from a validated config, as the worker buil
   calls, per-chunk median and p99, DiT TFLOP/s and the fraction of the bf16 peak, peak GPU memory,
   KV pages per session, and each variant's actions against the sdpa eager run's;
 * anchors printed beside the figures: vLLM-Omni 1095 ms/chunk on one H200 (611 ms CFG-parallel
-  on two), 62.2 GiB/GPU; the compute bound (the DiT FLOPs of a chunk at the peak rate).
+  on two), 62.2 GiB/GPU; the compute bound (the DiT FLOPs of a chunk at the peak rate);
+* then several robots on the GPU: 1, 2 and 4 sessions per batched engine step (``--batches``):
+  ms per step and chunks per second per GPU.
 
 Without a GPU (CI) the same code path runs at reduced size (``synthetic:tiny,layers=2``: every
 encoder at full depth and toy width, 2 DiT layers, 60 tokens per latent frame), float32, with
@@ -28,6 +30,7 @@ fullgraph, no code generation), and prints the same tables.
 
     python scripts/gpu_check.py --json                      # CPU: reduced size (about a minute)
     PYTHONPATH=. python3 scripts/gpu_check.py --full-size --json --budget-s 480 --out "$OUT"   # the device run
+    python scripts/gpu_check.py --family 5b ...             # the same for the Wan2.2-5B DreamZero (synthetic:droid_5b)
 
 On a bare device image the packages the import chain needs beyond torch/transformers/triton are
 installed from ``.device_wheels/`` (``scripts/fetch_device_wheels.sh`` downloads them; carry
@@ -69,6 +72,8 @@ H200_BF16_DENSE_TFLOPS = 989.0  # datasheet dense bf16 (H100/H200 SXM)
 
 FULL_CHECKPOINT = "synthetic:droid"
 REDUCED_CHECKPOINT = "synthetic:tiny,layers=2"
+# --family 5b: upstream's Wan2.2-TI2V-5B DreamZero (30 layers at dim 3072, 50 tokens per latent frame, the Wan2.2 VAE)
+FAMILY_CHECKPOINTS = {"14b": (FULL_CHECKPOINT, REDUCED_CHECKPOINT), "5b": ("synthetic:droid_5b", "synthetic:tiny_5b,layers=2")}
 PHASES = ("frames", "text", "vision", "vae", "prefill", "denoise", "decode")
 CAMERA = (180, 320)
 PROMPT = "pick up the cup and put it in the bowl"
@@ -174,21 +179,23 @@ def kv_spec_for(checkpoint: str, dtype: str):
     return DreamZeroPolicy.kv_spec(stub), spec
 
 
-def kv_budget_gib(kv_spec, max_sessions: int, branches: int = 2) -> float:
-    """Exactly what ``max_sessions`` sessions reserve: pages, scratch and cross-attention slots."""
-    fixed = max_sessions * branches * kv_spec.cross_slot_bytes + branches * kv_spec.scratch_pages_per_branch * kv_spec.page_bytes
+def kv_budget_gib(kv_spec, max_sessions: int, branches: int = 2, max_batch: int = 1) -> float:
+    """Exactly what ``max_sessions`` sessions reserve: pages, scratch (per batch slot) and cross-attention slots."""
+    scratch = max_batch * branches * kv_spec.scratch_pages_per_branch
+    fixed = max_sessions * branches * kv_spec.cross_slot_bytes + scratch * kv_spec.page_bytes
     pages = max_sessions * branches * kv_spec.pages_per_branch
     return (fixed + pages * kv_spec.page_bytes + kv_spec.page_bytes // 2) / 2**30
 
 
-def build_variant_engine(args, variant: Variant, budget_gib: float):
+def build_variant_engine(args, variant: Variant, budget_gib: float, max_sessions: int | None = None, max_batch: int = 1):
     """The engine for a variant, through the server's own config validation and build_engine."""
     from ardiff_server.config import validate_config
 
     def raw(backend: str) -> dict[str, Any]:
         return {
             "engine": {
-                "device": args.device, "dtype": args.dtype, "max_sessions": args.max_sessions, "kv_budget_gib": budget_gib,
+                "device": args.device, "dtype": args.dtype, "max_sessions": max_sessions or args.max_sessions, "kv_budget_gib": budget_gib,
+                "max_batch": max_batch,
                 "attention_backend": backend, "compile": variant.compile, "compile_backend": args.compile_backend,
                 "cuda_graphs": variant.graphs, "warmup": False,
             },
@@ -295,7 +302,7 @@ def run_variant(args, variant: Variant, obs: list, deadline: float | None) -> di
             "pool_pages": stats["pages_total"], "pool_gib": gib(cache.storage.nbytes),
             "reserved_pages_per_session": cache.reservation_per_session,
             "max_pages_held": max((c["pages_held"] for c in calls), default=0),
-            "scratch_pages": len(cache.branches) * cache.spec.scratch_pages_per_branch,
+            "scratch_pages": cache.storage.max_batch * len(cache.branches) * cache.spec.scratch_pages_per_branch,
             "page_mib": cache.spec.page_bytes / 2**20, "page_tokens": cache.spec.page_size,
             "cross_slot_mib": cache.spec.cross_slot_bytes / 2**20, "session_capacity": stats["session_capacity"],
         }  # fmt: skip
@@ -309,6 +316,74 @@ def run_variant(args, variant: Variant, obs: list, deadline: float | None) -> di
         release_engine(engine)
     result["total_s"] = time.monotonic() - start
     return result
+
+
+def run_batches(args, variant: Variant, sizes: list[int], calls: int, deadline: float | None) -> dict[str, Any]:
+    """Several robots on one GPU: ``b`` sessions served as one batched step per call
+    (``engine.serve``, as the worker does with ``engine.max_batch``), for each ``b`` in ``sizes``.
+    Reported per batch size: ms per step (window start and steady) and chunks per second."""
+    import torch
+
+    from ardiff_server.engine.messages import ErrorReply, Infer
+
+    cuda = args.device.startswith("cuda")
+    top = max(sizes)
+    kv_spec, _ = kv_spec_for(args.checkpoint, args.dtype)
+    engine = build_variant_engine(args, variant, kv_budget_gib(kv_spec, top, max_batch=top), max_sessions=top, max_batch=top)
+    rows: list[dict[str, Any]] = []
+    try:
+        for size in sizes:
+            if deadline is not None and rows and time.monotonic() + 2.5 * rows[-1]["total_s"] * size / rows[-1]["batch"] > deadline:
+                rows.append({"batch": size, "status": "skipped: time budget"})
+                break
+            robots = [observations(calls, seed=100 + i) for i in range(size)]
+            sessions = [f"batch{size}-{i}" for i in range(size)]
+            walls: list[float] = []
+            started = time.monotonic()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                for call in range(calls):
+                    items = [(Infer(i, sid, robots[i][call]), 0.0) for i, sid in enumerate(sessions)]
+                    t = time.perf_counter()
+                    replies, deferred = engine.serve(items)
+                    walls.append((time.perf_counter() - t) * 1000.0)
+                    errors = [r.message for r in replies if isinstance(r, ErrorReply)]
+                    if errors or deferred:
+                        raise RuntimeError(f"batch of {size}: {errors[:1] or 'requests deferred'}")
+                    log(f"[batch {size}] call {call + 1}/{calls}: {walls[-1]:.0f} ms for {size} chunks")
+            except torch.cuda.OutOfMemoryError as exc:
+                rows.append({"batch": size, "status": f"out of memory: {str(exc)[:200]}"})
+                break
+            finally:
+                for sid in sessions:
+                    engine.end(sid, "gpu_check")
+            steady = walls[1:] or walls
+            row = {
+                "batch": size, "status": "ok", "calls": calls, "window_start_ms": walls[0], "steady_ms_median": statistics.median(steady),
+                "chunks_per_s": size / (statistics.median(steady) / 1000.0), "total_s": time.monotonic() - started,
+            }  # fmt: skip
+            if cuda:
+                row["peak_alloc_gib"] = gib(torch.cuda.max_memory_allocated())
+            rows.append(row)
+    finally:
+        release_engine(engine)
+    base = next((r for r in rows if r["batch"] == 1 and r["status"] == "ok"), None)
+    for row in rows:
+        if base is not None and row["status"] == "ok":
+            row["speedup_vs_batch_1"] = row["chunks_per_s"] / base["chunks_per_s"]
+    return {"variant": variant.name, "rows": rows}
+
+
+def print_batches(batches: dict[str, Any]) -> None:
+    print(f"\nseveral robots per GPU ({batches['variant']}): b sessions per engine step (engine.max_batch)")
+    print(f"{'batch':>6}{'start ms':>10}{'steady ms':>11}{'chunks/s':>10}{'vs b=1':>8}{'GiB':>7}")
+    for row in batches["rows"]:
+        if row["status"] != "ok":
+            print(f"{row['batch']:>6}  {row['status']}")
+            continue
+        print(f"{row['batch']:>6}{row['window_start_ms']:>10.1f}{row['steady_ms_median']:>11.1f}{row['chunks_per_s']:>10.2f}"
+              f"{row.get('speedup_vs_batch_1', float('nan')):>7.2f}x{row.get('peak_alloc_gib', float('nan')):>7.1f}")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ report
@@ -432,12 +507,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full-size", action="store_true", help="the released DreamZero-DROID geometry (default on CUDA)")
     parser.add_argument("--reduced", action="store_true", help=f"the reduced model ({REDUCED_CHECKPOINT}; default without CUDA)")
-    parser.add_argument("--checkpoint", help="a synthetic:<preset>[,key=value...] spec (overrides --full-size/--reduced)")
+    parser.add_argument("--family", choices=sorted(FAMILY_CHECKPOINTS), default="14b",
+                        help="14b: DreamZero-DROID (synthetic:droid); 5b: the Wan2.2-5B DreamZero (synthetic:droid_5b)")
+    parser.add_argument("--checkpoint", help="a synthetic:<preset>[,key=value...] spec (overrides --full-size/--reduced/--family)")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--variants", help="comma-separated; default sdpa,flex,flex+graphs,flex+compile,flex+compile+graphs on CUDA, "
                                            "sdpa,flex,flex+compile on CPU")  # fmt: skip
     parser.add_argument("--calls", type=int, default=6, help="measured calls per variant (6 = a full window + a restart)")
+    parser.add_argument("--batches", default="1,2,4", help="robots per engine step to measure after the variants (empty: skip)")
+    parser.add_argument("--batch-calls", type=int, default=4, help="calls per robot in the batch measurement (a window start + steady)")
+    parser.add_argument("--batch-variant", default="flex", help="the variant the batch measurement runs (default flex)")
     parser.add_argument("--max-sessions", type=int, default=1, help="KV pool sized for exactly this many sessions")
     parser.add_argument("--compile-backend", help="torch.compile backend (default inductor on CUDA, eager on CPU)")
     parser.add_argument("--peak-tflops", type=float, help=f"peak for 'of peak' (default: {H200_BF16_DENSE_TFLOPS:g} on CUDA "
@@ -471,7 +551,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     full = args.full_size or (cuda and not args.reduced)
-    args.checkpoint = args.checkpoint or (FULL_CHECKPOINT if full else REDUCED_CHECKPOINT)
+    args.checkpoint = args.checkpoint or FAMILY_CHECKPOINTS[args.family][0 if full else 1]
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.compile_backend = args.compile_backend or ("inductor" if cuda else "eager")
     if args.compile_estimate_s is None:
@@ -569,6 +649,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print_variant(result)
         _write(out_dir, report)
 
+    sizes = [int(b) for b in args.batches.split(",") if b.strip()]
+    if sizes:
+        if deadline is not None and time.monotonic() + 60 > deadline:
+            report["skipped"]["batches"] = f"time budget: {deadline - time.monotonic():.0f} s left"
+        else:
+            log(f"[batches {sizes}] starting ({args.batch_variant})")
+            try:
+                report["batches"] = run_batches(args, Variant(args.batch_variant), sizes, args.batch_calls, deadline)
+                print_batches(report["batches"])
+            except Exception as exc:  # report it and finish the run
+                report["batches"] = {"status": f"failed: {type(exc).__name__}: {exc}"[:2000]}
+                log(f"[batches] FAILED: {type(exc).__name__}: {exc}")
+            _write(out_dir, report)
+
     if args.pytest and cuda:
         remaining = (deadline - time.monotonic()) if deadline else 300.0
         if remaining > 60:
@@ -607,7 +701,7 @@ def cuda_mm_rate(dtype, n: int = 8192, reps: int = 10) -> float:
 
 def run_gpu_tests(timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-           "tests/test_paged_attention.py", "tests/test_flex_attention.py"]  # fmt: skip
+           "tests/kv/test_paged_attention.py", "tests/kv/test_flex_attention.py", "tests/kv/test_batched_forward.py"]  # fmt: skip
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

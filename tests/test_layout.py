@@ -94,3 +94,13 @@ def test_front_end_modules_never_load_torch():
     code = f"import sys; import {', '.join(front)}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_test_modules_share_helpers_only_through_tests_helpers():
+    borrowed = [
+        f"{name} -> {imp}"
+        for name, path in _modules("tests")
+        for imp in _imports(path)
+        if imp.startswith("tests.") and not imp.startswith("tests.helpers")
+    ]
+    assert borrowed == []

@@ -52,12 +52,13 @@ def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> Se
         record=config.server.record_dir is not None and rank == 0,
     )  # fmt: skip
     policy = build_policy(config.policy_name, config.policy_options(), options)
+    max_batch = min(engine_config.batch_limit, policy.info.max_batch)
     spec = policy.kv_spec()
     cache = None
     if spec is not None:
         budget = kv_budget_bytes(engine_config.kv_budget_gib, engine_config.kv_memory_fraction, device)
         pages = PagedKVCache.pages_for_budget(
-            spec, budget, max_sessions=engine_config.max_sessions, num_branches=len(policy.branches)
+            spec, budget, max_sessions=engine_config.max_sessions, num_branches=len(policy.branches), max_batch=max_batch
         )
         if world_size > 1:  # both ranks must make the same admission decisions: agree on the pool size
             agreed = torch.tensor([pages])
@@ -65,19 +66,19 @@ def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> Se
             pages = int(agreed)
         cache = PagedKVCache(
             spec, num_pages=pages + 1, max_sessions=engine_config.max_sessions, branches=policy.branches,
-            device=device, attention_backend=engine_config.attention_backend,
+            device=device, attention_backend=engine_config.attention_backend, max_batch=max_batch,
         )  # fmt: skip
         logger.info(
-            "KV cache: %d pages of %d tokens (%.1f MiB each), %d sessions, branches %s, %.1f MiB in all",
+            "KV cache: %d pages of %d tokens (%.1f MiB each), %d sessions, branches %s, scratch for %d per forward, %.1f MiB in all",
             cache.pool.capacity, spec.page_size, spec.page_bytes / 2**20, cache.session_capacity,
-            [b.name for b in policy.branches], cache.storage.nbytes / 2**20,
+            [b.name for b in policy.branches], max_batch, cache.storage.nbytes / 2**20,
         )  # fmt: skip
     recorder = None
     if options.record:
         from ardiff_server.engine.recorder import Recorder
 
         recorder = Recorder(config.server.record_dir, max_bytes=int(config.server.record_max_gib * 2**30), decode=policy.decode_prediction)
-    return SessionEngine(policy, cache, max_sessions=engine_config.max_sessions, rank=rank, recorder=recorder)
+    return SessionEngine(policy, cache, max_sessions=engine_config.max_sessions, max_batch=max_batch, rank=rank, recorder=recorder)
 
 
 def set_threads(config, world_size: int) -> None:

@@ -1,8 +1,8 @@
 """An engine in this process, as an :class:`~ardiff_server.engine.client.EngineClient`.
 
-The engine is served by one thread (control requests first, through the same
-:class:`~ardiff_server.engine.inbox.RequestInbox` the worker uses), so the event loop never runs
-model code. Used by tests, scripts and Ray model replicas (which are processes already).
+The engine is served by one thread (control requests first, inference in batches of up to
+``max_batch``, through the same :class:`~ardiff_server.engine.inbox.RequestInbox` the worker
+uses), so the event loop never runs model code. Used by tests, scripts and Ray model replicas (which are processes already).
 """
 
 from __future__ import annotations
@@ -40,12 +40,18 @@ class InprocClient:
     says ``stuck`` once a step has run past ``step_timeout_s``, and whoever hosts the engine
     decides (a Ray replica fails its health check and is replaced)."""
 
-    def __init__(self, engine: Any, *, replica: int = 0, devices: list[str] | None = None, step_timeout_s: float | None = None) -> None:
+    def __init__(
+        self, engine: Any, *, replica: int = 0, devices: list[str] | None = None, step_timeout_s: float | None = None,
+        max_batch: int = 1, batch_wait_s: float = 0.0,
+    ) -> None:  # fmt: skip
         self.engine = engine
+        self.max_batch = max_batch
+        self.batch_wait_s = batch_wait_s
         self.replica = replica
         self.devices = devices or ["in-process"]
         self.step_timeout_s = step_timeout_s
         self.busy_since: float | None = None  # when the step in progress began
+        self.busy_members = 1  # sessions in it: a batched step gets each member's own step_timeout_s
         self.info: PolicyInfo | None = engine.policy.info
         self.stats: tuple[EngineStats, ...] = (engine.stats(),)
         self._ids = itertools.count()
@@ -60,8 +66,8 @@ class InprocClient:
         if self._state == "ready":
             if self._thread is None or not self._thread.is_alive():
                 return "stopped"
-            busy = self.busy_since
-            if busy is not None and self.step_timeout_s is not None and time.monotonic() - busy > self.step_timeout_s:
+            busy, members = self.busy_since, self.busy_members
+            if busy is not None and self.step_timeout_s is not None and time.monotonic() - busy > self.step_timeout_s * members:
                 return "stuck"
         return self._state
 
@@ -113,16 +119,18 @@ class InprocClient:
         while True:
             if self._inbox.empty() and self.engine.idle_work():  # recording: only while no request waits
                 continue
-            request, queued_ms = self._inbox.get()
-            if isinstance(request, Shutdown):
+            items = self._inbox.get_batch(self.max_batch, self.batch_wait_s)
+            if isinstance(items[0][0], Shutdown):
                 self.engine.close()
                 return
-            self.busy_since = time.monotonic()
+            self.busy_since, self.busy_members = time.monotonic(), len(items)
             try:
-                reply = self.engine.handle(request, queued_ms=queued_ms)
+                replies, deferred = self.engine.serve(items)
             finally:
                 self.busy_since = None
-            self._loop.call_soon_threadsafe(self._resolve, reply)
+            self._inbox.put_back(deferred)
+            for reply in replies:
+                self._loop.call_soon_threadsafe(self._resolve, reply)
 
     def _resolve(self, reply: Reply) -> None:
         self.stats = reply.stats or self.stats

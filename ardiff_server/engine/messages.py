@@ -83,6 +83,7 @@ class EngineStats:
     steps: int = 0
     failures: int = 0
     endings: dict[str, int] = field(default_factory=dict)  # reason -> sessions ended that way
+    batches: dict[int, int] = field(default_factory=dict)  # batch size -> steps run with that many sessions
     kv_pages_total: int = 0
     kv_pages_free: int = 0
     session_capacity: int = 0  # sessions it can hold: engine.max_sessions, or fewer if the KV pool is smaller
@@ -158,6 +159,8 @@ class InferReply:
     compute_ms: float
     stats: tuple[EngineStats, ...] = ()
     replica: int = 0  # which engine replica served it (set by the client that talked to it)
+    batch_size: int = 1  # sessions in the forward that computed it (engine.max_batch)
+    queue_ms: float = 0.0  # how long it waited in the engine's inbox, behind other steps
 
 
 def scalar_info(info: dict[str, Any]) -> dict[str, Any]:
@@ -213,5 +216,5 @@ class StartFailed:
 @dataclass(frozen=True, slots=True)
 class Pong:
     request_id: int
-    running: int | None = None  # the request the engine is computing, if any
+    running: tuple[int, ...] = ()  # the requests the engine is computing (one step, or one batch)
     running_s: float = 0.0  # for how long (the front end's clock is not the worker's)

@@ -6,7 +6,8 @@ worker (``channel.py``) and awaits the reply with the same request id.
 
 Supervision: the client keeps one :class:`~ardiff_server.engine.worker_group.WorkerGroup` running.
 A progress watchdog (the worker answers a ping every second with the step it is computing and
-since when) declares the group stuck when a step runs past ``server.request_timeout_s``, fails
+since when) declares the group stuck when a step runs past ``server.request_timeout_s`` (times the
+sessions in it: a batch member's budget is its own compute, never its batch-mates'), fails
 that request and restarts the group; the same pings tell ``/healthz`` when the process stopped
 answering at all. A group that dies is restarted too; its sessions are gone (``on_restart``).
 """
@@ -225,10 +226,11 @@ class ProcessClient:
         now = time.monotonic()
         self._last_pong = now  # any message proves the process is alive
         if isinstance(message, Pong):
-            pending = self._pending.get(message.running) if message.running is not None else None
-            if pending is not None and pending.started_at is None:  # a new step began: progress
-                pending.started_at = now - message.running_s
-                self._last_progress = now
+            for request_id in message.running:  # one step, or one batch
+                pending = self._pending.get(request_id)
+                if pending is not None and pending.started_at is None:  # a new step began: progress
+                    pending.started_at = now - message.running_s
+                    self._last_progress = now
             return
         self._last_progress = now
         if isinstance(message, InferReply | ControlReply | ErrorReply):
@@ -313,10 +315,11 @@ class ProcessClient:
                     group.send(Ping(next(self._ids)))
                 except (ConnectionError, RuntimeError):
                     pass
-            running = next((p for p in self._pending.values() if p.started_at is not None), None)
-            if running is not None and now - running.started_at > self.step_timeout_s:
-                self._declare_stuck(group, f"inference took longer than {self.step_timeout_s:.0f} s; the worker was restarted")
-            elif self._pending and now - self._last_progress > self.step_timeout_s:
+            running = [p.started_at for p in self._pending.values() if p.started_at is not None]
+            limit = self.step_timeout_s * max(1, len(running))  # a batched step: each member's own budget
+            if running and now - min(running) > limit:
+                self._declare_stuck(group, f"inference took longer than {limit:.0f} s; the worker was restarted")
+            elif not running and self._pending and now - self._last_progress > self.step_timeout_s:
                 self._declare_stuck(group, f"the inference worker made no progress for {self.step_timeout_s:.0f} s; it was restarted")
 
     def _declare_stuck(self, group: WorkerGroup, message: str) -> None:

@@ -1,10 +1,11 @@
 """The worker process: one engine rank behind a socket to the front end.
 
 Rank 0 holds the socket. A reader thread takes requests off it into a :class:`RequestInbox`
-(control first) and answers liveness pings at once, with the request the main thread is
+(control first) and answers liveness pings at once, with the requests the main thread is
 computing and for how long (the front end's progress watchdog and a request's compute timeout
 run from there; no message per step, so a fast step costs no extra wake-up of the front end);
-the main thread serves the inbox one request at a time.
+the main thread serves the inbox: one control request, or a batch of up to ``engine.max_batch``
+waiting inference requests in one step (``SessionEngine.serve``).
 
 CFG-parallel (``engine.cfg_parallel_size: 2``): two processes form a ``torch.distributed``
 group. Rank 0 broadcasts each request over a gloo control group; both ranks serve it in
@@ -78,7 +79,7 @@ def worker_main(
         channel.send(Ready(engine.policy.info, stats, engine.warmup_ms, time.perf_counter() - started))
     try:
         if rank == 0:
-            _serve(engine, channel, control, arena)
+            _serve(engine, channel, control, arena, engine.max_batch, config.engine.batch_wait_s)
         else:
             _follow(engine, control, arena)
     finally:
@@ -106,26 +107,28 @@ def _broadcast(request: Any, control) -> Any:
     return box[0]
 
 
-def _serve_one(engine, request, control, arena, queued_ms: float = 0.0):
-    """One request on any rank: the engine's reply with every rank's stats attached."""
+def _serve_items(engine, items: list, control, arena) -> tuple[list, list]:
+    """What the inbox handed over, on any rank: the engine's replies (with every rank's stats
+    attached) and the requests to put back in the inbox."""
     from ardiff_server.engine.messages import Infer
 
-    if isinstance(request, Infer) and arena is not None:
-        request = replace(request, observation=arena.view(request.observation))
-    reply = engine.handle(request, queued_ms=queued_ms)
+    if arena is not None:
+        items = [(replace(r, observation=arena.view(r.observation)) if isinstance(r, Infer) else r, q) for r, q in items]
+    replies, deferred = engine.serve(items)
     if control is not None:
-        reply = replace(reply, stats=gather_stats(engine, control))
-    return reply
+        stats = gather_stats(engine, control)
+        replies = [replace(reply, stats=stats) for reply in replies]
+    return replies, deferred  # deferred requests keep their views: viewing a view again changes nothing
 
 
 class Running:
     """What the main thread is computing (read by the reader thread to answer pings)."""
 
     def __init__(self) -> None:
-        self.request: tuple[int, float] | None = None  # (request_id, time.monotonic() at its start)
+        self.requests: tuple[tuple[int, ...], float] | None = None  # (request ids, time.monotonic() at the start)
 
 
-def _serve(engine, channel: WorkerChannel, control, arena) -> None:
+def _serve(engine, channel: WorkerChannel, control, arena, max_batch: int, wait_s: float) -> None:
     from ardiff_server.engine.inbox import RequestInbox
     from ardiff_server.engine.messages import Shutdown
 
@@ -134,28 +137,31 @@ def _serve(engine, channel: WorkerChannel, control, arena) -> None:
     while True:
         if inbox.empty() and engine.idle_work():  # recording: only while no request waits
             continue
-        request, queued_ms = inbox.get()
+        items = inbox.get_batch(max_batch, wait_s)
         if control is not None:
-            _broadcast(request, control)
-        if isinstance(request, Shutdown):
+            _broadcast(items, control)
+        if isinstance(items[0][0], Shutdown):
             return
-        running.request = (request.request_id, time.monotonic())
+        running.requests = (tuple(request.request_id for request, _ in items), time.monotonic())
         try:
-            reply = _serve_one(engine, request, control, arena, queued_ms)
+            replies, deferred = _serve_items(engine, items, control, arena)
         finally:
-            running.request = None
-        channel.send(reply)
+            running.requests = None
+        inbox.put_back(deferred)
+        for reply in replies:
+            channel.send(reply)
 
 
 def _follow(engine, control, arena) -> None:
-    """CFG-parallel rank 1: serve whatever rank 0 broadcasts, in the same order."""
+    """CFG-parallel rank 1: serve whatever rank 0 broadcasts, in the same order (the same batches:
+    admission is deterministic, so both ranks defer the same requests)."""
     from ardiff_server.engine.messages import Shutdown
 
     while True:
-        request = _broadcast(None, control)
-        if isinstance(request, Shutdown):
+        items = _broadcast(None, control)
+        if isinstance(items[0][0], Shutdown):
             return
-        _serve_one(engine, request, control, arena)
+        _serve_items(engine, items, control, arena)
 
 
 def _read_requests(channel: WorkerChannel, inbox, running: Running) -> None:
@@ -168,7 +174,7 @@ def _read_requests(channel: WorkerChannel, inbox, running: Running) -> None:
             inbox.put(Shutdown())
             return
         if isinstance(message, Ping):
-            current = running.request
+            current = running.requests
             if current is None:
                 channel.send(Pong(message.request_id))
             else:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 OUTCOMES = (
@@ -42,6 +42,7 @@ DEPRECATED_ALIASES = {
     "ardiff_kv_blocks_free": "ardiff_kv_pages_free",
     "ardiff_kv_blocks_total": "ardiff_kv_pages_total",
 }
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 
 
@@ -55,6 +56,9 @@ class Metrics:
         self.infer_seconds = Histogram("ardiff_infer_seconds", "Policy compute time per infer request", registry=r, buckets=_BUCKETS)
         self.request_seconds = Histogram(
             "ardiff_request_seconds", "Server time per infer request (queue + compute + codec)", registry=r, buckets=_BUCKETS
+        )
+        self.queue_seconds = Histogram(
+            "ardiff_queue_seconds", "Time an infer request waited in the engine's inbox behind other steps", registry=r, buckets=_BUCKETS
         )
         self.connections = Gauge("ardiff_connections_open", "Open websocket connections", registry=r)
         self.closed = Counter("ardiff_connections_closed", "Connections the server closed, by reason", ["reason"], registry=r)
@@ -106,6 +110,7 @@ class EngineCollector(Collector):
         kv_free = GaugeMetricFamily("ardiff_kv_pages_free", "Free KV pages", labels=["replica", "rank"])
         kv_total = GaugeMetricFamily("ardiff_kv_pages_total", "KV pages in the pool", labels=["replica", "rank"])
         endings = GaugeMetricFamily("ardiff_session_endings", "Sessions ended in the engine, by reason", labels=["replica", "reason"])
+        batches = HistogramMetricFamily("ardiff_batch_size", "Sessions per engine step (a step runs the robots whose requests wait together)", labels=["replica"])
         for replica in replicas:
             label = str(replica.index)
             up.add_metric([label], 1.0 if replica.state == "ready" else 0.0)
@@ -120,10 +125,15 @@ class EngineCollector(Collector):
             steps.add_metric([label], first.steps)
             for reason, count in sorted(first.endings.items()):
                 endings.add_metric([label, reason], count)
+            if first.batches:
+                sizes = first.batches
+                cumulative = [(str(b), sum(n for size, n in sizes.items() if size <= b)) for b in BATCH_BUCKETS]
+                total = sum(sizes.values())
+                batches.add_metric([label], [*cumulative, ("+Inf", total)], sum_value=sum(size * n for size, n in sizes.items()))
             for rank_stats in replica.stats:
                 kv_free.add_metric([label, str(rank_stats.rank)], rank_stats.kv_pages_free)
                 kv_total.add_metric([label, str(rank_stats.rank)], rank_stats.kv_pages_total)
-        yield from (up, state, restarts, restart_s, sessions, placed, steps, kv_free, kv_total, endings)
+        yield from (up, state, restarts, restart_s, sessions, placed, steps, kv_free, kv_total, endings, batches)
 
 
 class _KeyCollector(Collector):

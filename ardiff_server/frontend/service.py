@@ -142,6 +142,13 @@ class PolicyService:
         return {
             "server": {"name": "ardiff-server", "version": __version__, "uptime_s": round(time.time() - self.started, 1)},
             "websocket_paths": list(WEBSOCKET_PATHS),
+            "batching": {
+                # What a step holds: engine.max_batch, never more than the policy can batch in one forward.
+                "max_batch": min(self.config.engine.batch_limit, info.max_batch if info is not None else 1),
+                "engine_max_batch": self.config.engine.batch_limit,
+                "policy_max_batch": info.max_batch if info is not None else None,
+                "batch_wait_ms": self.config.engine.batch_wait_ms,
+            },
             "policy": info.describe() if info is not None else None,
             "replicas": [
                 {
@@ -253,6 +260,7 @@ class PolicyService:
         total_ms, round_trip_ms = (now - started) * 1000.0, (now - sent) * 1000.0
         self.metrics.requests.labels("ok").inc()
         self.metrics.infer_seconds.observe(reply.compute_ms / 1000.0)
+        self.metrics.queue_seconds.observe(reply.queue_ms / 1000.0)
         self.metrics.request_seconds.observe(total_ms / 1000.0)
         server_timing = {"infer_ms": reply.compute_ms, "queue_ms": max(0.0, round_trip_ms - reply.compute_ms)}
         if prev_total_ms is not None:
@@ -315,7 +323,7 @@ DEPRECATED_SESSION_KEYS = {"window_reset": "window_restart", "session_reset": "p
 
 
 def _session_info(session_id: str, reply: InferReply) -> dict[str, Any]:
-    extra = {k: v for k, v in scalar_info(reply.info).items() if k not in ("id", "new", "calls", "replica")}
+    extra = {k: v for k, v in scalar_info(reply.info).items() if k not in ("id", "new", "calls", "replica", "batch_size")}
     extra.update({old: extra[new] for old, new in DEPRECATED_SESSION_KEYS.items() if new in extra})
-    return {"id": session_id, "new": reply.new_session, "calls": reply.calls, "replica": reply.replica, **extra}
+    return {"id": session_id, "new": reply.new_session, "calls": reply.calls, "replica": reply.replica, "batch_size": reply.batch_size, **extra}
 

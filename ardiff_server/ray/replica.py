@@ -57,7 +57,10 @@ class EngineReplica:
             from ardiff_server.engine.inproc_client import InprocClient  # noqa: PLC0415
 
             engine = await asyncio.to_thread(start_engine, self.config, warmup=self.config.engine.warmup)
-            self.client = InprocClient(engine, replica=index, devices=self.devices, step_timeout_s=self.config.server.request_timeout_s)
+            self.client = InprocClient(
+                engine, replica=index, devices=self.devices, step_timeout_s=self.config.server.request_timeout_s,
+                max_batch=engine.max_batch, batch_wait_s=self.config.engine.batch_wait_s,
+            )  # fmt: skip
         await self.client.start()
         logger.info(
             "model replica %s (index %s, pid %d) ready in %.1f s on %s",

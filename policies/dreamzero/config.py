@@ -19,6 +19,7 @@ DEFAULT_NEGATIVE_PROMPT = (
 
 
 BUILTIN_TINY = "builtin:tiny"
+BUILTIN_TINY_5B = "builtin:tiny_5b"  # the same, on the Wan2.2-5B architecture (tiny.py)
 SYNTHETIC_PREFIX = "synthetic:"  # random weights in a released geometry, made on the device (synthetic.py)
 
 
@@ -26,10 +27,14 @@ class DreamZeroConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
 
     name: Literal["dreamzero"] = "dreamzero"
-    checkpoint: str = pydantic.Field(BUILTIN_TINY, description="checkpoint directory, or builtin:tiny")
+    checkpoint: str = pydantic.Field(BUILTIN_TINY, description="checkpoint directory, builtin:tiny or builtin:tiny_5b")
     tokenizer: str | None = pydantic.Field(None, description="tokenizer directory (default: <checkpoint>/tokenizer)")
-    view_size: tuple[int, int] = pydantic.Field((176, 320), description="per-view (height, width) fed to the model")
-    image_resolution: tuple[int, int] = pydantic.Field((180, 320), description="camera size advertised to clients")
+    view_size: tuple[int, int] | None = pydantic.Field(
+        None, description="per-view (height, width) fed to the model (default: the checkpoint family's, 14B 176x320, 5B 160x320)"
+    )
+    image_resolution: tuple[int, int] | None = pydantic.Field(
+        None, description="camera size advertised to clients (default: 14B 180x320; 5B its metadata.json's, else 160x320)"
+    )
     num_inference_steps: int = pydantic.Field(16, ge=1, le=1000)
     sigma_shift: float = pydantic.Field(5.0, gt=0)
     cfg_scale: float = pydantic.Field(5.0, ge=1.0)
@@ -54,7 +59,7 @@ class DreamZeroConfig(pydantic.BaseModel):
     def preflight(self) -> None:
         """Cheap checks before any worker is spawned: the checkpoint and tokenizer directories exist.
         Raises ValueError with one line naming the problem and the fix."""
-        if self.checkpoint == BUILTIN_TINY or self.checkpoint.startswith(SYNTHETIC_PREFIX):
+        if self.checkpoint in (BUILTIN_TINY, BUILTIN_TINY_5B) or self.checkpoint.startswith(SYNTHETIC_PREFIX):
             return
         checkpoint = Path(self.checkpoint).expanduser()
         if not (checkpoint / "config.json").is_file():

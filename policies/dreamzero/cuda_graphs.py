@@ -1,8 +1,10 @@
 """CUDA-graph replay of DreamZero's denoise DiT forward (``engine.cuda_graphs``).
 
 Every denoise step of a chunk runs the same DiT forward on new values, which is what a CUDA
-graph replays without re-launching thousands of kernels. One graph is captured per
-(branch, cross-attention slot, window position):
+graph replays without re-launching thousands of kernels. Graphs serve one session's denoise
+forward (its local CFG branches, one sequence each); a batch of several sessions runs eagerly
+(there would be a graph per combination of sessions). One graph is captured per tuple of
+(branch, cross-attention slot, window position), one entry per sequence:
 
 * the window position (``current_start_frame``) picks the RoPE rows, computed inside the graph;
 * the cross-attention slot fixes where the cached text/image K/V live (read in place);
@@ -29,7 +31,7 @@ from kv import PagedLayerInputs
 
 logger = logging.getLogger(__name__)
 
-GraphKey = tuple[int, int, int]  # (branch, cross slot, current_start_frame)
+GraphKey = tuple[tuple[int, int, int], ...]  # per sequence: (branch, cross slot, current_start_frame)
 
 
 @dataclass
@@ -51,7 +53,7 @@ class DenoiseGraphs:
         self.graphs: dict[GraphKey, _Captured] = {}
         self.failed = False
 
-    def run(self, key: GraphKey, *, layer_inputs: list[PagedLayerInputs], cross_kv, current_start_frame: int,
+    def run(self, key: GraphKey, *, layer_inputs: list[PagedLayerInputs], cross_kv, current_start_frame: list[int],
             **tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
         """Replay (capturing first if needed). None: graphs are unusable here, run eagerly."""
         if self.failed:
@@ -83,7 +85,7 @@ class DenoiseGraphs:
         def forward() -> tuple[torch.Tensor, torch.Tensor]:
             return self.dit(
                 inputs["x"], inputs["timestep"], current_start_frame=current_start_frame, self_kv=static_layers,
-                y=inputs["y"], cross_kv=cross_kv, action=inputs["action"], timestep_action=inputs["timestep_action"],
+                y=inputs.get("y"), cross_kv=cross_kv, action=inputs["action"], timestep_action=inputs["timestep_action"],
                 state=inputs["state"],
             )  # fmt: skip
 

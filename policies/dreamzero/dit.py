@@ -4,10 +4,13 @@ Structure and parameter names follow upstream ``CausalWanModel``
 (dreamzero0/dreamzero ``groot/vla/model/dreamzero/modules/wan_video_dit_action_casual_chunk.py``)
 so the released checkpoint's ``action_head.model.*`` tensors load unchanged:
 
-* Wan2.1 I2V backbone: 3-D patch embedding of ``[noisy latents | image conditioning]``,
+* Wan2.1 I2V backbone (14B): 3-D patch embedding of ``[noisy latents | image conditioning]``,
   sinusoidal time embedding with 6-way modulation per block, self-attention with q/k RMSNorm
   and 3-D RoPE, cross-attention over text (+ 257 CLIP image tokens for I2V), tanh-GELU FFN,
   modulated head, unpatchify.
+* Wan2.2 TI2V backbone (5B, ``model_type="ti2v"``, ``concat_first_frame_latent=False``): the same
+  network on the noisy latents alone (48 channels in and out); the first frame conditions it
+  only through the CLIP image tokens in the cross-attention context, as in upstream.
 * Action register: 24 action tokens and 1 state token appended after the video tokens, with
   their own RoPE tables (advanced by one block per chunk) and their own timesteps. Encoders and
   decoder are category-specific MLPs with one embodiment slot (category 0 always).
@@ -67,12 +70,15 @@ class DiTConfig:
     num_action_per_block: int = 24
     num_state_per_block: int = 1
     clip_dim: int = 1280  # CLIP token width (upstream hard-codes 1280; the tiny model shrinks it)
-    num_image_tokens: int = 257  # CLIP tokens prepended to the text context (I2V)
+    num_image_tokens: int = 257  # CLIP tokens prepended to the text context (I2V, TI2V)
+    # Upstream: concatenate the image conditioning ``y`` to the latents before the patch embedding (14B I2V);
+    # False (the 5B TI2V) feeds the latents alone and ignores ``y``.
+    concat_first_frame_latent: bool = True
 
     # Training-time keys of the upstream config that do not change the inference network.
     _IGNORED = frozenset({
         "_target_", "_convert_", "diffusion_model_pretrained_path", "num_registers",
-        "max_num_embodiments", "sink_size", "concat_first_frame_latent",
+        "max_num_embodiments", "sink_size",
     })  # fmt: skip
 
     @classmethod
@@ -81,8 +87,6 @@ class DiTConfig:
         unknown = set(raw) - known - cls._IGNORED
         if unknown:
             raise ValueError(f"unknown DiT config keys: {sorted(unknown)}")
-        if raw.get("concat_first_frame_latent", True) is not True:
-            raise ValueError("concat_first_frame_latent=False (the Wan2.2 5B variant) is not supported")
         values = {k: v for k, v in raw.items() if k in known}
         if "patch_size" in values:
             values["patch_size"] = tuple(values["patch_size"])
@@ -92,6 +96,11 @@ class DiTConfig:
         out = asdict(self)
         out["patch_size"] = list(self.patch_size)
         return out
+
+    @property
+    def has_image_context(self) -> bool:
+        """CLIP image tokens in the cross-attention context (upstream: ``model_type in ('i2v', 'ti2v')``)."""
+        return self.model_type in ("i2v", "ti2v")
 
     @property
     def head_dim(self) -> int:
@@ -235,13 +244,11 @@ class CausalWanSelfAttention(WanAttentionProjections):
         k_video, v_video = k[:, :n_video], v[:, :n_video]
         k_extra, v_extra = (k[:, n_video:], v[:, n_video:]) if num_extra else (None, None)
         scale = self.head_dim**-0.5
-        if isinstance(self_kv, PagedLayerInputs):
-            if x.shape[0] != 1:
-                raise ValueError("paged self-attention runs one session per forward (batch 1)")
+        if isinstance(self_kv, PagedLayerInputs):  # B sequences, each over its own pages (block-table rows)
             out = paged_write_attend(
-                self_kv, q[0], k_video[0], v_video[0],
-                None if k_extra is None else k_extra[0], None if v_extra is None else v_extra[0], scale,
-            )[None]  # fmt: skip
+                self_kv, q.flatten(0, 1), k_video.flatten(0, 1), v_video.flatten(0, 1),
+                None if k_extra is None else k_extra.flatten(0, 1), None if v_extra is None else v_extra.flatten(0, 1), scale,
+            ).view(shape)  # fmt: skip
         elif self_kv is None:  # full attention over this call's tokens
             out = _attention(q, k, v, scale)
         else:
@@ -269,18 +276,26 @@ class WanCrossAttention(WanAttentionProjections):
     def project_image(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._heads(self.norm_k_img(self.k_img(image))), self._heads(self.v_img(image))
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | CrossKV) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor | CrossKV | tuple[CrossKV, ...]) -> torch.Tensor:
+        q = self._heads(self.norm_q(self.q(x)))
+        if isinstance(context, tuple) and not isinstance(context, CrossKV):
+            # a batched forward: each sequence reads its own cached slot, in place (no gather copy)
+            out = torch.cat([self._attend(q[b : b + 1], kv) for b, kv in enumerate(context)])
+        else:
+            out = self._attend(q, context)
+        return self.o(out.flatten(2))
+
+    def _attend(self, q: torch.Tensor, context: torch.Tensor | CrossKV) -> torch.Tensor:
         if isinstance(context, CrossKV):
             text_kv = (context.text_key, context.text_value)
             image_kv = (context.image_key, context.image_value) if self.num_image_tokens else None
         else:  # upstream path: project the (image tokens | text tokens) context every call
             text_kv = self.project_text(context[:, self.num_image_tokens :])
             image_kv = self.project_image(context[:, : self.num_image_tokens]) if self.num_image_tokens else None
-        q = self._heads(self.norm_q(self.q(x)))
         out = _attention(q, *text_kv)
         if image_kv is not None:
             out = out + _attention(q, *image_kv)
-        return self.o(out.flatten(2))
+        return out
 
 
 class CausalWanAttentionBlock(nn.Module):
@@ -291,7 +306,7 @@ class CausalWanAttentionBlock(nn.Module):
         self.self_attn = CausalWanSelfAttention(dim, cfg.num_heads, cfg.qk_norm, cfg.eps)
         self.norm3 = nn.LayerNorm(dim, eps=cfg.eps, elementwise_affine=True) if cfg.cross_attn_norm else nn.Identity()
         self.cross_attn = WanCrossAttention(
-            dim, cfg.num_heads, cfg.qk_norm, cfg.eps, image=cfg.model_type == "i2v", num_image_tokens=cfg.num_image_tokens
+            dim, cfg.num_heads, cfg.qk_norm, cfg.eps, image=cfg.has_image_context, num_image_tokens=cfg.num_image_tokens
         )
         self.norm2 = nn.LayerNorm(dim, eps=cfg.eps, elementwise_affine=False)
         self.ffn = nn.Sequential(nn.Linear(dim, cfg.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn_dim, dim))
@@ -304,7 +319,7 @@ class CausalWanAttentionBlock(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         num_extra: int,
         self_kv: LayerKV,
-        context: torch.Tensor | CrossKV,
+        context: torch.Tensor | CrossKV | tuple[CrossKV, ...],
     ) -> torch.Tensor:
         # e: (B, L, 6, dim) per-token modulation: shift/scale/gate for attention, then for the FFN
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = (self.modulation.unsqueeze(1) + e).unbind(2)
@@ -346,8 +361,8 @@ class MLPProj(nn.Module):
 class CausalWanModel(nn.Module):
     def __init__(self, cfg: DiTConfig) -> None:
         super().__init__()
-        if cfg.model_type not in ("t2v", "i2v"):
-            raise ValueError(f"model_type must be 't2v' or 'i2v', got {cfg.model_type!r}")
+        if cfg.model_type not in ("t2v", "i2v", "ti2v"):
+            raise ValueError(f"model_type must be 't2v', 'i2v' or 'ti2v', got {cfg.model_type!r}")
         if cfg.dim % cfg.num_heads or cfg.head_dim % 2:
             raise ValueError(f"dim {cfg.dim} must split into {cfg.num_heads} heads of even width")
         self.config = cfg
@@ -358,7 +373,7 @@ class CausalWanModel(nn.Module):
         self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(dim, dim * 6))
         self.blocks = nn.ModuleList([CausalWanAttentionBlock(cfg) for _ in range(cfg.num_layers)])
         self.head = CausalHead(dim, cfg.out_dim, cfg.patch_size, cfg.eps)
-        if cfg.model_type == "i2v":
+        if cfg.has_image_context:
             self.img_emb = MLPProj(cfg.clip_dim, dim)
         self.state_encoder = CategorySpecificMLP(1, cfg.max_state_dim, cfg.hidden_size, dim)
         self.action_encoder = MultiEmbodimentActionEncoder(cfg.action_dim, dim)
@@ -377,28 +392,25 @@ class CausalWanModel(nn.Module):
         return self._rope_tables[device]
 
     def rope(
-        self, grid: tuple[int, int, int], start_frame: int, action_block: int | None, device: torch.device
+        self, grid: tuple[int, int, int], start_frames: Sequence[int], action_blocks: Sequence[int] | None, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin (L, 1, head_dim/2) for the video tokens of this call, then the action register.
+        """cos/sin (B, L, 1, head_dim/2) for the video tokens of this call, then the action register.
 
-        Video frames are numbered from ``start_frame`` (their position in the window); the
-        action/state tokens of chunk ``action_block`` use rows of their own tables.
+        Sequence b's video frames are numbered from ``start_frames[b]`` (their position in its
+        window); its action/state tokens (chunk ``action_blocks[b]``) use rows of their own tables.
         """
         t_frame, t_h, t_w, t_action, t_state = self._tables(device)
         f, h, w = grid
-        video = torch.cat(
-            [
-                t_frame[start_frame : start_frame + f].view(f, 1, 1, -1).expand(f, h, w, -1),
-                t_h[:h].view(1, h, 1, -1).expand(f, h, w, -1),
-                t_w[:w].view(1, 1, w, -1).expand(f, h, w, -1),
-            ],
-            dim=-1,
-        ).reshape(f * h * w, -1)
-        parts = [video]
-        if action_block is not None:
-            n_a, n_s = self.config.num_action_per_block, self.config.num_state_per_block
-            parts += [t_action[action_block * n_a : (action_block + 1) * n_a], t_state[action_block * n_s : (action_block + 1) * n_s]]
-        angles = torch.cat(parts).unsqueeze(1)
+        spatial = torch.cat([t_h[:h].view(1, h, 1, -1).expand(f, h, w, -1), t_w[:w].view(1, 1, w, -1).expand(f, h, w, -1)], dim=-1)
+        rows = []
+        for b, start in enumerate(start_frames):
+            frames = t_frame[start : start + f].view(f, 1, 1, -1).expand(f, h, w, -1)
+            parts = [torch.cat([frames, spatial], dim=-1).reshape(f * h * w, -1)]
+            if action_blocks is not None:
+                n_a, n_s, block = self.config.num_action_per_block, self.config.num_state_per_block, action_blocks[b]
+                parts += [t_action[block * n_a : (block + 1) * n_a], t_state[block * n_s : (block + 1) * n_s]]
+            rows.append(torch.cat(parts))
+        angles = torch.stack(rows).unsqueeze(2)
         return torch.cos(angles).float(), torch.sin(angles).float()
 
     # -- conditioning ---------------------------------------------------------------------
@@ -406,7 +418,7 @@ class CausalWanModel(nn.Module):
     def embed_context(self, context: torch.Tensor | None, clip_feature: torch.Tensor | None) -> torch.Tensor:
         """The cross-attention context upstream builds: (image tokens | projected text)."""
         text = self.text_embedding(context)
-        if self.config.model_type == "i2v":
+        if self.config.has_image_context:
             return torch.cat([self.img_emb(clip_feature), text], dim=1)
         return text
 
@@ -417,7 +429,7 @@ class CausalWanModel(nn.Module):
         """Per layer (text K/V, image K/V) to cache: the text half once per session, the image half
         once per window. Pass only what needs (re)projecting; the other half comes back None."""
         text = self.text_embedding(context) if context is not None else None
-        image = self.img_emb(clip_feature) if clip_feature is not None and self.config.model_type == "i2v" else None
+        image = self.img_emb(clip_feature) if clip_feature is not None and self.config.has_image_context else None
         out = []
         for block in self.blocks:
             ca = block.cross_attn
@@ -431,39 +443,46 @@ class CausalWanModel(nn.Module):
         x: torch.Tensor,
         timestep: torch.Tensor,
         *,
-        current_start_frame: int,
+        current_start_frame: int | Sequence[int],
         self_kv: Sequence[LayerKV] | None,
         y: torch.Tensor | None = None,
-        cross_kv: Sequence[CrossKV] | None = None,
+        cross_kv: Sequence[CrossKV | tuple[CrossKV, ...]] | None = None,
         context: torch.Tensor | None = None,
         clip_feature: torch.Tensor | None = None,
         action: torch.Tensor | None = None,
         timestep_action: torch.Tensor | None = None,
         state: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One DiT call.
+        """One DiT call over B sequences.
 
         x: (B, out_dim, F, H, W) latents; timestep: (B, F); y: (B, in_dim - out_dim, F, H, W)
-        I2V conditioning. Actions: (B, num_action_per_block, action_dim) with timestep_action
+        I2V conditioning, concatenated to x only when ``concat_first_frame_latent`` (the 5B ignores
+        it, like upstream). Actions: (B, num_action_per_block, action_dim) with timestep_action
         (B, num_action_per_block) and state (B, num_state_per_block, max_state_dim).
+        ``current_start_frame``: each sequence's window position (one int: all the same).
+        ``self_kv``: per layer; paged inputs hold a block-table row per sequence. ``cross_kv``:
+        per layer one cached slot (B = 1) or a tuple of B (each sequence its own session branch).
         Returns (video prediction like x, action prediction or None).
         """
         cfg = self.config
-        if y is not None:
+        if cfg.concat_first_frame_latent and y is not None:
             x = torch.cat([x, y.to(x.dtype)], dim=1)
-        elif cfg.model_type == "i2v":
+        elif cfg.concat_first_frame_latent and cfg.model_type == "i2v":
             raise ValueError("an i2v DiT needs the image conditioning y")
         x = self.patch_embedding(x)
         grid = tuple(x.shape[2:])
         x = x.flatten(2).transpose(1, 2)
         batch, num_video = x.shape[:2]
+        starts = [current_start_frame] * batch if isinstance(current_start_frame, int) else list(current_start_frame)
+        if len(starts) != batch:
+            raise ValueError(f"{len(starts)} start frames for a batch of {batch}")
         if self_kv is not None and len(self_kv) != cfg.num_layers:
             raise ValueError(f"self_kv has {len(self_kv)} layers, the DiT {cfg.num_layers}")
 
         # Per-token timesteps: each latent frame's timestep repeated over its tokens.
         token_t = timestep.repeat_interleave(num_video // timestep.shape[1], dim=1)
         num_extra = 0
-        action_block = None
+        action_blocks = None
         category = torch.zeros(batch, dtype=torch.long, device=x.device)  # one embodiment slot
         if action is not None:
             if timestep_action is None or state is None:
@@ -478,17 +497,17 @@ class CausalWanModel(nn.Module):
             state_t = timestep_action[:, :: timestep_action.shape[1] // state.shape[1]]
             token_t = torch.cat([token_t, timestep_action, state_t], dim=1)
             # Each AR chunk advances the register's RoPE rows by one block.
-            action_block = (current_start_frame - 1) // cfg.num_frame_per_block
+            action_blocks = [(start - 1) // cfg.num_frame_per_block for start in starts]
 
         e = self.time_embedding(sinusoidal_embedding_1d(cfg.freq_dim, token_t.flatten()).to(x.dtype)).unflatten(0, (batch, -1))
         e_blocks = self.time_projection(e).unflatten(2, (6, cfg.dim))
-        rope = self.rope(grid, current_start_frame, action_block, x.device)
+        rope = self.rope(grid, starts, action_blocks, x.device)
 
         if cross_kv is not None:
-            contexts: Sequence[torch.Tensor | CrossKV] = cross_kv
+            contexts: Sequence[torch.Tensor | CrossKV | tuple[CrossKV, ...]] = cross_kv
         else:
             if context is None:
-                raise ValueError("pass either cross_kv (cached) or context (+ clip_feature for i2v)")
+                raise ValueError("pass either cross_kv (cached) or context (+ clip_feature for i2v / ti2v)")
             full_context = self.embed_context(context, clip_feature)
             contexts = [full_context] * cfg.num_layers
 

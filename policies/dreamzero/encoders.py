@@ -6,7 +6,9 @@ the library module that already implements it:
 - `TextEncoder`: the UMT5-XXL encoder (`transformers.UMT5EncoderModel`).
 - `ImageEncoder`: the open-CLIP XLM-RoBERTa ViT-H/14 visual tower
   (`transformers.CLIPVisionModelWithProjection`), read after its second-to-last block.
-- `VideoVAE`: the Wan2.1 video VAE (`diffusers.AutoencoderKLWan`), returning normalized latents.
+- `VideoVAE`: the Wan video VAE (`diffusers.AutoencoderKLWan`), returning normalized latents: the
+  Wan2.1 VAE (16 channels, 8x) of the 14B, or the Wan2.2 VAE (48 channels, 16x; upstream
+  `WanVideoVAE38`) of the 5B, which diffusers builds with `is_residual=True, patch_size=2`.
 
 The released checkpoint stores these modules in upstream DreamZero naming; the key maps from those
 names onto these wrappers live in `naming.py`.
@@ -84,6 +86,46 @@ WAN21_VAE_CONFIG: dict[str, Any] = {
     "dropout": 0.0,
     "latents_mean": list(WAN21_LATENTS_MEAN),
     "latents_std": list(WAN21_LATENTS_STD),
+}
+
+# Per-channel statistics of Wan2.2 VAE latents (upstream `WanVideoVAE38.mean` / `.std`).
+# fmt: off
+WAN22_LATENTS_MEAN = (
+    -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557,
+    -0.1382, 0.0542, 0.2813, 0.0891, 0.1570, -0.0098, 0.0375, -0.1825,
+    -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502,
+    -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230,
+    -0.0313, -0.1649, 0.0117, 0.0723, -0.2839, -0.2083, -0.0520, 0.3748,
+    0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667,
+)
+WAN22_LATENTS_STD = (
+    0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013,
+    0.8158, 1.0344, 0.5894, 1.0901, 0.6885, 0.6165, 0.8454, 0.4978,
+    0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
+    0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093,
+    0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887,
+    0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744,
+)
+# fmt: on
+
+# Wan2.2 VAE (upstream `VideoVAE38_` as `WanVideoVAE38(z_dim=48, dim=160)` builds it): residual down/up blocks with
+# parameter-free shortcuts, a 2x2 pixel (un)shuffle around the networks (12 channels), a wider decoder (256).
+WAN22_VAE_CONFIG: dict[str, Any] = {
+    "base_dim": 160,
+    "decoder_base_dim": 256,
+    "z_dim": 48,
+    "dim_mult": [1, 2, 4, 4],
+    "num_res_blocks": 2,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+    "dropout": 0.0,
+    "is_residual": True,
+    "patch_size": 2,
+    "in_channels": 12,
+    "out_channels": 12,
+    "scale_factor_spatial": 16,
+    "latents_mean": list(WAN22_LATENTS_MEAN),
+    "latents_std": list(WAN22_LATENTS_STD),
 }
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -205,11 +247,11 @@ class UpstreamRMSNorm(WanRMS_norm):
 
 
 class VideoVAE(nn.Module):
-    """Wan2.1 video VAE; `encode` returns normalized posterior means like upstream's non-tiled encode."""
+    """Wan2.1 or Wan2.2 video VAE; `encode` returns normalized posterior means like upstream's non-tiled encode."""
 
     def __init__(self, model: AutoencoderKLWan) -> None:
         super().__init__()
-        check_wan21_vae_config(model.config)
+        check_vae_config(model.config)
         # Same parameters, upstream's rounding: the norms become `UpstreamRMSNorm` in place (no state is added).
         for module in model.modules():
             if type(module) is WanRMS_norm:
@@ -217,11 +259,15 @@ class VideoVAE(nn.Module):
         self.model = model
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any] | None = None) -> VideoVAE:
+    def from_config(cls, cfg: Mapping[str, Any] | None = None, base: Mapping[str, Any] = WAN21_VAE_CONFIG) -> VideoVAE:
         """Builds the VAE from `AutoencoderKLWan` config fields (e.g. a diffusers `vae/config.json`);
-        `cfg` overrides the Wan2.1 defaults."""
-        model = AutoencoderKLWan.from_config({**WAN21_VAE_CONFIG, **(cfg or {})})
+        `cfg` overrides `base` (the Wan2.1 VAE; `WAN22_VAE_CONFIG` for the Wan2.2 one)."""
+        model = AutoencoderKLWan.from_config({**base, **(cfg or {})})
         return cls(model).eval().requires_grad_(False)
+
+    @property
+    def is_wan22(self) -> bool:
+        return bool(self.model.config.is_residual)
 
     @property
     def latent_channels(self) -> int:
@@ -233,10 +279,12 @@ class VideoVAE(nn.Module):
 
     @property
     def spatial_compression(self) -> int:
-        return 2 ** (len(self.model.config.dim_mult) - 1)
+        """Pixels per latent along H and W: 8 (Wan2.1), 16 (Wan2.2: the 2x2 patchify, then 8)."""
+        return 2 ** (len(self.model.config.dim_mult) - 1) * (self.model.config.patch_size or 1)
 
     def encode(self, video: Tensor) -> Tensor:
-        """(B, 3, 1 + 4k, H, W) video in [-1, 1] -> (B, z_dim, 1 + k, H/8, W/8) normalized latents."""
+        """(B, 3, 1 + 4k, H, W) video in [-1, 1] -> (B, z_dim, 1 + k, H/s, W/s) normalized latents
+        (s = :attr:`spatial_compression`)."""
         if video.ndim != 5 or (video.shape[2] - 1) % 4 != 0:
             # The causal encoder consumes the first frame, then chunks of 4; a remainder would be
             # silently dropped.
@@ -250,7 +298,7 @@ class VideoVAE(nn.Module):
         return (mu - mean.to(mu.dtype).view(shape)) * inv_std.to(mu.dtype).view(shape)
 
     def decode(self, latents: Tensor) -> Tensor:
-        """(B, z_dim, k, h, w) normalized latents -> (B, 3, 1 + 4 (k - 1), 8h, 8w) video in about [-1, 1]
+        """(B, z_dim, k, h, w) normalized latents -> (B, 3, 1 + 4 (k - 1), s h, s w) video in [-1, 1]
         (the inverse of :meth:`encode`'s normalization, then diffusers' causal decoder)."""
         config = self.model.config
         shape = (1, -1, 1, 1, 1)
@@ -259,9 +307,17 @@ class VideoVAE(nn.Module):
         return self.model.decode(latents * std + mean).sample
 
 
-def check_wan21_vae_config(vae_config: Mapping[str, Any]) -> None:
-    if vae_config.get("is_residual") or vae_config.get("patch_size"):
-        raise ValueError("only the Wan2.1 VAE layout is supported (is_residual=False, patch_size=None)")
+def check_vae_config(vae_config: Mapping[str, Any]) -> None:
+    """The two layouts upstream builds: Wan2.1 (`VideoVAE_`) and Wan2.2 (`VideoVAE38_`)."""
+    residual, patch = bool(vae_config.get("is_residual")), vae_config.get("patch_size")
+    wan21 = not residual and patch is None
+    wan22 = residual and patch == 2 and vae_config.get("in_channels") == vae_config.get("out_channels") == 12
+    if not (wan21 or wan22):
+        raise ValueError(
+            f"VAE is_residual={residual}, patch_size={patch}, in_channels={vae_config.get('in_channels')}, "
+            f"out_channels={vae_config.get('out_channels')} is neither the Wan2.1 layout (is_residual=False, patch_size=None) "
+            "nor the Wan2.2 one (is_residual=True, patch_size=2, in/out_channels=12)"
+        )
     if vae_config.get("attn_scales"):
         # diffusers' Wan decoder has no per-level attention blocks, so upstream's would have no home.
         raise ValueError("Wan VAE attn_scales must be empty")

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from policies.dreamzero.checkpoint import CheckpointDir, CheckpointError, load_component
 from policies.dreamzero.dit import CausalWanModel, DiTConfig
-from policies.dreamzero.encoders import ImageEncoder, TextEncoder, VideoVAE
+from policies.dreamzero.encoders import WAN21_VAE_CONFIG, WAN22_VAE_CONFIG, ImageEncoder, TextEncoder, VideoVAE
 from policies.dreamzero.naming import (
     DIT_PREFIX,
     IMAGE_ENCODER_PREFIX,
@@ -28,7 +28,7 @@ from policies.dreamzero.naming import (
     text_encoder_targets,
     vae_targets,
 )
-from policies.dreamzero.upstream_layout import UPSTREAM_TARGETS
+from policies.dreamzero.upstream_layout import UPSTREAM_TARGETS, UPSTREAM_VAE38_TARGET
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ UPSTREAM_DIT_DEFAULTS: dict[str, Any] = {
     "ffn_dim": 8192, "freq_dim": 256, "text_dim": 4096, "out_dim": 16, "num_heads": 16, "num_layers": 32,
     "max_chunk_size": -1, "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6, "num_frame_per_block": 1,
     "action_dim": 32, "max_state_dim": 64, "hidden_size": 1024, "num_action_per_block": 32, "num_state_per_block": 1,
+    "concat_first_frame_latent": True,
 }  # fmt: skip
 
 # action_head_cfg.config keys whose value changes inference and that run at one value only:
@@ -48,13 +49,12 @@ UPSTREAM_DIT_DEFAULTS: dict[str, Any] = {
 FIXED_ACTION_HEAD_KEYS: dict[str, tuple[Any, Any]] = {
     "tiled": (False, True),  # tiled VAE re-encode of the observed frames (WANPolicyHead.lazy_joint_video_action)
     "train_architecture": ("full", "lora"),  # "lora": un-merged LoRA tensors that upstream merges after loading
-    "target_video_height": (None, None),  # resize before the VAE (the Wan2.2 5B variant)
-    "target_video_width": (None, None),
 }
 # action_head_cfg.config keys this project reads (besides FIXED_ACTION_HEAD_KEYS and the sub-sections).
 READ_ACTION_HEAD_KEYS = frozenset({
     "num_frames", "num_frame_per_block", "action_horizon", "action_dim", "max_state_dim",
     "decouple_inference_noise", "video_inference_final_noise",
+    "target_video_height", "target_video_width",  # the video is resized to this before the VAE (the 5B's 160x320)
 })  # fmt: skip
 SECTIONS = ("diffusion_model_cfg", "text_encoder_cfg", "image_encoder_cfg", "vae_cfg")
 # action_head_cfg.config keys (released ones and other WANPolicyHeadConfig fields) that do not change inference:
@@ -80,6 +80,8 @@ IGNORED_ACTION_HEAD_KEYS = frozenset({
 })  # fmt: skip
 # Keys of the encoder sections: upstream's (class, weight path) and this project's ``architecture`` overrides.
 ENCODER_SECTION_KEYS = frozenset({"_target_", "_convert_", "architecture"})
+# Constructor arguments upstream's VAE classes take from vae_cfg: WanVideoVAE(z_dim) and WanVideoVAE38(z_dim, dim).
+VAE_SECTION_ARGUMENTS = {"z_dim": "z_dim", "dim": "base_dim"}  # upstream name -> AutoencoderKLWan name
 _KNOWN_ACTION_HEAD_KEYS = frozenset(FIXED_ACTION_HEAD_KEYS) | READ_ACTION_HEAD_KEYS | IGNORED_ACTION_HEAD_KEYS | set(SECTIONS)
 
 
@@ -100,6 +102,8 @@ class ActionHeadConfig:
     # Upstream's decoupled inference: the video schedule ends at this noise level instead of 0 (actions unchanged).
     decouple_inference_noise: bool = False
     video_inference_final_noise: float = 0.8
+    # (height, width) the stitched video is resized to before the VAE and CLIP (bilinear), or None: no resize.
+    target_video_size: tuple[int, int] | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], dit: DiTConfig) -> ActionHeadConfig:
@@ -118,6 +122,7 @@ class ActionHeadConfig:
                 max_state_dim=dit.max_state_dim,
                 decouple_inference_noise=raw.get("decouple_inference_noise", False),
                 video_inference_final_noise=float(raw.get("video_inference_final_noise", 0.8)),
+                target_video_size=_target_video_size(raw, dit),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"config.json {prefix[:-1]} is missing or has a bad {exc}") from None
@@ -144,6 +149,42 @@ class ActionHeadConfig:
         return head
 
 
+def _target_video_size(raw: dict[str, Any], dit: DiTConfig) -> tuple[int, int] | None:
+    """Upstream's rule (``WANPolicyHead.lazy_joint_video_action``): both keys set -> that size; otherwise a DiT with
+    ``frame_seqlen`` 50 or 55 (a 5B trained before the keys existed) -> 176x320; otherwise no resize."""
+    height, width = raw.get("target_video_height"), raw.get("target_video_width")
+    if height is None or width is None:
+        if (height is None) != (width is None):
+            logger.warning("config.json sets only one of target_video_height / target_video_width; upstream then "
+                           "ignores it, and so does this server")  # fmt: skip
+        return (176, 320) if dit.frame_seqlen in (50, 55) else None
+    if type(height) is not int or type(width) is not int or height < 1 or width < 1:
+        raise CheckpointError(f"config.json target_video_height / target_video_width must be positive integers, got {height!r} x {width!r}")
+    return height, width
+
+
+def _vae_section(head_raw: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+    """(Wan2.2?, ``AutoencoderKLWan`` fields from upstream's constructor arguments) of ``vae_cfg``: ``WanVideoVAE38``
+    is the Wan2.2 VAE, anything else upstream builds (``WanVideoVAE``) the Wan2.1 one."""
+    section = head_raw.get("vae_cfg") or {}
+    wan22 = str(section.get("_target_", "")).rsplit(".", 1)[-1] == UPSTREAM_VAE38_TARGET.rsplit(".", 1)[-1]
+    arguments = {ours: section[theirs] for theirs, ours in VAE_SECTION_ARGUMENTS.items() if theirs in section}
+    if "base_dim" in arguments and not wan22:
+        raise CheckpointError("config.json action_head_cfg.config.vae_cfg.dim is an argument of WanVideoVAE38 only (WanVideoVAE has none)")
+    return wan22, arguments
+
+
+def read_vae_config(ckpt: CheckpointDir) -> dict[str, Any]:
+    """``AutoencoderKLWan`` fields of the checkpoint's VAE: the family's (``vae_cfg._target_``), upstream's constructor
+    arguments in ``vae_cfg`` (``z_dim``, ``dim``), then this project's ``architecture`` overrides."""
+    wan22, arguments = _vae_section(ckpt.action_head)
+    config = {**(WAN22_VAE_CONFIG if wan22 else WAN21_VAE_CONFIG), **arguments, **(ckpt.component_config("vae_cfg") or {})}
+    if len(config["latents_mean"]) != config["z_dim"]:
+        # upstream normalizes with fixed statistics: 16 channels (WanVideoVAE), 48 (WanVideoVAE38)
+        raise CheckpointError(f"config.json vae_cfg: z_dim {config['z_dim']} does not fit the {len(config['latents_mean'])} latent statistics of its VAE")
+    return config
+
+
 def read_config(ckpt: CheckpointDir) -> tuple[ActionHeadConfig, DiTConfig]:
     """The action-head and DiT configs of a checkpoint, each key read from the section upstream reads it from.
 
@@ -156,6 +197,8 @@ def read_config(ckpt: CheckpointDir) -> tuple[ActionHeadConfig, DiTConfig]:
     for section in SECTIONS[1:]:
         raw = head_raw.get(section) or {}
         known = ENCODER_SECTION_KEYS | {f"{section.removesuffix('_cfg')}_pretrained_path"}
+        if section == "vae_cfg":
+            known |= set(VAE_SECTION_ARGUMENTS)
         unknown += [f"action_head_cfg.config.{section}.{k}" for k in sorted(raw) if k not in known]
     if unknown:
         logger.warning("config.json: ignoring keys this server does not know: %s", ", ".join(unknown))
@@ -165,6 +208,7 @@ def read_config(ckpt: CheckpointDir) -> tuple[ActionHeadConfig, DiTConfig]:
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"config.json action_head_cfg.config.diffusion_model_cfg: {exc}") from None
     head = ActionHeadConfig.from_dict(head_raw, dit)
+    _vae_section(head_raw)
     # VLA.validate_data (base_vla.py) checks every prediction against the root's action_horizon / action_dim.
     for key, value in (("action_horizon", head.action_horizon), ("action_dim", dit.action_dim)):
         if ckpt.root_config.get(key, value) != value:
@@ -181,10 +225,22 @@ def _check_targets(ckpt: CheckpointDir) -> None:
     }
     for name, section in sections.items():
         target = section.get("_target_") if isinstance(section, dict) else None
-        expected = UPSTREAM_TARGETS[name]
-        if target is not None and str(target).rsplit(".", 1)[-1] != expected.rsplit(".", 1)[-1]:
+        expected = [UPSTREAM_TARGETS[name]] + ([UPSTREAM_VAE38_TARGET] if name == "vae_cfg" else [])
+        if target is not None and str(target).rsplit(".", 1)[-1] not in [e.rsplit(".", 1)[-1] for e in expected]:
             key = name if name.startswith("action_head_cfg") else f"action_head_cfg.config.{name}"
-            raise _key_error(f"{key}._target_", target, expected)
+            raise _key_error(f"{key}._target_", target, expected[0] if len(expected) == 1 else expected)
+
+
+def check_dit_fits_vae(dit: DiTConfig, vae: VideoVAE) -> None:
+    """The DiT predicts the VAE's latents and takes them (+ the 4 mask and z image channels when it concatenates ys)."""
+    z = vae.latent_channels
+    expected_in = dit.out_dim + (4 + z if dit.concat_first_frame_latent else 0)  # upstream concatenates whenever asked
+    if dit.out_dim != z or dit.in_dim != expected_in:
+        raise CheckpointError(
+            f"config.json diffusion_model_cfg in_dim={dit.in_dim}, out_dim={dit.out_dim} (model_type={dit.model_type!r}, "
+            f"concat_first_frame_latent={dit.concat_first_frame_latent}) does not fit a VAE of {z} latent channels "
+            f"(expected in_dim={expected_in}, out_dim={z})"
+        )
 
 
 @dataclass
@@ -213,7 +269,7 @@ class DreamZeroModel:
             dit = CausalWanModel(dit_cfg)
             text_encoder = TextEncoder.from_config(ckpt.component_config("text_encoder_cfg"))
             image_encoder = ImageEncoder.from_config(ckpt.component_config("image_encoder_cfg"))
-            vae = VideoVAE.from_config(ckpt.component_config("vae_cfg"))
+            vae = VideoVAE.from_config(read_vae_config(ckpt))
         vae_config = dict(vae.model.config)
         components = [
             (dit, DIT_PREFIX, identity_targets),
@@ -236,5 +292,6 @@ class DreamZeroModel:
             )
         if text_encoder.dim != dit_cfg.text_dim:
             raise CheckpointError(f"text encoder width {text_encoder.dim} != DiT text_dim {dit_cfg.text_dim}")
+        check_dit_fits_vae(dit_cfg, vae)
         logger.info("loaded DreamZero checkpoint %s in %.1f s (%s, %s)", ckpt.path, time.perf_counter() - start, dtype, device)
         return cls(dit, text_encoder, image_encoder, vae, tok, head, ckpt.metadata)

@@ -3,7 +3,7 @@ tensor names map onto this project's modules.
 
 The released checkpoint stores every component under its upstream module's names: the DiT
 (``action_head.model.*``, kept unchanged by ``dit.py``), the Wan-T5 text encoder, the open-CLIP
-visual tower and the original Wan VAE. `text_encoder_targets`, `image_encoder_targets` and
+visual tower and the original Wan VAE (Wan2.1 ``VideoVAE_`` or Wan2.2 ``VideoVAE38_``). `text_encoder_targets`, `image_encoder_targets` and
 `vae_targets` map one upstream key (component prefix stripped) onto the library modules' own
 `state_dict()` keys (transformers / diffusers naming, see ``encoders.py``), each with the tensor
 transform it needs. The maps are pure functions of names, so the same code streams real tensors
@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import Tensor
 
-from policies.dreamzero.encoders import check_wan21_vae_config
+from policies.dreamzero.encoders import check_vae_config
 
 DIT_PREFIX = "action_head.model."
 TEXT_ENCODER_PREFIX = "action_head.text_encoder."
@@ -202,9 +202,12 @@ def _vae_sequences(num_levels: int, num_res_blocks: int) -> dict[str, tuple[tupl
     return {"downsamples": encoder, "upsamples": tuple(decoder)}
 
 
+_VAE22_NESTED_KEY = re.compile(r"(downsamples|upsamples)\.(\d+)\.(downsamples|upsamples)\.(\d+)\.(.+)")
+
+
 def vae_targets(key: str, vae_config: Mapping[str, Any]) -> list[Target]:
-    """Upstream `VideoVAE_` key (no prefix) -> `VideoVAE` targets, for the VAE built from `vae_config`."""
-    check_wan21_vae_config(vae_config)
+    """Upstream `VideoVAE_` / `VideoVAE38_` key (no prefix) -> `VideoVAE` targets, for the VAE built from `vae_config`."""
+    check_vae_config(vae_config)
     if key in _VAE_TOP_LEVEL:
         return [Target(f"model.{_VAE_TOP_LEVEL[key]}")]
     stage_match = _VAE_STAGE_KEY.fullmatch(key)
@@ -215,10 +218,21 @@ def vae_targets(key: str, vae_config: Mapping[str, Any]) -> list[Target]:
         return [Target(f"model.{stage}.conv_in.{rest.split('.')[1]}")]
     if rest in _VAE_HEAD:
         return [Target(f"model.{stage}.{_VAE_HEAD[rest]}")]
+    if vae_config.get("is_residual"):
+        block = _vae22_block(stage, rest, vae_config)
+    else:
+        block = _vae21_block(stage, rest, vae_config)
+    if block is None or block[2] not in _VAE_BLOCK_PARAMS[block[1]]:
+        raise _unknown("VAE", key)
+    path, kind, param = block
+    return [Target(f"model.{stage}.{path}.{_VAE_BLOCK_PARAMS[kind][param]}")]
 
+
+def _vae21_block(stage: str, rest: str, vae_config: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """Wan2.1: flat `downsamples` / `upsamples` lists and `middle` -> (diffusers block path, kind, param)."""
     match = _VAE_SEQUENCE_KEY.fullmatch(rest)
     if match is None:
-        raise _unknown("VAE", key)
+        return None
     sequence, index, param = match[1], match[2], match[3]
     if sequence == "middle":
         block = _VAE_MIDDLE.get(index)
@@ -227,9 +241,32 @@ def vae_targets(key: str, vae_config: Mapping[str, Any]) -> list[Target]:
         block = blocks[int(index)] if int(index) < len(blocks) else None
     else:
         block = None  # `encoder.upsamples` / `decoder.downsamples`
-    if block is None or param not in _VAE_BLOCK_PARAMS[block[1]]:
-        raise _unknown("VAE", key)
-    return [Target(f"model.{stage}.{block[0]}.{_VAE_BLOCK_PARAMS[block[1]][param]}")]
+    return None if block is None else (*block, param)
+
+
+def _vae22_block(stage: str, rest: str, vae_config: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """Wan2.2: one residual block per level, each a `downsamples` / `upsamples` list of resnets and a final
+    resampler (its shortcut has no parameters); diffusers names them `down_blocks.N.{resnets.M,downsampler}` and
+    `up_blocks.N.{resnets.M,upsampler}`. `middle` as in Wan2.1."""
+    middle = _VAE_SEQUENCE_KEY.fullmatch(rest)
+    if middle is not None and middle[1] == "middle":
+        block = _VAE_MIDDLE.get(middle[2])
+        return None if block is None else (*block, middle[3])
+    match = _VAE22_NESTED_KEY.fullmatch(rest)
+    sequence = "downsamples" if stage == "encoder" else "upsamples"
+    if match is None or match[1] != sequence or match[3] != sequence:
+        return None
+    level, index, param = int(match[2]), int(match[4]), match[5]
+    levels = len(vae_config["dim_mult"])
+    resnets = vae_config["num_res_blocks"] + (0 if stage == "encoder" else 1)
+    if level >= levels:
+        return None
+    blocks = "down_blocks" if stage == "encoder" else "up_blocks"
+    if index < resnets:
+        return f"{blocks}.{level}.resnets.{index}", "resnet", param
+    if index == resnets and level < levels - 1:  # the last level does not resample
+        return f"{blocks}.{level}.{'downsampler' if stage == 'encoder' else 'upsampler'}", "resample", param
+    return None
 
 
 def identity_targets(key: str) -> list[Target]:

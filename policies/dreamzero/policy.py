@@ -7,6 +7,9 @@ Per call (upstream ``WANPolicyHead.lazy_joint_video_action``):
    (``current_start_frame >= local_attn_size``) restarts the window, keeping the text K/V.
 2. Window start: CLIP tokens and the VAE image conditioning ``ys`` (first frame + 32 black
    frames, 4-channel mask on latent 0) from the newest frame; cross-attention K/V cached.
+   The Wan2.2-5B (``concat_first_frame_latent=False``) uses no ``ys``: only the newest frame's
+   latent (its causal VAE encodes frame 0 on its own) and the CLIP tokens; its stitched video
+   is first resized to ``target_video_height/width`` (160x320), as upstream's action head does.
 3. KV prefill: at a window start the first frame's latent, later the 2 newly observed latents
    (VAE re-encode: repeat x2, prepend the first frame, keep the last 2). Committed only after
    the forward succeeds.
@@ -22,7 +25,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,9 +33,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kv import Branch, KVSpec, SessionKV
+from kv import Branch, KVSpec, SessionKV, prepare_batch
 from policies.base import ChunkRecording, Policy, RuntimeOptions, StepResult
-from policies.dreamzero.config import BUILTIN_TINY, SYNTHETIC_PREFIX, DreamZeroConfig
+from policies.dreamzero.config import BUILTIN_TINY, BUILTIN_TINY_5B, SYNTHETIC_PREFIX, DreamZeroConfig
 from policies.dreamzero.model import DreamZeroModel
 from policies.dreamzero.scheduler import FlowUniPCScheduler
 from policies.dreamzero.transforms import (
@@ -66,16 +69,16 @@ class DreamZeroSession:
     prompt_embeds: torch.Tensor | None = None
     current_start_frame: int = 0
     clip_feature: torch.Tensor | None = None
-    ys: torch.Tensor | None = None  # (1, 4 + z, latent frames, h, w) image conditioning
-    first_latent: torch.Tensor | None = None
+    ys: torch.Tensor | None = None  # (1, 4 + z, latent frames, h, w) image conditioning (14B only)
+    first_latent: torch.Tensor | None = None  # (1, z, 1, h, w) the window's first frame
 
 
 class PhaseTimer:
-    """Wall time per phase in ms (synchronizing CUDA so phases are not smeared)."""
+    """Wall time per phase in ms, added into ``ms`` (synchronizing CUDA so phases are not smeared)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, ms: dict[str, float] | None = None) -> None:
         self.device = device
-        self.ms: dict[str, float] = {}
+        self.ms: dict[str, float] = {} if ms is None else ms
         self._last = time.perf_counter()
 
     def mark(self, phase: str) -> None:
@@ -104,6 +107,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         self.dit_config = model.dit.config
         self.action_head_config = model.action_head_config
         self.guidance = options.guidance
+        self.view_size = tuple(config.view_size) if config.view_size is not None else self._family_view_size()
+        self.image_resolution = (
+            tuple(config.image_resolution) if config.image_resolution is not None else self._family_image_resolution()
+        )
         self._check_geometry()
         self.action_stats = NormStats.from_metadata(model.metadata, config.embodiment, "action")
         self.state_stats = NormStats.from_metadata(model.metadata, config.embodiment, "state")
@@ -122,16 +129,52 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             for block in self.dit.blocks:
                 block.compile(fullgraph=True, dynamic=False, backend=options.compile_backend)
 
+    def _family_view_size(self) -> tuple[int, int]:
+        """Per-view size the checkpoint was trained at (upstream's data config ``image_resolution_height/width``):
+        DreamZero-DROID 176x320 (droid_relative + the wan21 training script), the 5B 160x320 (droid_relative_wan22)."""
+        if self.config.checkpoint in (BUILTIN_TINY, BUILTIN_TINY_5B):
+            from policies.dreamzero.tiny import TINY_5B_VIEW_SIZE, TINY_VIEW_SIZE
+
+            return TINY_VIEW_SIZE if self.config.checkpoint == BUILTIN_TINY else TINY_5B_VIEW_SIZE
+        if self.config.checkpoint.startswith(SYNTHETIC_PREFIX):
+            from policies.dreamzero.synthetic import parse_spec
+
+            return parse_spec(self.config.checkpoint).view_size
+        return (160, 320) if self.model.vae.is_wan22 else (176, 320)
+
+    def _family_image_resolution(self) -> tuple[int, int]:
+        """The camera size upstream's server for this family advertises: the 14B's (socket_test_optimized_AR.py) a fixed
+        180x320; the 5B's (eval_utils/serve_dreamzero_wan22.py) the checkpoint's recorded camera resolution
+        (experiment_cfg/metadata.json ``<embodiment>.modalities.video.<first camera>.resolution``, width x height),
+        else 160x320."""
+        if not self.model.vae.is_wan22:
+            return (180, 320)
+        try:
+            cameras = self.model.metadata[self.config.embodiment]["modalities"]["video"]
+            width, height = next(iter(cameras.values()))["resolution"]
+            return int(height), int(width)
+        except (KeyError, TypeError, ValueError, AttributeError, StopIteration):
+            return (160, 320)
+
+    @property
+    def canvas_size(self) -> tuple[int, int]:
+        """(height, width) of the video the VAE and CLIP see: the stitched views, or the checkpoint's target size."""
+        target = self.action_head_config.target_video_size
+        return target if target is not None else (2 * self.view_size[0], 2 * self.view_size[1])
+
     def _check_geometry(self) -> None:
-        h, w = self.config.view_size
+        h, w = self.canvas_size
         s = self.model.vae.spatial_compression
         _, ph, pw = self.dit_config.patch_size
-        tokens = (2 * h // s // ph) * (2 * w // s // pw)
-        if (2 * h) % (s * ph) or (2 * w) % (s * pw) or tokens != self.dit_config.frame_seqlen:
-            raise ValueError(
-                f"view_size {self.config.view_size} gives {tokens} tokens per latent frame; the checkpoint's DiT "
-                f"expects frame_seqlen={self.dit_config.frame_seqlen}"
-            )
+        target = self.action_head_config.target_video_size
+        what = f"target_video_height/width {h}x{w}" if target else f"view_size {self.view_size}"
+        if h % (s * ph) or w % (s * pw):
+            # The DiT's strided patch embedding would drop a latent row or column, and the sampler could not step the
+            # smaller prediction against the full latent (upstream fails there too; its training crops instead).
+            raise ValueError(f"{what} gives a {h / s:g}x{w / s:g} latent; the DiT needs it divisible by its {ph}x{pw} patch")
+        tokens = (h // s // ph) * (w // s // pw)
+        if tokens != self.dit_config.frame_seqlen:
+            raise ValueError(f"{what} gives {tokens} tokens per latent frame; the checkpoint's DiT expects frame_seqlen={self.dit_config.frame_seqlen}")
 
     # -- interface ----------------------------------------------------------------------
 
@@ -142,12 +185,16 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
     @property
     def info(self) -> PolicyInfo:
         return PolicyInfo(
-            server_config=droid_server_config(self.config.image_resolution),
+            server_config=droid_server_config(self.image_resolution),
             action_horizon=self.action_head_config.action_horizon,
             action_dim=self.action_stats.dim,
             model="dreamzero",
             checkpoint=self.config.checkpoint,
-            details={"dit_step_cache": self.config.dit_step_cache, "num_inference_steps": self.config.num_inference_steps},
+            details={
+                "dit_step_cache": self.config.dit_step_cache, "num_inference_steps": self.config.num_inference_steps,
+                "backbone": "wan2.2-ti2v-5b" if self.model.vae.is_wan22 else "wan2.1-i2v-14b",
+            },  # fmt: skip
+            max_batch=64,  # step_batch runs any number of sessions in one forward; engine.max_batch caps it
         )
 
     def check_observation(self, observation: RobotObservation) -> None:
@@ -177,7 +224,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             max_new_pages=dit.num_frame_per_block,
             max_extra_tokens=dit.action_register_length,
             cross_text_tokens=dit.text_len,
-            cross_image_tokens=dit.num_image_tokens if dit.model_type == "i2v" else 0,
+            cross_image_tokens=dit.num_image_tokens if dit.has_image_context else 0,
             dtype=self.dtype,
         )
 
@@ -192,7 +239,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
 
     def warmup_observations(self) -> Iterator[RobotObservation]:
         """A session that fills one window and restarts it once: every shape a session meets."""
-        h, w = self.config.image_resolution
+        h, w = self.image_resolution
         window_calls = 1 + -(-(self.dit_config.local_attn_size - 1) // self.dit_config.num_frame_per_block)
         for call in range(window_calls + 1):
             frames = np.zeros((1 if call == 0 else FRAMES_PER_CALL, h, w, 3), dtype=np.uint8)
@@ -201,62 +248,223 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 joint_position=np.zeros(7, np.float32), gripper_position=np.zeros(1, np.float32), prompt="warm up",
             )  # fmt: skip
 
-    # -- one call -----------------------------------------------------------------------
+    # -- one call, or several sessions' calls in one batch ------------------------------------
+
+    def step(self, session: DreamZeroSession, observation: RobotObservation) -> StepResult:
+        (result,) = self.step_batch([(session, observation)])
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     @torch.no_grad()
-    def step(self, session: DreamZeroSession, observation: RobotObservation) -> StepResult:
-        timer = PhaseTimer(self.device)
-        nfpb = self.dit_config.num_frame_per_block
-        events = self._advance_session(session, observation)
-        video = self._video_tensor(session)  # (1, 3, T, 2h, 2w) in [-1, 1]
-        timer.mark("frames")
+    def step_batch(self, items: Sequence[tuple[DreamZeroSession, RobotObservation]]) -> list[StepResult | BaseException]:
+        """One call for each of several sessions (distinct), the heavy parts run batched.
 
-        # text
+        Per session: frame buffering, the reset rules, prompt embeddings and, at a window start,
+        the image conditioning (CLIP, ``ys``, cross-attention K/V). Batched: the VAE encode of
+        the observed frames (sessions whose frame stacks have one shape), the KV prefill (one
+        forward per number of prefilled frames) and every denoise step (one forward over every
+        session x local CFG branch, in lockstep on one schedule). The DiT step cache decides per
+        session from that session's own velocities, and a step's forward runs only the sessions
+        that decided to run, so every session's result is its unbatched result (up to float
+        summation order). A failure in a session's own part fails that session; a failure in a
+        batched forward fails every session in it (the engine tears each down)."""
+        calls = [_Call(session, observation, slot) for slot, (session, observation) in enumerate(items)]
+        for call in calls:
+            self._guarded([call], self._begin, call)
+        self._guarded(self._live(calls), self._encode_observed, self._live(calls))
+        for frames in sorted({call.prefill_latents.shape[2] for call in self._live(calls)}):
+            group = [c for c in self._live(calls) if c.prefill_latents.shape[2] == frames]
+            self._guarded(group, self._prefill, group)
+        self._guarded(self._live(calls), self._denoise, self._live(calls))
+        for call in self._live(calls):
+            self._guarded([call], self._finish, call)
+        return [call.error if call.error is not None else call.result for call in calls]
+
+    @staticmethod
+    def _live(calls: list[_Call]) -> list[_Call]:
+        return [call for call in calls if call.error is None]
+
+    @staticmethod
+    def _guarded(calls: list[_Call], phase, *args) -> None:
+        """Run a phase; if it raises, every call it served fails with that error (and only those)."""
+        if not calls:
+            return
+        try:
+            phase(*args)
+        except Exception as exc:
+            for call in calls:
+                call.error = exc
+
+    def _begin(self, call: _Call) -> None:
+        """The session's own part: frames, resets, text, and at a window start its image conditioning."""
+        session = call.session
+        timer = PhaseTimer(self.device, call.timing)
+        call.events = self._advance_session(session, call.observation)
+        video = self._video_tensor(session)  # (1, 3, T, H, W) in [-1, 1] (H, W: canvas_size)
+        timer.mark("frames")
         prompt_embeds = self._prompt_embeds(session)
         timer.mark("text")
-
-        # vision: image conditioning at a window start
         if session.current_start_frame == 0:
             newest = video[:, :, -1:]
             session.clip_feature = self.model.image_encoder(newest[:, :, 0])
             timer.mark("vision")
-            session.ys, session.first_latent = self._image_conditioning(newest)
+            session.ys, session.first_latent = self._image_conditioning(newest)  # ys: None for the 5B
             self._populate_cross(session, prompt_embeds)
             timer.mark("vae")
-            observed = None
+            call.prefill_latents, call.prefill_start = session.first_latent, 0
         else:
             timer.mark("vision")
-            observed = self._observation_latents(video)  # (1, z, nfpb, h, w)
-            timer.mark("vae")
+            call.video = video
+        call.raw_state = self._raw_state(call.observation)
 
-        # KV prefill of what was observed (committed only if the forward succeeds)
-        if session.current_start_frame == 0:
-            self._prefill(session, session.first_latent, start=0)
-            session.current_start_frame = 1
+    def _encode_observed(self, calls: list[_Call]) -> None:
+        """Upstream's re-encode of the newly observed frames, one VAE encode per frame-stack shape."""
+        nfpb = self.dit_config.num_frame_per_block
+        pending = [c for c in calls if c.video is not None]
+        for shape in dict.fromkeys(tuple(c.video.shape) for c in pending):
+            group = [c for c in pending if tuple(c.video.shape) == shape]
+            started = time.perf_counter()
+            latents = self._observation_latents(torch.cat([c.video for c in group]))  # (B, z, nfpb, h, w)
+            elapsed = _elapsed_ms(self.device, started)
+            for call, latent in zip(group, latents.split(1)):
+                call.prefill_latents, call.prefill_start = latent, call.session.current_start_frame - nfpb
+                call.video = None
+                call.add("vae", elapsed)
+
+    def _prefill(self, calls: list[_Call]) -> None:
+        """KV prefill of what each session observed, committed only if the forward succeeds."""
+        started = time.perf_counter()
+        frames = calls[0].prefill_latents.shape[2]
+        timestep = torch.zeros(1, frames, dtype=torch.long, device=self.device)
+        self._forward(calls, [c.prefill_latents for c in calls], timestep, starts=[c.prefill_start for c in calls], commit=True)
+        elapsed = _elapsed_ms(self.device, started)
+        for call in calls:
+            if call.session.current_start_frame == 0:
+                call.session.current_start_frame = 1
+            call.add("prefill", elapsed)
+
+    def _forward(self, calls: list[_Call], latents: list[torch.Tensor], timestep: torch.Tensor, *, starts: list[int], commit: bool,
+                 action: list[torch.Tensor] | None = None, timestep_action: torch.Tensor | None = None,
+                 state: list[torch.Tensor] | None = None) -> list[dict[Branch, tuple[torch.Tensor, torch.Tensor | None]]]:  # fmt: skip
+        """One DiT forward over every call x local branch (a sequence each, own pages, own scratch).
+        Returns, per call, each branch's (video, action) prediction."""
+        dit = self.dit_config
+        frames = latents[0].shape[2]
+        extra = dit.action_register_length if action is not None else 0
+        sequences = [(call, branch) for call in calls for branch in self.branches]
+        contexts = [
+            call.session.kv.begin_forward(
+                branch, num_video_tokens=frames * dit.frame_seqlen, commit=commit, extra_tokens=extra, scratch_slot=call.slot
+            )
+            for call, branch in sequences
+        ]
+        try:
+            layer_inputs = prepare_batch(contexts, self.device)
+            per_branch = len(self.branches)
+            seq_starts = [s for s in starts for _ in range(per_branch)]
+            inputs = {
+                "x": torch.cat([x for x in latents for _ in range(per_branch)]).to(self.dtype),
+                "timestep": timestep.expand(len(sequences), -1),
+            }
+            if self.dit_config.concat_first_frame_latent:  # the 14B's image conditioning (the 5B has none)
+                inputs["y"] = torch.cat([self._y(c.session, start, frames) for c, start in zip(calls, starts) for _ in range(per_branch)])
+            if action is not None:
+                inputs["action"] = torch.cat([a for a in action for _ in range(per_branch)])
+                inputs["timestep_action"] = timestep_action.expand(len(sequences), -1)
+                inputs["state"] = torch.cat([s for s in state for _ in range(per_branch)])
+            per_layer = [call.session.kv.cross_kv(branch) for call, branch in sequences]
+            cross_kv = [layer[0] for layer in zip(*per_layer)] if len(sequences) == 1 else [tuple(layer) for layer in zip(*per_layer)]
+            out = None
+            if self.graphs is not None and not commit and action is not None and len(calls) == 1:  # one session's denoise step
+                key = tuple((int(b), c.session.kv.branch(b).cross_slot, start) for (c, b), start in zip(sequences, seq_starts))
+                out = self.graphs.run(key, layer_inputs=layer_inputs, cross_kv=cross_kv, current_start_frame=seq_starts, **inputs)
+            video, action_pred = out or self.dit(
+                inputs.pop("x"), inputs.pop("timestep"), current_start_frame=seq_starts, self_kv=layer_inputs, cross_kv=cross_kv, **inputs
+            )
+        except BaseException:
+            for (call, branch) in sequences:
+                call.session.kv.abort(branch)
+            raise
+        for (call, branch) in sequences:
+            call.session.kv.complete(branch)
+        results: list[dict[Branch, tuple[torch.Tensor, torch.Tensor | None]]] = [{} for _ in calls]
+        for index, (call_index, branch) in enumerate((i, b) for i in range(len(calls)) for b in self.branches):
+            results[call_index][branch] = (video[index : index + 1], None if action_pred is None else action_pred[index : index + 1])
+        return results
+
+    def _denoise(self, calls: list[_Call]) -> None:
+        """Denoise every session's next chunk + actions in lockstep on one schedule (two flow-matching
+        UniPC samplers per session: video and actions); CFG on video, actions from the conditional branch."""
+        started = time.perf_counter()
+        dit, head, config = self.dit_config, self.action_head_config, self.config
+        z = self.model.vae.latent_channels
+        for call in calls:
+            lh, lw = call.session.first_latent.shape[-2:]
+            call.latents = _seeded_noise((1, z, dit.num_frame_per_block, lh, lw), config.seed).to(self.device, self.dtype)
+            call.actions = _seeded_noise((1, head.action_horizon, dit.action_dim), config.seed).to(self.device, self.dtype)
+            model_state = normalize_state(call.raw_state, self.state_stats, head.max_state_dim).reshape(1, 1, -1)
+            call.state = torch.from_numpy(model_state).to(self.device, self.dtype)
+            call.video_scheduler = DecoupledVideoScheduler(head.video_inference_final_noise) if head.decouple_inference_noise else FlowUniPCScheduler()
+            call.action_scheduler = FlowUniPCScheduler()
+            call.video_scheduler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
+            call.action_scheduler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
+        schedule = list(zip(calls[0].video_scheduler.timesteps, calls[0].action_scheduler.timesteps))
+        for i, (t_video, t_action) in enumerate(schedule):
+            running = []
+            for call in calls:
+                run, call.countdown = self._should_run(i, call.history, call.countdown)
+                if run:
+                    running.append(call)
+            if running:
+                timestep = torch.full((1, dit.num_frame_per_block), int(t_video), dtype=torch.long, device=self.device)
+                timestep_action = torch.full((1, head.action_horizon), int(t_action), dtype=torch.long, device=self.device)
+                predictions = self._forward(
+                    running, [c.latents for c in running], timestep, starts=[c.session.current_start_frame for c in running],
+                    commit=False, action=[c.actions for c in running], timestep_action=timestep_action, state=[c.state for c in running],
+                )  # fmt: skip
+                self._guide(running, predictions)
+            for call in calls:
+                call.latents = call.video_scheduler.step(call.velocity, call.latents, i)
+                call.actions = call.action_scheduler.step(call.action_velocity, call.actions, i)
+        elapsed = _elapsed_ms(self.device, started)
+        for call in calls:
+            call.session.current_start_frame += dit.num_frame_per_block
+            call.add("denoise", elapsed)
+
+    def _guide(self, calls: list[_Call], predictions: list[dict[Branch, tuple[torch.Tensor, torch.Tensor | None]]]) -> None:
+        """Each call's new video velocity (CFG) and action velocity (conditional branch) from one step's forward."""
+        local_video = {branch: torch.cat([p[branch][0] for p in predictions]) for branch in self.branches}
+        cond_action = torch.cat([p[Branch.COND][1] for p in predictions]) if Branch.COND in self.branches else None
+        like = torch.cat([c.actions for c in calls])
+        action_velocity = self.guidance.broadcast_from_cond(cond_action, like=like)
+        if self.use_guidance:
+            both = self.guidance.gather_video(local_video)
+            velocity = both[Branch.UNCOND] + self.config.cfg_scale * (both[Branch.COND] - both[Branch.UNCOND])
         else:
-            self._prefill(session, observed, start=session.current_start_frame - nfpb)
-        timer.mark("prefill")
+            velocity = local_video[Branch.COND]
+        for call, v, a in zip(calls, velocity.split(1), action_velocity.split(1)):
+            call.velocity, call.action_velocity = v, a
+            call.history = [*call.history, v][-2:]
+            call.forwards += 1
 
-        # denoise the next chunk + actions
-        raw_state = self._raw_state(observation)
-        actions, video, dit_forwards = self._denoise(session, raw_state)
-        timer.mark("denoise")
-        session.current_start_frame += nfpb
-
-        out = self._postprocess(actions, raw_state)
-        timer.mark("decode")
-        recording = None
+    def _finish(self, call: _Call) -> None:
+        started = time.perf_counter()
+        session = call.session
+        call.result = StepResult(
+            actions=self._postprocess(call.actions, call.raw_state),
+            timing_ms=call.timing,
+            info={
+                "dit_forwards": call.forwards, "current_start_frame": session.current_start_frame, **call.events,
+            },  # fmt: skip
+        )
         if self.options.record:  # references for the recorder; it decodes the video between requests
             seen = list(session.frames)[-(1 if session.calls == 1 else FRAMES_PER_CALL) :]
-            recording = ChunkRecording(
-                canvas=np.stack(seen), predicted=video.detach().to("cpu"), raw_actions=actions[0].float().cpu().numpy(), state=raw_state
-            )
-        return StepResult(
-            actions=out,
-            timing_ms=timer.ms,
-            info={"dit_forwards": dit_forwards, "current_start_frame": session.current_start_frame, **events},
-            recording=recording,
-        )
+            call.result.recording = ChunkRecording(
+                canvas=np.stack(seen), predicted=call.latents.detach().to("cpu"), raw_actions=call.actions[0].float().cpu().numpy(),
+                state=call.raw_state,
+            )  # fmt: skip
+        call.add("decode", (time.perf_counter() - started) * 1000.0)
 
     @torch.no_grad()
     def decode_prediction(self, predicted: torch.Tensor) -> np.ndarray:
@@ -288,7 +496,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         return events
 
     def _canvas(self, observation: RobotObservation) -> np.ndarray:
-        size = tuple(self.config.view_size)
+        size = self.view_size
         views = [None if v is None else crop_and_resize(v, size) for v in (observation.wrist, observation.exterior_left, observation.exterior_right)]
         return stitch_views(*views, view_size=size)
 
@@ -298,7 +506,11 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         frames = frames[-wanted:]
         frames = [frames[0]] * (wanted - len(frames)) + frames  # pad by repeating the oldest
         video = torch.from_numpy(np.stack(frames)).to(self.device)
-        return pixels_to_model_range(video.permute(3, 0, 1, 2).unsqueeze(0), self.dtype)
+        video = pixels_to_model_range(video.permute(3, 0, 1, 2).unsqueeze(0), self.dtype)
+        target = self.action_head_config.target_video_size
+        if target is not None and tuple(video.shape[-2:]) != target:
+            video = resize_video(video, target)
+        return video
 
     def _tokenize(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = self.model.tokenizer(
@@ -322,18 +534,25 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             embeds[Branch.UNCOND] = self._negative_embeds
         return embeds
 
-    def _image_conditioning(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``ys``: VAE latents of [image, zeros x (num_frames - 1)] with a mask on latent 0."""
+    def _image_conditioning(self, image: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(``ys``, the first frame's latent). ``ys``: VAE latents of [image, zeros x (num_frames - 1)] with a mask on
+        latent 0 (14B). A DiT that does not concatenate ``ys`` (5B) needs only latent 0, which the causal VAE computes
+        from frame 0 alone: only that frame is encoded."""
         b, c, _, h, w = image.shape
-        zeros = torch.zeros(b, c, self.action_head_config.num_frames - 1, h, w, dtype=image.dtype, device=image.device)
+        concat = self.dit_config.concat_first_frame_latent
+        frames = [image]
+        if concat:
+            frames.append(torch.zeros(b, c, self.action_head_config.num_frames - 1, h, w, dtype=image.dtype, device=image.device))
         # Upstream runs this encode under CUDA bf16 autocast (WANPolicyHead.encode_image) and the per-call re-encode
         # without it. A bf16 model on a GPU does the same here: the VAE's RMS norms (upstream's formula, see
         # encoders.UpstreamRMSNorm) then yield float32 up to the next convolution. CPU autocast keeps norms in bf16
         # unlike CUDA's, so elsewhere this encode runs plainly in the model dtype, like upstream's re-encode.
         autocast = self.device.type == "cuda" and self.dtype == torch.bfloat16
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
-            latents = self.model.vae.encode(torch.cat([image, zeros], dim=2))
+            latents = self.model.vae.encode(torch.cat(frames, dim=2))
         latents = latents.to(self.dtype)
+        if not concat:
+            return None, latents[:, :, :1]
         mask = torch.zeros_like(latents[:, :4])
         mask[:, :, 0] = 1
         return torch.cat([mask, latents], dim=1), latents[:, :, :1]
@@ -359,85 +578,11 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 session.kv.write_cross(branch, layer, text=text, image=image)
             session.kv.mark_cross_ready(branch, text=True, image=True)
 
-    def _y(self, session: DreamZeroSession, start: int, frames: int) -> torch.Tensor:
+    def _y(self, session: DreamZeroSession, start: int, frames: int) -> torch.Tensor | None:
         ys = session.ys
+        if ys is None:  # a DiT without the ys concat (5B)
+            return None
         return ys[:, :, start : start + frames] if start + frames <= ys.shape[2] else ys[:, :, -frames:]
-
-    def _dit(self, session: DreamZeroSession, branch: Branch, latents: torch.Tensor, timestep: torch.Tensor, *,
-             start: int, commit: bool, action=None, timestep_action=None, state=None):  # fmt: skip
-        frames = latents.shape[2]
-        extra = self.dit_config.action_register_length if action is not None else 0
-        ctx = session.kv.begin_forward(branch, num_video_tokens=frames * self.dit_config.frame_seqlen, commit=commit, extra_tokens=extra)
-        try:
-            layer_inputs = ctx.prepare(self.device)
-            out = None
-            if self.graphs is not None and not commit and action is not None:  # a denoise step
-                key = (int(branch), session.kv.branch(branch).cross_slot, start)
-                out = self.graphs.run(
-                    key, layer_inputs=layer_inputs, cross_kv=session.kv.cross_kv(branch), current_start_frame=start,
-                    x=latents.to(self.dtype), timestep=timestep, y=self._y(session, start, frames), action=action,
-                    timestep_action=timestep_action, state=state,
-                )  # fmt: skip
-            out = out or self.dit(
-                latents.to(self.dtype), timestep, current_start_frame=start, self_kv=layer_inputs,
-                y=self._y(session, start, frames), cross_kv=session.kv.cross_kv(branch),
-                action=action, timestep_action=timestep_action, state=state,
-            )  # fmt: skip
-        except BaseException:
-            session.kv.abort(branch)
-            raise
-        session.kv.complete(branch)
-        return out
-
-    def _prefill(self, session: DreamZeroSession, latents: torch.Tensor, start: int) -> None:
-        timestep = torch.zeros(1, latents.shape[2], dtype=torch.long, device=self.device)
-        for branch in self.branches:
-            self._dit(session, branch, latents, timestep, start=start, commit=True)
-
-    def _denoise(self, session: DreamZeroSession, raw_state: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(actions, denoised video latents, DiT forwards run) of the next chunk."""
-        dit_config, head, config = self.dit_config, self.action_head_config, self.config
-        z = self.model.vae.latent_channels
-        lh, lw = session.ys.shape[-2:]
-        video = _seeded_noise((1, z, dit_config.num_frame_per_block, lh, lw), config.seed).to(self.device, self.dtype)
-        actions = _seeded_noise((1, head.action_horizon, dit_config.action_dim), config.seed).to(self.device, self.dtype)
-        model_state = normalize_state(raw_state, self.state_stats, head.max_state_dim).reshape(1, 1, -1)
-        state = torch.from_numpy(model_state).to(self.device, self.dtype)
-        video_scheduler = FlowUniPCScheduler()
-        if head.decouple_inference_noise:
-            video_scheduler = DecoupledVideoScheduler(head.video_inference_final_noise)
-        action_scheduler = FlowUniPCScheduler()
-        video_scheduler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
-        action_scheduler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
-
-        history: list[torch.Tensor] = []  # last video velocities (the dynamic step cache compares them)
-        countdown = 0
-        velocity = action_velocity = None
-        forwards = 0
-        start = session.current_start_frame
-        for i, (t_video, t_action) in enumerate(zip(video_scheduler.timesteps, action_scheduler.timesteps)):
-            run, countdown = self._should_run(i, history, countdown)
-            if run:
-                forwards += 1
-                timestep = torch.full((1, dit_config.num_frame_per_block), int(t_video), dtype=torch.long, device=self.device)
-                timestep_action = torch.full((1, head.action_horizon), int(t_action), dtype=torch.long, device=self.device)
-                local_video, local_action = {}, None
-                for branch in self.branches:
-                    v, a = self._dit(session, branch, video, timestep, start=start, commit=False,
-                                     action=actions, timestep_action=timestep_action, state=state)  # fmt: skip
-                    local_video[branch] = v
-                    if branch == Branch.COND:
-                        local_action = a
-                action_velocity = self.guidance.broadcast_from_cond(local_action, like=actions)
-                if self.use_guidance:
-                    both = self.guidance.gather_video(local_video)
-                    velocity = both[Branch.UNCOND] + config.cfg_scale * (both[Branch.COND] - both[Branch.UNCOND])
-                else:
-                    velocity = local_video[Branch.COND]
-                history = [*history, velocity][-2:]
-            video = video_scheduler.step(velocity, video, i)
-            actions = action_scheduler.step(action_velocity, actions, i)
-        return actions, video, forwards
 
     def _should_run(self, index: int, history: list[torch.Tensor], countdown: int) -> tuple[bool, int]:
         """DiT step cache: (run the DiT this step?, new skip countdown)."""
@@ -505,16 +650,62 @@ class DecoupledVideoScheduler(FlowUniPCScheduler):
         solver.timesteps = (solver.sigmas[:-1] * f32(self.num_train_timesteps)).to(torch.int64)
 
 
+def resize_video(video: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """(B, C, T, H, W) -> (B, C, T, *size): upstream's 5B resize (``WANPolicyHead.lazy_joint_video_action``), bilinear
+    without antialiasing on the [-1, 1] video in the model dtype. Upstream groups the B*C*T planes as (B*T, C) images
+    without moving the time axis; each plane is interpolated on its own, so that grouping changes nothing."""
+    b, c, t, h, w = video.shape
+    out = F.interpolate(video.reshape(b * t, c, h, w), size=size, mode="bilinear", align_corners=False)
+    return out.reshape(b, c, t, *size)
+
+
+def _elapsed_ms(device: torch.device, started: float) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - started) * 1000.0
+
+
+@dataclass
+class _Call:
+    """One session's call inside :meth:`DreamZeroPolicy.step_batch`: its inputs and what its phases made."""
+
+    session: DreamZeroSession
+    observation: RobotObservation
+    slot: int  # its index in the batch: which scratch region its forwards write
+    timing: dict[str, float] = field(default_factory=dict)
+    events: dict[str, bool] = field(default_factory=dict)
+    error: BaseException | None = None
+    result: StepResult | None = None
+    raw_state: np.ndarray | None = None
+    video: torch.Tensor | None = None  # observed frames to encode (later calls)
+    prefill_latents: torch.Tensor | None = None
+    prefill_start: int = 0
+    # denoise state: the chunk's latents and actions, samplers, the step cache's history
+    latents: torch.Tensor | None = None
+    actions: torch.Tensor | None = None
+    state: torch.Tensor | None = None
+    video_scheduler: FlowUniPCScheduler | None = None
+    action_scheduler: FlowUniPCScheduler | None = None
+    velocity: torch.Tensor | None = None
+    action_velocity: torch.Tensor | None = None
+    history: list[torch.Tensor] = field(default_factory=list)  # last video velocities (the dynamic step cache compares them)
+    countdown: int = 0
+    forwards: int = 0
+
+    def add(self, phase: str, ms: float) -> None:
+        self.timing[phase] = self.timing.get(phase, 0.0) + ms
+
+
 def _seeded_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """Gaussian noise from a fresh generator per call: the same seed gives the same chunk."""
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
 
 
 def resolve_checkpoint(checkpoint: str) -> Path:
-    if checkpoint == BUILTIN_TINY:
+    if checkpoint in (BUILTIN_TINY, BUILTIN_TINY_5B):
         from policies.dreamzero.tiny import ensure_tiny_checkpoint
 
-        return ensure_tiny_checkpoint()
+        return ensure_tiny_checkpoint(family="5b" if checkpoint == BUILTIN_TINY_5B else "14b")
     return Path(checkpoint).expanduser()
 
 

@@ -17,14 +17,19 @@ modulations ~ N(0, 1/dim) like the DiT's own init.
 Spec string: ``synthetic:<preset>[,key=value...]``. Presets:
 
 * ``droid``       the released DreamZero-DROID geometry (use view_size 176x320);
+* ``droid_5b``    upstream's Wan2.2-TI2V-5B DreamZero (``wan_flow_matching_action_tf_wan22``): a ``ti2v`` DiT of
+  30 layers at dim 3072 (24 heads x 128, ffn 14336) on 48-channel latents without the ``ys`` concat,
+  the Wan2.2 VAE (16x), 160x320 views resized to 160x320 -> 50 tokens per latent frame;
+* ``tiny_5b``     the 5B at toy widths and full depth with ``builtin:tiny_5b``'s token geometry (18 tokens
+  per latent frame, view_size 96x192);
 * ``droid-small`` the same token geometry (880 tokens per latent frame, 176x320 views) and depth
   of every component at toy widths;
 * ``tiny``        full depth of every component at toy widths and the tiny model's token geometry
   (60 tokens per latent frame, view_size 48x80): a CPU runs it in seconds per call.
 
 Overrides (integers): ``layers dim heads ffn`` (DiT), ``text_layers text_dim text_heads text_ff
-text_vocab`` (UMT5), ``clip_layers clip_dim clip_heads clip_mlp`` (CLIP), ``vae_dim vae_res``
-(VAE base width and residual blocks), ``seed``. E.g. ``synthetic:droid,layers=2`` is two of the
+text_vocab`` (UMT5), ``clip_layers clip_dim clip_heads clip_mlp`` (CLIP), ``vae_dim vae_res vae_dec_dim``
+(VAE base width, residual blocks, decoder width), ``seed``. E.g. ``synthetic:droid,layers=2`` is two of the
 forty DiT layers at full width.
 """
 
@@ -47,11 +52,12 @@ from policies.dreamzero.encoders import (
     CLIP_VIT_H_14_CONFIG,
     UMT5_XXL_ENCODER_CONFIG,
     WAN21_VAE_CONFIG,
+    WAN22_VAE_CONFIG,
     ImageEncoder,
     TextEncoder,
     VideoVAE,
 )
-from policies.dreamzero.model import ActionHeadConfig, DreamZeroModel
+from policies.dreamzero.model import ActionHeadConfig, DreamZeroModel, check_dit_fits_vae
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +70,13 @@ _TOY_DIT = {"dim": 64, "ffn_dim": 128, "num_heads": 4, "text_dim": 32, "clip_dim
 
 # DreamZero-DROID's action head (config.json ``action_head_cfg.config``).
 DROID_HEAD = ActionHeadConfig(num_frames=33, num_frame_per_block=2, action_horizon=24, max_action_dim=32, max_state_dim=64)
+# The 5B's (wan_flow_matching_action_tf_wan22.yaml + droid_training_full_finetune_wan22.sh): the same, resized to 160x320.
+DROID_5B_HEAD = replace(DROID_HEAD, target_video_size=(160, 320))
+# Wan2.2-TI2V-5B's DiT (docs/WAN22_BACKBONE.md of upstream; the yaml's diffusion_model_cfg).
+DROID_5B_DIT = DiTConfig(
+    model_type="ti2v", dim=3072, ffn_dim=14336, num_heads=24, num_layers=30, in_dim=48, out_dim=48, frame_seqlen=50,
+    concat_first_frame_latent=False,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -74,10 +87,11 @@ class SyntheticSpec:
     dit: DiTConfig
     text_encoder: dict[str, Any] = field(default_factory=dict)  # overrides of UMT5_XXL_ENCODER_CONFIG
     image_encoder: dict[str, Any] = field(default_factory=dict)  # overrides of CLIP_VIT_H_14_CONFIG
-    vae: dict[str, Any] = field(default_factory=dict)  # overrides of WAN21_VAE_CONFIG
+    vae: dict[str, Any] = field(default_factory=dict)  # overrides of vae_base
     view_size: tuple[int, int] = (176, 320)  # per-view (h, w) that gives dit.frame_seqlen tokens
     seed: int = 0
     head: ActionHeadConfig = DROID_HEAD
+    vae_base: dict[str, Any] = field(default_factory=lambda: dict(WAN21_VAE_CONFIG))  # WAN22_VAE_CONFIG for the 5B
 
     @property
     def text_config(self) -> dict[str, Any]:
@@ -89,14 +103,14 @@ class SyntheticSpec:
 
     @property
     def vae_config(self) -> dict[str, Any]:
-        return {**WAN21_VAE_CONFIG, **self.vae}
+        return {**self.vae_base, **self.vae}
 
     def describe(self) -> str:
         d, t, c, v = self.dit, self.text_config, self.image_config, self.vae_config
         return (
             f"DiT {d.num_layers} x dim {d.dim} ({d.num_heads} heads x {d.head_dim}, ffn {d.ffn_dim}), "
             f"{d.frame_seqlen} tokens/latent frame; UMT5 {t['num_layers']} x {t['d_model']} (vocab {t['vocab_size']}); "
-            f"CLIP {c['num_hidden_layers']} x {c['hidden_size']}; VAE base {v['base_dim']}"
+            f"CLIP {c['num_hidden_layers']} x {c['hidden_size']}; {'Wan2.2' if v.get('is_residual') else 'Wan2.1'} VAE base {v['base_dim']}"
         )
 
 
@@ -109,12 +123,18 @@ PRESETS: dict[str, SyntheticSpec] = {
         "tiny", DiTConfig(**_TOY_DIT, frame_seqlen=60), text_encoder=dict(_TOY_TEXT), image_encoder=dict(_TOY_CLIP),
         vae=dict(_TOY_VAE), view_size=(48, 80),
     ),  # fmt: skip
+    "droid_5b": SyntheticSpec("droid_5b", DROID_5B_DIT, view_size=(160, 320), head=DROID_5B_HEAD, vae_base=dict(WAN22_VAE_CONFIG)),
+    "tiny_5b": SyntheticSpec(
+        "tiny_5b", replace(DROID_5B_DIT, **_TOY_DIT, frame_seqlen=18), text_encoder=dict(_TOY_TEXT), image_encoder=dict(_TOY_CLIP),
+        vae={"base_dim": 4, "decoder_base_dim": 8}, view_size=(96, 192), head=replace(DROID_HEAD, target_video_size=(96, 192)),
+        vae_base=dict(WAN22_VAE_CONFIG),
+    ),  # fmt: skip
 }
 
 _DIT_KEYS = {"layers": "num_layers", "dim": "dim", "heads": "num_heads", "ffn": "ffn_dim"}
 _TEXT_KEYS = {"text_layers": "num_layers", "text_dim": "d_model", "text_heads": "num_heads", "text_ff": "d_ff", "text_vocab": "vocab_size"}
 _CLIP_KEYS = {"clip_layers": "num_hidden_layers", "clip_dim": "hidden_size", "clip_heads": "num_attention_heads", "clip_mlp": "intermediate_size"}
-_VAE_KEYS = {"vae_dim": "base_dim", "vae_res": "num_res_blocks"}
+_VAE_KEYS = {"vae_dim": "base_dim", "vae_res": "num_res_blocks", "vae_dec_dim": "decoder_base_dim"}
 
 
 def is_synthetic(checkpoint: str) -> bool:
@@ -239,7 +259,7 @@ def meta_modules(spec: SyntheticSpec) -> tuple[CausalWanModel, TextEncoder, Imag
             CausalWanModel(spec.dit),
             TextEncoder.from_config(spec.text_encoder),
             ImageEncoder.from_config(spec.image_encoder),
-            VideoVAE.from_config(spec.vae),
+            VideoVAE.from_config(spec.vae, base=spec.vae_base),
         )
 
 
@@ -267,7 +287,10 @@ def build_model(spec: SyntheticSpec, *, dtype: torch.dtype, device: torch.device
     params = sum(p.numel() for m in (dit, text_encoder, image_encoder, vae) for p in m.parameters())
     logger.info("synthetic DreamZero %s: %.2f B parameters on %s (%s) in %.1f s", spec.preset, params / 1e9, device, dtype,
                 time.perf_counter() - start)  # fmt: skip
-    return DreamZeroModel(dit, text_encoder, image_encoder, vae, tokenizer, spec.head, droid_metadata())
+    check_dit_fits_vae(spec.dit, vae)
+    # the 5B's server advertises the cameras' recorded resolution (DROID's 320 x 180)
+    metadata = droid_metadata((320, 180) if vae.is_wan22 else None)
+    return DreamZeroModel(dit, text_encoder, image_encoder, vae, tokenizer, spec.head, metadata)
 
 
 @functools.lru_cache(maxsize=1)

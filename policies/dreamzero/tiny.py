@@ -9,6 +9,12 @@ only the actions are meaningless. Nothing is downloaded and no weights are commi
 
 Geometry: 48x80 views -> a 96x160 canvas -> 12x20 latents -> 60 tokens per latent frame;
 a 2-layer, width-64 DiT; 9-frame window, 2-frame chunks, 24 actions.
+
+``builtin:tiny_5b`` is the same on upstream's Wan2.2-TI2V-5B architecture (``wan_flow_matching_action_tf_wan22``):
+a ``ti2v`` DiT on 48-channel latents without the ``ys`` concat, the Wan2.2 VAE (``WanVideoVAE38``: 2x2 patchify,
+residual blocks, 16x), the stitched video resized to ``target_video_height/width`` first. 96x192 views -> a
+192x384 canvas -> resized to 96x192 -> 6x12 latents -> 18 tokens per latent frame. Its metadata.json records
+DROID's camera resolution, from which upstream's 5B server (and this one) advertises ``image_resolution``.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ from policies.dreamzero.upstream_layout import checkpoint_config, checkpoint_lay
 
 TINY_VERSION = 2  # 2: config.json carries every key of the released one
 TINY_VIEW_SIZE = (48, 80)
+TINY_5B_VERSION = 1
+TINY_5B_VIEW_SIZE = (96, 192)
+TINY_5B_TARGET_VIDEO = (96, 192)  # target_video_height/width: the 192x384 canvas is resized to it (the 5B: 160x320)
 
 TINY_DIT = DiTConfig(
     frame_seqlen=60, dim=64, ffn_dim=128, text_dim=32, num_heads=4, num_layers=2, hidden_size=32,
@@ -38,6 +47,14 @@ TINY_DIT = DiTConfig(
 TINY_TEXT_ENCODER = {"d_model": 32, "d_kv": 8, "num_heads": 4, "d_ff": 64, "num_layers": 2}  # + vocab_size
 TINY_IMAGE_ENCODER = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "projection_dim": 32}
 TINY_VAE = {"base_dim": 4, "num_res_blocks": 1}
+
+TINY_5B_DIT = DiTConfig(
+    model_type="ti2v", in_dim=48, out_dim=48, concat_first_frame_latent=False, frame_seqlen=18, dim=64, ffn_dim=128,
+    text_dim=32, num_heads=4, num_layers=2, hidden_size=32, clip_dim=32, max_chunk_size=4, num_frame_per_block=2,
+)  # fmt: skip
+# The Wan2.2 VAE at toy width (z_dim stays 48: upstream normalizes with its 48 fixed statistics); the decoder at its
+# own width, as upstream's (160 / 256).
+TINY_5B_VAE = {"is_residual": True, "base_dim": 4, "decoder_base_dim": 8, "num_res_blocks": 1}
 
 # Words the tiny tokenizer knows: the DROID prompt template, the negative prompt, common tasks.
 _CORPUS = """
@@ -92,8 +109,10 @@ def _init(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torc
     return noise / math.sqrt(max(fan_in, 1))
 
 
-def droid_metadata() -> dict:
-    """DROID-like normalization statistics (relative joint actions, absolute gripper)."""
+def droid_metadata(camera_resolution: tuple[int, int] | None = None) -> dict:
+    """DROID-like normalization statistics (relative joint actions, absolute gripper). With ``camera_resolution``
+    (width, height), ``modalities.video`` is upstream's ``DatasetModalities`` form (per camera: resolution, channels,
+    fps) instead of the camera list."""
 
     def stats(q01: list[float], q99: list[float]) -> dict:
         mean = [(a + b) / 2 for a, b in zip(q01, q99)]
@@ -108,15 +127,30 @@ def droid_metadata() -> dict:
                 "state": {"joint_position": stats(*joints_abs), "gripper_position": stats([0.0], [0.98])},
                 "action": {"joint_position": stats(*joints_rel), "gripper_position": stats([0.0], [1.0])},
             },
-            "modalities": {"video": ["exterior_image_1_left", "exterior_image_2_left", "wrist_image_left"]},
+            "modalities": {"video": _cameras(camera_resolution)},
             "embodiment_tag": "oxe_droid",
         }
     }
 
 
+def _cameras(resolution: tuple[int, int] | None) -> list[str] | dict[str, dict]:
+    names = ["exterior_image_1_left", "exterior_image_2_left", "wrist_image_left"]
+    if resolution is None:
+        return names
+    return {name: {"resolution": list(resolution), "channels": 3, "fps": 15.0} for name in names}
+
+
 def write_tiny_checkpoint(out: str | Path, seed: int = 0) -> Path:
     """Write the tiny checkpoint to ``out`` (created). Same bytes for the same seed, every time."""
     return write_checkpoint(out, TINY_DIT, TINY_TEXT_ENCODER, TINY_IMAGE_ENCODER, TINY_VAE, seed=seed)
+
+
+def write_tiny_5b_checkpoint(out: str | Path, seed: int = 0) -> Path:
+    """Write the tiny Wan2.2-5B checkpoint to ``out`` (created). Same bytes for the same seed, every time."""
+    return write_checkpoint(
+        out, TINY_5B_DIT, TINY_TEXT_ENCODER, TINY_IMAGE_ENCODER, TINY_5B_VAE, seed=seed,
+        target_video_size=TINY_5B_TARGET_VIDEO, camera_resolution=(320, 180), version=("ardiff_tiny_5b_version", TINY_5B_VERSION),
+    )  # fmt: skip
 
 
 def write_checkpoint(
@@ -126,11 +160,16 @@ def write_checkpoint(
     image_encoder_cfg: dict,
     vae_cfg: dict,
     seed: int = 0,
+    *,
+    target_video_size: tuple[int, int] | None = None,
+    camera_resolution: tuple[int, int] | None = None,
+    version: tuple[str, int] = ("ardiff_tiny_version", TINY_VERSION),
 ) -> Path:
     """Write a random-weight checkpoint of any geometry in the released layout (the tiny
     tokenizer and DROID-like statistics included). ``text_encoder_cfg`` leaves out
     ``vocab_size``: it is sized to the tiny tokenizer. Benchmarks use this for real token
-    geometry at small width (scripts/bench_chunk.py)."""
+    geometry at small width (scripts/bench_chunk.py). A ``vae_cfg`` with ``is_residual`` writes the
+    Wan2.2 VAE (the 5B layout), ``target_video_size`` its resize target (``checkpoint_config``)."""
     out = Path(out)
     (out / "experiment_cfg").mkdir(parents=True, exist_ok=True)
     tokenizer = tiny_tokenizer()
@@ -153,9 +192,12 @@ def write_checkpoint(
     _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
 
     # Every key of the released config.json, in its sections (upstream_layout.RELEASED_*_KEYS).
-    config = {**checkpoint_config(dit_cfg, text_encoder, image_encoder_cfg, vae_cfg), "ardiff_tiny_version": TINY_VERSION}
+    config = {
+        **checkpoint_config(dit_cfg, text_encoder, image_encoder_cfg, vae_cfg, target_video_size=target_video_size),
+        version[0]: version[1],
+    }
     _write_json(out / "config.json", config)
-    _write_json(out / "experiment_cfg" / "metadata.json", droid_metadata())
+    _write_json(out / "experiment_cfg" / "metadata.json", droid_metadata(camera_resolution))
     return out
 
 
@@ -163,20 +205,29 @@ def _write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def _definition_digest() -> str:
+def _definition_digest(family: str = "14b") -> str:
     """Changes whenever anything that shapes the checkpoint's bytes changes (cache key)."""
-    spec = [TINY_VERSION, TINY_DIT.to_dict(), TINY_TEXT_ENCODER, TINY_IMAGE_ENCODER, TINY_VAE, _CORPUS, droid_metadata()]
+    if family == "5b":
+        spec = [TINY_5B_VERSION, TINY_5B_DIT.to_dict(), TINY_TEXT_ENCODER, TINY_IMAGE_ENCODER, TINY_5B_VAE,
+                TINY_5B_TARGET_VIDEO, _CORPUS, droid_metadata((320, 180))]  # fmt: skip
+    else:
+        spec = [TINY_VERSION, TINY_DIT.to_dict(), TINY_TEXT_ENCODER, TINY_IMAGE_ENCODER, TINY_VAE, _CORPUS, droid_metadata()]
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
 
 
-def default_cache_dir() -> Path:
+def default_cache_dir(family: str = "14b") -> Path:
     root = os.environ.get("ARDIFF_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ardiff-server"
+    if family == "5b":
+        return Path(root) / f"tiny-dreamzero-5b-v{TINY_5B_VERSION}-{_definition_digest('5b')}"
     return Path(root) / f"tiny-dreamzero-v{TINY_VERSION}-{_definition_digest()}"
 
 
-def ensure_tiny_checkpoint(path: str | Path | None = None) -> Path:
-    """The tiny checkpoint's directory, generating it on first use (safe across processes)."""
-    target = Path(path) if path is not None else default_cache_dir()
+def ensure_tiny_checkpoint(path: str | Path | None = None, family: str = "14b") -> Path:
+    """The tiny checkpoint's directory (``family`` "14b": builtin:tiny, "5b": builtin:tiny_5b), generating it on
+    first use (safe across processes)."""
+    if family not in ("14b", "5b"):
+        raise ValueError(f"tiny checkpoint family must be '14b' or '5b', got {family!r}")
+    target = Path(path) if path is not None else default_cache_dir(family)
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -185,7 +236,7 @@ def ensure_tiny_checkpoint(path: str | Path | None = None) -> Path:
         if not (target / "config.json").exists():
             staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
             try:
-                write_tiny_checkpoint(staging)
+                (write_tiny_5b_checkpoint if family == "5b" else write_tiny_checkpoint)(staging)
                 shutil.rmtree(target, ignore_errors=True)
                 staging.rename(target)  # atomic: readers never see a half-written checkpoint
             finally:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from policies.dreamzero.dit import CausalWanModel, DiTConfig
-from policies.dreamzero.encoders import CLIP_VIT_H_14_CONFIG, UMT5_XXL_ENCODER_CONFIG, WAN21_VAE_CONFIG
+from policies.dreamzero.encoders import CLIP_VIT_H_14_CONFIG, UMT5_XXL_ENCODER_CONFIG, WAN21_VAE_CONFIG, WAN22_VAE_CONFIG
 from policies.dreamzero.naming import DIT_PREFIX, IMAGE_ENCODER_PREFIX, TEXT_ENCODER_PREFIX, VAE_PREFIX
 
 Shapes = dict[str, tuple[int, ...]]
@@ -74,29 +74,13 @@ def image_encoder_layout(overrides: Mapping[str, Any] | None = None) -> Shapes:
 
 def vae_layout(overrides: Mapping[str, Any] | None = None) -> Shapes:
     """Upstream ``VideoVAE_``: flat ``downsamples`` / ``upsamples`` lists, ``middle`` [res, attn, res]."""
+    if (overrides or {}).get("is_residual"):
+        return vae22_layout(overrides)
     cfg = {**WAN21_VAE_CONFIG, **(overrides or {})}
     dim, z_dim, dim_mult = cfg["base_dim"], cfg["z_dim"], list(cfg["dim_mult"])
     num_res_blocks, temporal = cfg["num_res_blocks"], list(cfg["temperal_downsample"])
     shapes: Shapes = {}
-
-    def conv(name: str, c_out: int, c_in: int, kernel: tuple[int, ...]) -> None:
-        shapes[f"{name}.weight"] = (c_out, c_in, *kernel)
-        shapes[f"{name}.bias"] = (c_out,)
-
-    def resnet(name: str, c_in: int, c_out: int) -> None:
-        shapes[f"{name}.residual.0.gamma"] = (c_in, 1, 1, 1)
-        conv(f"{name}.residual.2", c_out, c_in, (3, 3, 3))
-        shapes[f"{name}.residual.3.gamma"] = (c_out, 1, 1, 1)
-        conv(f"{name}.residual.6", c_out, c_out, (3, 3, 3))
-        if c_in != c_out:
-            conv(f"{name}.shortcut", c_out, c_in, (1, 1, 1))
-
-    def middle(name: str, c: int) -> None:
-        resnet(f"{name}.0", c, c)
-        shapes[f"{name}.1.norm.gamma"] = (c, 1, 1)
-        conv(f"{name}.1.to_qkv", 3 * c, c, (1, 1))
-        conv(f"{name}.1.proj", c, c, (1, 1))
-        resnet(f"{name}.2", c, c)
+    conv, resnet, middle = _vae_writers(shapes)
 
     last = len(dim_mult) - 1
     dims = [dim * m for m in [1, *dim_mult]]
@@ -137,6 +121,79 @@ def vae_layout(overrides: Mapping[str, Any] | None = None) -> Shapes:
     return shapes
 
 
+def vae22_layout(overrides: Mapping[str, Any] | None = None) -> Shapes:
+    """Upstream ``VideoVAE38_`` (Wan2.2): per level a ``Down_ResidualBlock`` / ``Up_ResidualBlock`` holding a
+    ``downsamples`` / ``upsamples`` list (resnets, then a resampler that keeps the width) and a shortcut without
+    parameters; 12-channel (2x2-patchified) input and output; the decoder at its own width (``dec_dim``)."""
+    cfg = {**WAN22_VAE_CONFIG, **(overrides or {})}
+    z_dim, dim_mult = cfg["z_dim"], list(cfg["dim_mult"])
+    num_res_blocks, temporal = cfg["num_res_blocks"], list(cfg["temperal_downsample"])
+    channels = cfg["in_channels"]
+    shapes: Shapes = {}
+    conv, resnet, middle = _vae_writers(shapes)
+
+    last = len(dim_mult) - 1
+    dims = [cfg["base_dim"] * m for m in [1, *dim_mult]]
+    conv("encoder.conv1", dims[0], channels, (3, 3, 3))
+    for level, (c_in, c_out) in enumerate(itertools.pairwise(dims)):
+        block = f"encoder.downsamples.{level}.downsamples"
+        for j in range(num_res_blocks):
+            resnet(f"{block}.{j}", c_in, c_out)
+            c_in = c_out
+        if level < last:
+            conv(f"{block}.{num_res_blocks}.resample.1", c_out, c_out, (3, 3))
+            if temporal[level]:
+                conv(f"{block}.{num_res_blocks}.time_conv", c_out, c_out, (3, 1, 1))
+    middle("encoder.middle", dims[-1])
+    shapes["encoder.head.0.gamma"] = (dims[-1], 1, 1, 1)
+    conv("encoder.head.2", 2 * z_dim, dims[-1], (3, 3, 3))
+    conv("conv1", 2 * z_dim, 2 * z_dim, (1, 1, 1))
+    conv("conv2", z_dim, z_dim, (1, 1, 1))
+
+    decoder_dim = cfg.get("decoder_base_dim") or cfg["base_dim"]
+    dims = [decoder_dim * m for m in [dim_mult[-1], *dim_mult[::-1]]]
+    temporal_up = temporal[::-1]
+    conv("decoder.conv1", dims[0], z_dim, (3, 3, 3))
+    middle("decoder.middle", dims[0])
+    for level, (c_in, c_out) in enumerate(itertools.pairwise(dims)):
+        block = f"decoder.upsamples.{level}.upsamples"
+        for j in range(num_res_blocks + 1):
+            resnet(f"{block}.{j}", c_in, c_out)
+            c_in = c_out
+        if level < last:
+            conv(f"{block}.{num_res_blocks + 1}.resample.1", c_out, c_out, (3, 3))
+            if temporal_up[level]:
+                conv(f"{block}.{num_res_blocks + 1}.time_conv", 2 * c_out, c_out, (3, 1, 1))
+    shapes["decoder.head.0.gamma"] = (dims[-1], 1, 1, 1)
+    conv("decoder.head.2", cfg["out_channels"], dims[-1], (3, 3, 3))
+    return shapes
+
+
+def _vae_writers(shapes: Shapes):
+    """Writers of the Wan VAE's three parameterized pieces (conv, resnet, middle) into ``shapes``."""
+
+    def conv(name: str, c_out: int, c_in: int, kernel: tuple[int, ...]) -> None:
+        shapes[f"{name}.weight"] = (c_out, c_in, *kernel)
+        shapes[f"{name}.bias"] = (c_out,)
+
+    def resnet(name: str, c_in: int, c_out: int) -> None:
+        shapes[f"{name}.residual.0.gamma"] = (c_in, 1, 1, 1)
+        conv(f"{name}.residual.2", c_out, c_in, (3, 3, 3))
+        shapes[f"{name}.residual.3.gamma"] = (c_out, 1, 1, 1)
+        conv(f"{name}.residual.6", c_out, c_out, (3, 3, 3))
+        if c_in != c_out:
+            conv(f"{name}.shortcut", c_out, c_in, (1, 1, 1))
+
+    def middle(name: str, c: int) -> None:
+        resnet(f"{name}.0", c, c)
+        shapes[f"{name}.1.norm.gamma"] = (c, 1, 1)
+        conv(f"{name}.1.to_qkv", 3 * c, c, (1, 1))
+        conv(f"{name}.1.proj", c, c, (1, 1))
+        resnet(f"{name}.2", c, c)
+
+    return conv, resnet, middle
+
+
 def dit_layout(cfg: DiTConfig) -> Shapes:
     """The DiT keeps upstream's names: its own state dict is the layout."""
     with torch.device("meta"):
@@ -173,6 +230,8 @@ UPSTREAM_TARGETS: dict[str, str] = {
     "image_encoder_cfg": "groot.vla.model.dreamzero.modules.wan_video_image_encoder.WanImageEncoder",
     "vae_cfg": "groot.vla.model.dreamzero.modules.wan_video_vae.WanVideoVAE",
 }
+# The Wan2.2 VAE's class (vae_cfg of upstream's wan_flow_matching_action_tf_wan22.yaml, the 5B).
+UPSTREAM_VAE38_TARGET = "groot.vla.model.dreamzero.modules.wan_video_vae.WanVideoVAE38"
 
 # The keys of the released GEAR-Dreams/DreamZero-DROID config.json, section by section. The file is upstream's
 # ``VLAConfig`` (groot/vla/model/dreamzero/base_vla.py) written by ``save_pretrained``: the kwargs of
@@ -216,18 +275,29 @@ def checkpoint_config(
     vae: Mapping[str, Any] | None = None,
     *,
     num_frames: int = 33,
+    target_video_size: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """A ``config.json`` with every key of the released one, in its sections, for a model of this geometry.
 
     Keys that do not change inference carry the released (DROID run's) values. The DiT section holds the whole
     ``DiTConfig`` (a superset of the released keys); encoder geometry that differs from the released model's goes
     under ``architecture`` (this project's extension: upstream builds its encoders at fixed sizes).
+
+    A ``vae`` with ``is_residual`` is the Wan2.2 VAE (the 5B): its section is upstream's ``wan_flow_matching_action_tf_wan22``
+    one (``WanVideoVAE38`` with ``z_dim`` and ``dim``), only what differs from that VAE under ``architecture``; the
+    5B's ``target_video_height`` / ``target_video_width`` come from ``target_video_size``.
     """
     encoders = {}
     for section, arch in (("text_encoder_cfg", text_encoder), ("image_encoder_cfg", image_encoder), ("vae_cfg", vae)):
         path_key = f"{section.removesuffix('_cfg')}_pretrained_path"
         encoders[section] = {"_target_": UPSTREAM_TARGETS[section], "_convert_": "object", path_key: None}
-        if arch is not None:
+        if section == "vae_cfg" and arch is not None and arch.get("is_residual"):
+            wan22 = {**WAN22_VAE_CONFIG, **arch}
+            encoders[section] |= {"_target_": UPSTREAM_VAE38_TARGET, "z_dim": wan22["z_dim"], "dim": wan22["base_dim"]}
+            rest = {k: v for k, v in arch.items() if k not in ("is_residual", "z_dim", "base_dim") and WAN22_VAE_CONFIG.get(k) != v}
+            if rest:
+                encoders[section]["architecture"] = rest
+        elif arch is not None:
             encoders[section]["architecture"] = dict(arch)
     head = {
         "_target_": UPSTREAM_TARGETS["action_head_cfg.config"], "_recursive_": False,
@@ -258,6 +328,8 @@ def checkpoint_config(
         },
         **encoders,
     }  # fmt: skip
+    if target_video_size is not None:
+        head["target_video_height"], head["target_video_width"] = target_video_size
     return {
         "architectures": ["VLA"],
         "model_type": "vla",

@@ -129,7 +129,10 @@ class Robot:
     New session id: {(0, 0)}. Reset, policy error, worker-died error: the count restarts at 0
     but ghosts stay pending (they may run on the fresh session). The worker kill: until this
     robot's first request sent after the kill is answered, every state may also have restarted
-    at 0. Malformed frames and clean reconnects change nothing.
+    at 0. The session TTL: once the robot closed the last connection that used its session, a
+    request sent later than ``TTL_S / 2`` after (a margin for the server seeing the close late)
+    may find it expired and start over - a slow reconnect on a loaded machine does take that
+    long. Malformed frames and clean reconnects change nothing else.
     """
 
     index: int
@@ -143,6 +146,7 @@ class Robot:
     session: str = ""
     states: set[tuple[int, int]] = field(default_factory=lambda: {(0, 0)})
     last_drop: float = float("-inf")
+    detached_at: float = float("inf")  # when the robot closed the last connection that used its session
     kill_absorbed: bool = False
     seq: int = 0
     client: WebsocketClientPolicy | None = None
@@ -160,6 +164,7 @@ class Robot:
         self.episode += 1
         self.session = f"robot{self.index}-ep{self.episode}-{uuid.UUID(int=self.rng.getrandbits(128)).hex[:8]}"
         self.states = {(0, 0)}
+        self.detached_at = float("inf")
 
     def restart_count(self) -> None:
         """The session starts over on the server; requests abandoned earlier may still run."""
@@ -202,6 +207,8 @@ class Robot:
     def infer(self, prompt: str = "pick up the cup") -> None:
         obs, joint0 = self.request(prompt)
         sent_at, sent_after_kill = time.monotonic(), self.kill.done.is_set()
+        may_have_expired = sent_at - self.detached_at > TTL_S / 2  # the TTL may have ended it meanwhile
+        self.detached_at = float("inf")  # this connection uses the session from now on
         try:
             reply = self.client.infer(obs)
         except RuntimeError as exc:
@@ -228,6 +235,8 @@ class Robot:
         if self.kill.started.is_set() and not self.kill_absorbed:
             states |= {(0, g) for _, g in states}
             self.kill_absorbed = sent_after_kill
+        if may_have_expired:
+            states |= {(0, g) for _, g in states}
         after = {(calls, g - k) for p, g in states for k in range(g + 1) if p + k + 1 == calls}
         if actions[0, 0] != calls or not after:
             expected = sorted({p + k + 1 for p, g in states for k in range(g + 1)})
@@ -262,12 +271,14 @@ class Robot:
         self.client = None
         self.states = {(p, g + 1) for p, g in self.states}
         self.last_drop = time.monotonic()
+        self.detached_at = min(self.detached_at, self.last_drop)
         self.tally.drops_mid_request += 1
         self.note(f"dropped mid-request ({'abrupt' if abrupt else 'close frame'})")
         self.connect()
 
     def reconnect(self) -> None:
         self.close()
+        self.detached_at = min(self.detached_at, time.monotonic())
         self.tally.reconnects += 1
         self.note("reconnect")
         self.connect()

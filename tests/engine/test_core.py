@@ -45,7 +45,7 @@ def test_a_session_mid_call_is_never_evicted():
     engine = make_engine(sessions_in_pool=2)
     calls(engine, "a")
     calls(engine, "b")
-    engine._serving = "a"  # a is being served (the LRU one): pressure must take b instead
+    engine._serving = {"a"}  # a is being served (the LRU one): pressure must take b instead
     engine._get_or_open("c")
     assert set(engine.sessions) == {"a", "c"}
 

@@ -63,7 +63,8 @@ def test_a_worker_that_fails_to_start_is_one_clear_error_and_leaves_nothing_runn
 
 def test_supervision_restarts_a_dead_or_stuck_worker_and_fails_only_its_requests():
     async def scenario():
-        client = client_for(server={"request_timeout_s": 1.5})
+        # one request per step, so "queued behind a stuck step" is well defined (batches: tests/engine/test_batching.py)
+        client = client_for(server={"request_timeout_s": 1.5})  # the fake policy never batches
         restarted = []
         client.on_restart = lambda c: restarted.append(c.restarts)
         await client.start()
@@ -112,3 +113,19 @@ def test_supervision_restarts_a_dead_or_stuck_worker_and_fails_only_its_requests
             await client.infer("s", observation())
 
     asyncio.run(scenario())
+
+
+def test_a_policy_without_a_batched_forward_is_never_batched_and_a_batch_gets_each_members_budget():
+    async def scenario(policy_max_batch: int) -> list:
+        # request_timeout_s is one request's own compute: 3 x 0.6 s in one step is no timeout
+        client = client_for(server={"request_timeout_s": 1.0}, max_batch=4, batch_wait_ms=200, policy={"max_batch": policy_max_batch})
+        await client.start()
+        try:
+            replies = await asyncio.gather(*(client.infer(f"s{i}", observation("sleep:0.6")) for i in range(3)))
+            assert client.restarts == 0
+            return [reply.batch_size for reply in replies]
+        finally:
+            await client.stop(grace_s=3.0)
+
+    assert asyncio.run(scenario(1)) == [1, 1, 1]  # engine.max_batch 4, but steps would only queue behind each other
+    assert max(asyncio.run(scenario(4))) > 1

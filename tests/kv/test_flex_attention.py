@@ -174,12 +174,29 @@ def test_fullgraph_compile_with_flex_does_not_recompile_when_values_change():
     assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames"
 
 
-def test_flex_rejects_a_batch_of_sequences():
-    _, s = make()
-    inputs = s.begin_forward(Branch.COND, num_video_tokens=4, commit=False).prepare()[0]
-    with pytest.raises(ValueError, match="one sequence"):
-        attention.flex_paged_attention(rand(4), inputs.key_cache, inputs.value_cache, inputs.block_table.repeat(2, 1),
-                                       inputs.seq_lens.repeat(2), SCALE)  # fmt: skip
+def test_flex_over_a_batch_of_sequences_equals_each_sequence_alone():
+    """B block-table rows in one flex call: each sequence sees only its own pages."""
+    torch.manual_seed(3)
+    cache, _ = make(page=4, window=3, extra=3)
+    fill_pool(cache)
+    gen = torch.Generator().manual_seed(0)
+    num_pages = cache.storage.key_cache(0).shape[0]
+    tables, lens = [], []
+    for visible, extra in ((1, 0), (3, 3), (2, 1)):
+        pages = (torch.randperm(num_pages - 1, generator=gen)[: visible + 1] + 1).tolist()
+        row = pages[:visible] + ([pages[visible]] if extra else [])
+        tables.append(row + [0] * (5 - len(row)))
+        lens.append(visible * 4 + extra)
+    table, seq = torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+    q = rand(3 * 7)
+    batched = attention.flex_paged_attention(q, cache.storage.key_cache(0), cache.storage.value_cache(0), table, seq, SCALE)
+    for b in range(3):
+        alone = attention.flex_paged_attention(
+            q[b * 7 : (b + 1) * 7], cache.storage.key_cache(0), cache.storage.value_cache(0), table[b : b + 1], seq[b : b + 1], SCALE
+        )
+        torch.testing.assert_close(batched[b * 7 : (b + 1) * 7], alone, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="equal query lengths"):
+        attention.flex_paged_attention(rand(20), cache.storage.key_cache(0), cache.storage.value_cache(0), table, seq, SCALE)
 
 
 # --------------------------------------------------------- the compiled kernel, DROID page size

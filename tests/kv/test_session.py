@@ -219,8 +219,8 @@ def test_every_ending_returns_every_page(ending):
 def test_slot_mapping_is_page_times_page_size_plus_offset():
     from kv.session import _slots
 
-    assert _slots([5, 2, 9], 10, page_size=4, device=torch.device("cpu")).tolist() == [20, 21, 22, 23, 8, 9, 10, 11, 36, 37]
-    assert _slots([7], 0, page_size=4, device=torch.device("cpu")).shape == (0,)
+    assert _slots([5, 2, 9], 10, page_size=4).tolist() == [20, 21, 22, 23, 8, 9, 10, 11, 36, 37]
+    assert _slots([7], 0, page_size=4).shape == (0,)
 
 
 def test_committed_chunk_slots_land_in_the_pages_the_branch_now_owns():

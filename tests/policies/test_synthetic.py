@@ -151,5 +151,7 @@ def test_policy_builds_from_a_synthetic_checkpoint_and_shares_the_model():
     release_cached_model()
 
     with pytest.raises(ValueError, match="frame_seqlen=60"):  # the view size must give the preset's tokens per frame
-        DreamZeroPolicy(DreamZeroConfig(checkpoint="synthetic:tiny,layers=2"), RuntimeOptions())
+        DreamZeroPolicy(DreamZeroConfig(checkpoint="synthetic:tiny,layers=2", view_size=(176, 320)), RuntimeOptions())
+    release_cached_model()
+    assert DreamZeroPolicy(DreamZeroConfig(checkpoint="synthetic:tiny,layers=2"), RuntimeOptions()).view_size == (48, 80)  # the preset's
     release_cached_model()

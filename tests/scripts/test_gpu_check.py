@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import sys
@@ -10,22 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_gpu_check():
-    # As `python scripts/gpu_check.py` runs it: its own folder is importable (bench_chunk, benchlib).
-    if str(ROOT / "scripts") not in sys.path:
-        sys.path.append(str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    return load_gpu_check()
+    return load_script("gpu_check")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +28,7 @@ def reduced_run(gpu_check, tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        report = gpu_check.main(["--json", "--variants", "sdpa,flex+compile,flex+graphs", "--out", str(out)])
+        report = gpu_check.main(["--json", "--variants", "sdpa,flex+compile,flex+graphs", "--batches", "1,2", "--batch-calls", "2", "--out", str(out)])
     return report, stdout.getvalue(), out
 
 
@@ -64,8 +55,14 @@ def test_reduced_run_reports_every_figure_the_device_run_reports(reduced_run):
     assert report["variants"]["flex+compile"]["compile"] and report["variants"]["flex+compile"]["backend"] == "flex"
     assert report["flops"]["compute_bound_ms"] > 0 and report["anchors"]["vllm_omni_ms_one_h200"] == 1095.0
 
+    # several robots per engine step: a window start then a steady call, for 1 and 2 sessions
+    rows = report["batches"]["rows"]
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["status"] == "ok" and r["chunks_per_s"] > 0 for r in rows)
+    assert rows[0]["speedup_vs_batch_1"] == 1.0
+
     # the printed tables, the anchors, and the JSON line last
-    for needle in ("phase (mean ms)", "summary", "compute bound", "vLLM-Omni 1095 ms/chunk", "62.2 GiB/GPU", "skipped: CUDA graphs"):
+    for needle in ("phase (mean ms)", "summary", "compute bound", "vLLM-Omni 1095 ms/chunk", "62.2 GiB/GPU", "skipped: CUDA graphs",
+                   "several robots per GPU"):
         assert needle in text, needle
     last = json.loads(text.strip().splitlines()[-1])
     assert last["variants"]["sdpa"]["ms_per_chunk_median"] == report["variants"]["sdpa"]["ms_per_chunk_median"]
@@ -86,7 +83,7 @@ def test_budget_stops_measuring_and_skips_later_variants(gpu_check, capsys, monk
     report = gpu_check.main(["--variants", "sdpa,flex", "--calls", "3", "--budget-s", "0.001"])
     sdpa = report["variants"]["sdpa"]
     assert sdpa["status"] == "ok" and len(sdpa["calls"]) == 1 and "time budget" in sdpa["partial"]
-    assert report["skipped"]["flex"].startswith("time budget")
+    assert report["skipped"]["flex"].startswith("time budget") and report["skipped"]["batches"].startswith("time budget")
     assert "PARTIAL" in capsys.readouterr().out
 
 

@@ -1,0 +1,229 @@
+"""Several robots in one forward: a batched engine step equals each session's unbatched calls.
+
+The engine serves what waits together as one batch (``SessionEngine.serve``); every session's
+actions must equal what the same session gets when it runs alone (fp32, max abs <= 1e-5), over
+whole episodes with window restarts, prompt changes, ends and sessions joining and leaving at
+any point. The reference is the same engine code with batches of one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ardiff_server.engine.core import SessionEngine
+from ardiff_server.engine.messages import ErrorKind, ErrorReply, Infer, InferReply
+from kv import PagedKVCache
+from policies.base import RuntimeOptions
+from policies.dreamzero.config import DreamZeroConfig
+from policies.dreamzero.policy import DreamZeroPolicy
+from policies.observation import RobotObservation
+
+TINY = {"view_size": (48, 80), "image_resolution": (48, 80)}
+ATOL = 1e-5
+
+
+def make_engine(tiny_model, *, max_sessions: int = 6, max_batch: int = 4, pool_sessions: int | None = None, **overrides) -> SessionEngine:
+    policy = DreamZeroPolicy(DreamZeroConfig(**{**TINY, **overrides}), RuntimeOptions(), model=tiny_model)
+    spec = policy.kv_spec()
+    pages = (pool_sessions or max_sessions) * len(policy.branches) * spec.pages_per_branch + 1
+    cache = PagedKVCache(spec, num_pages=pages, max_sessions=max_sessions, branches=policy.branches, max_batch=max_batch)
+    return SessionEngine(policy, cache, max_sessions=max_sessions)
+
+
+def observation(rng: np.random.Generator, first: bool, prompt: str = "pick up the cup") -> RobotObservation:
+    shape = (1 if first else 4, 48, 80, 3)
+    cam = lambda: rng.integers(0, 256, shape, dtype=np.uint8)  # noqa: E731
+    return RobotObservation(
+        exterior_left=cam(), exterior_right=cam(), wrist=cam(),
+        joint_position=rng.uniform(-1, 1, 7).astype(np.float32), gripper_position=np.array([0.3], np.float32), prompt=prompt,
+    )  # fmt: skip
+
+
+def serve(engine: SessionEngine, requests: list[Infer]) -> dict[str, InferReply | ErrorReply]:
+    replies, deferred = engine.serve([(r, 0.0) for r in requests])
+    assert not deferred
+    by_id = {r.request_id: r.session_id for r in requests}
+    return {by_id[reply.request_id]: reply for reply in replies}
+
+
+@pytest.fixture(scope="module")
+def reference_engine(tiny_model):
+    return make_engine(tiny_model, max_sessions=2, max_batch=1)
+
+
+def alone(engine: SessionEngine, session_id: str, episode: list[RobotObservation | None]) -> list[np.ndarray]:
+    """The session's calls one at a time (None in the episode: the session is ended there)."""
+    actions = []
+    for i, obs in enumerate(episode):
+        if obs is None:
+            engine.end(session_id, "reset")
+            continue
+        reply = serve(engine, [Infer(i, session_id, obs)])[session_id]
+        assert isinstance(reply, InferReply) and reply.batch_size == 1
+        actions.append(reply.actions)
+    engine.end(session_id, "done")
+    return actions
+
+
+def test_a_mixed_batch_equals_each_session_alone(tiny_model, reference_engine):
+    """One batch holding a first call (1 frame), later calls (4 frames), a window restart and a
+    prompt change; then every robot in lockstep for a whole window."""
+    rng = np.random.default_rng(7)
+    engine = make_engine(tiny_model)
+    # robot "w" is 4 calls in (its 5th call restarts the window), "p" changes its prompt on its 3rd call
+    episodes: dict[str, list[RobotObservation]] = {
+        "w": [observation(rng, i == 0) for i in range(8)],
+        "p": [observation(rng, i == 0, "pick up the cup" if i < 2 else "put the block in the bowl") for i in range(4)],
+        "l": [observation(rng, i == 0) for i in range(3)],
+        "n": [observation(rng, True)],
+    }
+    got: dict[str, list[np.ndarray]] = {sid: [] for sid in episodes}
+    for i in range(4):  # w runs ahead alone
+        got["w"].append(serve(engine, [Infer(i, "w", episodes["w"][i])])["w"].actions)
+    for i in range(2):
+        batch = serve(engine, [Infer(10 + i, "p", episodes["p"][i]), Infer(20 + i, "l", episodes["l"][i])])
+        got["p"].append(batch["p"].actions)
+        got["l"].append(batch["l"].actions)
+    mixed = [Infer(30, "w", episodes["w"][4]), Infer(31, "p", episodes["p"][2]), Infer(32, "l", episodes["l"][2]), Infer(33, "n", episodes["n"][0])]
+    batch = serve(engine, mixed)
+    assert all(reply.batch_size == 4 for reply in batch.values())
+    assert batch["w"].info["window_restart"] and batch["p"].info["prompt_change"] and batch["n"].new_session
+    assert [batch[s].info["current_start_frame"] for s in "wpln"] == [3, 3, 7, 3]
+    for sid in "wpln":
+        got[sid].append(batch[sid].actions)
+    batch = serve(engine, [Infer(40, "w", episodes["w"][5]), Infer(41, "p", episodes["p"][3])])
+    got["w"].append(batch["w"].actions)
+    got["p"].append(batch["p"].actions)
+    for i in range(6, 8):
+        got["w"].append(serve(engine, [Infer(40 + i, "w", episodes["w"][i])])["w"].actions)
+    for sid, episode in episodes.items():
+        reference = alone(reference_engine, f"ref-{sid}", episode[: len(got[sid])])
+        for call, (a, b) in enumerate(zip(reference, got[sid])):
+            np.testing.assert_allclose(b, a, atol=ATOL, rtol=0, err_msg=f"{sid} call {call}")
+    assert engine.batches[4] == 1 and engine.batches[2] >= 2
+
+
+events = st.lists(st.tuples(st.sampled_from("abcd"), st.sampled_from(["infer", "infer", "infer", "infer", "end", "prompt"])), min_size=6, max_size=18)
+
+
+@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(schedule=events, split=st.lists(st.integers(1, 4), min_size=18, max_size=18))
+def test_random_interleavings_equal_each_session_alone(tiny_model, reference_engine, schedule, split):
+    """Sessions join, leave (end), change prompts and restart windows in random order; the
+    requests that are waiting together are served as one batch (cut by ``split``)."""
+    rng = np.random.default_rng(len(schedule))
+    engine = make_engine(tiny_model)
+    episodes: dict[str, list[RobotObservation | None]] = {}
+    fresh: dict[str, bool] = {}
+    prompts: dict[str, str] = {}
+    waiting: list[tuple[str, RobotObservation]] = []
+    got: dict[str, list[np.ndarray]] = {}
+
+    def flush() -> None:
+        while waiting:
+            size = split[len(got) % len(split)] if split else 1
+            batch, waiting[:] = waiting[:size], waiting[size:]
+            replies = serve(engine, [Infer(i, sid, obs) for i, (sid, obs) in enumerate(batch)])
+            for sid, _ in batch:
+                assert isinstance(replies[sid], InferReply), replies[sid]
+                got.setdefault(sid, []).append(replies[sid].actions)
+
+    for sid, event in schedule:
+        if any(w[0] == sid for w in waiting):  # one request per session in flight, as the front end guarantees
+            flush()
+        if event == "end":
+            flush()
+            engine.end(sid, "reset")
+            episodes.setdefault(sid, []).append(None)
+            fresh[sid] = True
+            continue
+        if event == "prompt":
+            prompts[sid] = "put the block in the bowl" if prompts.get(sid) != "put the block in the bowl" else "pick up the cup"
+        obs = observation(rng, fresh.get(sid, True), prompts.get(sid, "pick up the cup"))
+        fresh[sid] = False
+        episodes.setdefault(sid, []).append(obs)
+        waiting.append((sid, obs))
+    flush()
+    for sid, episode in episodes.items():
+        reference = alone(reference_engine, f"ref-{sid}", episode)
+        assert len(reference) == len(got.get(sid, []))
+        for call, (a, b) in enumerate(zip(reference, got.get(sid, []))):
+            np.testing.assert_allclose(b, a, atol=ATOL, rtol=0, err_msg=f"{sid} call {call}")
+    engine.end_all("done")
+    assert engine.cache.pool.num_free == engine.cache.pool.capacity
+
+
+def test_a_bad_request_never_enters_the_batch_and_a_failed_forward_tears_down_only_its_members(tiny_model, monkeypatch):
+    rng = np.random.default_rng(1)
+    engine = make_engine(tiny_model)
+    serve(engine, [Infer(0, "bystander", observation(rng, True))])
+    bad = RobotObservation(exterior_left=np.zeros((2, 1, 1, 3), np.uint8), prompt="x")  # 1-pixel images: refused
+    replies = serve(engine, [Infer(1, "a", observation(rng, True)), Infer(2, "bad", bad), Infer(3, "b", observation(rng, True))])
+    assert isinstance(replies["bad"], ErrorReply) and replies["bad"].kind is ErrorKind.BAD_REQUEST
+    assert "bad" not in engine.sessions and replies["a"].batch_size == replies["b"].batch_size == 2
+    free_before = engine.cache.pool.num_free
+
+    dit = engine.policy.dit
+    real_forward = dit.forward
+
+    def exploding(*args, **kwargs):
+        if kwargs.get("action") is not None:  # inside the denoise loop, after the prefill committed
+            raise RuntimeError("GPU fell over")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(dit, "forward", exploding)
+    replies = serve(engine, [Infer(4, "a", observation(rng, False)), Infer(5, "b", observation(rng, False))])
+    monkeypatch.setattr(dit, "forward", real_forward)
+    for sid in ("a", "b"):
+        assert isinstance(replies[sid], ErrorReply) and replies[sid].kind is ErrorKind.POLICY and "GPU fell over" in replies[sid].message
+        assert sid not in engine.sessions
+    assert engine.endings["failed"] == 2 and "bystander" in engine.sessions
+    # the members' pages (their committed prefill included) are back; the bystander kept its own
+    held_by_bystander = engine.sessions["bystander"].kv.pages_held
+    assert engine.cache.pool.num_free == engine.cache.pool.capacity - held_by_bystander and engine.cache.pool.num_free > free_before
+    again = serve(engine, [Infer(6, "a", observation(rng, True)), Infer(7, "bystander", observation(rng, False))])
+    assert again["a"].new_session and not again["bystander"].new_session and again["a"].batch_size == 2
+
+
+def test_one_sessions_own_failure_fails_only_that_session(tiny_model, monkeypatch):
+    rng = np.random.default_rng(2)
+    engine = make_engine(tiny_model)
+    policy = engine.policy
+    real_begin = policy._begin
+
+    def begin(call):
+        if call.observation.prompt == "explode":
+            raise ValueError("tokenizer broke on this prompt")
+        return real_begin(call)
+
+    monkeypatch.setattr(policy, "_begin", begin)
+    replies = serve(engine, [Infer(1, "ok", observation(rng, True)), Infer(2, "boom", observation(rng, True, "explode"))])
+    assert isinstance(replies["ok"], InferReply) and "ok" in engine.sessions
+    assert isinstance(replies["boom"], ErrorReply) and "tokenizer broke" in replies["boom"].message and "boom" not in engine.sessions
+
+
+def test_a_new_session_that_does_not_fit_beside_the_batch_waits_for_the_next_batch(tiny_model):
+    rng = np.random.default_rng(3)
+    engine = make_engine(tiny_model, max_sessions=4, pool_sessions=2)  # room for two sessions' pages
+    items = [(Infer(i, sid, observation(rng, True)), 0.0) for i, sid in enumerate(["a", "b", "c"])]
+    replies, deferred = engine.serve(items)
+    assert sorted(r.session_id for r in replies) == ["a", "b"] and [r.session_id for r, _ in deferred] == ["c"]
+    assert set(engine.sessions) == {"a", "b"}  # no member of the running batch was evicted for c
+    engine.detach("a", "disconnected")
+    replies, deferred = engine.serve(deferred)  # alone, c may evict an idle session
+    assert not deferred and replies[0].session_id == "c" and replies[0].new_session
+    assert set(engine.sessions) == {"b", "c"} and engine.endings["pressure"] == 1
+
+
+def test_a_session_appears_once_per_batch():
+    from tests.helpers.fake_policy import FakeConfig, FakePolicy
+
+    policy = FakePolicy(FakeConfig(), RuntimeOptions())
+    spec = policy.kv_spec()
+    engine = SessionEngine(policy, PagedKVCache(spec, num_pages=8 * spec.pages_per_branch + 1, max_sessions=8, branches=policy.branches, max_batch=4), max_sessions=8)
+    items = [(Infer(1, "a", RobotObservation()), 0.0), (Infer(2, "a", RobotObservation()), 0.0)]
+    replies, deferred = engine.serve(items)
+    assert [r.request_id for r in replies] == [1] and [r.request_id for r, _ in deferred] == [2]

@@ -197,19 +197,16 @@ class AppConfig(_Section):
         data["server"]["api_keys"] = f"<{len(self.server.api_keys)} key(s)>"
         return data
 
-    def sessions_per_key(self) -> int | None:
+    def sessions_per_key(self, replicas: int | None = None) -> int | None:
         """``server.max_sessions_per_key`` in effect: "fair" is an equal share of the engine's
-        sessions (``engine.max_sessions`` x ``engine.replicas``, at least 1) among two or more keys."""
-        return self._per_key(self.server.max_sessions_per_key, self.engine_sessions)
+        sessions (``engine.max_sessions`` x replicas, at least 1) among two or more keys.
+        ``replicas``: the engine replicas serving (default ``engine.replicas``; on Ray Serve the
+        deployment's count, or its autoscaling maximum)."""
+        return self._per_key(self.server.max_sessions_per_key, self.engine.max_sessions * (replicas or self.engine.replicas))
 
     def connections_per_key(self) -> int | None:
         """``server.max_connections_per_key`` in effect ("fair": a share of ``server.max_connections``)."""
         return self._per_key(self.server.max_connections_per_key, self.server.max_connections)
-
-    @property
-    def engine_sessions(self) -> int:
-        """Sessions the engine holds at most (every replica full)."""
-        return self.engine.max_sessions * self.engine.replicas
 
     def _per_key(self, setting: int | str | None, total: int) -> int | None:
         if setting != "fair":

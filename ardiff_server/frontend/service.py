@@ -68,14 +68,14 @@ class Accept:
 
 
 class PolicyService:
-    def __init__(self, config: AppConfig, engine: EngineClient, *, metrics: Metrics | None = None) -> None:
-        self.config = config
+    def __init__(self, config: AppConfig, engine: EngineClient, *, metrics: Metrics | None = None, replicas: int | None = None) -> None:
+        self.config = config  # replicas: engine replicas behind it when not engine.replicas (Ray Serve's count)
         self.engine = engine
         self.metrics = metrics or Metrics(engine)
         self.keys = ApiKeys(config.server.api_keys)
         self.sessions = SessionTable(
             engine, ttl_s=config.server.session_ttl_s, on_refused=lambda key: self.metrics.key_refusals.labels(key, "sessions").inc(),
-            limits=KeyLimits(config.sessions_per_key(), shared=len(set(config.server.api_keys)) > 1, max_sessions=config.engine.max_sessions),
+            limits=KeyLimits(config.sessions_per_key(replicas), shared=len(set(config.server.api_keys)) > 1, max_sessions=config.engine.max_sessions),
         )  # fmt: skip
         self.connections_per_key = config.connections_per_key()
         self.key_connections: Counter[str] = Counter()  # open connections per key id

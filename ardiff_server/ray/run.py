@@ -64,7 +64,8 @@ def build_app(config: AppConfig, plan: DeploymentPlan, *, log_level: int = loggi
         graceful_shutdown_wait_loop_s=0.5,
         graceful_shutdown_timeout_s=server.shutdown_grace_s + 1.0,
     )
-    return ingress.bind(model.bind(raw, log_level), raw, plan.initial_replicas if not plan.autoscaling else (plan.min_replicas or 0), log_level)
+    expected = plan.initial_replicas if not plan.autoscaling else (plan.min_replicas or 0)
+    return ingress.bind(model.bind(raw, log_level), raw, expected, log_level, plan.most_replicas)
 
 
 def ray_version_problem() -> str | None:

@@ -20,7 +20,9 @@ from websockets.sync.client import connect
 from ardiff_server.config import ConfigError, load_config, preflight
 from ardiff_server.engine.client import ReplicaStatus
 from ardiff_server.engine.messages import EngineError, EngineStats, ErrorKind, InferReply
+from ardiff_server.frontend.service import PolicyService
 from ardiff_server.frontend.sessions import KeyLimits, SessionTable
+from ardiff_server.ray.plan import plan_deployment
 from policies.observation import RobotObservation
 from tests.helpers.inproc_server import InprocServer
 from tests.helpers.server_harness import droid_observation, fake_config, metric_value
@@ -226,6 +228,10 @@ def test_fair_shares_and_explicit_limits():
     assert limits("server.api_keys=[a, b]", "engine.max_sessions=8", "engine.replicas=2", "server.max_connections=10") == (8, 5)
     assert limits("server.api_keys=[a, b, c]", "engine.max_sessions=2") == (1, 21)  # at least one each
     assert limits("server.api_keys=[a, b]", "server.max_sessions_per_key=3", "server.max_connections_per_key=null") == (3, None)
+    # On Ray Serve the share is of the deployment's replicas (ray.num_replicas, or max_replicas), not engine.replicas.
+    config = load_config("tiny", ["server.api_keys=[a, b]", "engine.max_sessions=4", "ray.min_replicas=1", "ray.max_replicas=3"])
+    assert PolicyService(config, LruEngine(), replicas=plan_deployment(config).most_replicas).sessions.limits.sessions_per_key == 6
+    assert PolicyService(config, LruEngine()).sessions.limits.sessions_per_key == 2
     with pytest.raises(ConfigError, match=r"max_sessions_per_key: Value error, expected a count >= 1, fair .* or null"):
         load_config("tiny", ["server.max_sessions_per_key=0"])
     with pytest.raises(ConfigError, match=r"server\.max_connections_per_key: 2 needs API keys"):

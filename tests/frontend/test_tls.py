@@ -27,9 +27,9 @@ from websockets.sync.client import connect
 
 from ardiff_server import cli
 from ardiff_server.frontend.metrics import TLS_FAILURES
-from tests.e2e.test_clients import PolicyServerConfig
 from tests.helpers.certs import TestCA, peer_serial
 from tests.helpers.inproc_server import InprocServer
+from tests.helpers.roboarena import PolicyServerConfig
 from tests.helpers.server_harness import ServerProcess, droid_observation, fake_config, metric_value
 from tests.helpers.sockets import wait_for
 

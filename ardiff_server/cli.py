@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 
 from ardiff_server import __version__
 from ardiff_server.config import AppConfig, ConfigError, load_config, preflight
 from ardiff_server.frontend.auth import ENV_VAR, gather_api_keys
-from ardiff_server.frontend.signals import exit_on_second_signal
+from ardiff_server.frontend.signals import exit_on_second_signal, reload_on_hangup
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,6 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="require 'Authorization: Api-Key <key>' or 'Bearer <key>' (repeatable; visible in the "
                              f"process list: prefer --api-key-file or {ENV_VAR})")  # fmt: skip
     parser.add_argument("--api-key-file", help="file with one API key per line (# comments allowed)")
+    parser.add_argument("--tls-cert", metavar="FILE", help="serve wss:// and https:// with this PEM certificate chain (e.g. fullchain.pem; "
+                        "reloaded on SIGHUP)")  # fmt: skip
+    parser.add_argument("--tls-key", metavar="FILE", help="the certificate's PEM private key (e.g. privkey.pem; default: in --tls-cert)")
     parser.add_argument("--record", metavar="DIR", help="record every session under DIR (rollout.mp4, actions.npz, ...; needs .[viz])")
     parser.add_argument("--ray", action="store_true", help="deploy on Ray Serve instead (pip install -e '.[ray]'; docs/deploy.md)")
     parser.add_argument("--ray-address", help="a running Ray cluster (e.g. auto or ray://head:10001); default: start a local one")
@@ -54,6 +58,9 @@ def build_config(args: argparse.Namespace) -> AppConfig:
         overrides.append(f"ray.address={args.ray_address}")
     if args.record:
         overrides.append(f"server.record_dir={args.record}")
+    for option, path in (("tls_cert", args.tls_cert), ("tls_key", args.tls_key)):
+        if path is not None:
+            overrides.append(f"server.{option}={json.dumps(path)}")  # quoted: a path is never parsed as YAML
     config = load_config(args.config, overrides)
     try:
         extra_keys = gather_api_keys(args.api_keys, args.api_key_file)
@@ -99,6 +106,8 @@ async def _serve(config: AppConfig) -> None:
     server = PolicyServer(config)
     stop = asyncio.Event()
     exit_on_second_signal(stop.set, kill=server.engine.kill_now, loop=asyncio.get_running_loop())
+    if server.tls is not None:
+        reload_on_hangup(server.tls.reload, loop=asyncio.get_running_loop())
     log.info("loading %s (policy %s) on %s ...", config.source, config.policy_name, config.engine.device)
     start = asyncio.ensure_future(server.start())
     await asyncio.wait([start, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
@@ -113,7 +122,7 @@ async def _serve(config: AppConfig) -> None:
         await server.stop()
         raise SystemExit(1) from None
     keys = f", {len(config.server.api_keys)} API key(s) required" if config.server.api_keys else ""
-    print(f"listening on ws://{config.server.host}:{server.port}{keys}", flush=True)
+    print(f"listening on {config.server.scheme}://{config.server.host}:{server.port}{keys}", flush=True)
     await stop.wait()
     log.info("shutting down")
     await server.stop()

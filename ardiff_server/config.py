@@ -2,7 +2,7 @@
 
 A config has five sections::
 
-    server:  websocket front end (host, port, keys, limits, keepalive, TTLs, reply format)
+    server:  websocket front end (host, port, TLS, keys, per-key limits, keepalive, TTLs, reply format)
     engine:  the workers: device(s), dtype, KV budget, session cap, CFG-parallel, replicas, warm-up
     policy:  ``name`` picks a registered policy; the rest is validated by that policy's model
     ray:     the Ray Serve deployment (``ardiff-serve --ray``)
@@ -24,6 +24,7 @@ from typing import Any, Literal
 import pydantic
 import yaml
 
+from ardiff_server.net import TlsError, server_tls_context
 from policies.registry import policy_entry
 
 CONFIG_DIR = Path(os.environ.get("ARDIFF_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs"))
@@ -45,6 +46,13 @@ class ServerConfig(_Section):
     max_frame_bytes: int = pydantic.Field(64 * 2**20, ge=1024)
     max_frame_items: int = pydantic.Field(1024, ge=64)  # msgpack list/map entries per frame (DROID: < 100)
     max_connections: int = pydantic.Field(64, ge=1)
+    # Per API key (frontend/sessions.py, "Per-key limits" in docs/design-notes.md). "fair": with two or
+    # more keys, an equal share of engine.max_sessions x replicas (of max_connections); else no limit.
+    max_sessions_per_key: int | Literal["fair"] | None = "fair"
+    max_connections_per_key: int | Literal["fair"] | None = "fair"
+    tls_cert: str | None = None  # PEM chain (fullchain.pem): serve wss:// and https:// on the port
+    tls_key: str | None = None  # PEM key (privkey.pem); None: it is in tls_cert
+    tls_handshake_timeout_s: float = pydantic.Field(10.0, gt=0)  # a plain or stalled client is dropped after this
     ping_interval_s: float | None = pydantic.Field(20.0, gt=0)  # None disables keepalive pings
     ping_timeout_s: float | None = pydantic.Field(60.0, gt=0)
     write_limit_bytes: int = pydantic.Field(16 * 2**20, ge=2**16)  # unsent bytes one connection may pile up
@@ -65,6 +73,23 @@ class ServerConfig(_Section):
             if key != key.strip() or any(c.isspace() for c in key):
                 raise ValueError(f"api_keys[{index}] contains whitespace")
         return keys
+
+    @pydantic.field_validator("max_sessions_per_key", "max_connections_per_key", mode="before")
+    @classmethod
+    def _per_key_limit(cls, value: Any) -> Any:
+        if value is None or value == "fair" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError("expected a count >= 1, fair (a share per key) or null (no limit)")
+
+    @pydantic.model_validator(mode="after")
+    def _tls_pair(self) -> ServerConfig:
+        if self.tls_key is not None and self.tls_cert is None:
+            raise ValueError("tls_key is set without tls_cert: give the certificate chain too (--tls-cert)")
+        return self
+
+    @property
+    def scheme(self) -> str:
+        return "wss" if self.tls_cert is not None else "ws"
 
 
 class EngineConfig(_Section):
@@ -172,6 +197,23 @@ class AppConfig(_Section):
         data["server"]["api_keys"] = f"<{len(self.server.api_keys)} key(s)>"
         return data
 
+    def sessions_per_key(self, replicas: int | None = None) -> int | None:
+        """``server.max_sessions_per_key`` in effect: "fair" is an equal share of the engine's
+        sessions (``engine.max_sessions`` x replicas, at least 1) among two or more keys.
+        ``replicas``: the engine replicas serving (default ``engine.replicas``; on Ray Serve the
+        deployment's count, or its autoscaling maximum)."""
+        return self._per_key(self.server.max_sessions_per_key, self.engine.max_sessions * (replicas or self.engine.replicas))
+
+    def connections_per_key(self) -> int | None:
+        """``server.max_connections_per_key`` in effect ("fair": a share of ``server.max_connections``)."""
+        return self._per_key(self.server.max_connections_per_key, self.server.max_connections)
+
+    def _per_key(self, setting: int | str | None, total: int) -> int | None:
+        if setting != "fair":
+            return setting
+        keys = len(set(self.server.api_keys))
+        return max(1, total // keys) if keys > 1 else None
+
     @property
     def policy_name(self) -> str:
         return self.policy["name"]
@@ -254,8 +296,17 @@ def preflight(config: AppConfig, *, local: bool = True) -> None:
         device_lists = config.engine.replica_device_lists()
     except ValueError as exc:
         raise ConfigError(f"{config.source}: {exc}") from None
+    for name in ("max_sessions_per_key", "max_connections_per_key"):
+        value = getattr(config.server, name)
+        if isinstance(value, int) and not config.server.api_keys:
+            raise ConfigError(
+                f"server.{name}: {value} needs API keys, which it counts by (--api-key-file, ARDIFF_API_KEYS or server.api_keys); "
+                f"without keys use engine.max_sessions / server.max_connections"
+            )
     if not local:
         return
+    if config.server.tls_cert is not None:
+        check_tls(config)
     wanted = sorted({d for devices in device_lists for d in devices if d.startswith("cuda")})
     if wanted:
         count = cuda_device_count()
@@ -283,6 +334,14 @@ def preflight(config: AppConfig, *, local: bool = True) -> None:
             raise ConfigError(f"{config.source}: {exc}") from None
         if isinstance(resolved, pydantic.BaseModel):  # e.g. Hugging Face ids resolved to local snapshots
             config.policy = resolved.model_dump(mode="json")
+
+
+def check_tls(config: AppConfig) -> None:
+    """Load ``server.tls_cert``/``tls_key`` as the server will; ConfigError (one line) if it cannot."""
+    try:
+        server_tls_context(config.server.tls_cert, config.server.tls_key)
+    except TlsError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def cuda_device_count() -> int:

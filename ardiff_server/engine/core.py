@@ -337,4 +337,5 @@ class SessionEngine:
             batches=dict(self.batches),
             kv_pages_total=kv["pages_total"],
             kv_pages_free=kv["pages_free"],
+            session_capacity=kv.get("session_capacity", self.max_sessions),
         )

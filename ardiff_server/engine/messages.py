@@ -86,6 +86,7 @@ class EngineStats:
     batches: dict[int, int] = field(default_factory=dict)  # batch size -> steps run with that many sessions
     kv_pages_total: int = 0
     kv_pages_free: int = 0
+    session_capacity: int = 0  # sessions it can hold: engine.max_sessions, or fewer if the KV pool is smaller
 
     @property
     def sessions(self) -> int:

@@ -1,7 +1,9 @@
 """Prometheus metrics for ``GET /metrics`` (own registry; exposition by prometheus_client).
 
 Request outcomes and latencies are counted as they happen; engine state (sessions, KV pages,
-steps, restarts, per replica and rank) is read from the engine client at scrape time.
+steps, restarts, per replica and rank) is read from the engine client at scrape time. With API
+keys, sessions, connections and refusals are also counted per key, labelled by its id (``key0``,
+...), never the key.
 
 Renamed in 0.2 to the glossary's words (``ardiff_server/engine/__init__.py``); the old names are
 still exported as aliases with the same values for one release (``DEPRECATED_ALIASES``), so
@@ -19,7 +21,7 @@ old name (alias until 0.3)         name
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -30,6 +32,10 @@ OUTCOMES = (
     "ok", "reset", "bad_request", "forbidden", "policy_error", "capacity", "worker_died", "timeout", "unavailable",
 )  # fmt: skip
 CLOSE_REASONS = ("idle", "write_limit")
+KEY_LIMITS = ("sessions", "connections")  # what a key was refused: a new session, a new connection
+# A failed TLS handshake: a ws:// or http:// request to the TLS port, an old TLS version, a client
+# that does not trust this certificate (expired? another name?), anything else.
+TLS_FAILURES = ("plaintext", "protocol_version", "certificate", "other")
 DEPRECATED_ALIASES = {
     "ardiff_connections_active": "ardiff_connections_open",
     "ardiff_sessions_active": "ardiff_sessions_open",
@@ -58,11 +64,29 @@ class Metrics:
         self.closed = Counter("ardiff_connections_closed", "Connections the server closed, by reason", ["reason"], registry=r)
         for reason in CLOSE_REASONS:
             self.closed.labels(reason)
+        self.key_refusals = Counter(
+            "ardiff_key_refusals", "New sessions and connections refused by a key's limit (or a full engine), by key id", ["key", "limit"], registry=r
+        )
+        self.tls_handshake_failures = Counter("ardiff_tls_handshake_failures", "TLS handshakes that failed, by kind", ["kind"], registry=r)
+        self.tls_reloads = Counter("ardiff_tls_reloads", "Certificate reloads (SIGHUP), by result", ["result"], registry=r)
         engine_collector = EngineCollector(engine)
         r.register(engine_collector)
         r.register(_Aliases([self.connections, engine_collector]))
 
     content_type = CONTENT_TYPE_LATEST
+
+    def watch_keys(self, key_ids: list[str], sessions: Callable[[], Mapping], connections: Callable[[], Mapping]) -> None:
+        """Export per key id: open sessions and connections (read at scrape time) and refusals."""
+        for key in key_ids:
+            for limit in KEY_LIMITS:
+                self.key_refusals.labels(key, limit)
+        self.registry.register(_KeyCollector(key_ids, sessions, connections))
+
+    def watch_tls(self) -> None:
+        for kind in TLS_FAILURES:
+            self.tls_handshake_failures.labels(kind)
+        for result in ("ok", "failed"):
+            self.tls_reloads.labels(result)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -110,6 +134,20 @@ class EngineCollector(Collector):
                 kv_free.add_metric([label, str(rank_stats.rank)], rank_stats.kv_pages_free)
                 kv_total.add_metric([label, str(rank_stats.rank)], rank_stats.kv_pages_total)
         yield from (up, state, restarts, restart_s, sessions, placed, steps, kv_free, kv_total, endings, batches)
+
+
+class _KeyCollector(Collector):
+    def __init__(self, key_ids: list[str], sessions: Callable[[], Mapping], connections: Callable[[], Mapping]) -> None:
+        self.key_ids, self.sessions, self.connections = key_ids, sessions, connections
+
+    def collect(self) -> Iterator[Any]:
+        sessions = GaugeMetricFamily("ardiff_key_sessions_open", "Sessions a key holds (admitted, not ended), by key id", labels=["key"])
+        connections = GaugeMetricFamily("ardiff_key_connections_open", "Open connections authenticated by a key, by key id", labels=["key"])
+        held, open_connections = self.sessions(), self.connections()
+        for key in self.key_ids:
+            sessions.add_metric([key], held.get(key, 0))
+            connections.add_metric([key], open_connections.get(key, 0))
+        yield from (sessions, connections)
 
 
 class _Aliases(Collector):

@@ -2,8 +2,8 @@
 
 This process never runs model code and never loads torch: observations are decoded here and
 handed to the engine (``engine/client.py``). What is specific to this transport lives here:
-the handshake (routes, API keys, connection limit), per-connection write and idle bounds, and
-shutdown that answers in-flight requests before it closes connections.
+TLS (``tls.py``), the handshake (routes, API keys, connection limits), per-connection write and
+idle bounds, and shutdown that answers in-flight requests before it closes connections.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ardiff_server.config import AppConfig
 from ardiff_server.engine.client import EngineClient
 from ardiff_server.engine.replicas import ReplicaSet
 from ardiff_server.frontend.service import Accept, PolicyService, TransportClosed
+from ardiff_server.frontend.tls import ServerTls
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,17 @@ class PolicyServer:
         self.engine = client if client is not None else ReplicaSet.from_config(config)
         self.service = PolicyService(config, self.engine)
         self.metrics = self.service.metrics
+        self.tls = self._tls(config.server.tls_cert, config.server.tls_key)
         self._server: Server | None = None
+
+    def _tls(self, cert: str | None, key: str | None) -> ServerTls | None:
+        if cert is None:
+            return None
+        self.metrics.watch_tls()
+        return ServerTls(
+            cert, key, on_failure=lambda kind: self.metrics.tls_handshake_failures.labels(kind).inc(),
+            on_reload=lambda ok: self.metrics.tls_reloads.labels("ok" if ok else "failed").inc(),
+        )  # fmt: skip
 
     @property
     def sessions(self):
@@ -88,6 +99,7 @@ class PolicyServer:
             "write_limit_bytes": server_config.write_limit_bytes,
             "on_abuse": staticmethod(lambda: self.metrics.closed.labels("write_limit").inc()),
         })  # fmt: skip
+        tls = {"ssl": self.tls.context, "ssl_handshake_timeout": server_config.tls_handshake_timeout_s} if self.tls else {}
         self._server = await serve(
             self._handle,
             server_config.host,
@@ -104,6 +116,7 @@ class PolicyServer:
             ping_interval=server_config.ping_interval_s,
             ping_timeout=server_config.ping_timeout_s,
             server_header=f"ardiff-server/{__version__}",
+            **tls,  # wss:// and https:// on the same port (frontend/tls.py)
         )
 
     @property

@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -28,7 +29,7 @@ from ardiff_server.engine.client import EngineClient
 from ardiff_server.engine.messages import EngineError, ErrorKind, InferReply, scalar_info
 from ardiff_server.frontend.auth import ApiKeys, Unauthorized
 from ardiff_server.frontend.metrics import Metrics
-from ardiff_server.frontend.sessions import Connection, SessionForbidden, SessionTable
+from ardiff_server.frontend.sessions import Connection, KeyLimits, SessionForbidden, SessionTable
 from ardiff_server.wire.decode import PolicyRequest, decode_request
 from ardiff_server.wire.protocol import DecodeLimits, ProtocolError, pack, unpack
 
@@ -67,12 +68,20 @@ class Accept:
 
 
 class PolicyService:
-    def __init__(self, config: AppConfig, engine: EngineClient, *, metrics: Metrics | None = None) -> None:
-        self.config = config
+    def __init__(self, config: AppConfig, engine: EngineClient, *, metrics: Metrics | None = None, replicas: int | None = None) -> None:
+        self.config = config  # replicas: engine replicas behind it when not engine.replicas (Ray Serve's count)
         self.engine = engine
         self.metrics = metrics or Metrics(engine)
         self.keys = ApiKeys(config.server.api_keys)
-        self.sessions = SessionTable(engine, ttl_s=config.server.session_ttl_s)
+        self.sessions = SessionTable(
+            engine, ttl_s=config.server.session_ttl_s, on_refused=lambda key: self.metrics.key_refusals.labels(key, "sessions").inc(),
+            limits=KeyLimits(config.sessions_per_key(replicas), shared=len(set(config.server.api_keys)) > 1, max_sessions=config.engine.max_sessions),
+        )  # fmt: skip
+        self.connections_per_key = config.connections_per_key()
+        self.key_connections: Counter[str] = Counter()  # open connections per key id
+        if self.keys.enabled:
+            key_ids = [f"key{i}" for i in range(len(config.server.api_keys))]
+            self.metrics.watch_keys(key_ids, self.sessions.open_by_key, lambda: self.key_connections)
         self.limits = DecodeLimits(
             max_message_bytes=config.server.max_frame_bytes,
             max_array_bytes=config.server.max_frame_bytes,
@@ -113,7 +122,19 @@ class PolicyService:
             return HttpResponse(200, json.dumps(self.describe(), indent=2).encode() + b"\n", "application/json")
         if self.connections >= self.config.server.max_connections:
             return HttpResponse(503, b"too many connections\n")
+        if (refused := self._over_connection_limit(key, remote)) is not None:
+            return HttpResponse(503, refused.encode() + b"\n")
         return Accept(key)
+
+    def _over_connection_limit(self, key: str | None, remote: str) -> str | None:
+        """Why ``key`` may not open one more connection (``server.max_connections_per_key``), or None."""
+        limit = self.connections_per_key
+        if key is None or limit is None or self.key_connections[key] < limit:
+            return None
+        self.metrics.key_refusals.labels(key, "connections").inc()
+        reason = f"too many connections for {key} ({self.key_connections[key]} open, server.max_connections_per_key: {limit})"
+        logger.warning("refused %s: %s", remote, reason)
+        return reason
 
     def describe(self) -> dict[str, Any]:
         """``GET /info``: everything about this server a client or operator may want."""
@@ -137,12 +158,18 @@ class PolicyService:
                 }  # fmt: skip
                 for r in self.engine.replicas()
             ],
+            "limits": {"max_sessions_per_key": self.sessions.limits.sessions_per_key, "max_connections_per_key": self.connections_per_key},
             "config": self.config.public(),
         }
 
     # -- websocket ------------------------------------------------------------------------
 
     async def serve_connection(self, transport: Transport, *, key: str | None, remote: str) -> None:
+        if (refused := self._over_connection_limit(key, remote)) is not None:  # handshakes that raced the check in http()
+            await transport.close(1013, refused)  # 1013: try again later
+            return
+        if key is not None:
+            self.key_connections[key] += 1
         conn = self.sessions.connect(remote=remote, key=key)
         self.connections += 1
         self.metrics.connections.set(self.connections)
@@ -164,6 +191,8 @@ class PolicyService:
             pass
         finally:
             idle.disarm()
+            if key is not None:
+                self.key_connections[key] -= 1
             self.connections -= 1
             self.metrics.connections.set(self.connections)
             await self.sessions.disconnect(conn)

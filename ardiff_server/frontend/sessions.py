@@ -13,6 +13,13 @@ Sessions are keyed by id, not by connection (``docs/design-notes.md``, "Sessions
   A session no connection is on right now is *detached* (``switched`` away from, or
   ``disconnected``); the engine evicts detached sessions first.
 * With API keys, a session belongs to the key that opened it; another key cannot touch it.
+* Per-key limits (``server.max_sessions_per_key``; docs/design-notes.md, "Per-key limits"): a
+  session holds one of its key's slots from its admission until it ends, here or in the engine
+  (the engine's replies list the sessions it holds). A new session of a key at its limit first
+  ends that key's least recently used idle session (detached; disconnected ones first, as the
+  engine would); if every one has a robot on it, it is refused (``server at capacity``). With two
+  or more keys the table also never lets new sessions outgrow the engine, so the engine never
+  has to evict one key's session to make room for another's.
 
 This class is the one owner of that state. Every transition of a session (serve, reset, detach,
 TTL expiry) runs under that session's lock, so requests of one session are strictly ordered and
@@ -28,12 +35,14 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from ardiff_server.engine.client import EngineClient
-from ardiff_server.engine.messages import DetachReason, InferReply
+from ardiff_server.engine.messages import DetachReason, EngineError, ErrorKind, InferReply
 from policies.observation import RobotObservation
 
 logger = logging.getLogger(__name__)
@@ -41,6 +50,21 @@ logger = logging.getLogger(__name__)
 
 class SessionForbidden(Exception):
     """A request for a session that belongs to another API key."""
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    """How many sessions a key may hold (None: no limit), and whether keys share the engine (two or
+    more keys: no new session may make the engine evict; ``max_sessions`` is a replica's size when
+    it does not report its own)."""
+
+    sessions_per_key: int | None = None
+    shared: bool = False
+    max_sessions: int = 0
+
+    @property
+    def enforced(self) -> bool:
+        return self.sessions_per_key is not None or self.shared
 
 
 @dataclass
@@ -65,12 +89,19 @@ class _Entry:
     expiry: asyncio.TimerHandle | None = None
     epoch: int = 0  # bumped whenever a TTL timer is armed or cancelled: an older timer is stale
     ended: bool = False
+    counted: bool = False  # holds one of its key's slots (admitted, and not known to have ended)
+    opened: bool = False  # the engine answered it: it holds state there (else its first request is in flight)
+    last_used: float = 0.0  # time.monotonic() of its last request: a key's idle sessions end LRU first
 
 
 class SessionTable:
-    def __init__(self, engine: EngineClient, *, ttl_s: float) -> None:
+    def __init__(
+        self, engine: EngineClient, *, ttl_s: float, limits: KeyLimits = KeyLimits(), on_refused: Callable[[str | None], None] = lambda key: None
+    ) -> None:
         self.engine = engine
         self.ttl_s = ttl_s
+        self.limits = limits
+        self.on_refused = on_refused  # a new session of this key was refused (metrics)
         self._ids = itertools.count(1)
         self._entries: dict[str, _Entry] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -96,14 +127,24 @@ class SessionTable:
             self._check_owner(entry, conn)
             if entry.ended or entry.owner is None:  # a fresh (or revived) entry belongs to this key
                 entry.ended, entry.owner = False, conn.key
+            if not self._holds_slot(entry):
+                await self._admit(entry, conn)  # raises EngineError(CAPACITY): nothing below has changed
             self._disarm(entry)
             entry.holders.add(conn.conn_id)
             entry.current_on.add(conn.conn_id)
+            entry.last_used = time.monotonic()
             conn.used.add(session_id)
             conn.current = session_id
             if previous is not None:
                 self._moved_away(conn, previous)
-            return await self.engine.infer(session_id, observation)
+            try:
+                reply = await self.engine.infer(session_id, observation)
+            except EngineError as exc:
+                if not (entry.opened and exc.kind is ErrorKind.BAD_REQUEST):  # else the engine holds it no more (or never did)
+                    entry.counted = entry.opened = False
+                raise
+            entry.opened = True
+            return reply
 
     async def end(self, conn: Connection, session_ids: list[str]) -> list[str]:
         """End each of ``session_ids`` (``endpoint: reset``; each under its own lock): its KV pages go
@@ -134,6 +175,85 @@ class SessionTable:
             if not entry.holders:
                 self._spawn(self._detach(session_id, "disconnected"))
         conn.used.clear()
+
+    # -- per-key limits -----------------------------------------------------------------
+
+    def open_by_key(self) -> Counter[str | None]:
+        """Sessions each key holds (``/metrics``): admitted and not ended, here or in the engine."""
+        engine_sessions = self._engine_sessions()
+        return Counter(e.owner for e in self._entries.values() if self._counts(e, engine_sessions))
+
+    def _holds_slot(self, entry: _Entry) -> bool:
+        if not entry.counted or entry.ended:
+            return False
+        if not entry.opened or not self.limits.enforced:
+            return True
+        # else the engine lost it (evicted, or its replica restarted): this request opens it again
+        return any(r.stats and entry.session_id in r.stats[0].session_ids for r in self.engine.replicas())
+
+    async def _admit(self, entry: _Entry, conn: Connection) -> None:
+        """Give ``entry`` one of its key's slots, first ending that key's least recently used idle
+        session if the key (or, with several keys, the engine) is full; else EngineError(CAPACITY)."""
+        entry.counted, entry.opened = True, False  # reserved now: concurrent admissions see it
+        tried: set[str] = set()
+        while self.limits.enforced and (problem := self._over_limit(entry.owner)) is not None:
+            victim = self._idle_session_of(entry.owner, conn, tried)
+            if victim is None:
+                entry.counted = False
+                self.on_refused(entry.owner)
+                logger.warning("session %s refused: %s", entry.session_id, problem)
+                raise EngineError(ErrorKind.CAPACITY, problem)
+            tried.add(victim.session_id)
+            async with self._locked(victim.session_id) as locked:
+                if locked is victim and self._idle(victim, conn, waiting=1):  # still idle once locked (by us)
+                    logger.info("session %s ended to make room for %s's new session %s", victim.session_id, entry.owner, entry.session_id)
+                    await self._end(victim, "quota")
+
+    def _over_limit(self, key: str | None) -> str | None:
+        """Why a key cannot take one more session now (its reservation included), or None."""
+        engine_sessions = self._engine_sessions()
+        held = Counter(e.owner for e in self._entries.values() if self._counts(e, engine_sessions))
+        limit = self.limits.sessions_per_key
+        if limit is not None and held[key] > limit:
+            return f"{key} holds {held[key] - 1} sessions (server.max_sessions_per_key: {limit}) and a robot is on each; end one (reset) or retry later"
+        capacity = self._engine_capacity() if self.limits.shared else None
+        if capacity is not None and held.total() > capacity:
+            return (
+                f"the engine's {capacity} sessions are taken ({held[key] - 1} by {key}, {held.total() - held[key]} by other keys) "
+                f"and none of {key}'s is idle; retry when one ends"
+            )
+        return None
+
+    def _idle_session_of(self, key: str | None, conn: Connection, tried: set[str]) -> _Entry | None:
+        """The key's session to end first: a disconnected one (awaiting its TTL) before one its
+        robot switched away from, least recently used first."""
+        engine_sessions = self._engine_sessions()
+        idle = [
+            e for e in self._entries.values()
+            if e.owner == key and e.session_id not in tried and self._idle(e, conn) and self._counts(e, engine_sessions)
+        ]  # fmt: skip
+        return min(idle, key=lambda e: (bool(e.holders), e.last_used), default=None)
+
+    @staticmethod
+    def _idle(entry: _Entry, conn: Connection, waiting: int = 0) -> bool:
+        """Open in the engine, no robot on it (but ``conn``'s, which is leaving it for a new
+        session), nobody else holding or waiting for its lock, not ended."""
+        return entry.opened and not entry.ended and entry.users <= waiting and not (entry.current_on - {conn.conn_id})
+
+    def _counts(self, entry: _Entry, engine_sessions: set[str]) -> bool:
+        return entry.counted and not entry.ended and (not entry.opened or entry.session_id in engine_sessions)
+
+    def _engine_sessions(self) -> set[str]:
+        """Sessions the engine holds, as of each replica's last reply."""
+        return {sid for r in self.engine.replicas() if r.stats for sid in r.stats[0].session_ids}
+
+    def _engine_capacity(self) -> int | None:
+        """Sessions the ready replicas can hold (their KV pool may hold fewer than engine.max_sessions);
+        None while none is ready (the engine answers for itself then)."""
+        ready = [r for r in self.engine.replicas() if r.state == "ready"]
+        if not ready:
+            return None
+        return sum((r.stats[0].session_capacity if r.stats and r.stats[0].session_capacity else self.limits.max_sessions) for r in ready)
 
     # -- transitions (each under the session's lock) --------------------------------------
 
@@ -185,6 +305,7 @@ class SessionTable:
     async def _end(self, entry: _Entry, reason: str) -> None:
         self._disarm(entry)
         entry.ended = True
+        entry.counted = entry.opened = False
         entry.holders.clear()
         entry.current_on.clear()
         await self.engine.end(entry.session_id, reason)

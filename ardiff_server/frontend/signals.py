@@ -1,4 +1,5 @@
-"""SIGINT / SIGTERM for a serving process: the first stops gracefully, a second exits at once.
+"""Signals of a serving process: SIGINT / SIGTERM stop it (the first gracefully, a second at once);
+SIGHUP reloads the TLS certificate (``ardiff-serve --tls-cert``).
 
 One rule for ``ardiff-serve`` and ``ardiff-serve --ray``: the first signal calls ``on_first``
 (answer in-flight requests, stop the engine, close connections); a second one, while that is
@@ -37,3 +38,8 @@ def exit_on_second_signal(
             loop.add_signal_handler(sig, handler)
         else:
             signal.signal(sig, handler)
+
+
+def reload_on_hangup(reload: Callable[[], object], *, loop: asyncio.AbstractEventLoop) -> None:
+    """SIGHUP calls ``reload`` on ``loop`` (a renewed certificate; open connections stay)."""
+    loop.add_signal_handler(signal.SIGHUP, reload)

@@ -61,13 +61,15 @@ class StarletteTransport:
 class IngressCore:
     """The ingress deployment's state and handlers (routes are bound in :func:`build_app`)."""
 
-    def __init__(self, model: Any, raw_config: dict[str, Any], expected_replicas: int, log_level: int = logging.INFO) -> None:
+    def __init__(
+        self, model: Any, raw_config: dict[str, Any], expected_replicas: int, log_level: int = logging.INFO, most_replicas: int | None = None
+    ) -> None:
         from ardiff_server.frontend.service import PolicyService  # noqa: PLC0415
 
         setup_logging(log_level)
         self.config = validate_config(raw_config, source=raw_config.get("source", "<config>"))
         self.engine = RayEngineClient(model, app_name=self.config.ray.app_name, expected_replicas=expected_replicas)
-        self.service = PolicyService(self.config, self.engine)
+        self.service = PolicyService(self.config, self.engine, replicas=most_replicas)  # fair shares: of ray.num_replicas, not engine.replicas
         self._start: asyncio.Future | None = None
         try:
             asyncio.get_running_loop()

@@ -39,6 +39,11 @@ class DeploymentPlan:
     def initial_replicas(self) -> int:
         return self.num_replicas if self.num_replicas is not None else max(1, self.min_replicas or 0)
 
+    @property
+    def most_replicas(self) -> int:
+        """The most replicas it runs (fixed count or autoscaling maximum): what per-key fair shares divide."""
+        return self.num_replicas if self.num_replicas is not None else self.max_replicas
+
     def describe(self) -> str:
         if self.autoscaling:
             return f"{self.min_replicas}-{self.max_replicas} replicas, autoscaling"

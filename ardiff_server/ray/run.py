@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from ardiff_server.config import AppConfig, ConfigError
+from ardiff_server.config import AppConfig, ConfigError, check_tls
 from ardiff_server.frontend.signals import exit_on_second_signal
 from ardiff_server.net import free_port
 from ardiff_server.ray.ingress import IngressCore, ingress_asgi_app
@@ -64,7 +64,8 @@ def build_app(config: AppConfig, plan: DeploymentPlan, *, log_level: int = loggi
         graceful_shutdown_wait_loop_s=0.5,
         graceful_shutdown_timeout_s=server.shutdown_grace_s + 1.0,
     )
-    return ingress.bind(model.bind(raw, log_level), raw, plan.initial_replicas if not plan.autoscaling else (plan.min_replicas or 0), log_level)
+    expected = plan.initial_replicas if not plan.autoscaling else (plan.min_replicas or 0)
+    return ingress.bind(model.bind(raw, log_level), raw, expected, log_level, plan.most_replicas)
 
 
 def ray_version_problem() -> str | None:
@@ -120,6 +121,12 @@ def run_ray(config: AppConfig) -> int:
     server = config.server
     port = server.port or free_port(server.host)
     local = config.ray.address in (None, "local")
+    if local and server.tls_cert is not None:  # the proxy runs here: its files must load (else it would die quietly)
+        try:
+            check_tls(config)
+        except ConfigError as exc:
+            print(f"ardiff-serve: {exc}", file=sys.stderr)
+            return 2
     environment = proxy_environment(config)
     os.environ.update(environment)  # a local cluster's proxy inherits it (see docs/deploy.md for `ray start`)
     init: dict[str, Any] = {"address": config.ray.address or "local", "log_to_driver": True}
@@ -154,13 +161,13 @@ def run_ray(config: AppConfig) -> int:
             return 2
         log.info("deploying %s on Ray Serve (%s, %g GPU / %g CPU each) ...", config.source, plan.describe(), plan.num_gpus, plan.num_cpus)
         # One proxy, on the head node: the one URL robots and RoboArena use (docs/deploy.md).
-        serve.start(proxy_location="HeadOnly", http_options={"host": server.host, "port": port})
+        serve.start(proxy_location="HeadOnly", http_options=http_options(config, port))
         handle = _deploy(serve, build_app(config, plan, log_level=logging.getLogger().getEffectiveLevel()), config, stop)
         if handle is None:
             return 1 if not stop.is_set() else 0
         handle.ready.remote().result(timeout_s=config.engine.startup_timeout_s)
         keys = f", {len(server.api_keys)} API key(s) required" if server.api_keys else ""
-        print(f"listening on ws://{server.host}:{port} (Ray Serve, {plan.describe()}){keys}", flush=True)
+        print(f"listening on {server.scheme}://{server.host}:{port} (Ray Serve, {plan.describe()}){keys}", flush=True)
         stop.wait()
         log.info("shutting down")
         code = 0
@@ -171,6 +178,16 @@ def run_ray(config: AppConfig) -> int:
     finally:
         _shutdown(serve, ray, config, local, log)
     return code
+
+
+def http_options(config: AppConfig, port: int) -> dict[str, Any]:
+    """Serve's proxy options: the bind address and, with ``server.tls_cert``, TLS (its uvicorn loads
+    the files; Python's defaults: TLS 1.2 or newer). A renewed certificate takes effect when the
+    proxy restarts (docs/deploy.md)."""
+    options: dict[str, Any] = {"host": config.server.host, "port": port}
+    if config.server.tls_cert is not None:
+        options.update(ssl_certfile=config.server.tls_cert, ssl_keyfile=config.server.tls_key or config.server.tls_cert)
+    return options
 
 
 def _deploy(serve: Any, app: Any, config: AppConfig, stop: threading.Event) -> Any:

@@ -3,7 +3,6 @@ from its code), against the real PolicyServer (in-process engine: these are prot
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import uuid
@@ -18,22 +17,10 @@ from websockets.sync.client import connect
 
 from tests.helpers.fake_policy import session_tag
 from tests.helpers.inproc_server import InprocServer
+from tests.helpers.roboarena import PolicyServerConfig
 from tests.helpers.server_harness import REPO, droid_observation, fake_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")
-
-
-@dataclasses.dataclass
-class PolicyServerConfig:
-    """RoboArena's metadata dataclass as its server test and DreamZero's client build it:
-    exactly these six fields, so ``PolicyServerConfig(**metadata)`` raises on any other key."""
-
-    image_resolution: tuple[int, int]
-    needs_wrist_camera: bool
-    n_external_cameras: int
-    needs_stereo_camera: bool
-    needs_session_id: bool
-    action_space: str
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ tests. The server runs its own event loop in a thread so synchronous clients can
 from __future__ import annotations
 
 import asyncio
+import ssl
 import threading
 import urllib.request
 from typing import Any
@@ -19,8 +20,9 @@ def app_config(raw: dict[str, Any]) -> AppConfig:
 
 
 class InprocServer:
-    def __init__(self, config: AppConfig | dict, engine=None) -> None:
+    def __init__(self, config: AppConfig | dict, engine=None, client_ssl: ssl.SSLContext | None = None) -> None:
         self.config = config if isinstance(config, AppConfig) else app_config(config)
+        self.client_ssl = client_ssl  # what http() trusts when the server has server.tls_cert
         self.engine = engine if engine is not None else build_engine(self.config)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="inproc-server", daemon=True)
@@ -38,12 +40,13 @@ class InprocServer:
 
     @property
     def url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}"
+        return f"{self.config.server.scheme}://127.0.0.1:{self.port}"
 
     def http(self, path: str, headers: dict | None = None) -> tuple[int, str]:
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", headers=headers or {})
+        scheme = "https" if self.config.server.scheme == "wss" else "http"
+        request = urllib.request.Request(f"{scheme}://127.0.0.1:{self.port}{path}", headers=headers or {})
         try:
-            with urllib.request.urlopen(request, timeout=10) as response:
+            with urllib.request.urlopen(request, timeout=10, context=self.client_ssl) as response:
                 return response.status, response.read().decode()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode()

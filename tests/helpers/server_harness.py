@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -33,6 +34,8 @@ class ServerProcess:
             config = str(path)
         self.lines: list[str] = []
         self.port: int | None = None
+        self.scheme = "ws"  # wss when the banner says so (--tls-cert)
+        self.client_ssl: ssl.SSLContext | None = None  # what http() trusts over https
         environ = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ardiff_server", "--config", config, "--port", "0", *args],
@@ -44,9 +47,9 @@ class ServerProcess:
     def _pump(self) -> None:
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
-            match = re.search(r"listening on ws://[^:]+:(\d+)", line)
+            match = re.search(r"listening on (wss?)://[^:]+:(\d+)", line)
             if match:
-                self.port = int(match.group(1))
+                self.scheme, self.port = match.group(1), int(match.group(2))
                 self._ready.set()
         self._ready.set()
 
@@ -58,12 +61,13 @@ class ServerProcess:
 
     @property
     def url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def http(self, path: str, headers: dict | None = None, timeout: float = 5.0) -> tuple[int, str]:
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", headers=headers or {})
+        scheme = "https" if self.scheme == "wss" else "http"
+        request = urllib.request.Request(f"{scheme}://127.0.0.1:{self.port}{path}", headers=headers or {})
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
+            with urllib.request.urlopen(request, timeout=timeout, context=self.client_ssl) as response:
                 return response.status, response.read().decode()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode()

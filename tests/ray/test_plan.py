@@ -34,6 +34,8 @@ def test_ray_section_overrides_and_autoscaling_bounds_pass_through():
     assert "num_replicas" not in options
     assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 1}
     assert plan.describe() == "1-4 replicas, autoscaling"
+    assert plan.most_replicas == 4  # per-key fair shares divide the most it may run
+    assert plan_deployment(load_config("tiny", ["ray.num_replicas=2"])).most_replicas == 2
     assert plan_deployment(load_config("tiny", ["ray.min_replicas=0", "ray.max_replicas=2"])).initial_replicas == 1
 
 

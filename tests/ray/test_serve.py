@@ -1,5 +1,6 @@
 """``ardiff-serve --ray`` end to end on a local Ray cluster: the real CLI, Ray Serve's proxy, the
-ingress and two tiny-DreamZero model replicas, driven by openpi clients.
+ingress and two tiny-DreamZero model replicas, driven by openpi clients over TLS (``--tls-cert``:
+wss:// and https:// through Serve's proxy, a CA made by the test and trusted by the clients).
 
 Skipped without Ray (``pip install -e '.[ray]'``). One server for the module (~1 min to start on
 two cores: Ray, Serve and two replicas that each load torch and the model).
@@ -20,12 +21,14 @@ pytest.importorskip("fastapi", reason="Ray Serve's FastAPI is not installed (pip
 
 from openpi_client import msgpack_numpy  # noqa: E402
 from openpi_client.websocket_client_policy import WebsocketClientPolicy  # noqa: E402
-from websockets.exceptions import InvalidStatus  # noqa: E402
+from websockets.exceptions import InvalidMessage, InvalidStatus  # noqa: E402
 from websockets.sync.client import connect  # noqa: E402
 
+from tests.helpers.certs import TestCA  # noqa: E402
 from tests.helpers.server_harness import ServerProcess, droid_observation  # noqa: E402
 
 KEY = "ray-test-key"
+WSS_HOST = "wss://localhost"  # the openpi client builds ws:// itself unless given a scheme
 AUTH = {"Authorization": f"Api-Key {KEY}"}
 SIZE = (90, 160)
 ROBOTS = [f"robot-{i}" for i in range(4)]
@@ -69,12 +72,18 @@ def replicas(process: ServerProcess) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    args = ["--ray", "--api-key", KEY, "--set", "ray.num_replicas=2"]
+    ca = TestCA(tmp_path_factory.mktemp("ca"))
+    cert, key, _ = ca.issue("ray-proxy")
+    args = ["--ray", "--api-key", KEY, "--set", "ray.num_replicas=2", "--tls-cert", str(cert), "--tls-key", str(key)]
     for override in OVERRIDES:
         args += ["--set", override]
     process = ServerProcess("tiny", tmp_path_factory.mktemp("ray"), args=args)
+    process.client_ssl = ca.client_context()
     try:
-        yield process.wait_ready(timeout=300)
+        process.wait_ready(timeout=300)
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("SSL_CERT_FILE", str(ca.path))  # the clients trust the test's CA (after the server started: not its environment)
+            yield process
     finally:
         process.stop(timeout=60)
 
@@ -82,7 +91,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def robots(server):
     """Four robots, each on its own connection with its own session, CALLS calls in parallel."""
-    clients = {sid: WebsocketClientPolicy(host="127.0.0.1", port=server.port, api_key=KEY) for sid in ROBOTS}
+    clients = {sid: WebsocketClientPolicy(host=WSS_HOST, port=server.port, api_key=KEY) for sid in ROBOTS}
     replies: dict[str, list[dict]] = {}
 
     def drive(sid: str) -> None:
@@ -106,10 +115,20 @@ def test_http_routes_metadata_and_keys(server):
     metrics = server.http("/metrics", AUTH)[1]
     assert 'ardiff_worker_up{replica="0"} 1.0' in metrics and 'ardiff_worker_up{replica="1"} 1.0' in metrics
     with pytest.raises(InvalidStatus) as refused:
-        WebsocketClientPolicy(host="127.0.0.1", port=server.port)
+        WebsocketClientPolicy(host=WSS_HOST, port=server.port)
     assert refused.value.response.status_code == 401
-    client = WebsocketClientPolicy(host="127.0.0.1", port=server.port, api_key=KEY)
+    client = WebsocketClientPolicy(host=WSS_HOST, port=server.port, api_key=KEY)
     assert client.get_server_metadata()["needs_session_id"] is True
+
+
+def test_tls_through_serves_proxy_and_plain_ws_is_refused_at_once(server):
+    assert server.scheme == "wss" and server.http("/healthz") == (200, "OK\n")  # https://
+    started = time.perf_counter()
+    with pytest.raises(InvalidMessage):  # DreamZero's and RoboArena's clients try ws:// first, then wss://
+        connect(f"ws://127.0.0.1:{server.port}", open_timeout=10)
+    assert time.perf_counter() - started < 1.0
+    with connect(f"wss://localhost:{server.port}", additional_headers=AUTH) as ws:
+        assert msgpack_numpy.unpackb(ws.recv())["needs_session_id"] is True
 
 
 def test_each_robot_keeps_one_replica_and_gets_what_one_engine_gives(server, robots):

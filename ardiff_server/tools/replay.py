@@ -44,18 +44,16 @@ reading and plotting load their optional packages (see ``ardiff_server/tools/med
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import re
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
@@ -63,6 +61,9 @@ from websockets.sync.client import ClientConnection, connect
 
 from ardiff_server import __version__
 from ardiff_server.tools import media
+from ardiff_server.tools.cameras import Camera, camera_keys, embodiment_schema, open_cameras, take_frames
+from ardiff_server.tools.records import CallRecord, Episode, ReplayError, ServerError, jsonable
+from ardiff_server.tools.report import Progress, episode_json, plot_episode, print_report, save_record, summarize
 from ardiff_server.wire.protocol import DecodeLimits, ProtocolError, pack, unpack
 
 __all__ = ["CallRecord", "Episode", "ReplayError", "ServerError", "main", "summarize"]
@@ -82,15 +83,6 @@ REPLY_LIMITS = DecodeLimits(
 PING_INTERVAL_S, PING_TIMEOUT_S = 60.0, 600.0
 
 Feedback = Literal["end", "first", "hold"]
-Ended = Literal["calls", "video", "error", "interrupted"]
-
-
-class ReplayError(RuntimeError):
-    """The run cannot go on (connection, protocol, input); the message is one line."""
-
-
-class ServerError(ReplayError):
-    """The server answered a request with a text frame: its error message."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -152,209 +144,8 @@ def server_url(host: str, port: int, path: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# Cameras
-# ---------------------------------------------------------------------------------------
-
-
-class Camera(Protocol):
-    def take(self, count: int) -> list[np.ndarray] | None:
-        """The next ``count`` uint8 (H, W, 3) frames, or None once the source has run out."""
-
-
-class SyntheticCamera:
-    """A smooth moving pattern: drifting colour waves plus a blob on a Lissajous path.
-
-    Smooth so a video model sees plausible motion rather than noise, and a pure function of
-    (seed, camera, frame index) so two runs with one seed send identical frames. Every term
-    is separable in (y, x) and built from outer products of 1-D vectors: about 1 ms per
-    180x320 frame, so frame generation never dominates a replay.
-    """
-
-    def __init__(self, size: tuple[int, int], seed: int, camera: int, stride: int = 1) -> None:
-        rng = np.random.default_rng([seed, camera])
-        self._y = np.linspace(0.0, 1.0, size[0], dtype=np.float32)
-        self._x = np.linspace(0.0, 1.0, size[1], dtype=np.float32)
-        self._waves = rng.uniform(0.5, 2.5, size=(3, 2))  # cycles across the frame, per channel (y, x)
-        self._phase = rng.uniform(0, 2 * math.pi, size=3)
-        self._speed = rng.uniform(0.02, 0.06, size=3)  # cycles per frame
-        self._orbit = rng.uniform(0.01, 0.04, size=2)  # blob path frequencies, cycles per frame
-        self._colour = rng.uniform(0.2, 1.0, size=3)
-        self._stride = stride
-        self._t = 0
-
-    def frame(self, t: int) -> np.ndarray:
-        cy = 0.5 + 0.3 * math.sin(2 * math.pi * self._orbit[0] * t)
-        cx = 0.5 + 0.35 * math.cos(2 * math.pi * self._orbit[1] * t)
-        blob = np.outer(np.exp(-((self._y - cy) ** 2) / 0.01), np.exp(-((self._x - cx) ** 2) / 0.01))
-        image = np.empty((self._y.size, self._x.size, 3), dtype=np.float32)
-        for c, ((fy, fx), speed, phase, colour) in enumerate(
-            zip(self._waves, self._speed, self._phase, self._colour, strict=True)
-        ):
-            ay = 2 * math.pi * fy * self._y
-            bx = 2 * math.pi * (fx * self._x + speed * t) + phase
-            wave = np.outer(np.sin(ay), np.cos(bx)) + np.outer(np.cos(ay), np.sin(bx))  # sin(ay + bx)
-            image[:, :, c] = 0.45 + 0.3 * wave + (0.5 * colour) * blob
-        return (np.clip(image, 0.0, 1.0) * 255).astype(np.uint8)
-
-    def take(self, count: int) -> list[np.ndarray]:
-        frames = [self.frame(self._t + i * self._stride) for i in range(count)]
-        self._t += count * self._stride
-        return frames
-
-
-class VideoCamera:
-    """Frames of one camera's video file or frame folder, decoded lazily and stretched to ``size``."""
-
-    def __init__(self, source: Path, size: tuple[int, int], stride: int = 1, loop: bool = False) -> None:
-        self.source, self._size, self._stride, self._loop = source, size, stride, loop
-        self._frames = self._open()
-        self._delivered = 0
-
-    def _open(self) -> Iterator[np.ndarray]:
-        return itertools.islice(media.iter_frames(self.source), 0, None, self._stride)
-
-    def _next(self) -> np.ndarray | None:
-        try:
-            frame = next(self._frames, None)
-            if frame is None and self._loop and self._delivered:
-                self._frames = self._open()
-                frame = next(self._frames, None)
-        except media.MissingDependency:
-            raise
-        except Exception as exc:  # noqa: BLE001  av/imageio/PIL raise their own types; one line each
-            raise ReplayError(f"cannot read {self.source}: {type(exc).__name__}: {exc}") from None
-        if frame is None and not self._delivered:
-            raise ReplayError(f"{self.source} holds no frames")
-        if frame is not None:
-            self._delivered += 1
-            frame = media.resize_frame(frame, self._size)
-        return frame
-
-    def take(self, count: int) -> list[np.ndarray] | None:
-        frames = []
-        for _ in range(count):
-            frame = self._next()
-            if frame is None:
-                return None
-            frames.append(frame)
-        return frames
-
-
-def embodiment_schema(metadata: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The ``observation`` part of a non-DROID embodiment's metadata frame (None: a RoboArena / DROID server)."""
-    observation = metadata.get("observation") if "embodiment" in metadata else None
-    if isinstance(observation, Mapping) and isinstance(observation.get("cameras"), list) and isinstance(observation.get("state"), list):
-        return dict(observation)
-    return None
-
-
-def camera_keys(metadata: Mapping[str, Any], camera_index: int) -> dict[str, str]:
-    """Camera name -> request key for the cameras the server asks for (an embodiment's schema, or DROID's).
-
-    The names are DROID's file names (1-indexed exterior cameras); the request keys follow
-    ``--camera-index``. Without metadata, two exterior cameras and the wrist camera are sent.
-    """
-    schema = embodiment_schema(metadata)
-    if schema is not None:
-        return {str(c["name"]): str(c["key"]) for c in schema["cameras"]}
-    n_external = metadata.get("n_external_cameras", 2)
-    n_external = n_external if isinstance(n_external, int) and not isinstance(n_external, bool) else 2
-    keys = {
-        f"exterior_image_{i + 1}_left": f"observation/exterior_image_{i + camera_index}_left" for i in range(n_external)
-    }
-    if metadata.get("needs_wrist_camera", True) is not False:
-        keys["wrist_image_left"] = "observation/wrist_image_left"
-    return keys
-
-
-def open_cameras(
-    keys: Mapping[str, str], size: tuple[int, int], args: argparse.Namespace, warn: Callable[[str], None]
-) -> dict[str, Camera]:
-    """Request key -> frame source. A camera missing from --video-dir is left out (the server
-    renders it black) with a warning, since DROID episodes sometimes lack a view."""
-    if args.video_dir is None:
-        return {key: SyntheticCamera(size, args.seed, i, args.frame_stride) for i, key in enumerate(keys.values())}
-    if not args.video_dir.is_dir():
-        raise ReplayError(f"--video-dir {args.video_dir} is not a directory")
-    offset = 0 if media.find_camera_source(args.video_dir, "exterior_image_0_left") else 1  # 0-indexed file names
-    cameras: dict[str, Camera] = {}
-    for name, key in keys.items():
-        file_name = name
-        if name.startswith("exterior_image_"):
-            file_name = f"exterior_image_{int(name.split('_')[2]) - 1 + offset}_left"
-        source = media.find_camera_source(args.video_dir, file_name)
-        if source is None:
-            warn(f"no {file_name}.mp4/.avi/.mkv or frame folder in {args.video_dir}: {key} is not sent")
-            continue
-        cameras[key] = VideoCamera(source, size, args.frame_stride, args.loop)
-    if not cameras:
-        wanted = ", ".join(f"{name}.mp4" for name in keys)
-        raise ReplayError(f"no camera videos in {args.video_dir}: expected {wanted} (or .avi/.mkv, or frame folders)")
-    return cameras
-
-
-def take_frames(cameras: Mapping[str, Camera], count: int) -> dict[str, np.ndarray] | None:
-    """One image value per camera: (H, W, 3) for one frame, (T, H, W, 3) for a stack."""
-    images = {}
-    for key, camera in cameras.items():
-        frames = camera.take(count)
-        if frames is None:
-            return None
-        images[key] = frames[0] if count == 1 else np.stack(frames)
-    return images
-
-
-# ---------------------------------------------------------------------------------------
 # One connection, one episode
 # ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class CallRecord:
-    """What one infer call sent and got back."""
-
-    call: int  # 1-based
-    frames: int  # frames per camera sent
-    rtt_ms: float  # send -> reply received, encode/decode excluded
-    actions: np.ndarray  # float32 (N, D)
-    joint_position: np.ndarray  # (7,) sent
-    gripper_position: np.ndarray  # (1,) sent
-    reply_format: Literal["dict", "array"]
-    server_timing: dict[str, float] = field(default_factory=dict)
-    policy_timing: dict[str, float] = field(default_factory=dict)
-    session: dict[str, Any] | None = None
-    state: dict[str, np.ndarray] | None = None  # an embodiment's state keys sent (None: DROID's joints + gripper)
-
-    def to_json(self) -> dict[str, Any]:
-        if self.state is not None:
-            sent = {"state": {k: v.tolist() for k, v in self.state.items()}}
-        else:
-            sent = {"joint_position": self.joint_position.tolist(), "gripper_position": self.gripper_position.tolist()}
-        return {
-            "call": self.call,
-            "frames": self.frames,
-            "rtt_ms": self.rtt_ms,
-            "actions_shape": list(self.actions.shape),
-            "reply_format": self.reply_format,
-            "server_timing": self.server_timing,
-            "policy_timing": self.policy_timing,
-            "session": _jsonable(self.session),
-            **sent,
-        }
-
-
-@dataclass
-class Episode:
-    url: str
-    metadata: dict[str, Any]
-    session_id: str
-    prompt: str
-    size: tuple[int, int]
-    camera_keys: list[str]
-    records: list[CallRecord] = field(default_factory=list)
-    ended: Ended = "calls"
-    error: str | None = None
-    reset_reply: Any = None
 
 
 def _connect(url: str, api_key: str | None) -> ClientConnection:
@@ -556,199 +347,9 @@ def reset_session(client: PolicyClient, session_id: str) -> Any:
     if isinstance(reply, str):
         return reply
     try:
-        return _jsonable(unpack(reply, REPLY_LIMITS))
+        return jsonable(unpack(reply, REPLY_LIMITS))
     except ProtocolError:
         return f"(undecodable {len(reply)}-byte reply)"
-
-
-# ---------------------------------------------------------------------------------------
-# Reporting
-# ---------------------------------------------------------------------------------------
-
-
-class Progress:
-    """One update per call on stderr: a tqdm bar on a terminal, else a plain line (for logs)."""
-
-    def __init__(self, total: int | None, enabled: bool = True) -> None:
-        self._total, self._enabled, self._bar = total, enabled, None
-        if enabled and sys.stderr.isatty():
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                return
-            self._bar = tqdm(total=total, unit="call", file=sys.stderr, dynamic_ncols=True)
-
-    def update(self, record: CallRecord) -> None:
-        if not self._enabled:
-            return
-        if self._bar is not None:
-            self._bar.set_postfix_str(f"rtt {record.rtt_ms:.0f} ms", refresh=False)
-            self._bar.update(1)
-            return
-        total = f"/{self._total}" if self._total else ""
-        timing = ", ".join(f"{k.removesuffix('_ms')} {v:.1f}" for k, v in record.server_timing.items())
-        shape = "x".join(map(str, record.actions.shape))
-        print(f"call {record.call}{total}: actions {shape} in {record.rtt_ms:.1f} ms"
-              + (f" (server {timing})" if timing else ""), file=sys.stderr, flush=True)  # fmt: skip
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-
-
-def summarize(records: Sequence[CallRecord]) -> dict[str, dict[str, float]]:
-    """Latency statistics per column: ``round_trip_ms``, ``server.<key>``, ``policy.<phase>``.
-
-    A column only counts the calls that reported it (bare-array replies report no timings).
-    """
-    columns: dict[str, list[float]] = {"round_trip_ms": [r.rtt_ms for r in records]}
-    for prefix, attr in (("server", "server_timing"), ("policy", "policy_timing")):
-        for record in records:
-            for key, value in getattr(record, attr).items():
-                columns.setdefault(f"{prefix}.{key}", []).append(value)
-    return {name: _stats(values) for name, values in columns.items() if values}
-
-
-def _stats(values: Sequence[float]) -> dict[str, float]:
-    array = np.asarray(values, dtype=np.float64)
-    return {
-        "n": int(array.size),
-        "mean": float(array.mean()),
-        "p50": float(np.percentile(array, 50)),
-        "p99": float(np.percentile(array, 99)),
-        "max": float(array.max()),
-    }
-
-
-def format_table(summary: Mapping[str, Mapping[str, float]]) -> str:
-    width = max(len("latency (ms)"), *(len(name) for name in summary))
-    lines = [f"{'latency (ms)':<{width}} {'n':>5} {'mean':>9} {'p50':>9} {'p99':>9} {'max':>9}"]
-    for name, s in summary.items():
-        lines.append(
-            f"{name:<{width}} {s['n']:>5} {s['mean']:>9.1f} {s['p50']:>9.1f} {s['p99']:>9.1f} {s['max']:>9.1f}"
-        )
-    return "\n".join(lines)
-
-
-def episode_json(episode: Episode) -> dict[str, Any]:
-    return {
-        "url": episode.url,
-        "metadata": _jsonable(episode.metadata),
-        "session_id": episode.session_id,
-        "prompt": episode.prompt,
-        "image_size": list(episode.size),
-        "camera_keys": episode.camera_keys,
-        "calls": len(episode.records),
-        "ended": episode.ended,
-        "error": episode.error,
-        "reset_reply": _jsonable(episode.reset_reply),
-        "summary": summarize(episode.records),
-        "records": [record.to_json() for record in episode.records],
-    }
-
-
-_ENDED = {"calls": "all done", "video": "the video ended", "error": "stopped by an error", "interrupted": "interrupted"}
-
-
-def print_report(episode: Episode) -> None:
-    shapes = sorted({"x".join(map(str, r.actions.shape)) for r in episode.records})
-    formats = sorted({r.reply_format for r in episode.records})
-    print(f"{episode.url}  session {episode.session_id}")
-    print(f"{len(episode.records)} calls ({_ENDED[episode.ended]}), frames {episode.size[0]}x{episode.size[1]}, "
-          f"cameras {', '.join(episode.camera_keys)}, actions {', '.join(shapes) or '-'}, "
-          f"replies {', '.join(formats) or '-'}")  # fmt: skip
-    print(f"reset: {episode.reset_reply}")
-    if episode.records:
-        print(format_table(summarize(episode.records)))
-
-
-def save_record(path: Path, episode: Episode) -> Path:
-    """Write the episode's arrays to ``path`` (npz): actions (calls, N, D), states sent,
-    per-call timings (NaN where a call did not report a column) and run metadata."""
-    records = episode.records
-    if records and records[0].state is not None:  # an embodiment's state keys, concatenated in order
-        sent = {"state": np.array([_state_vector(r) for r in records], dtype=np.float64)}
-    else:
-        sent = {
-            "joint_position": np.array([r.joint_position for r in records], dtype=np.float64).reshape(len(records), 7),
-            "gripper_position": np.array([r.gripper_position for r in records], dtype=np.float64).reshape(len(records), 1),
-        }
-    arrays: dict[str, np.ndarray] = {
-        "call": np.array([r.call for r in records], dtype=np.int64),
-        "frames": np.array([r.frames for r in records], dtype=np.int64),
-        "actions": _stack_chunks([r.actions for r in records]),
-        **sent,
-        "rtt_ms": np.array([r.rtt_ms for r in records], dtype=np.float64),
-        "session_id": np.array(episode.session_id),
-        "prompt": np.array(episode.prompt),
-        "metadata_json": np.array(json.dumps(_jsonable(episode.metadata))),
-    }
-    for prefix, attr in (("server", "server_timing"), ("policy", "policy_timing")):
-        names = dict.fromkeys(key for r in records for key in getattr(r, attr))
-        for name in names:
-            values = [getattr(r, attr).get(name, math.nan) for r in records]
-            arrays[f"{prefix}_{re.sub(r'[^A-Za-z0-9_]', '_', name)}"] = np.array(values, dtype=np.float64)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as file:  # a file object: numpy would append .npz to a bare name
-        np.savez_compressed(file, **arrays)
-    return path
-
-
-def _stack_chunks(chunks: Sequence[np.ndarray]) -> np.ndarray:
-    """(calls, N, D) float32; chunks of different lengths are NaN-padded to the longest."""
-    if not chunks:
-        return np.zeros((0, 0, 8), dtype=np.float32)
-    horizon = max(c.shape[0] for c in chunks)
-    dim = max(c.shape[1] for c in chunks)
-    out = np.full((len(chunks), horizon, dim), np.nan, dtype=np.float32)
-    for i, chunk in enumerate(chunks):
-        out[i, : chunk.shape[0], : chunk.shape[1]] = chunk
-    return out
-
-
-def _state_vector(record: CallRecord) -> np.ndarray:
-    return np.concatenate([np.ravel(v) for v in (record.state or {}).values()]) if record.state else np.zeros(0)
-
-
-def plot_episode(path: Path, episode: Episode) -> Path:
-    records = episode.records
-    if records and records[0].state is not None:
-        state = np.array([_state_vector(r) for r in records])
-    else:
-        state = np.concatenate(
-            [np.array([r.joint_position for r in records]), np.array([r.gripper_position for r in records])], axis=1
-        )
-    title = f"{episode.prompt!r}: {len(records)} calls, session {episode.session_id}"
-    return media.plot_actions(_stack_chunks([r.actions for r in records]), path, state=state, title=title)
-
-
-def _numbers(value: Any) -> dict[str, float]:
-    """The numeric entries of a timing map (other entries and non-maps are ignored)."""
-    if not isinstance(value, dict):
-        return {}
-    return {
-        str(k): float(v)
-        for k, v in value.items()
-        if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
-    }
-
-
-def _jsonable(value: Any) -> Any:
-    """Decoded msgpack values (numpy arrays/scalars, bytes, nested maps) -> JSON values."""
-    if isinstance(value, dict):
-        return {str(k.decode(errors="replace") if isinstance(k, bytes) else k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, np.ndarray):
-        return _jsonable(value.tolist())
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, bytes):
-        return value.decode(errors="replace")
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 # ---------------------------------------------------------------------------------------
@@ -813,7 +414,7 @@ def _write_outputs(episode: Episode, args: argparse.Namespace) -> int:
     """Report, record and plot whatever completed (also after an error). Returns 0, or 2 when
     an output could not be written."""
     if args.json:
-        print(json.dumps(_jsonable(episode_json(episode)), allow_nan=False))
+        print(json.dumps(jsonable(episode_json(episode)), allow_nan=False))
     else:
         print_report(episode)
     status = 0
@@ -847,3 +448,14 @@ def _declared_size(metadata: Mapping[str, Any]) -> tuple[int, int] | None:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _numbers(value: Any) -> dict[str, float]:
+    """The numeric entries of a timing map (other entries and non-maps are ignored)."""
+    if not isinstance(value, dict):
+        return {}
+    return {
+        str(k): float(v)
+        for k, v in value.items()
+        if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+    }

@@ -29,13 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
-from multiprocessing import get_context
 
-from benchlib import ForeignLoad, RobotsResult, ServerSubprocess, measure_robots
+from benchlib import RobotsResult, robots_per_server
 
 
 def table(results: list[RobotsResult]) -> str:
@@ -114,25 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.calls, args.warmup, args.robots = 3, 2, "1,4"
     robot_counts = [int(x) for x in args.robots.split(",")]
-    results: list[RobotsResult] = []
-    load = ForeignLoad()
-    started = time.perf_counter()
-    ctx = get_context("spawn")
-    with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=max(robot_counts), mp_context=ctx) as pool:
-        for label in args.engines.split(","):
-            max_batch, _, wait_ms = label.partition("@")
-            argv = [sys.executable, "-m", "ardiff_server", "--config", args.config, "--port", "0", "--log-level", "WARNING",
-                    "--set", f"engine.max_batch={max_batch}", "--set", f"engine.batch_wait_ms={wait_ms or 0}",
-                    "--set", f"engine.threads={args.threads}", "--set", f"engine.max_sessions={max(8, max(robot_counts))}"]  # fmt: skip
-            with ServerSubprocess(f"engine {label}", argv) as server:
-                for robots in robot_counts:
-                    result = measure_robots(pool, manager, server.port, label, robots, args.warmup, args.calls)
-                    print(f"  engine {label}, {robots} robot(s): {result.calls_per_s:.2f} calls/s, "
-                          f"p50 {result.latency_p50_ms:.0f} ms, mean batch {result.mean_batch:.2f}", file=sys.stderr, flush=True)  # fmt: skip
-                    results.append(result)
-    foreign = load.cores()
+    servers = []
+    for label in args.engines.split(","):
+        max_batch, _, wait_ms = label.partition("@")
+        servers.append((label, [f"engine.max_batch={max_batch}", f"engine.batch_wait_ms={wait_ms or 0}",
+                                f"engine.threads={args.threads}", f"engine.max_sessions={max(8, max(robot_counts))}"]))  # fmt: skip
+    results, foreign, elapsed = robots_per_server(args.config, servers, robot_counts, args.warmup, args.calls)
     print(f"\n{args.config} DreamZero, one replica, {args.threads} torch thread(s), {os.cpu_count()} CPU cores, "
-          f"{time.perf_counter() - started:.0f} s; other processes used {foreign or 0:.2f} cores meanwhile\n")  # fmt: skip
+          f"{elapsed:.0f} s; other processes used {foreign or 0:.2f} cores meanwhile\n")  # fmt: skip
     print(table(results))
     if args.engine_only:
         print(f"\nengine only ({args.config}, this process, {args.threads} torch thread(s), {args.calls} calls per session after the first):\n")

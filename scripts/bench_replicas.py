@@ -26,14 +26,13 @@ import json
 import os
 import statistics
 import sys
-import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from benchlib import ForeignLoad, RobotsResult, ServerSubprocess, measure_robots, openpi_robot, percentile
+from benchlib import RobotsResult, ServerSubprocess, openpi_robot, percentile, robots_per_server
 
 
 def table(results: list[RobotsResult]) -> str:
@@ -98,24 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     robot_counts = [int(x) for x in args.robots.split(",")]
     replica_counts = [int(x) for x in args.replicas.split(",")]
-    results: list[RobotsResult] = []
-    load = ForeignLoad()
-    started = time.perf_counter()
-    ctx = get_context("spawn")
-    with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=max(robot_counts), mp_context=ctx) as pool:
-        for replicas in replica_counts:
-            argv = [sys.executable, "-m", "ardiff_server", "--config", args.config, "--port", "0", "--log-level", "WARNING",
-                    "--set", f"engine.replicas={replicas}", "--set", "engine.threads=1", "--set", "engine.max_sessions=8",
-                    "--set", "engine.max_batch=1"]  # fmt: skip
-            with ServerSubprocess(f"{replicas} replica(s)", argv) as server:
-                for robots in robot_counts:
-                    result = measure_robots(pool, manager, server.port, str(replicas), robots, args.warmup, args.calls)
-                    print(f"  {replicas} replica(s), {robots} robot(s): {result.calls_per_s:.2f} calls/s, "
-                          f"p50 {result.latency_p50_ms:.0f} ms", file=sys.stderr, flush=True)  # fmt: skip
-                    results.append(result)
-    foreign = load.cores()
+    servers = [(str(replicas), [f"engine.replicas={replicas}", "engine.threads=1", "engine.max_sessions=8", "engine.max_batch=1"])
+               for replicas in replica_counts]  # fmt: skip
+    results, foreign, elapsed = robots_per_server(args.config, servers, robot_counts, args.warmup, args.calls)
     print(f"\n{args.config} DreamZero, 1 torch thread per replica, {os.cpu_count()} CPU cores, "
-          f"{time.perf_counter() - started:.0f} s; other processes used {foreign or 0:.2f} cores meanwhile\n")  # fmt: skip
+          f"{elapsed:.0f} s; other processes used {foreign or 0:.2f} cores meanwhile\n")  # fmt: skip
     print(table(results))
     if args.json:
         print(json.dumps({"cpu_cores": os.cpu_count(), "foreign_cores": foreign, "results": [asdict(r) for r in results]}))

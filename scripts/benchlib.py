@@ -7,10 +7,14 @@ import os
 import resource
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -211,3 +215,24 @@ def measure_robots(pool, manager, port: int, label: str, robots: int, warmup: in
         label, robots, len(latency), len(latency) / elapsed, float(np.median(latency)), percentile(latency, 99),
         float(np.mean(batches)) if batches else 1.0, " ".join("/".join(map(str, r["replicas"])) for r in runs),
     )
+
+
+def robots_per_server(
+    config: str, servers: Sequence[tuple[str, list[str]]], robot_counts: Sequence[int], warmup: int, calls: int
+) -> tuple[list[RobotsResult], float | None, float]:
+    """For each ``(label, overrides)`` in turn: ``ardiff-serve --config config --set <override> ...`` on a
+    free port, then each count of openpi robots against it (:func:`measure_robots`, labelled ``label``).
+    Returns the results, the cores other processes used meanwhile, and the seconds it all took."""
+    load, started, results = ForeignLoad(), time.perf_counter(), []
+    ctx = get_context("spawn")
+    with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=max(robot_counts), mp_context=ctx) as pool:
+        for label, overrides in servers:
+            argv = [sys.executable, "-m", "ardiff_server", "--config", config, "--port", "0", "--log-level", "WARNING"]
+            argv += [arg for override in overrides for arg in ("--set", override)]
+            with ServerSubprocess(label, argv) as server:
+                for robots in robot_counts:
+                    result = measure_robots(pool, manager, server.port, label, robots, warmup, calls)
+                    print(f"  {label}, {robots} robot(s): {result.calls_per_s:.2f} calls/s, p50 {result.latency_p50_ms:.0f} ms, "
+                          f"mean batch {result.mean_batch:.2f}", file=sys.stderr, flush=True)  # fmt: skip
+                    results.append(result)
+    return results, load.cores(), time.perf_counter() - started

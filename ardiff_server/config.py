@@ -136,6 +136,11 @@ class EngineConfig(_Section):
         """Sessions one forward may hold: ``max_batch``, never more than the session table holds."""
         return min(self.max_batch, self.max_sessions)
 
+    def batch_for(self, policy_max_batch: int) -> int:
+        """Sessions one engine step holds: :attr:`batch_limit`, never more than the policy can batch
+        in one forward (``PolicyInfo.max_batch``)."""
+        return min(self.batch_limit, policy_max_batch)
+
     @property
     def batch_wait_s(self) -> float:
         return self.batch_wait_ms / 1000.0

@@ -54,7 +54,7 @@ def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> Se
         max_batch=engine_config.batch_limit,
     )  # fmt: skip
     policy = build_policy(config.policy_name, config.policy_options(), options)
-    max_batch = min(engine_config.batch_limit, policy.info.max_batch)
+    max_batch = engine_config.batch_for(policy.info.max_batch)
     spec = policy.kv_spec()
     cache = None
     if spec is not None:

@@ -143,8 +143,7 @@ class PolicyService:
             "server": {"name": "ardiff-server", "version": __version__, "uptime_s": round(time.time() - self.started, 1)},
             "websocket_paths": list(WEBSOCKET_PATHS),
             "batching": {
-                # What a step holds: engine.max_batch, never more than the policy can batch in one forward.
-                "max_batch": min(self.config.engine.batch_limit, info.max_batch if info is not None else 1),
+                "max_batch": self.config.engine.batch_for(info.max_batch if info is not None else 1),
                 "engine_max_batch": self.config.engine.batch_limit,
                 "policy_max_batch": info.max_batch if info is not None else None,
                 "batch_wait_ms": self.config.engine.batch_wait_ms,

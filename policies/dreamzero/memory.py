@@ -34,6 +34,7 @@ from torch import nn
 from kv import KVSpec, PagedKVCache
 from policies.base import StartRefused
 from policies.dreamzero.dit import DiTConfig
+from policies.dreamzero.transforms import canvas_size
 
 GiB = 2**30
 # What CUDA needs beyond the tensors PyTorch accounts: cuBLAS / cuDNN workspaces (the VAE's 3-D
@@ -130,7 +131,7 @@ def checkpoint_geometry(checkpoint: str | Path, view_size: Sequence[int] | None)
     head, _, modules = meta_modules(ckpt)
     name = snapshot_label(checkpoint) or str(checkpoint)
     target = head.target_video_size
-    canvas = tuple(target) if target is not None else stitched_canvas(view_size or (176, 320))
+    canvas = tuple(target) if target is not None else canvas_size("droid", tuple(view_size or (176, 320)))
     return geometry_from_modules(name, *modules, canvas=canvas, num_frames=head.num_frames)
 
 
@@ -139,12 +140,7 @@ def synthetic_geometry(checkpoint: str) -> ModelGeometry:
     from policies.dreamzero.synthetic import meta_modules, parse_spec
 
     spec = parse_spec(checkpoint)
-    return geometry_from_modules(checkpoint, *meta_modules(spec), canvas=stitched_canvas(spec.view_size), num_frames=spec.head.num_frames)
-
-
-def stitched_canvas(view_size: Sequence[int]) -> tuple[int, int]:
-    """DROID's canvas: the wrist view on top, the two exterior views below (twice the view)."""
-    return 2 * view_size[0], 2 * view_size[1]
+    return geometry_from_modules(checkpoint, *meta_modules(spec), canvas=canvas_size("droid", spec.view_size), num_frames=spec.head.num_frames)
 
 
 # ------------------------------------------------------------------------------ the plan

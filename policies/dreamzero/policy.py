@@ -48,13 +48,15 @@ from policies.dreamzero.scheduler import FlowUniPCScheduler
 from policies.dreamzero.transforms import (
     CROP_SCALE,
     NormStats,
-    canvas_size,
     clean_prompt,
     crop_and_resize,
     denormalize_actions,
     normalize_state,
     stitch_canvas,
     to_absolute,
+)
+from policies.dreamzero.transforms import (
+    canvas_size as stitched_size,
 )
 from policies.embodiment import Embodiment, metadata_frame
 from policies.info import PolicyInfo, droid_server_config
@@ -170,7 +172,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
     def canvas_size(self) -> tuple[int, int]:
         """(height, width) of the video the VAE and CLIP see: the stitched views, or the checkpoint's target size."""
         target = self.action_head_config.target_video_size
-        return target if target is not None else canvas_size(self.embodiment.layout, self.view_size)
+        return target if target is not None else stitched_size(self.embodiment.layout, self.view_size)
 
     def _load(self, config: DreamZeroConfig, options: RuntimeOptions) -> DreamZeroModel:
         """The model from its checkpoint (or a synthetic one), after its memory plan was printed and checked."""

@@ -10,7 +10,6 @@ the text handed to the tokenizer and its ids) and ``GrootSimPolicy.unapply`` on 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,11 +37,13 @@ from policies.dreamzero.policy import DreamZeroPolicy
 from policies.dreamzero.tiny import ensure_tiny_checkpoint
 from policies.dreamzero.transforms import NormStats
 from policies.observation import RobotObservation
+from tests.helpers.scripts import load_script
 
 REFERENCE = Path(__file__).parents[1] / "reference_data" / "upstream_embodiments.npz"
-# scripts/record_upstream_embodiments.py's inputs
-SEED, RAW_SIZE, VIEW_SIZE, FRAMES = 2020, (40, 64), (24, 40), (1, 4)
-PROMPTS = ("Pick up the Cup.", "['Fold the Towel', 'other']", "<COTRAIN>Stack  the\tblocks &amp; cups", "")
+# The recording's inputs, made by the recording script's own functions (it imports upstream only in main()).
+RECORDER = load_script("record_upstream_embodiments")
+VIEW_SIZE, FRAMES, PROMPTS = RECORDER.VIEW_SIZE, RECORDER.FRAMES, RECORDER.PROMPTS
+raw_inputs, digest = RECORDER.raw_inputs, RECORDER.digest
 VARIANT = {"oxe_droid": "tiny", "agibot": "tiny_agibot", "yam": "tiny_yam"}
 TAGS = tuple(VARIANT)
 TOLERANCE = 1e-6  # fp32 max abs
@@ -53,21 +54,6 @@ def ref():
     with np.load(REFERENCE) as data:
         arrays = {k: data[k] for k in data.files}
     return arrays, json.loads(str(arrays.pop("facts")))
-
-
-def raw_inputs(tag: str, cameras: list[str], states: dict[str, int], frames: int):
-    rng = np.random.default_rng([SEED, sum(tag.encode()), frames])
-    images = {c: rng.integers(0, 256, (frames, *RAW_SIZE, 3), dtype=np.uint8) for c in cameras}
-    state = {k: rng.uniform(-3.5, 3.5, (1, d)) for k, d in states.items()}
-    return images, state
-
-
-def digest(arrays: dict[str, np.ndarray]) -> str:
-    h = hashlib.sha256()
-    for key in sorted(arrays):
-        h.update(key.encode())
-        h.update(np.ascontiguousarray(arrays[key]).tobytes())
-    return h.hexdigest()
 
 
 def served(tag: str):

@@ -143,3 +143,25 @@ class PagedStorage:
     def nbytes(self) -> int:
         pages = sum(t.numel() * t.element_size() for t in self._keys + self._values)
         return pages + (self.cross.nbytes if self.cross is not None else 0)
+
+
+def device_free_bytes(device: torch.device | str) -> int:
+    """Free memory of a device now: CUDA's free memory (a context on that device is created), or the
+    host's available RAM. What the engine sizes a fraction-based KV pool from, and what a policy's
+    memory plan checks against."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free)
+    return host_available_bytes()
+
+
+def host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        import psutil  # not Linux
+
+        return int(psutil.virtual_memory().available)

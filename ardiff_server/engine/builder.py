@@ -14,6 +14,7 @@ import torch
 
 from ardiff_server.engine.core import SessionEngine
 from kv import PagedKVCache
+from kv.storage import device_free_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -93,15 +94,4 @@ def kv_budget_bytes(engine_budget_gib: float | None, fraction: float, device: to
     """Bytes for the KV cache: the configured budget, else a fraction of free device memory."""
     if engine_budget_gib is not None:
         return int(engine_budget_gib * 2**30)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * fraction)
-    try:
-        import psutil  # optional: precise available memory
-
-        available = psutil.virtual_memory().available
-    except ImportError:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        available = int(info["MemAvailable"].split()[0]) * 1024
-    return int(available * fraction)
+    return int(device_free_bytes(device) * fraction)

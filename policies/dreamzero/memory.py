@@ -32,6 +32,8 @@ import torch
 from torch import nn
 
 from kv import KVSpec, PagedKVCache
+from kv.storage import device_free_bytes as free_bytes  # noqa: F401 - the plan's free memory (policy.py reads it here)
+from kv.storage import host_available_bytes  # noqa: F401
 from policies.base import StartRefused
 from policies.dreamzero.dit import DiTConfig
 from policies.dreamzero.transforms import canvas_size
@@ -484,26 +486,6 @@ def _breakdown(d: DevicePlan) -> str:
 
 
 # ------------------------------------------------------------------------------ devices
-
-
-def free_bytes(device: str) -> int:
-    """Free memory of a device now: CUDA's free memory (a context on that device is created), or the host's available RAM."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        return int(free)
-    return host_available_bytes()
-
-
-def host_available_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        import psutil  # not Linux
-
-        return int(psutil.virtual_memory().available)
 
 
 def check_devices_exist(devices: Sequence[str], cuda_count: int) -> None:

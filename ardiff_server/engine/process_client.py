@@ -276,17 +276,18 @@ class ProcessClient:
         if self._stopping:
             return
         logger.error("replica %d: worker died (exit codes %s); restarting, its sessions start fresh", self.replica, codes)
-        self._begin_restart()
+        self._begin_restart(group)
 
-    def _begin_restart(self) -> None:
+    def _begin_restart(self, dead: WorkerGroup) -> None:
         self.restarts += 1
         self._state = "restarting"
-        self._restarting = asyncio.ensure_future(self._restart())
+        self._restarting = asyncio.ensure_future(self._restart(dead))
         if self.on_restart is not None:
             self.on_restart(self)
 
-    async def _restart(self) -> None:
+    async def _restart(self, dead: WorkerGroup) -> None:
         started = time.perf_counter()
+        await dead.reap()  # the old processes are gone (and their GPU memory free) before new ones start
         delay = 1.0
         # Warm-up exists to compile and capture; without either, a restart serves at once.
         warmup = self.config.engine.warmup and (self.config.engine.compile or self.config.engine.cuda_graphs)

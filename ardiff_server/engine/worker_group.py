@@ -129,6 +129,13 @@ class WorkerGroup:
                 except ProcessLookupError:
                     pass
 
+    async def reap(self) -> None:
+        """Kill what is left of a dead group and wait for its processes to be gone (no zombies;
+        on a GPU, their memory is released before a successor starts)."""
+        self.kill()
+        await asyncio.to_thread(_join_all, self.procs)
+        self.writer.close()
+
     async def stop(self, shutdown: Any, grace_s: float) -> None:
         """Send ``shutdown`` (served after the step in progress), wait up to ``grace_s`` for the
         ranks to exit, then kill what is left and reap them."""
@@ -141,9 +148,7 @@ class WorkerGroup:
         deadline = time.monotonic() + grace_s
         while self.alive() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        self.kill()
-        await asyncio.to_thread(_join_all, self.procs)
-        self.writer.close()
+        await self.reap()
 
 
 def _start_all(procs: list[Any]) -> None:

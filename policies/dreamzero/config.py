@@ -90,9 +90,7 @@ class DreamZeroConfig(pydantic.BaseModel):
     def _check_mask(self) -> DreamZeroConfig:
         if self.dit_step_cache == "fixed":
             if len(self.dit_step_mask) != self.num_inference_steps:
-                raise ValueError(
-                    f"dit_step_mask has {len(self.dit_step_mask)} entries for {self.num_inference_steps} inference steps"
-                )
+                raise ValueError(f"dit_step_mask has {len(self.dit_step_mask)} entries for {self.num_inference_steps} inference steps")
             if not self.dit_step_mask[0]:
                 raise ValueError("dit_step_mask must run the DiT on the first step")
         return self
@@ -109,6 +107,17 @@ class DreamZeroConfig(pydantic.BaseModel):
         checkpoint, tokenizer = self.local_files()
         self.embodiment_of(checkpoint)
         return self.model_copy(update={"checkpoint": str(checkpoint), "tokenizer": str(tokenizer)})
+
+    def files(self) -> tuple[Path, Path | None]:
+        """The checkpoint and tokenizer directories a worker loads: a built-in tiny checkpoint is
+        generated on first use; hub ids were made local by :meth:`preflight`, and an engine started
+        without it (Ray replicas, in-process tests) fetches them here."""
+        if self.checkpoint.startswith(BUILTIN_PREFIX):  # builtin:tiny, builtin:tiny_agibot, ...
+            from policies.dreamzero.tiny import ensure_tiny_checkpoint
+
+            checkpoint = ensure_tiny_checkpoint(variant=self.checkpoint.removeprefix(BUILTIN_PREFIX))
+            return checkpoint, Path(self.tokenizer).expanduser() if self.tokenizer else None
+        return self.local_files()
 
     def local_files(self) -> tuple[Path, Path]:
         """The checkpoint and tokenizer directories, hub ids fetched (see ``policies/hub.py``)."""

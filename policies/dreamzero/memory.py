@@ -22,6 +22,7 @@ with one line naming the device, the need, what is free and the settings that wo
 from __future__ import annotations
 
 import itertools
+import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -32,9 +33,9 @@ import torch
 from torch import nn
 
 from kv import KVSpec, PagedKVCache
-from kv.storage import device_free_bytes as free_bytes  # noqa: F401 - the plan's free memory (policy.py reads it here)
+from kv.storage import device_free_bytes as free_bytes
 from kv.storage import host_available_bytes  # noqa: F401
-from policies.base import StartRefused
+from policies.base import RuntimeOptions, StartRefused
 from policies.dreamzero.dit import DiTConfig
 from policies.dreamzero.transforms import canvas_size
 
@@ -54,6 +55,8 @@ VAE_LIVE_TENSORS = 7
 RESIDUAL_VAE_LIVE_TENSORS = 9
 COMPONENTS = ("dit", "text_encoder", "image_encoder", "vae")
 LABELS = {"dit": "DiT", "text_encoder": "text encoder", "image_encoder": "image encoder", "vae": "VAE"}
+
+logger = logging.getLogger(__name__)
 
 
 class MemoryPlanError(StartRefused):
@@ -319,10 +322,19 @@ def pages_for_budget(spec: KVSpec, budget: int, *, max_sessions: int, num_branch
 
 
 def dit_kv_spec(dit: DiTConfig, dtype: torch.dtype) -> KVSpec:
-    """The KV geometry of a DreamZero DiT (the policy's ``kv_spec``)."""
-    from policies.dreamzero.policy import dit_kv_spec as spec_of
-
-    return spec_of(dit, dtype)
+    """What a DreamZero DiT needs from the paged KV cache (the policy's and the memory plan's)."""
+    return KVSpec(
+        num_layers=dit.num_layers,
+        num_heads=dit.num_heads,
+        head_dim=dit.head_dim,
+        page_size=dit.frame_seqlen,  # one page = one latent frame
+        window_pages=dit.local_attn_size,
+        max_new_pages=dit.num_frame_per_block,
+        max_extra_tokens=dit.action_register_length,
+        cross_text_tokens=dit.text_len,
+        cross_image_tokens=dit.num_image_tokens if dit.has_image_context else 0,
+        dtype=dtype,
+    )
 
 
 # ------------------------------------------------------------------------------ activations
@@ -512,3 +524,23 @@ def _size(value: int) -> str:
 
 def _count(value: int) -> str:
     return f"{value / 1e9:.2f} B" if value >= 1e8 else f"{value / 1e6:.2f} M"
+
+
+def check_plan(geometry: ModelGeometry, config: Any, options: RuntimeOptions, device: torch.device) -> None:
+    """Log this process's memory plan and refuse (StartRefused, one line) if a device cannot hold its part.
+    ``config`` is the policy's :class:`~policies.dreamzero.config.DreamZeroConfig`."""
+    if device.type == "cuda" and device.index is None:  # "cuda": this process's current GPU, named like the placements
+        device = torch.device("cuda", torch.cuda.current_device())
+    settings = PlanSettings(
+        engine_device=str(device), dtype=getattr(torch, options.dtype),
+        text_encoder_device=config.text_encoder_device, image_encoder_device=config.image_encoder_device,
+        branches=len(options.guidance.local_branches) if config.cfg_scale != 1.0 else 1,
+        cfg_parallel_size=2 if options.guidance.is_parallel else 1, max_sessions=options.max_sessions,
+        kv_budget_gib=options.kv_budget_gib, kv_memory_fraction=options.kv_memory_fraction, max_batch=options.max_batch,
+    )  # fmt: skip
+    used = {settings.device_of(c) for c in COMPONENTS}
+    check_devices_exist(sorted(used), torch.cuda.device_count() if any(d.startswith("cuda") for d in used) else 0)
+    free = {d: free_bytes(d) for d in used | {"cpu"}}
+    plan = plan_memory(geometry, settings, free)
+    logger.info("%s", plan.describe())
+    plan.check()

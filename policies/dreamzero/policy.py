@@ -25,13 +25,11 @@ template) is the served :class:`policies.embodiment.Embodiment`, read from the c
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,11 +38,11 @@ import torch.nn.functional as F
 from kv import Branch, KVSpec, SessionKV, prepare_batch
 from policies import hub
 from policies.base import ChunkRecording, Policy, RuntimeOptions, StepResult
+from policies.dreamzero import memory
 from policies.dreamzero.config import BUILTIN_PREFIX, SYNTHETIC_PREFIX, DreamZeroConfig
-from policies.dreamzero.dit import DiTConfig
 from policies.dreamzero.embodiments import embodiment_prompt, resolve
 from policies.dreamzero.model import DreamZeroModel
-from policies.dreamzero.scheduler import FlowUniPCScheduler
+from policies.dreamzero.scheduler import DecoupledVideoScheduler, FlowUniPCScheduler
 from policies.dreamzero.transforms import (
     CROP_SCALE,
     NormStats,
@@ -52,6 +50,8 @@ from policies.dreamzero.transforms import (
     crop_and_resize,
     denormalize_actions,
     normalize_state,
+    pixels_to_model_range,
+    resize_video,
     stitch_canvas,
     to_absolute,
 )
@@ -105,8 +105,8 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         self.options = options
         self.device = torch.device(options.device)
         self.dtype = getattr(torch, options.dtype)
-        self.text_device = torch.device(resolve_device(config.text_encoder_device, str(self.device)))
-        self.image_device = torch.device(resolve_device(config.image_encoder_device, str(self.device)))
+        self.text_device = torch.device(memory.resolve_device(config.text_encoder_device, str(self.device)))
+        self.image_device = torch.device(memory.resolve_device(config.image_encoder_device, str(self.device)))
         if model is None:
             model = self._load(config, options)
         self.model = model
@@ -114,13 +114,9 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         self.dit_config = model.dit.config
         self.action_head_config = model.action_head_config
         self.guidance = options.guidance
-        self.embodiment: Embodiment = resolve(
-            model.metadata, model.experiment_config, tag=config.embodiment, prompt_template=config.prompt_template
-        )
+        self.embodiment: Embodiment = resolve(model.metadata, model.experiment_config, tag=config.embodiment, prompt_template=config.prompt_template)
         self.view_size = tuple(config.view_size) if config.view_size is not None else self._default_view_size()
-        self.image_resolution = (
-            tuple(config.image_resolution) if config.image_resolution is not None else self._family_image_resolution()
-        )
+        self.image_resolution = tuple(config.image_resolution) if config.image_resolution is not None else self._family_image_resolution()
         self._check_geometry()
         self._check_embodiment()
         self.action_stats = NormStats.from_quantiles(self.embodiment.action_stats)
@@ -176,19 +172,17 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
 
     def _load(self, config: DreamZeroConfig, options: RuntimeOptions) -> DreamZeroModel:
         """The model from its checkpoint (or a synthetic one), after its memory plan was printed and checked."""
-        from policies.dreamzero import memory
-
         devices = {"device": self.device, "text_encoder_device": self.text_device, "image_encoder_device": self.image_device}
         if config.checkpoint.startswith(SYNTHETIC_PREFIX):
             from policies.dreamzero.synthetic import is_resident, synthetic_model
 
             if not is_resident(config.checkpoint, dtype=self.dtype, **devices):  # else its weights are already there (gpu_check)
-                check_memory_plan(memory.synthetic_geometry(config.checkpoint), config, options, self.device)
+                memory.check_plan(memory.synthetic_geometry(config.checkpoint), config, options, self.device)
             return synthetic_model(config.checkpoint, dtype=self.dtype, **devices)
-        checkpoint, tokenizer = resolve_files(config)
+        checkpoint, tokenizer = config.files()
         # The canvas the VAE sees (activations): the view size as it will be, before the model says it.
         geometry = memory.checkpoint_geometry(checkpoint, config.view_size or config.embodiment_of(checkpoint).trained_view_size)
-        check_memory_plan(geometry, config, options, self.device)
+        memory.check_plan(geometry, config, options, self.device)
         return DreamZeroModel.load(checkpoint, tokenizer=tokenizer, dtype=self.dtype, **devices)
 
     def _check_geometry(self) -> None:
@@ -203,7 +197,9 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             raise ValueError(f"{what} gives a {h / s:g}x{w / s:g} latent; the DiT needs it divisible by its {ph}x{pw} patch")
         tokens = (h // s // ph) * (w // s // pw)
         if tokens != self.dit_config.frame_seqlen:
-            raise ValueError(f"{what} gives {tokens} tokens per latent frame; the checkpoint's DiT expects frame_seqlen={self.dit_config.frame_seqlen}")
+            raise ValueError(
+                f"{what} gives {tokens} tokens per latent frame; the checkpoint's DiT expects frame_seqlen={self.dit_config.frame_seqlen}"
+            )
 
     def _check_embodiment(self) -> None:
         """The embodiment fits the checkpoint's DiT and the run's image size (one line naming the mismatch)."""
@@ -237,7 +233,8 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             model="dreamzero",
             checkpoint=hub.snapshot_label(self.config.checkpoint) or self.config.checkpoint,
             details={
-                "dit_step_cache": self.config.dit_step_cache, "num_inference_steps": self.config.num_inference_steps,
+                "dit_step_cache": self.config.dit_step_cache,
+                "num_inference_steps": self.config.num_inference_steps,
                 "backbone": "wan2.2-ti2v-5b" if self.model.vae.is_wan22 else "wan2.1-i2v-14b",
                 "embodiment": e.describe(resolution),
             },  # fmt: skip
@@ -262,7 +259,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 )
 
     def kv_spec(self) -> KVSpec:
-        return dit_kv_spec(self.dit_config, self.dtype)
+        return memory.dit_kv_spec(self.dit_config, self.dtype)
 
     def start_session(self, session_id: str, kv: SessionKV | None) -> DreamZeroSession:
         if kv is None:
@@ -419,10 +416,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 inputs.pop("x"), inputs.pop("timestep"), current_start_frame=seq_starts, self_kv=layer_inputs, cross_kv=cross_kv, **inputs
             )
         except BaseException:
-            for (call, branch) in sequences:
+            for call, branch in sequences:
                 call.session.kv.abort(branch)
             raise
-        for (call, branch) in sequences:
+        for call, branch in sequences:
             call.session.kv.complete(branch)
         results: list[dict[Branch, tuple[torch.Tensor, torch.Tensor | None]]] = [{} for _ in calls]
         for index, (call_index, branch) in enumerate((i, b) for i in range(len(calls)) for b in self.branches):
@@ -440,7 +437,9 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             call.latents = _seeded_noise((1, z, dit.num_frame_per_block, lh, lw), config.seed).to(self.device, self.dtype)
             call.actions = _seeded_noise((1, head.action_horizon, dit.action_dim), config.seed).to(self.device, self.dtype)
             call.state = torch.from_numpy(self._model_state(call.raw_state).reshape(1, 1, -1)).to(self.device, self.dtype)
-            call.video_scheduler = DecoupledVideoScheduler(head.video_inference_final_noise) if head.decouple_inference_noise else FlowUniPCScheduler()
+            call.video_scheduler = (
+                DecoupledVideoScheduler(head.video_inference_final_noise) if head.decouple_inference_noise else FlowUniPCScheduler()
+            )
             call.action_scheduler = FlowUniPCScheduler()
             call.video_scheduler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
             call.action_scheduler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
@@ -490,7 +489,9 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             actions=self._postprocess(call.actions, call.raw_state),
             timing_ms=call.timing,
             info={
-                "dit_forwards": call.forwards, "current_start_frame": session.current_start_frame, **call.events,
+                "dit_forwards": call.forwards,
+                "current_start_frame": session.current_start_frame,
+                **call.events,
             },  # fmt: skip
         )
         if self.options.record:  # references for the recorder; it decodes the video between requests
@@ -660,48 +661,6 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         return real.astype(np.float32)
 
 
-def pixels_to_model_range(pixels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """uint8 pixels -> [-1, 1] in ``dtype``, rounded where upstream rounds (``WANPolicyHead.lazy_joint_video_action``):
-    ``/ 255`` in float32, cast to the model dtype, then ``Normalize(0.5, 0.5)`` = ``(x - 0.5) / 0.5`` in that dtype.
-    (In float32 this is bit for bit ``x / 255 * 2 - 1``: scaling by 2 is exact.)"""
-    video = (pixels.float() / 255.0).to(dtype)
-    return (video - 0.5) / 0.5
-
-
-class DecoupledVideoScheduler(FlowUniPCScheduler):
-    """The video sampler under upstream's ``decouple_inference_noise`` (``WANPolicyHead.lazy_joint_video_action``).
-
-    The video's sigmas are mapped from [sigma_max, 0] onto [sigma_max, final_noise], so the video takes every step
-    but stays partly noisy, while the actions (their own scheduler) denoise fully. Both noises are still drawn from
-    the per-call seed; only the schedule changes. Upstream computes ``sigmas * (sigma_max - final) / sigma_max +
-    final`` on the GPU in float32, where dividing by a Python scalar is a multiplication by its float32 reciprocal;
-    the same float32 operations are done here, then ``timesteps = int64(sigmas[:-1] * 1000)``.
-    """
-
-    def __init__(self, final_noise: float) -> None:
-        super().__init__()
-        self.final_noise = final_noise
-
-    def set_timesteps(self, num_inference_steps: int, shift: float) -> None:
-        super().set_timesteps(num_inference_steps, shift)
-        solver = self._solver
-        sigmas = solver.sigmas
-        sigma_max = sigmas[0].item()
-        f32 = functools.partial(torch.tensor, dtype=torch.float32, device=sigmas.device)
-        reciprocal = f32(1.0) / f32(sigma_max)
-        solver.sigmas = sigmas * f32(sigma_max - self.final_noise) * reciprocal + f32(self.final_noise)
-        solver.timesteps = (solver.sigmas[:-1] * f32(self.num_train_timesteps)).to(torch.int64)
-
-
-def resize_video(video: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """(B, C, T, H, W) -> (B, C, T, *size): upstream's 5B resize (``WANPolicyHead.lazy_joint_video_action``), bilinear
-    without antialiasing on the [-1, 1] video in the model dtype. Upstream groups the B*C*T planes as (B*T, C) images
-    without moving the time axis; each plane is interpolated on its own, so that grouping changes nothing."""
-    b, c, t, h, w = video.shape
-    out = F.interpolate(video.reshape(b * t, c, h, w), size=size, mode="bilinear", align_corners=False)
-    return out.reshape(b, c, t, *size)
-
-
 def _elapsed_ms(device: torch.device, started: float) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -742,67 +701,6 @@ class _Call:
 def _seeded_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """Gaussian noise from a fresh generator per call: the same seed gives the same chunk."""
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
-
-
-def dit_kv_spec(dit: DiTConfig, dtype: torch.dtype) -> KVSpec:
-    """What a DreamZero DiT needs from the paged KV cache (the policy's and the memory plan's)."""
-    return KVSpec(
-        num_layers=dit.num_layers,
-        num_heads=dit.num_heads,
-        head_dim=dit.head_dim,
-        page_size=dit.frame_seqlen,  # one page = one latent frame
-        window_pages=dit.local_attn_size,
-        max_new_pages=dit.num_frame_per_block,
-        max_extra_tokens=dit.action_register_length,
-        cross_text_tokens=dit.text_len,
-        cross_image_tokens=dit.num_image_tokens if dit.has_image_context else 0,
-        dtype=dtype,
-    )
-
-
-def resolve_checkpoint(checkpoint: str) -> Path:
-    if checkpoint.startswith(BUILTIN_PREFIX):  # builtin:tiny, builtin:tiny_agibot, ...
-        from policies.dreamzero.tiny import ensure_tiny_checkpoint
-
-        return ensure_tiny_checkpoint(variant=checkpoint.removeprefix(BUILTIN_PREFIX))
-    return Path(checkpoint).expanduser()
-
-
-def resolve_files(config: DreamZeroConfig) -> tuple[Path, Path | None]:
-    """Checkpoint and tokenizer directories. The front end has already turned Hugging Face ids
-    into local snapshots (``DreamZeroConfig.preflight``); an engine started without it (Ray
-    replicas, in-process tests) fetches them here."""
-    if config.checkpoint.startswith(BUILTIN_PREFIX):
-        return resolve_checkpoint(config.checkpoint), Path(config.tokenizer).expanduser() if config.tokenizer else None
-    return config.local_files()
-
-
-def resolve_device(wanted: str, engine_device: str) -> str:
-    """A placement setting (``engine``, ``cpu``, ``cuda``, ``cuda:N``) as a device."""
-    from policies.dreamzero.memory import resolve_device as resolve
-
-    return resolve(wanted, engine_device)
-
-
-def check_memory_plan(geometry, config: DreamZeroConfig, options: RuntimeOptions, device: torch.device) -> None:
-    """Log this process's memory plan and refuse (StartRefused, one line) if a device cannot hold its part."""
-    from policies.dreamzero import memory
-
-    if device.type == "cuda" and device.index is None:  # "cuda": this process's current GPU, named like the placements
-        device = torch.device("cuda", torch.cuda.current_device())
-    settings = memory.PlanSettings(
-        engine_device=str(device), dtype=getattr(torch, options.dtype),
-        text_encoder_device=config.text_encoder_device, image_encoder_device=config.image_encoder_device,
-        branches=len(options.guidance.local_branches) if config.cfg_scale != 1.0 else 1,
-        cfg_parallel_size=2 if options.guidance.is_parallel else 1, max_sessions=options.max_sessions,
-        kv_budget_gib=options.kv_budget_gib, kv_memory_fraction=options.kv_memory_fraction, max_batch=options.max_batch,
-    )  # fmt: skip
-    used = {settings.device_of(c) for c in memory.COMPONENTS}
-    memory.check_devices_exist(sorted(used), torch.cuda.device_count() if any(d.startswith("cuda") for d in used) else 0)
-    free = {d: memory.free_bytes(d) for d in used | {"cpu"}}
-    plan = memory.plan_memory(geometry, settings, free)
-    logger.info("%s", plan.describe())
-    plan.check()
 
 
 def build_dreamzero(config: DreamZeroConfig, options: RuntimeOptions) -> DreamZeroPolicy:

@@ -30,6 +30,7 @@ mode by a few ulps; that is not reproduced here.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import numpy as np
@@ -112,9 +113,7 @@ class FlowUniPCScheduler:
         if self._next_step_index is None:
             raise RuntimeError("call set_timesteps before step")
         if step_index != self._next_step_index:
-            raise ValueError(
-                f"steps must be taken in order: expected step_index {self._next_step_index}, got {step_index}"
-            )
+            raise ValueError(f"steps must be taken in order: expected step_index {self._next_step_index}, got {step_index}")
         if step_index >= len(self.timesteps):
             raise ValueError(f"step_index {step_index} is past the last of {len(self.timesteps)} steps")
         if sample.ndim < 2:
@@ -126,3 +125,28 @@ class FlowUniPCScheduler:
         next_sample = self._solver.step(model_output, timestep, sample, return_dict=False)[0]
         self._next_step_index += 1
         return next_sample
+
+
+class DecoupledVideoScheduler(FlowUniPCScheduler):
+    """The video sampler under upstream's ``decouple_inference_noise`` (``WANPolicyHead.lazy_joint_video_action``).
+
+    The video's sigmas are mapped from [sigma_max, 0] onto [sigma_max, final_noise], so the video takes every step
+    but stays partly noisy, while the actions (their own scheduler) denoise fully. Both noises are still drawn from
+    the per-call seed; only the schedule changes. Upstream computes ``sigmas * (sigma_max - final) / sigma_max +
+    final`` on the GPU in float32, where dividing by a Python scalar is a multiplication by its float32 reciprocal;
+    the same float32 operations are done here, then ``timesteps = int64(sigmas[:-1] * 1000)``.
+    """
+
+    def __init__(self, final_noise: float) -> None:
+        super().__init__()
+        self.final_noise = final_noise
+
+    def set_timesteps(self, num_inference_steps: int, shift: float) -> None:
+        super().set_timesteps(num_inference_steps, shift)
+        solver = self._solver
+        sigmas = solver.sigmas
+        sigma_max = sigmas[0].item()
+        f32 = functools.partial(torch.tensor, dtype=torch.float32, device=sigmas.device)
+        reciprocal = f32(1.0) / f32(sigma_max)
+        solver.sigmas = sigmas * f32(sigma_max - self.final_noise) * reciprocal + f32(self.final_noise)
+        solver.timesteps = (solver.sigmas[:-1] * f32(self.num_train_timesteps)).to(torch.int64)

@@ -194,3 +194,20 @@ def to_absolute_joints(actions: np.ndarray, joint_state: np.ndarray, relative_di
     out = actions.copy()
     out[:, :relative_dims] += joint_state[:relative_dims]
     return out
+
+
+def pixels_to_model_range(pixels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 pixels -> [-1, 1] in ``dtype``, rounded where upstream rounds (``WANPolicyHead.lazy_joint_video_action``):
+    ``/ 255`` in float32, cast to the model dtype, then ``Normalize(0.5, 0.5)`` = ``(x - 0.5) / 0.5`` in that dtype.
+    (In float32 this is bit for bit ``x / 255 * 2 - 1``: scaling by 2 is exact.)"""
+    video = (pixels.float() / 255.0).to(dtype)
+    return (video - 0.5) / 0.5
+
+
+def resize_video(video: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """(B, C, T, H, W) -> (B, C, T, *size): upstream's 5B resize (``WANPolicyHead.lazy_joint_video_action``), bilinear
+    without antialiasing on the [-1, 1] video in the model dtype. Upstream groups the B*C*T planes as (B*T, C) images
+    without moving the time axis; each plane is interpolated on its own, so that grouping changes nothing."""
+    b, c, t, h, w = video.shape
+    out = F.interpolate(video.reshape(b * t, c, h, w), size=size, mode="bilinear", align_corners=False)
+    return out.reshape(b, c, t, *size)

@@ -16,7 +16,7 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
 
 from policies.dreamzero.dit import MultiEmbodimentActionEncoder
 from policies.dreamzero.encoders import TextEncoder, UpstreamRMSNorm, VideoVAE
-from policies.dreamzero.policy import pixels_to_model_range
+from policies.dreamzero.transforms import pixels_to_model_range
 
 BF16 = torch.bfloat16
 

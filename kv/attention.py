@@ -65,9 +65,10 @@ def sdpa_paged_attention(
     """Reference backend. ``query`` is (total_q, heads, head_dim); returns the same shape."""
     page_size = key_cache.shape[1]
     out = torch.empty_like(query)
-    for b in range(seq_lens.shape[0]):
-        q_start, q_end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
-        kv_len = int(seq_lens[b])
+    # Read the lengths on the host once per call (one device sync each), not per sequence.
+    q_bounds, kv_lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for b, kv_len in enumerate(kv_lens):
+        q_start, q_end = q_bounds[b], q_bounds[b + 1]
         num_pages = -(-kv_len // page_size)
         pages = block_table[b, :num_pages].to(device=key_cache.device, dtype=torch.long)
         k = key_cache.index_select(0, pages).flatten(0, 1)[:kv_len]

@@ -18,6 +18,8 @@ from ardiff_server.config import AppConfig, ConfigError, load_config, preflight
 from ardiff_server.frontend.auth import ENV_VAR, gather_api_keys
 from ardiff_server.frontend.signals import exit_on_second_signal, reload_on_hangup
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")  # binds that no other machine reaches
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
@@ -123,6 +125,8 @@ async def _serve(config: AppConfig) -> None:
         raise SystemExit(1) from None
     keys = f", {len(config.server.api_keys)} API key(s) required" if config.server.api_keys else ""
     print(f"listening on {config.server.scheme}://{config.server.host}:{server.port}{keys}", flush=True)
+    if config.server.api_keys and config.server.tls_cert is None and config.server.host not in LOOPBACK:
+        log.warning("API keys and camera images travel in clear text on %s: add --tls-cert/--tls-key (README, On the internet)", config.server.host)
     await stop.wait()
     log.info("shutting down")
     await server.stop()

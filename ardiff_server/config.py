@@ -370,6 +370,8 @@ def _describe(source: str, exc: pydantic.ValidationError, prefix: str = "") -> s
             lines.append(f"  {where}: unknown key")
         elif error["type"] == "missing":
             lines.append(f"  {where}: required")
+        elif isinstance(given, dict) or "api_keys" in error["loc"]:  # a whole section, or secrets: not echoed
+            lines.append(f"  {where}: {error['msg']}")
         else:
             lines.append(f"  {where}: {error['msg']} (got {given!r})")
     return "\n".join(lines)

@@ -85,3 +85,12 @@ def test_replica_devices_spread_over_gpus_or_must_be_given():
     with pytest.raises(ValueError, match="give each replica its devices"):
         config.engine.replica_device_lists()
     assert load_config("tiny", ["engine.replicas=3"]).engine.replica_device_lists() == [["cpu"]] * 3
+
+
+def test_a_config_error_never_echoes_api_keys():
+    with pytest.raises(ConfigError) as caught:  # a section-level error: the section is not printed
+        load_config("tiny", ["server.tls_key=/tmp/k.pem", "server.api_keys=[secret-abc-123]"])
+    assert "tls_key is set without tls_cert" in str(caught.value) and "secret-abc" not in str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        load_config("tiny", ["server.api_keys={k: secret-abc-123}"])
+    assert "server.api_keys" in str(caught.value) and "secret-abc" not in str(caught.value)

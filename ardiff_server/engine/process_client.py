@@ -271,6 +271,7 @@ class ProcessClient:
             return
         self._group = None
         self._ready.clear()
+        self.stats = ()  # its sessions are gone: they count for no key, metric or capacity while it restarts
         codes = group.exit_codes
         self._fail_all(EngineError(ErrorKind.WORKER_DIED, f"the inference worker died (exit codes {codes}); it is being restarted"))
         if self._stopping:

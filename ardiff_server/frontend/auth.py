@@ -41,7 +41,9 @@ class ApiKeys:
             raise Unauthorized(f"{len(authorization)} Authorization headers")
         scheme, _, token = authorization[0].strip().partition(" ")
         if scheme.lower() not in SCHEMES:
-            raise Unauthorized(f"unsupported scheme {scheme[:20]!r} (expected Api-Key or Bearer)")
+            # A key sent without a scheme arrives here as the "scheme": never log it.
+            shown = repr(scheme) if scheme.isalpha() and len(scheme) <= 12 else f"of {len(scheme)} characters (not shown)"
+            raise Unauthorized(f"unsupported scheme {shown} (expected Api-Key or Bearer)")
         token = token.strip()
         if not token:
             raise Unauthorized("empty token")

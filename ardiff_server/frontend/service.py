@@ -75,7 +75,10 @@ class PolicyService:
         self.keys = ApiKeys(config.server.api_keys)
         self.sessions = SessionTable(
             engine, ttl_s=config.server.session_ttl_s, on_refused=lambda key: self.metrics.key_refusals.labels(key, "sessions").inc(),
-            limits=KeyLimits(config.sessions_per_key(replicas), shared=len(set(config.server.api_keys)) > 1, max_sessions=config.engine.max_sessions),
+            limits=KeyLimits(
+                config.sessions_per_key(replicas), shared=len(set(config.server.api_keys)) > 1, max_sessions=config.engine.max_sessions,
+                fair_keys=len(set(config.server.api_keys)) if config.server.max_sessions_per_key == "fair" else 0,
+            ),
         )  # fmt: skip
         self.connections_per_key = config.connections_per_key()
         self.key_connections: Counter[str] = Counter()  # open connections per key id

@@ -56,11 +56,14 @@ class SessionForbidden(Exception):
 class KeyLimits:
     """How many sessions a key may hold (None: no limit), and whether keys share the engine (two or
     more keys: no new session may make the engine evict; ``max_sessions`` is a replica's size when
-    it does not report its own)."""
+    it does not report its own). ``fair_keys``: with ``max_sessions_per_key: fair``, the number of
+    keys sharing; a key's share is then also capped by what the engine really holds (its KV pool
+    may hold fewer sessions than ``engine.max_sessions``)."""
 
     sessions_per_key: int | None = None
     shared: bool = False
     max_sessions: int = 0
+    fair_keys: int = 0
 
     @property
     def enforced(self) -> bool:
@@ -213,10 +216,13 @@ class SessionTable:
         """Why a key cannot take one more session now (its reservation included), or None."""
         engine_sessions = self._engine_sessions()
         held = Counter(e.owner for e in self._entries.values() if self._counts(e, engine_sessions))
-        limit = self.limits.sessions_per_key
+        limit, capacity = self.limits.sessions_per_key, self._engine_capacity() if self.limits.shared else None
+        setting = f"server.max_sessions_per_key: {limit}"
+        if self.limits.fair_keys > 1 and capacity is not None and capacity // self.limits.fair_keys < (limit or capacity):
+            limit = max(1, capacity // self.limits.fair_keys)
+            setting = f"server.max_sessions_per_key: fair, {limit} of the engine's {capacity} for each of {self.limits.fair_keys} keys"
         if limit is not None and held[key] > limit:
-            return f"{key} holds {held[key] - 1} sessions (server.max_sessions_per_key: {limit}) and a robot is on each; end one (reset) or retry later"
-        capacity = self._engine_capacity() if self.limits.shared else None
+            return f"{key} holds {held[key] - 1} sessions ({setting}) and a robot is on each; end one (reset) or retry later"
         if capacity is not None and held.total() > capacity:
             return (
                 f"the engine's {capacity} sessions are taken ({held[key] - 1} by {key}, {held.total() - held[key]} by other keys) "
@@ -273,15 +279,16 @@ class SessionTable:
                 return  # someone is on it again, or it is disconnected (handled there)
             if reason == "disconnected" and entry.holders:
                 return  # a robot came back meanwhile
+            if reason == "disconnected" and self.ttl_s <= 0:  # session_ttl_s: 0 ends it now, under this lock
+                logger.info("session %s ended: its last connection went away (server.session_ttl_s: 0)", session_id)
+                await self._end(entry, "ttl")
+                return
             await self.engine.detach(session_id, reason)  # a hint: evict this one first under pressure
             if reason == "disconnected":
                 self._arm(entry)
 
     def _arm(self, entry: _Entry) -> None:
         self._disarm(entry)
-        if self.ttl_s <= 0:
-            self._spawn(self._expire(entry.session_id, entry.epoch))
-            return
         entry.expiry = asyncio.get_running_loop().call_later(self.ttl_s, self._on_expiry, entry.session_id, entry.epoch)
 
     def _disarm(self, entry: _Entry) -> None:

@@ -90,6 +90,12 @@ def plan_deployment(config: AppConfig) -> DeploymentPlan:
         raise ConfigError(
             f"{config.source}: engine.cfg_parallel_size={world} needs ray.num_gpus={world} per replica (one GPU per CFG rank), got {num_gpus:g}"
         )
+    handshake = config.server.tls_handshake_timeout_s
+    if handshake != type(config.server).model_fields["tls_handshake_timeout_s"].default:
+        raise ConfigError(
+            f"{config.source}: server.tls_handshake_timeout_s={handshake:g} cannot be applied under --ray "
+            "(Serve's proxy, uvicorn, has its own handshake timeout); remove it or serve without --ray"
+        )
     if ray_config.min_replicas is not None:
         fixed, low, high = None, ray_config.min_replicas, ray_config.max_replicas
     else:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from ardiff_server.config import AppConfig, ConfigError, check_tls
@@ -33,6 +35,7 @@ from ardiff_server.ray.replica import EngineReplica
 
 INSTALL_HINT = "pip install -e '.[ray]'"
 MIN_RAY = (2, 56)  # DeploymentHandle.options(session_id=...) reaches request routers from 2.56 on
+SIGHUP_IGNORED = "SIGHUP ignored under --ray: Serve's proxy loads the certificate once; redeploy to use a renewed one (docs/deploy.md)"
 
 
 def build_app(config: AppConfig, plan: DeploymentPlan, *, log_level: int = logging.INFO) -> Any:
@@ -145,6 +148,7 @@ def run_ray(config: AppConfig) -> int:
         print(f"ardiff-serve: cannot start or reach the Ray cluster at {init['address']}: {exc}{hint}", file=sys.stderr)
         return 1
     exit_on_second_signal(stop.set)
+    ignore_sighup(log)
     code = 1
     try:
         # Ray would keep a replica that no node can hold pending forever: refuse a GPU request the
@@ -180,13 +184,23 @@ def run_ray(config: AppConfig) -> int:
     return code
 
 
+def ignore_sighup(log: logging.Logger) -> None:
+    """A certbot deploy hook's ``kill -HUP`` (README, "On the internet") must not take a Serve
+    deployment down: its default action would end the driver without ``serve.shutdown()``."""
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, lambda *_: log.warning(SIGHUP_IGNORED))
+
+
 def http_options(config: AppConfig, port: int) -> dict[str, Any]:
     """Serve's proxy options: the bind address and, with ``server.tls_cert``, TLS (its uvicorn loads
     the files; Python's defaults: TLS 1.2 or newer). A renewed certificate takes effect when the
     proxy restarts (docs/deploy.md)."""
     options: dict[str, Any] = {"host": config.server.host, "port": port}
     if config.server.tls_cert is not None:
-        options.update(ssl_certfile=config.server.tls_cert, ssl_keyfile=config.server.tls_key or config.server.tls_cert)
+        # Absolute and ~-expanded, as the start-up check read them (uvicorn takes paths as given).
+        cert = str(Path(config.server.tls_cert).expanduser().resolve())
+        key = str(Path(config.server.tls_key).expanduser().resolve()) if config.server.tls_key else cert
+        options.update(ssl_certfile=cert, ssl_keyfile=key)
     return options
 
 

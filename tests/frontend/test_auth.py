@@ -36,6 +36,14 @@ def test_malformed_or_wrong_credentials_are_unauthorized_with_a_loggable_reason(
         ApiKeys(["k0"]).check(headers)
 
 
+def test_a_key_sent_without_a_scheme_never_reaches_the_log():
+    with pytest.raises(Unauthorized) as caught:
+        ApiKeys(["sk-live-0123456789abcdef"]).check(["sk-live-0123456789abcdef"])
+    assert "unsupported scheme of 24 characters (not shown)" in str(caught.value) and "0123" not in str(caught.value)
+    with pytest.raises(Unauthorized, match="unsupported scheme 'Basic'"):  # a real scheme is worth naming
+        ApiKeys(["k0"]).check(["Basic k0"])
+
+
 def test_keys_come_from_the_command_line_a_file_and_the_environment(tmp_path):
     key_file = tmp_path / "keys.txt"
     key_file.write_text("# lab keys\nfile-key-1\n\n  file-key-2  \n")

@@ -186,6 +186,23 @@ def test_with_several_keys_no_new_session_makes_the_engine_evict():
     run(scenario)
 
 
+def test_a_fair_share_follows_what_the_engine_really_holds():
+    """Two keys, engine.max_sessions 8 (a fair share of 4 each) but a KV pool that holds 4: each key
+    gets 2, so one key filling its configured share cannot starve the other."""
+
+    async def scenario():
+        engine = LruEngine(capacity=4)
+        table = SessionTable(engine, ttl_s=10, limits=KeyLimits(4, shared=True, max_sessions=8, fair_keys=2))
+        for i in range(2):
+            await infer(table, table.connect(key="key0"), f"k0-{i}")
+        message = await refused(table, table.connect(key="key0"), "k0-2")
+        assert "key0 holds 2 sessions (server.max_sessions_per_key: fair, 2 of the engine's 4 for each of 2 keys)" in message
+        assert await infer(table, table.connect(key="key1"), "k1-0") == 1
+        assert engine.evicted == [] and table.open_by_key() == {"key0": 2, "key1": 1}
+
+    run(scenario)
+
+
 def test_concurrent_new_sessions_of_a_key_cannot_both_take_its_last_slot():
     async def scenario():
         engine = LruEngine(capacity=8)

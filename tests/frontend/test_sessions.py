@@ -136,6 +136,24 @@ def test_ttl_starts_when_the_last_connection_goes_and_a_resume_cancels_it():
     run(scenario)
 
 
+def test_a_zero_ttl_ends_a_session_when_its_last_connection_goes():
+    async def scenario():
+        engine = ScriptedEngine()
+        table = SessionTable(engine, ttl_s=0)
+        first, second = table.connect(), table.connect()
+        await infer(table, first, "robot")
+        await infer(table, second, "robot")
+        await table.disconnect(first)
+        await table.drain()
+        assert engine.ended() == []  # second still holds it
+        await table.disconnect(second)
+        await table.drain()
+        assert engine.ended() == [("robot", "ttl")] and table.tracked == 0
+        assert await infer(table, table.connect(), "robot") == 1  # a fresh episode after
+
+    run(scenario)
+
+
 def test_reconnect_during_detach_does_not_shorten_the_ttl():
     """A robot back while its old connection's detach is in flight, which later drops again,
     still gets the full TTL after its *last* disconnect."""

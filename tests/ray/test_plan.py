@@ -117,3 +117,36 @@ def test_without_ray_the_cli_says_how_to_install_it():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == "ardiff-serve: --ray needs Ray Serve (ray is not installed): pip install -e '.[ray]'"
+
+
+def test_the_proxy_gets_the_certificate_paths_the_start_up_check_read(monkeypatch, tmp_path):
+    """uvicorn (Serve's proxy) opens the paths as given: a ``~`` in a config file must be expanded for it."""
+    from ardiff_server.ray.run import http_options
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    options = http_options(load_config("tiny", ["server.tls_cert=~/certs/fullchain.pem", "server.tls_key=~/certs/key.pem"]), 8443)
+    assert options["ssl_certfile"] == str(tmp_path / "certs" / "fullchain.pem") and options["ssl_keyfile"] == str(tmp_path / "certs" / "key.pem")
+    options = http_options(load_config("tiny", ["server.tls_cert=~/both.pem"]), 8443)
+    assert options["ssl_keyfile"] == options["ssl_certfile"] == str(tmp_path / "both.pem")
+
+
+
+def test_sighup_under_ray_is_logged_not_fatal():
+    """A certbot deploy hook sends SIGHUP; under --ray (no reload there) it is logged and ignored."""
+    code = (
+        "import logging, os, signal, time\n"
+        "from ardiff_server.ray.run import ignore_sighup\n"
+        "logging.basicConfig(format='%(message)s')\n"
+        "ignore_sighup(logging.getLogger('ardiff_server'))\n"
+        "os.kill(os.getpid(), signal.SIGHUP)\n"
+        "time.sleep(0.2)\n"
+        "print('still here')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "still here" in result.stdout, result.stderr
+    assert "SIGHUP ignored under --ray" in result.stderr and "redeploy" in result.stderr
+
+
+def test_a_tls_handshake_timeout_the_proxy_cannot_apply_is_refused():
+    with pytest.raises(ConfigError, match=r"server\.tls_handshake_timeout_s=3 cannot be applied under --ray"):
+        plan_deployment(load_config("tiny", ["server.tls_handshake_timeout_s=3"]))

@@ -305,7 +305,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         calls = [_Call(session, observation, slot) for slot, (session, observation) in enumerate(items)]
         for call in calls:
             self._guarded([call], self._begin, call)
-        self._guarded(self._live(calls), self._encode_observed, self._live(calls))
+        pending = [c for c in self._live(calls) if c.video is not None]  # later calls: their observed frames
+        for shape in dict.fromkeys(tuple(c.video.shape) for c in pending):  # one VAE encode per frame-stack shape
+            group = [c for c in pending if tuple(c.video.shape) == shape]
+            self._guarded(group, self._encode_observed, group)
         for frames in sorted({call.prefill_latents.shape[2] for call in self._live(calls)}):
             group = [c for c in self._live(calls) if c.prefill_latents.shape[2] == frames]
             self._guarded(group, self._prefill, group)
@@ -351,19 +354,16 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             call.video = video
         call.raw_state = self._raw_state(call.observation)
 
-    def _encode_observed(self, calls: list[_Call]) -> None:
-        """Upstream's re-encode of the newly observed frames, one VAE encode per frame-stack shape."""
+    def _encode_observed(self, group: list[_Call]) -> None:
+        """Upstream's re-encode of the newly observed frames: one VAE encode for sessions whose frame stacks have one shape."""
         nfpb = self.dit_config.num_frame_per_block
-        pending = [c for c in calls if c.video is not None]
-        for shape in dict.fromkeys(tuple(c.video.shape) for c in pending):
-            group = [c for c in pending if tuple(c.video.shape) == shape]
-            started = time.perf_counter()
-            latents = self._observation_latents(torch.cat([c.video for c in group]))  # (B, z, nfpb, h, w)
-            elapsed = _elapsed_ms(self.device, started)
-            for call, latent in zip(group, latents.split(1)):
-                call.prefill_latents, call.prefill_start = latent, call.session.current_start_frame - nfpb
-                call.video = None
-                call.add("vae", elapsed)
+        started = time.perf_counter()
+        latents = self._observation_latents(torch.cat([c.video for c in group]))  # (B, z, nfpb, h, w)
+        elapsed = _elapsed_ms(self.device, started)
+        for call, latent in zip(group, latents.split(1)):
+            call.prefill_latents, call.prefill_start = latent, call.session.current_start_frame - nfpb
+            call.video = None
+            call.add("vae", elapsed)
 
     def _prefill(self, calls: list[_Call]) -> None:
         """KV prefill of what each session observed, committed only if the forward succeeds."""

@@ -205,6 +205,22 @@ def test_one_sessions_own_failure_fails_only_that_session(tiny_model, monkeypatc
     assert isinstance(replies["boom"], ErrorReply) and "tokenizer broke" in replies["boom"].message and "boom" not in engine.sessions
 
 
+def test_a_failed_vae_encode_fails_only_the_sessions_it_encoded(tiny_model, monkeypatch):
+    """A session at its first call encodes nothing in the batched re-encode of observed frames:
+    an out-of-memory error there must not tear it down."""
+    rng = np.random.default_rng(3)
+    engine = make_engine(tiny_model)
+    serve(engine, [Infer(0, "old", observation(rng, True))])
+
+    def out_of_memory(video):
+        raise RuntimeError("CUDA out of memory in the batched VAE encode")
+
+    monkeypatch.setattr(engine.policy, "_observation_latents", out_of_memory)
+    replies = serve(engine, [Infer(1, "old", observation(rng, False)), Infer(2, "new", observation(rng, True))])
+    assert isinstance(replies["old"], ErrorReply) and "out of memory" in replies["old"].message and "old" not in engine.sessions
+    assert isinstance(replies["new"], InferReply) and replies["new"].new_session and "new" in engine.sessions
+
+
 def test_a_new_session_that_does_not_fit_beside_the_batch_waits_for_the_next_batch(tiny_model):
     rng = np.random.default_rng(3)
     engine = make_engine(tiny_model, max_sessions=4, pool_sessions=2)  # room for two sessions' pages

@@ -234,6 +234,23 @@ def _cached_block_mask(block_table: torch.Tensor, seq_lens: torch.Tensor, num_pa
     return mask
 
 
+# Query lengths a DreamZero-style rollout compiles for: a 1-frame prefill, a later prefill and a denoise step.
+QUERY_KINDS = 3
+
+
+def allow_batch_shapes(max_batch: int, branches: int) -> None:
+    """Let ``torch.compile`` (``dynamic=False``) keep a graph per batch shape: every number of
+    sequences in a forward (1 .. max_batch x branches, the step cache may run a subset) times each
+    query length. Dynamo's default (8 per code object) would fail a ``fullgraph`` compile at the
+    9th shape, i.e. at the first batch of 3 sessions; raising it only ever adds cache entries."""
+    config = torch._dynamo.config
+    needed = QUERY_KINDS * max_batch * branches + 8
+    if getattr(config, "recompile_limit", needed) < needed:
+        config.recompile_limit = needed
+    if getattr(config, "accumulated_recompile_limit", needed) < needed:
+        config.accumulated_recompile_limit = needed
+
+
 @functools.cache
 def _flex_kernel(compiled: bool):
     """flex_attention itself: compiled (the fused Triton kernel on CUDA, inductor's C++ template on

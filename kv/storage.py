@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kv.attention import allow_batch_shapes
 from kv.pool import CapacityError
 from kv.spec import Branch, CrossKV, KVSpec
 
@@ -108,6 +109,8 @@ class PagedStorage:
         self.branches = tuple(branches)
         self.attention_backend = attention_backend
         self.max_batch = max_batch
+        if attention_backend == "flex":  # its kernel is compiled per query shape
+            allow_batch_shapes(max_batch, len(self.branches))
         self._scratch_base = pool_pages
         total = pool_pages + max_batch * len(self.branches) * spec.scratch_pages_per_branch
         # K and V are separate base tensors per layer (not views of one): the paged op mutates them

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kv import Branch, KVSpec, SessionKV, prepare_batch
+from kv.attention import allow_batch_shapes
 from policies import hub
 from policies.base import ChunkRecording, Policy, RuntimeOptions, StepResult
 from policies.dreamzero import memory
@@ -135,6 +136,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         if options.compile:
             # Per block, fullgraph: the paged write + attend is one custom op, so a block is one
             # graph; all blocks share the code object and slot/table/layer changes are values.
+            allow_batch_shapes(options.max_batch, len(self.branches))  # a graph per batch shape
             for block in self.dit.blocks:
                 block.compile(fullgraph=True, dynamic=False, backend=options.compile_backend)
 

@@ -155,7 +155,7 @@ class EngineConfig(_Section):
         if self.replica_devices is not None:
             return [list(devices) for devices in self.replica_devices]
         ranks = self.cfg_parallel_size
-        if self.replicas > 1 and self.devices is None and self.device == "cuda":
+        if (self.replicas > 1 or ranks > 1) and self.devices is None and self.device == "cuda":
             return [[f"cuda:{r * ranks + k}" for k in range(ranks)] for r in range(self.replicas)]
         if self.replicas > 1 and self.device.startswith("cuda"):
             raise ValueError(
@@ -301,6 +301,13 @@ def preflight(config: AppConfig, *, local: bool = True) -> None:
         device_lists = config.engine.replica_device_lists()
     except ValueError as exc:
         raise ConfigError(f"{config.source}: {exc}") from None
+    for devices in device_lists:
+        shared = sorted({d for d in devices if d.startswith("cuda") and devices.count(d) > 1})
+        if shared:
+            raise ConfigError(
+                f"{config.source}: engine.cfg_parallel_size={len(devices)} puts {devices.count(shared[0])} CFG ranks on {shared[0]} "
+                f"(each loads the whole model); give each rank its GPU: --set 'engine.devices=[cuda:0,cuda:1]'"
+            )
     for name in ("max_sessions_per_key", "max_connections_per_key"):
         value = getattr(config.server, name)
         if isinstance(value, int) and not config.server.api_keys:

@@ -62,9 +62,7 @@ class PagedKVCache:
         deducted first; the pool never drops below what one session needs for the branches this
         rank runs (1 under CFG-parallel, else 2).
         """
-        scratch = max_batch * num_branches * spec.scratch_pages_per_branch
-        fixed = max_sessions * num_branches * spec.cross_slot_bytes + scratch * spec.page_bytes
-        pages = max(0, budget_bytes - fixed) // spec.page_bytes
+        pages = PagedKVCache._pages(spec, budget_bytes, max_sessions=max_sessions, num_branches=num_branches, max_batch=max_batch)
         floor = num_branches * spec.pages_per_branch
         if pages < floor:
             logger.warning(
@@ -72,6 +70,24 @@ class PagedKVCache:
                 budget_bytes / 2**20, pages, floor,
             )  # fmt: skip
         return max(pages, floor)
+
+    @staticmethod
+    def _pages(spec: KVSpec, budget_bytes: int, *, max_sessions: int, num_branches: int, max_batch: int) -> int:
+        scratch = max_batch * num_branches * spec.scratch_pages_per_branch
+        fixed = max_sessions * num_branches * spec.cross_slot_bytes + scratch * spec.page_bytes
+        return max(0, budget_bytes - fixed) // spec.page_bytes
+
+    @classmethod
+    def batch_for_budget(cls, spec: KVSpec, budget_bytes: int, *, max_sessions: int, num_branches: int, max_batch: int) -> int:
+        """The most sessions per forward (<= ``max_batch``) whose scratch still leaves a pool that
+        holds that many sessions at once: a batch is admitted only if all its members fit, so
+        scratch for more would never be used (and each slot costs a forward's worth of pages)."""
+        per_session = num_branches * spec.pages_per_branch
+        for batch in range(max_batch, 1, -1):
+            pages = cls._pages(spec, budget_bytes, max_sessions=max_sessions, num_branches=num_branches, max_batch=batch)
+            if min(max_sessions, pages // per_session) >= batch:
+                return batch
+        return 1
 
     @classmethod
     def from_budget(
@@ -85,6 +101,7 @@ class PagedKVCache:
         attention_backend: str = "auto",
         max_batch: int = 1,
     ) -> PagedKVCache:
+        max_batch = cls.batch_for_budget(spec, budget_bytes, max_sessions=max_sessions, num_branches=len(branches), max_batch=max_batch)
         pages = cls.pages_for_budget(spec, budget_bytes, max_sessions=max_sessions, num_branches=len(branches), max_batch=max_batch)
         return cls(
             spec,

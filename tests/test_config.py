@@ -94,3 +94,9 @@ def test_a_config_error_never_echoes_api_keys():
     with pytest.raises(ConfigError) as caught:
         load_config("tiny", ["server.api_keys={k: secret-abc-123}"])
     assert "server.api_keys" in str(caught.value) and "secret-abc" not in str(caught.value)
+
+
+def test_cfg_parallel_ranks_get_a_gpu_each_or_the_config_is_refused():
+    assert load_config("tiny", ["engine.device=cuda", "engine.cfg_parallel_size=2", "policy.cfg_scale=5"]).engine.replica_device_lists() == [["cuda:0", "cuda:1"]]
+    with pytest.raises(ConfigError, match=r"engine.cfg_parallel_size=2 puts 2 CFG ranks on cuda:0 .*engine.devices=\[cuda:0,cuda:1\]"):
+        preflight(load_config("tiny", ["engine.device=cuda:0", "engine.cfg_parallel_size=2", "policy.cfg_scale=5"]), local=False)

@@ -55,18 +55,28 @@ def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> Se
         max_batch=engine_config.batch_limit,
     )  # fmt: skip
     policy = build_policy(config.policy_name, config.policy_options(), options)
-    max_batch = engine_config.batch_for(policy.info.max_batch)
+    max_batch = wanted_batch = engine_config.batch_for(policy.info.max_batch)
     spec = policy.kv_spec()
     cache = None
     if spec is not None:
         budget = kv_budget_bytes(engine_config.kv_budget_gib, engine_config.kv_memory_fraction, device)
-        pages = PagedKVCache.pages_for_budget(
-            spec, budget, max_sessions=engine_config.max_sessions, num_branches=len(policy.branches), max_batch=max_batch
-        )
-        if world_size > 1:  # both ranks must make the same admission decisions: agree on the pool size
+        sizing = {"max_sessions": engine_config.max_sessions, "num_branches": len(policy.branches)}
+        max_batch = PagedKVCache.batch_for_budget(spec, budget, **sizing, max_batch=wanted_batch)
+        if world_size > 1:  # both ranks must make the same batching and admission decisions
+            agreed = torch.tensor([max_batch])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control)
+            max_batch = int(agreed)
+        pages = PagedKVCache.pages_for_budget(spec, budget, **sizing, max_batch=max_batch)
+        if world_size > 1:
             agreed = torch.tensor([pages])
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control)
             pages = int(agreed)
+        if max_batch < wanted_batch:
+            logger.warning(
+                "engine.max_batch %d -> %d: the KV pool holds %d session(s) at once, and a batch only runs if all its members fit "
+                "(a larger engine.kv_budget_gib / kv_memory_fraction, or fewer branches per GPU, batches more)",
+                wanted_batch, max_batch, max_batch,
+            )  # fmt: skip
         cache = PagedKVCache(
             spec, num_pages=pages + 1, max_sessions=engine_config.max_sessions, branches=policy.branches,
             device=device, attention_backend=engine_config.attention_backend, max_batch=max_batch,

@@ -338,4 +338,5 @@ class SessionEngine:
             kv_pages_total=kv["pages_total"],
             kv_pages_free=kv["pages_free"],
             session_capacity=kv.get("session_capacity", self.max_sessions),
+            max_batch=self.max_batch,
         )

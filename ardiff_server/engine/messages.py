@@ -87,6 +87,7 @@ class EngineStats:
     kv_pages_total: int = 0
     kv_pages_free: int = 0
     session_capacity: int = 0  # sessions it can hold: engine.max_sessions, or fewer if the KV pool is smaller
+    max_batch: int = 0  # sessions per forward it runs: engine.max_batch, or fewer (the policy's limit, the KV pool's)
 
     @property
     def sessions(self) -> int:

@@ -139,6 +139,11 @@ class PolicyService:
         logger.warning("refused %s: %s", remote, reason)
         return reason
 
+    def _max_batch(self, info) -> int:
+        """Sessions per forward: what the ready replicas report (the KV pool may cap it), else the config's rule."""
+        reported = [r.stats[0].max_batch for r in self.engine.replicas() if r.stats and r.stats[0].max_batch]
+        return min(reported) if reported else self.config.engine.batch_for(info.max_batch if info is not None else 1)
+
     def describe(self) -> dict[str, Any]:
         """``GET /info``: everything about this server a client or operator may want."""
         info = self.engine.info
@@ -146,7 +151,7 @@ class PolicyService:
             "server": {"name": "ardiff-server", "version": __version__, "uptime_s": round(time.time() - self.started, 1)},
             "websocket_paths": list(WEBSOCKET_PATHS),
             "batching": {
-                "max_batch": self.config.engine.batch_for(info.max_batch if info is not None else 1),
+                "max_batch": self._max_batch(info),
                 "engine_max_batch": self.config.engine.batch_limit,
                 "policy_max_batch": info.max_batch if info is not None else None,
                 "batch_wait_ms": self.config.engine.batch_wait_ms,

@@ -141,11 +141,13 @@ def checkpoint_geometry(checkpoint: str | Path, view_size: Sequence[int] | None)
 
 
 def synthetic_geometry(checkpoint: str) -> ModelGeometry:
-    """A ``synthetic:`` checkpoint's geometry (its own view size)."""
+    """A ``synthetic:`` checkpoint's geometry: the canvas its VAE sees, the resize target (the 5B) or its stitched views."""
     from policies.dreamzero.synthetic import meta_modules, parse_spec
 
     spec = parse_spec(checkpoint)
-    return geometry_from_modules(checkpoint, *meta_modules(spec), canvas=canvas_size("droid", spec.view_size), num_frames=spec.head.num_frames)
+    target = spec.head.target_video_size
+    canvas = tuple(target) if target is not None else canvas_size("droid", spec.view_size)
+    return geometry_from_modules(checkpoint, *meta_modules(spec), canvas=canvas, num_frames=spec.head.num_frames)
 
 
 # ------------------------------------------------------------------------------ the plan
@@ -285,24 +287,24 @@ def plan_memory(geometry: ModelGeometry, settings: PlanSettings, free: Mapping[s
     for component in COMPONENTS:
         by_device.setdefault(settings.device_of(component), {})[component] = geometry.sizes[component].bytes(dtype)
     by_device.setdefault(engine, {})
+    spec = dit_kv_spec(geometry.dit, dtype)
+    if settings.kv_budget_gib is not None:
+        budget = int(settings.kv_budget_gib * GiB)
+    else:
+        budget = int(max(0, free.get(engine, 0) - sum(by_device[engine].values())) * settings.kv_memory_fraction)
+    sizing = {"max_sessions": settings.max_sessions, "num_branches": settings.branches}
+    # The batch the engine will run: engine.max_batch, or fewer if the pool cannot hold that many sessions at once.
+    batch = PagedKVCache.batch_for_budget(spec, budget, **sizing, max_batch=settings.max_batch)
+    kv = KVPlan(spec, settings.branches, settings.max_sessions, pages_for_budget(spec, budget, **sizing, max_batch=batch), batch)
     phases = activation_bytes(geometry, dtype)
     for batched in ("dit", "vae"):  # one forward / encode holds every session of a batch
-        phases[batched] *= settings.max_batch
+        phases[batched] *= batch
     devices = []
     for device, weights in by_device.items():
         here = [c for c in COMPONENTS if settings.device_of(c) == device]
         activations = max(phases[c] for c in here) if here else 0
-        kv = None
-        if device == engine:
-            spec = dit_kv_spec(geometry.dit, dtype)
-            if settings.kv_budget_gib is not None:
-                budget = int(settings.kv_budget_gib * GiB)
-            else:
-                budget = int(max(0, free.get(device, 0) - sum(weights.values())) * settings.kv_memory_fraction)
-            pages = pages_for_budget(spec, budget, max_sessions=settings.max_sessions, num_branches=settings.branches, max_batch=settings.max_batch)
-            kv = KVPlan(spec, settings.branches, settings.max_sessions, pages, settings.max_batch)
         reserve = CUDA_RESERVE_BYTES if device.startswith("cuda") else 0
-        devices.append(DevicePlan(device, weights, activations, reserve, kv))
+        devices.append(DevicePlan(device, weights, activations, reserve, kv if device == engine else None))
     devices.sort(key=lambda d: (d.device != engine, d.device))
     return MemoryPlan(geometry, settings, tuple(devices), free)
 
@@ -408,7 +410,7 @@ def _one_session(s: PlanSettings) -> PlanSettings | None:
 REMEDIES: tuple[tuple[str, Callable[[PlanSettings], PlanSettings | None]], ...] = (
     ("policy.text_encoder_device=cpu", _text_on_cpu),
     ("policy.image_encoder_device=cpu", _image_on_cpu),
-    ("engine.cfg_parallel_size=2", _cfg_parallel),  # a second GPU, one CFG branch on each
+    ("engine.cfg_parallel_size=2 with engine.devices=[cuda:0,cuda:1]", _cfg_parallel),  # a second GPU, one CFG branch on each
     ("engine.max_sessions=1", _one_session),
 )
 

@@ -100,3 +100,21 @@ def test_the_budget_pays_for_a_scratch_region_per_batch_slot():
     one = PagedKVCache.pages_for_budget(spec, 2**20, max_sessions=4, num_branches=2)
     four = PagedKVCache.pages_for_budget(spec, 2**20, max_sessions=4, num_branches=2, max_batch=4)
     assert one - four == 3 * 2 * spec.scratch_pages_per_branch
+
+
+def test_a_batch_never_outgrows_the_sessions_its_pool_holds():
+    """Scratch for a batch slot the pool cannot fill (a batch runs only if every member's pages fit)
+    would be paid for and never used: the batch is capped at what the pool holds at once."""
+    spec = make("sdpa").spec
+    per_session = 2 * spec.pages_per_branch
+    for sessions_held in (1, 2, 3):
+        budget = (sessions_held * per_session + 4 * 2 * spec.scratch_pages_per_branch) * spec.page_bytes + 4 * 2 * spec.cross_slot_bytes
+        batch = PagedKVCache.batch_for_budget(spec, budget, max_sessions=4, num_branches=2, max_batch=4)
+        pages = PagedKVCache.pages_for_budget(spec, budget, max_sessions=4, num_branches=2, max_batch=batch)
+        assert pages // per_session >= batch  # the pool holds the batch
+        assert batch >= sessions_held  # and the cap is no lower than the plain pool holds
+        cache = PagedKVCache.from_budget(spec, budget, max_sessions=4, max_batch=4)
+        assert cache.storage.max_batch == batch
+    roomy = 100 * per_session * spec.page_bytes
+    assert PagedKVCache.batch_for_budget(spec, roomy, max_sessions=4, num_branches=2, max_batch=4) == 4
+    assert PagedKVCache.batch_for_budget(spec, roomy, max_sessions=2, num_branches=2, max_batch=4) == 2  # engine.max_sessions

@@ -131,9 +131,9 @@ def test_placement_moves_encoder_weights_and_activations_off_the_gpu(droid):
     [
         # 14B, both branches, UMT5 and CLIP on the GPU, one session: 67.8 GiB
         (48, {"max_sessions": 1}, "needs 67.8 GiB on cuda:0, has 48.0 GiB free"),
-        (48, {"max_sessions": 1}, "set policy.text_encoder_device=cpu and engine.cfg_parallel_size=2"),
-        (47, {"max_sessions": 1}, "set policy.text_encoder_device=cpu, policy.image_encoder_device=cpu and engine.cfg_parallel_size=2"),
-        (62, {"max_sessions": 1}, "set policy.text_encoder_device=cpu or engine.cfg_parallel_size=2"),
+        (48, {"max_sessions": 1}, "set policy.text_encoder_device=cpu and engine.cfg_parallel_size=2 with engine.devices=[cuda:0,cuda:1]"),
+        (47, {"max_sessions": 1}, "set policy.text_encoder_device=cpu, policy.image_encoder_device=cpu and engine.cfg_parallel_size=2 with engine.devices=[cuda:0,cuda:1]"),
+        (62, {"max_sessions": 1}, "set policy.text_encoder_device=cpu or engine.cfg_parallel_size=2 with engine.devices=[cuda:0,cuda:1]"),
         (24, {"max_sessions": 1}, "even with every placement option it needs 46.0 GiB on cuda:0: use a device with more memory"),
         (80, {"kv_memory_fraction": 0.9, "max_sessions": 4}, "set engine.kv_memory_fraction=0.8"),
         (80, {"kv_budget_gib": 60.0}, "set engine.kv_budget_gib=3"),
@@ -151,7 +151,7 @@ def test_a_plan_that_does_not_fit_is_refused_in_one_line_with_the_fix(droid, fre
 def test_the_suggested_fix_fits(droid):
     """Applying the suggestion gives a plan the same device accepts."""
     refused = plan(droid, free_gib=62, max_sessions=1)
-    assert memory.suggest_fix(refused) == "set policy.text_encoder_device=cpu or engine.cfg_parallel_size=2"
+    assert memory.suggest_fix(refused) == "set policy.text_encoder_device=cpu or engine.cfg_parallel_size=2 with engine.devices=[cuda:0,cuda:1]"
     plan(droid, free_gib=62, max_sessions=1, text_encoder_device="cpu").check()
     plan(droid, free_gib=62, max_sessions=1, branches=1, cfg_parallel_size=2).check()
     with pytest.raises(memory.MemoryPlanError, match="on cpu"):  # the host must hold what moves there
@@ -285,3 +285,24 @@ def test_the_server_refuses_a_plan_that_does_not_fit_in_one_line(tmp_path):
     refusals = [line for line in log.splitlines() if re.search(r"memory plan: needs 100000\.\d GiB on cpu, has ", line)]
     assert len(refusals) == 2 and all("set engine.kv_budget_gib=" in line for line in refusals), log  # the worker's line, the server's
     assert "Traceback" not in log and "listening" not in log
+
+
+def test_activations_and_scratch_follow_the_batch_the_pool_can_hold(droid):
+    """engine.max_batch 4, but 80 GiB holds one 14B session beside the weights: the engine runs
+    batches of one, so the plan counts one batch slot's scratch and activations (it fits); an
+    H200 holds three beside the scratch, so batches of three."""
+    settings = {"max_sessions": 4, "max_batch": 4, "kv_memory_fraction": 0.85}
+    one_gpu = plan(droid, free_gib=79.5, **settings)
+    kv = one_gpu.device("cuda:0").kv
+    assert kv.sessions == 1 and kv.max_batch == 1
+    one_gpu.check()
+    roomy = plan(droid, free_gib=140.5, **{**settings, "kv_memory_fraction": 0.8})  # an H200: 3 sessions beside 4 slots' scratch
+    assert roomy.device("cuda:0").kv.max_batch == 3 and roomy.device("cuda:0").activations > 2.5 * one_gpu.device("cuda:0").activations
+    roomy.check()
+
+
+def test_a_synthetic_5b_is_planned_at_the_canvas_its_vae_sees():
+    """The 5B resizes the stitched 320x640 views to 160x320 before the VAE: its synthetic preset (the
+    device run's calibration) must be planned at that size, as its checkpoint is."""
+    assert memory.synthetic_geometry("synthetic:droid_5b").canvas == (160, 320)
+    assert memory.synthetic_geometry("synthetic:droid").canvas == (352, 640)

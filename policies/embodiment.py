@@ -176,12 +176,15 @@ class Embodiment:
         }
 
 
-def metadata_frame(embodiment: Embodiment, schema: ObservationSchema, action_horizon: int) -> dict[str, Any]:
+def metadata_frame(
+    embodiment: Embodiment, schema: ObservationSchema, action_horizon: int, frames_per_call: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The metadata frame a client of a non-DROID embodiment receives on connect: what to send, what
     comes back. (DROID's is RoboArena's ``PolicyServerConfig``, ``policies.info.droid_server_config``.)"""
     return {
         "embodiment": embodiment.tag,
         "observation": schema.describe(),
+        **({"frames_per_call": dict(frames_per_call)} if frames_per_call is not None else {}),
         "actions": {"horizon": action_horizon, "dim": embodiment.action_dim, "split": embodiment.action_split()},
         "needs_session_id": True,
         "image_resolution": list(schema.resolutions[0]) if schema.resolutions else None,

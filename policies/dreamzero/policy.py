@@ -66,6 +66,8 @@ from policies.observation import RobotObservation, UnsupportedObservation
 logger = logging.getLogger(__name__)
 
 FRAMES_PER_CALL = 4  # frames a robot sends per call after the first (DreamZero's client contract)
+# The contract as clients read it (metadata frame, /info): fewer frames are padded, more keep the newest.
+FRAMES_CONTRACT = {"first": 1, "later": FRAMES_PER_CALL, "fewer": "padded by repeating the oldest frame sent", "more": "the newest are used"}
 # The 95 % center crop must keep at least one pixel: int(side * 0.95) >= 1.
 MIN_IMAGE_SIDE = 2
 
@@ -229,7 +231,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         resolution = self.image_resolution
         schema = e.schema(resolution) if e.wire == "keys" else None
         return PolicyInfo(
-            server_config=droid_server_config(resolution) if schema is None else metadata_frame(e, schema, horizon),
+            server_config=droid_server_config(resolution) if schema is None else metadata_frame(e, schema, horizon, FRAMES_CONTRACT),
             action_horizon=horizon,
             action_dim=self.action_stats.dim,
             model="dreamzero",
@@ -239,6 +241,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 "num_inference_steps": self.config.num_inference_steps,
                 "backbone": "wan2.2-ti2v-5b" if self.model.vae.is_wan22 else "wan2.1-i2v-14b",
                 "embodiment": e.describe(resolution),
+                "frames_per_call": FRAMES_CONTRACT,
             },  # fmt: skip
             max_batch=64,  # step_batch runs any number of sessions in one forward; engine.max_batch caps it
             observation_schema=schema,

@@ -64,6 +64,9 @@ def test_agibot_metadata_frame_and_info_say_what_to_send_and_what_comes_back(agi
     assert policy["embodiment"]["tag"] == "agibot" and policy["embodiment"]["embodiment_id"] == 26
     assert policy["embodiment"]["observation"] == metadata["observation"]
     assert "experiment_cfg/conf.yaml" in policy["embodiment"]["sources"]["keys"]
+    # how many frames per call: 1 at a session's start, then 4 (said once, in both places)
+    assert metadata["frames_per_call"]["first"] == 1 and metadata["frames_per_call"]["later"] == 4
+    assert policy["frames_per_call"] == metadata["frames_per_call"]
 
 
 def test_agibot_episode_over_openpi_client_and_bad_requests_name_the_key(agibot):

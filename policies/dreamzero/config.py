@@ -103,7 +103,13 @@ class DreamZeroConfig(pydantic.BaseModel):
         if self.checkpoint.startswith((BUILTIN_PREFIX, SYNTHETIC_PREFIX)):
             if self.checkpoint.startswith(BUILTIN_PREFIX) and self.checkpoint not in BUILTIN_CHECKPOINTS:
                 raise ValueError(f"policy.checkpoint: unknown {self.checkpoint!r}; built in: {', '.join(BUILTIN_CHECKPOINTS)}")
-            return self
+            if not self.tokenizer:
+                return self
+            # a tokenizer given beside a generated checkpoint: a hub id is fetched here, a directory must exist
+            tokenizer = hub.resolve(self.tokenizer, key="policy.tokenizer", example=TOKENIZER_EXAMPLE, allow_patterns=TOKENIZER_FILES)
+            if not tokenizer.is_dir():
+                raise ValueError(f"policy.tokenizer: {tokenizer} does not exist; give a local directory or a Hugging Face id (google/umt5-xxl)")
+            return self.model_copy(update={"tokenizer": str(tokenizer)})
         checkpoint, tokenizer = self.local_files()
         self.embodiment_of(checkpoint)
         return self.model_copy(update={"checkpoint": str(checkpoint), "tokenizer": str(tokenizer)})

@@ -119,6 +119,9 @@ def test_preflight_resolves_ids_to_snapshots_and_fetches_only_what_the_server_re
         assert DreamZeroConfig(checkpoint=f"{REPO_ID}@{revision}").preflight().checkpoint == str(snapshot)
     with_tokenizer = DreamZeroConfig(checkpoint=REPO_ID, tokenizer=TOKENIZER_ID).preflight()
     assert with_tokenizer.tokenizer == str(offline_hub / "models--test-org--tiny-umt5" / "snapshots" / COMMIT)
+    # beside a built-in checkpoint too (the worker must never see a hub id)
+    builtin = DreamZeroConfig(checkpoint="builtin:tiny_5b", tokenizer=TOKENIZER_ID).preflight()
+    assert builtin.checkpoint == "builtin:tiny_5b" and builtin.tokenizer == with_tokenizer.tokenizer
     # What the server reads matches the patterns; the tokenizer's files too.
     from huggingface_hub.utils import filter_repo_objects
 

@@ -41,7 +41,7 @@ from policies import hub
 from policies.base import ChunkRecording, Policy, RuntimeOptions, StepResult
 from policies.dreamzero import memory
 from policies.dreamzero.config import BUILTIN_PREFIX, SYNTHETIC_PREFIX, DreamZeroConfig
-from policies.dreamzero.embodiments import embodiment_prompt, resolve
+from policies.dreamzero.embodiments import DROID_CAMERAS, embodiment_prompt, resolve
 from policies.dreamzero.model import DreamZeroModel
 from policies.dreamzero.scheduler import DecoupledVideoScheduler, FlowUniPCScheduler
 from policies.dreamzero.transforms import (
@@ -59,7 +59,7 @@ from policies.dreamzero.transforms import (
 from policies.dreamzero.transforms import (
     canvas_size as stitched_size,
 )
-from policies.embodiment import Embodiment, metadata_frame
+from policies.embodiment import Embodiment, ObservationSchema, metadata_frame
 from policies.info import PolicyInfo, droid_server_config
 from policies.observation import RobotObservation, UnsupportedObservation
 
@@ -253,15 +253,22 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             embodiment_prompt(self.embodiment, observation.prompt)
         except ValueError as exc:
             raise UnsupportedObservation(f"prompt: {exc}") from None
-        lengths = {name: frames.shape[0] for name, frames in observation.cameras.items() if frames is not None}
+        lengths = {self._wire_key(name): frames.shape[0] for name, frames in observation.cameras.items() if frames is not None}
         if len(set(lengths.values())) > 1:
-            raise UnsupportedObservation(f"camera frame stacks differ in length: {lengths}")
+            raise UnsupportedObservation(f"camera frame stacks differ in length (frames per camera): {lengths}")
         for name, frames in observation.cameras.items():
             if frames is not None and min(frames.shape[1:3]) < MIN_IMAGE_SIDE:
                 raise UnsupportedObservation(
-                    f"{name}: images need at least {MIN_IMAGE_SIDE} pixels per side (DreamZero center-crops "
+                    f"{self._wire_key(name)}: images need at least {MIN_IMAGE_SIDE} pixels per side (DreamZero center-crops "
                     f"to {CROP_SCALE:.0%}), got shape {frames.shape}"
                 )
+
+    def _wire_key(self, camera: str) -> str:
+        """The request key a camera arrives under (errors name what the client sent)."""
+        if self.embodiment.wire == "keys":
+            return ObservationSchema.key(camera)
+        droid = {name: key for key, name in DROID_CAMERAS.items()}
+        return ObservationSchema.key(droid.get(camera, camera))
 
     def kv_spec(self) -> KVSpec:
         return memory.dit_kv_spec(self.dit_config, self.dtype)

@@ -214,9 +214,9 @@ def test_metadata_is_exactly_roboarenas_policy_server_config(tiny_model):
 @pytest.mark.parametrize(
     ("cameras", "match"),
     [
-        ({"wrist": (1, 1, 320, 3)}, "at least 2 pixels"),
-        ({"exterior_left": (4, 180, 1, 3)}, "at least 2 pixels"),
-        ({"wrist": (1, 180, 320, 3), "exterior_left": (4, 180, 320, 3)}, "differ in length"),
+        ({"wrist": (1, 1, 320, 3)}, "observation/wrist_image_left: images need at least 2 pixels"),  # the key the client sent
+        ({"exterior_left": (4, 180, 1, 3)}, "observation/exterior_image_1_left: images need at least 2 pixels"),
+        ({"wrist": (1, 180, 320, 3), "exterior_left": (4, 180, 320, 3)}, "differ in length .*'observation/wrist_image_left': 1"),
     ],
 )
 def test_observations_dreamzero_cannot_take_are_refused_before_the_step(tiny_model, cameras, match):

@@ -263,7 +263,7 @@ def test_compiled_dit_blocks_trace_whole_and_match_eager(tiny_model):
     assert counter.frame_count == 3, f"{counter.frame_count} compiled graphs"
 
 
-def test_compiled_blocks_keep_a_graph_for_every_batch_shape(tiny_model, monkeypatch):
+def test_compiled_blocks_keep_a_graph_for_every_batch_shape(tiny_model):
     """Each batch size is new shapes for a dynamic=False, fullgraph compile. Dynamo's recompile
     limit (8 by default; 2 here, to meet it sooner) must not fail a batch when the shapes outgrow
     it: the policy raises it for engine.max_batch."""
@@ -273,18 +273,20 @@ def test_compiled_blocks_keep_a_graph_for_every_batch_shape(tiny_model, monkeypa
     from ardiff_server.engine.core import SessionEngine
     from ardiff_server.engine.messages import Infer, InferReply
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     counter = CompileCounter()
     torch._dynamo.reset()
-    policy = DreamZeroPolicy(DreamZeroConfig(**TINY), RuntimeOptions(compile=True, compile_backend=counter, max_batch=2), model=copy.deepcopy(tiny_model))
-    spec = policy.kv_spec()
-    cache = PagedKVCache(spec, num_pages=2 * 2 * spec.pages_per_branch + 1, max_sessions=2, max_batch=2)
-    engine = SessionEngine(policy, cache, max_sessions=2, max_batch=2)
-    obs = observations(2)
-    for sessions in (["a"], ["b", "c"]):
-        for call in obs:
-            replies, _ = engine.serve([(Infer(i, sid, call), 0.0) for i, sid in enumerate(sessions)])
-            assert all(isinstance(r, InferReply) for r in replies), [getattr(r, "message", "") for r in replies]
-        for sid in sessions:
-            engine.end(sid, "done")
+    # config.patch, not monkeypatch: the config module's attributes do not survive monkeypatch's undo
+    with torch._dynamo.config.patch(recompile_limit=2, accumulated_recompile_limit=2):
+        policy = DreamZeroPolicy(DreamZeroConfig(**TINY), RuntimeOptions(compile=True, compile_backend=counter, max_batch=2), model=copy.deepcopy(tiny_model))
+        spec = policy.kv_spec()
+        cache = PagedKVCache(spec, num_pages=2 * 2 * spec.pages_per_branch + 1, max_sessions=2, max_batch=2)
+        engine = SessionEngine(policy, cache, max_sessions=2, max_batch=2)
+        obs = observations(2)
+        for sessions in (["a"], ["b", "c"]):
+            for call in obs:
+                replies, _ = engine.serve([(Infer(i, sid, call), 0.0) for i, sid in enumerate(sessions)])
+                assert all(isinstance(r, InferReply) for r in replies), [getattr(r, "message", "") for r in replies]
+            for sid in sessions:
+                engine.end(sid, "done")
     assert counter.frame_count > 2  # more graphs than the limit the test started from
+    assert torch._dynamo.config.recompile_limit >= 8  # the process's setting is intact afterwards

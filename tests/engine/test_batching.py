@@ -106,6 +106,35 @@ def test_a_mixed_batch_equals_each_session_alone(tiny_model, reference_engine):
     assert engine.batches[4] == 1 and engine.batches[2] >= 2
 
 
+def test_the_dynamic_step_cache_decides_per_session_in_a_batch(tiny_model):
+    """dit_step_cache: dynamic, robots at different points of their episodes batched together: each
+    session skips exactly the DiT steps it skips alone, so its actions equal its unbatched ones."""
+    rng = np.random.default_rng(11)
+    episodes = {sid: [observation(rng, i == 0) for i in range(6)] for sid in "abc"}
+    engine = make_engine(tiny_model, dit_step_cache="dynamic")
+    got: dict[str, list[InferReply]] = {sid: [] for sid in episodes}
+    for i in range(2):  # "a" runs two calls ahead
+        got["a"].append(serve(engine, [Infer(i, "a", episodes["a"][i])])["a"])
+    for i in range(4):
+        members = [("a", i + 2), ("b", i), ("c", i)]
+        batch = serve(engine, [Infer(100 * (n + 1) + i, sid, episodes[sid][k]) for n, (sid, k) in enumerate(members)])
+        for sid, _ in members:
+            assert batch[sid].batch_size == 3
+            got[sid].append(batch[sid])
+    reference_engine = make_engine(tiny_model, max_sessions=2, max_batch=1, dit_step_cache="dynamic")
+    forwards = set()
+    for sid, replies in got.items():
+        expected = []
+        for i, obs in enumerate(episodes[sid][: len(replies)]):
+            expected.append(serve(reference_engine, [Infer(i, f"ref-{sid}", obs)])[f"ref-{sid}"])
+        reference_engine.end(f"ref-{sid}", "done")
+        for call, (a, b) in enumerate(zip(expected, replies)):
+            assert b.info["dit_forwards"] == a.info["dit_forwards"], f"{sid} call {call}"
+            np.testing.assert_allclose(b.actions, a.actions, atol=ATOL, rtol=0, err_msg=f"{sid} call {call}")
+            forwards.add(a.info["dit_forwards"])
+    assert min(forwards) < 16, "the dynamic cache never skipped a step: the test would not see a wrong decision"
+
+
 events = st.lists(st.tuples(st.sampled_from("abcd"), st.sampled_from(["infer", "infer", "infer", "infer", "end", "prompt"])), min_size=6, max_size=18)
 
 

@@ -60,27 +60,21 @@ def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> Se
     cache = None
     if spec is not None:
         budget = kv_budget_bytes(engine_config.kv_budget_gib, engine_config.kv_memory_fraction, device)
-        sizing = {"max_sessions": engine_config.max_sessions, "num_branches": len(policy.branches)}
-        max_batch = PagedKVCache.batch_for_budget(spec, budget, **sizing, max_batch=wanted_batch)
-        if world_size > 1:  # both ranks must make the same batching and admission decisions
-            agreed = torch.tensor([max_batch])
+        if world_size > 1:  # both ranks must make the same batching and admission decisions: agree on the budget
+            agreed = torch.tensor([budget], dtype=torch.int64)
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control)
-            max_batch = int(agreed)
-        pages = PagedKVCache.pages_for_budget(spec, budget, **sizing, max_batch=max_batch)
-        if world_size > 1:
-            agreed = torch.tensor([pages])
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control)
-            pages = int(agreed)
+            budget = int(agreed)
+        cache = PagedKVCache.from_budget(
+            spec, budget, max_sessions=engine_config.max_sessions, branches=policy.branches,
+            device=device, attention_backend=engine_config.attention_backend, max_batch=wanted_batch,
+        )  # fmt: skip
+        max_batch = cache.storage.max_batch  # fewer if the pool cannot hold wanted_batch sessions at once
         if max_batch < wanted_batch:
             logger.warning(
                 "engine.max_batch %d -> %d: the KV pool holds %d session(s) at once, and a batch only runs if all its members fit "
                 "(a larger engine.kv_budget_gib / kv_memory_fraction, or fewer branches per GPU, batches more)",
                 wanted_batch, max_batch, max_batch,
             )  # fmt: skip
-        cache = PagedKVCache(
-            spec, num_pages=pages + 1, max_sessions=engine_config.max_sessions, branches=policy.branches,
-            device=device, attention_backend=engine_config.attention_backend, max_batch=max_batch,
-        )  # fmt: skip
         logger.info(
             "KV cache: %d pages of %d tokens (%.1f MiB each), %d sessions, branches %s, scratch for %d per forward, %.1f MiB in all",
             cache.pool.capacity, spec.page_size, spec.page_bytes / 2**20, cache.session_capacity,

@@ -103,13 +103,8 @@ class DreamZeroConfig(pydantic.BaseModel):
         if self.checkpoint.startswith((BUILTIN_PREFIX, SYNTHETIC_PREFIX)):
             if self.checkpoint.startswith(BUILTIN_PREFIX) and self.checkpoint not in BUILTIN_CHECKPOINTS:
                 raise ValueError(f"policy.checkpoint: unknown {self.checkpoint!r}; built in: {', '.join(BUILTIN_CHECKPOINTS)}")
-            if not self.tokenizer:
-                return self
-            # a tokenizer given beside a generated checkpoint: a hub id is fetched here, a directory must exist
-            tokenizer = hub.resolve(self.tokenizer, key="policy.tokenizer", example=TOKENIZER_EXAMPLE, allow_patterns=TOKENIZER_FILES)
-            if not tokenizer.is_dir():
-                raise ValueError(f"policy.tokenizer: {tokenizer} does not exist; give a local directory or a Hugging Face id (google/umt5-xxl)")
-            return self.model_copy(update={"tokenizer": str(tokenizer)})
+            # a tokenizer given beside a generated checkpoint: fetched here too, never passed on as an id
+            return self.model_copy(update={"tokenizer": str(self._tokenizer_dir(None))}) if self.tokenizer else self
         checkpoint, tokenizer = self.local_files()
         self.embodiment_of(checkpoint)
         return self.model_copy(update={"checkpoint": str(checkpoint), "tokenizer": str(tokenizer)})
@@ -136,6 +131,10 @@ class DreamZeroConfig(pydantic.BaseModel):
                 f"policy.checkpoint: {checkpoint}{source} {what}; point it at a DreamZero checkpoint: a local directory "
                 f"(--set policy.checkpoint={CHECKPOINT_EXAMPLE}) or its Hugging Face id (GEAR-Dreams/DreamZero-DROID)"
             )
+        return checkpoint, self._tokenizer_dir(checkpoint)
+
+    def _tokenizer_dir(self, checkpoint: Path | None) -> Path:
+        """``policy.tokenizer`` as a local directory (a hub id fetched), else the checkpoint's own."""
         if self.tokenizer:
             tokenizer = hub.resolve(self.tokenizer, key="policy.tokenizer", example=TOKENIZER_EXAMPLE, allow_patterns=TOKENIZER_FILES)
         else:
@@ -145,7 +144,7 @@ class DreamZeroConfig(pydantic.BaseModel):
                 f"policy.tokenizer: {tokenizer} does not exist; give a google/umt5-xxl tokenizer: a local directory "
                 f"(--set policy.tokenizer={TOKENIZER_EXAMPLE}) or its Hugging Face id (--set policy.tokenizer=google/umt5-xxl)"
             )
-        return checkpoint, tokenizer
+        return tokenizer
 
     def embodiment_of(self, checkpoint: Path):
         """The embodiment this config serves from a checkpoint directory (torch-free: metadata.json and

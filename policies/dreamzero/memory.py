@@ -37,7 +37,7 @@ from kv.storage import device_free_bytes as free_bytes
 from kv.storage import host_available_bytes  # noqa: F401
 from policies.base import RuntimeOptions, StartRefused
 from policies.dreamzero.dit import DiTConfig
-from policies.dreamzero.transforms import canvas_size
+from policies.dreamzero.transforms import video_size
 
 GiB = 2**30
 # What CUDA needs beyond the tensors PyTorch accounts: cuBLAS / cuDNN workspaces (the VAE's 3-D
@@ -135,8 +135,7 @@ def checkpoint_geometry(checkpoint: str | Path, view_size: Sequence[int] | None)
     ckpt = CheckpointDir(checkpoint)
     head, _, modules = meta_modules(ckpt)
     name = snapshot_label(checkpoint) or str(checkpoint)
-    target = head.target_video_size
-    canvas = tuple(target) if target is not None else canvas_size("droid", tuple(view_size or (176, 320)))
+    canvas = video_size("droid", tuple(view_size or (176, 320)), head.target_video_size)
     return geometry_from_modules(name, *modules, canvas=canvas, num_frames=head.num_frames)
 
 
@@ -145,8 +144,7 @@ def synthetic_geometry(checkpoint: str) -> ModelGeometry:
     from policies.dreamzero.synthetic import meta_modules, parse_spec
 
     spec = parse_spec(checkpoint)
-    target = spec.head.target_video_size
-    canvas = tuple(target) if target is not None else canvas_size("droid", spec.view_size)
+    canvas = video_size("droid", spec.view_size, spec.head.target_video_size)
     return geometry_from_modules(checkpoint, *meta_modules(spec), canvas=canvas, num_frames=spec.head.num_frames)
 
 

@@ -55,9 +55,7 @@ from policies.dreamzero.transforms import (
     resize_video,
     stitch_canvas,
     to_absolute,
-)
-from policies.dreamzero.transforms import (
-    canvas_size as stitched_size,
+    video_size,
 )
 from policies.embodiment import Embodiment, ObservationSchema, metadata_frame
 from policies.info import PolicyInfo, droid_server_config
@@ -171,8 +169,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
     @property
     def canvas_size(self) -> tuple[int, int]:
         """(height, width) of the video the VAE and CLIP see: the stitched views, or the checkpoint's target size."""
-        target = self.action_head_config.target_video_size
-        return target if target is not None else stitched_size(self.embodiment.layout, self.view_size)
+        return video_size(self.embodiment.layout, self.view_size, self.action_head_config.target_video_size)
 
     def _load(self, config: DreamZeroConfig, options: RuntimeOptions) -> DreamZeroModel:
         """The model from its checkpoint (or a synthetic one), after its memory plan was printed and checked."""
@@ -253,9 +250,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             embodiment_prompt(self.embodiment, observation.prompt)
         except ValueError as exc:
             raise UnsupportedObservation(f"prompt: {exc}") from None
-        lengths = {self._wire_key(name): frames.shape[0] for name, frames in observation.cameras.items() if frames is not None}
+        lengths = {name: frames.shape[0] for name, frames in observation.cameras.items() if frames is not None}
         if len(set(lengths.values())) > 1:
-            raise UnsupportedObservation(f"camera frame stacks differ in length (frames per camera): {lengths}")
+            by_key = {self._wire_key(name): n for name, n in lengths.items()}
+            raise UnsupportedObservation(f"camera frame stacks differ in length (frames per camera): {by_key}")
         for name, frames in observation.cameras.items():
             if frames is not None and min(frames.shape[1:3]) < MIN_IMAGE_SIDE:
                 raise UnsupportedObservation(

@@ -114,6 +114,12 @@ def canvas_size(layout: Layout, view_size: tuple[int, int]) -> tuple[int, int]:
     return (h, w) if layout == "single" else (2 * h, 2 * w)
 
 
+def video_size(layout: Layout, view_size: tuple[int, int], target: tuple[int, int] | None) -> tuple[int, int]:
+    """(height, width) of the video the VAE and CLIP see: the checkpoint's resize target (the 5B's
+    ``target_video_height/width``), else the stitched canvas."""
+    return tuple(target) if target is not None else canvas_size(layout, view_size)
+
+
 def stitch_canvas(layout: Layout, views: list[np.ndarray | None], view_size: tuple[int, int]) -> np.ndarray:
     """Resized (T, h, w, 3) views in the embodiment's camera order (None: black) -> the (T, H, W, 3) canvas.
 

@@ -33,7 +33,9 @@ AUTH = {"Authorization": f"Api-Key {KEY}"}
 SIZE = (90, 160)
 ROBOTS = [f"robot-{i}" for i in range(4)]
 CALLS = 3
-OVERRIDES = ["engine.warmup=false", "engine.threads=1"]  # threads=1: bitwise the same as the reference engine
+# threads=1 and one robot per forward: bitwise the same as the reference engine (a batched forward equals
+# it only up to float summation order, ~1e-7; batching's own equality tests: tests/engine/test_batching.py)
+OVERRIDES = ["engine.warmup=false", "engine.threads=1", "engine.max_batch=1"]
 
 
 def episode(robot: int, start: int, calls: int) -> list[dict]:

@@ -40,21 +40,21 @@ class _Section(pydantic.BaseModel):
 
 class ServerConfig(_Section):
     host: str = "127.0.0.1"  # localhost unless told otherwise; 0.0.0.0 for robots on a LAN
-    port: int = pydantic.Field(8000, ge=0, le=65535)
+    port: int = pydantic.Field(8000, ge=0, le=65535)  # 0 picks a free port (printed in the "listening on" line)
     api_keys: list[str] = []  # empty: no authentication
     reply_format: Literal["dict", "array"] = "dict"  # array: the bare (N, 8) actions, as DreamZero's server
-    max_frame_bytes: int = pydantic.Field(64 * 2**20, ge=1024)
+    max_frame_bytes: int = pydantic.Field(64 * 2**20, ge=1024)  # larger frames are refused before they are read (close 1009)
     max_frame_items: int = pydantic.Field(1024, ge=64)  # msgpack list/map entries per frame (DROID: < 100)
-    max_connections: int = pydantic.Field(64, ge=1)
+    max_connections: int = pydantic.Field(64, ge=1)  # further handshakes get HTTP 503
     # Per API key (frontend/sessions.py, "Per-key limits" in docs/design-notes.md). "fair": with two or
     # more keys, an equal share of engine.max_sessions x replicas (of max_connections); else no limit.
     max_sessions_per_key: int | Literal["fair"] | None = "fair"
-    max_connections_per_key: int | Literal["fair"] | None = "fair"
+    max_connections_per_key: int | Literal["fair"] | None = "fair"  # per API key: a count, "fair" (a share of max_connections with two or more keys) or null
     tls_cert: str | None = None  # PEM chain (fullchain.pem): serve wss:// and https:// on the port
     tls_key: str | None = None  # PEM key (privkey.pem); None: it is in tls_cert
     tls_handshake_timeout_s: float = pydantic.Field(10.0, gt=0)  # a plain or stalled client is dropped after this
     ping_interval_s: float | None = pydantic.Field(20.0, gt=0)  # None disables keepalive pings
-    ping_timeout_s: float | None = pydantic.Field(60.0, gt=0)
+    ping_timeout_s: float | None = pydantic.Field(60.0, gt=0)  # a connection that does not answer a ping this long is closed
     write_limit_bytes: int = pydantic.Field(16 * 2**20, ge=2**16)  # unsent bytes one connection may pile up
     idle_timeout_s: float | None = pydantic.Field(600.0, gt=0)  # close connections with no request this long
     request_timeout_s: float = pydantic.Field(300.0, gt=0)  # one step's compute per session in it; past it the worker is restarted
@@ -93,23 +93,23 @@ class ServerConfig(_Section):
 
 
 class EngineConfig(_Section):
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    cfg_parallel_size: Literal[1, 2] = 1
+    device: str = "cpu"  # cpu, cuda (replicas and CFG ranks on consecutive GPUs) or cuda:N
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # bfloat16 on GPU (the released checkpoints' precision)
+    cfg_parallel_size: Literal[1, 2] = 1  # 2: one CFG branch per rank and GPU (gloo on CPU, NCCL on GPU)
     devices: list[str] | None = None  # per CFG rank, e.g. [cuda:0, cuda:1]; default: device
     max_sessions: int = pydantic.Field(8, ge=1)  # LRU cap
     max_batch: int = pydantic.Field(4, ge=1, le=64)  # sessions per forward when several robots' requests wait together
     batch_wait_ms: float = pydantic.Field(0.0, ge=0, le=1000)  # how long a partial batch waits for more (0: only what is queued)
-    kv_budget_gib: float | None = pydantic.Field(None, gt=0)  # None: kv_memory_fraction of free memory
-    kv_memory_fraction: float = pydantic.Field(0.5, gt=0, le=1)
-    attention_backend: Literal["auto", "sdpa", "flash", "flex"] = "auto"
-    warmup: bool = True
+    kv_budget_gib: float | None = pydantic.Field(None, gt=0)  # GiB for the KV pool per rank; null: kv_memory_fraction of the free memory (set it when two servers share a GPU)
+    kv_memory_fraction: float = pydantic.Field(0.5, gt=0, le=1)  # of the memory free after loading the model, for the KV pool (configs/dreamzero_droid*: 0.8 / 0.75)
+    attention_backend: Literal["auto", "sdpa", "flash", "flex"] = "auto"  # sdpa (gather, CPU/GPU), flash (vLLM's block-table kernel: the gpu extra), flex (FlexAttention); auto: flash where installed, else sdpa
+    warmup: bool = True  # walk one full window + restart before serving (a restart after a crash skips it unless compiling)
     compile: bool = False  # torch.compile the DiT blocks (fullgraph)
-    compile_backend: str = "inductor"
+    compile_backend: str = "inductor"  # torch.compile backend with compile: true (inductor; aot_eager to debug)
     cuda_graphs: bool = False  # capture the denoise forward (CUDA only)
     threads: int | None = pydantic.Field(None, ge=1)  # torch intra-op threads per worker
-    dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
-    startup_timeout_s: float = pydantic.Field(900.0, gt=0)
+    dist_backend: Literal["auto", "gloo", "nccl"] = "auto"  # CFG-parallel transport; auto: NCCL on CUDA, gloo on CPU
+    startup_timeout_s: float = pydantic.Field(900.0, gt=0)  # load + compile + warm-up per worker; raise it for a cold 14B load from a slow disk
     replicas: int = pydantic.Field(1, ge=1)  # independent engines behind one port (sessions stay on theirs)
     replica_devices: list[list[str]] | None = None  # per replica, one device per CFG rank
     shm_mib: int = pydantic.Field(128, ge=0)  # shared memory for camera frames per replica (0: through the pipe)
@@ -171,11 +171,11 @@ class RayConfig(_Section):
     address: str | None = None  # a running cluster ("auto", "ray://host:10001"); None starts a local one
     num_replicas: int | None = pydantic.Field(None, ge=1)  # fixed count; default: engine.replicas
     min_replicas: int | None = pydantic.Field(None, ge=0)  # autoscaling bounds (both or neither)
-    max_replicas: int | None = pydantic.Field(None, ge=1)
+    max_replicas: int | None = pydantic.Field(None, ge=1)  # autoscaling upper bound
     num_gpus: float | None = pydantic.Field(None, ge=0)  # per model replica; default: cfg_parallel_size on CUDA, else 0
     num_cpus: float = pydantic.Field(1.0, gt=0)  # per model replica
     max_ongoing_requests: int = pydantic.Field(64, ge=1)  # per replica; one step runs at a time regardless
-    app_name: str = "ardiff"
+    app_name: str = "ardiff"  # the Serve application's name (serve status, serve delete)
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> RayConfig:

@@ -46,10 +46,10 @@ _COMPONENT_DEVICE = re.compile(r"^(engine|cpu|cuda(:\d+)?)$")
 class DreamZeroConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
 
-    name: Literal["dreamzero"] = "dreamzero"
+    name: Literal["dreamzero"] = "dreamzero"  # DreamZero: the AR video-diffusion policy
     checkpoint: str = pydantic.Field(
         BUILTIN_TINY,
-        description="checkpoint directory, Hugging Face id (org/name[@revision]), builtin:tiny / tiny_5b / tiny_agibot / tiny_yam or synthetic:<preset>",
+        description="checkpoint directory or Hugging Face id (org/name[@revision], e.g. GEAR-Dreams/DreamZero-DROID; 14B or 5B, told apart by its config.json), builtin:tiny / tiny_5b / tiny_agibot / tiny_yam or synthetic:<preset>",
     )
     tokenizer: str | None = pydantic.Field(
         None, description="tokenizer directory or Hugging Face id, e.g. google/umt5-xxl (default: <checkpoint>/tokenizer)"
@@ -65,19 +65,19 @@ class DreamZeroConfig(pydantic.BaseModel):
     image_resolution: tuple[int, int] | None = pydantic.Field(
         None, description="camera size advertised to clients (default: 14B 180x320; 5B its metadata.json's, else 160x320)"
     )
-    num_inference_steps: int = pydantic.Field(16, ge=1, le=1000)
-    sigma_shift: float = pydantic.Field(5.0, gt=0)
-    cfg_scale: float = pydantic.Field(5.0, ge=1.0)
-    seed: int = 1140
-    dit_step_cache: Literal["off", "fixed", "dynamic"] = "fixed"
-    dit_step_mask: list[bool] = pydantic.Field(default_factory=lambda: list(UPSTREAM_STEP_MASK))
+    num_inference_steps: int = pydantic.Field(16, ge=1, le=1000)  # denoise steps per call (upstream: 16)
+    sigma_shift: float = pydantic.Field(5.0, gt=0)  # flow-matching schedule shift (upstream: 5.0)
+    cfg_scale: float = pydantic.Field(5.0, ge=1.0)  # classifier-free guidance on the video (1: no negative branch; upstream: 5.0)
+    seed: int = 1140  # the sampler's noise seed (upstream's)
+    dit_step_cache: Literal["off", "fixed", "dynamic"] = "fixed"  # reuse the last velocity on some steps: off, fixed (dit_step_mask), dynamic (cosine 0.95/0.93 -> skip 4/2)
+    dit_step_mask: list[bool] = pydantic.Field(default_factory=lambda: list(UPSTREAM_STEP_MASK))  # with dit_step_cache fixed: which steps run the DiT (upstream's 8 of 16)
     embodiment: str | None = pydantic.Field(
         None, description="embodiment tag in the checkpoint's metadata.json (default: its only one; oxe_droid among several)"
     )
     prompt_template: str | None = pydantic.Field(
         None, description="'... {task} ...' for a tag upstream's collate has no template for (default: upstream's)"
     )
-    negative_prompt: str = DEFAULT_NEGATIVE_PROMPT
+    negative_prompt: str = DEFAULT_NEGATIVE_PROMPT  # the unconditional CFG branch's text (upstream's Wan negative prompt)
 
     @pydantic.field_validator("text_encoder_device", "image_encoder_device")
     @classmethod

@@ -14,7 +14,8 @@ a 2-layer, width-64 DiT; 9-frame window, 2-frame chunks, 24 actions.
 a ``ti2v`` DiT on 48-channel latents without the ``ys`` concat, the Wan2.2 VAE (``WanVideoVAE38``: 2x2 patchify,
 residual blocks, 16x), the stitched video resized to ``target_video_height/width`` first. 96x192 views -> a
 192x384 canvas -> resized to 96x192 -> 6x12 latents -> 18 tokens per latent frame. Its metadata.json records
-DROID's camera resolution, from which upstream's 5B server (and this one) advertises ``image_resolution``.
+DROID's camera resolution (180x320), which upstream's 5B server replaces by the target size: it (and this one)
+advertises ``image_resolution`` 96x192 and resizes every received frame to it first.
 
 Besides DROID, post-trained-style checkpoints of upstream's other embodiments with the 14B tiny
 geometry (``builtin:tiny_agibot``, ``builtin:tiny_yam``): their own weights (another seed),
@@ -209,10 +210,15 @@ def yam_metadata() -> dict:
     return _embodiment_metadata("yam", ["top_camera-images-rgb", "left_camera-images-rgb", "right_camera-images-rgb"], state, action)
 
 
+# Upstream's video eval_delta_indices per tag (base_48_wan_fine_aug_relative.yaml): AgiBot's clients send 4 frames.
+VIDEO_EVAL_DELTA_INDICES = {"agibot": [-3, -2, -1, 0], "yam": [0], "oxe_droid": [0]}
+
+
 def run_config(tag: str, language_key: str, view_size: tuple[int, int] = TINY_VIEW_SIZE) -> dict:
     """The parts of a training run's resolved ``experiment_cfg/conf.yaml`` the server reads, as upstream writes them
     (``groot/vla/configs/data/dreamzero/<tag>_relative.yaml`` over ``base_48_wan_fine_aug_relative.yaml``, the
-    DreamZero transform config, the training script's 176x320 resize replaced by the tiny view size)."""
+    DreamZero transform config, the training script's 176x320 resize replaced by the tiny view size). It is part
+    of the tiny checkpoints' cache key (``_definition_digest``): a change here regenerates them."""
     from policies.dreamzero.embodiments import BUILTIN_MODALITIES, DEFAULT_INSTRUCTION, PROJECTOR_INDEX
 
     mod = BUILTIN_MODALITIES[tag]
@@ -225,7 +231,7 @@ def run_config(tag: str, language_key: str, view_size: tuple[int, int] = TINY_VI
         "image_resolution_height": view_size[0], "image_resolution_width": view_size[1],
         "embodiment_tag_to_projector_index": dict(PROJECTOR_INDEX),
         "modality_configs": {tag: {
-            "video": {"_target_": "groot.vla.data.dataset.ModalityConfig", "delta_indices": list(range(25)), "eval_delta_indices": [0], "modality_keys": video},
+            "video": {"_target_": "groot.vla.data.dataset.ModalityConfig", "delta_indices": list(range(25)), "eval_delta_indices": VIDEO_EVAL_DELTA_INDICES[tag], "modality_keys": video},
             "state": {"_target_": "groot.vla.data.dataset.ModalityConfig", "delta_indices": [0], "modality_keys": state},
             "action": {"_target_": "groot.vla.data.dataset.ModalityConfig", "delta_indices": list(range(24)), "modality_keys": action},
             "language": {"_target_": "groot.vla.data.dataset.ModalityConfig", "delta_indices": [0], "modality_keys": [language_key]},

@@ -271,3 +271,23 @@ def test_every_embodiment_uses_category_slot_0_as_upstream_and_its_checkpoints_h
         pytest.skip(f"{released} is absent (the released checkpoint's tensor shapes)")
     shapes = category_layers({n: s for n, (s, _) in json.loads(released.read_text())["tensors"].items()})
     assert len(shapes) == 14 and all(shape[0] == 1 for shape in shapes.values())
+
+
+def test_tiny_run_configs_carry_upstreams_video_eval_delta_indices(tmp_path):
+    """AgiBot's run config asks for the last 4 frames ([-3, -2, -1, 0], base_48_wan_fine_aug_relative.yaml), YAM's for
+    one; the tiny checkpoints' cache key follows the run config, so a cache written before the fix is not reused."""
+    import yaml
+
+    from policies.dreamzero import tiny
+
+    for variant, expected in (("tiny_agibot", [-3, -2, -1, 0]), ("tiny_yam", [0])):
+        conf = yaml.safe_load((ensure_tiny_checkpoint(variant=variant) / "experiment_cfg" / "conf.yaml").read_text())
+        (tag,) = conf["modality_configs"]
+        assert conf["modality_configs"][tag]["video"]["eval_delta_indices"] == expected
+    before = tiny._definition_digest("tiny_agibot")  # noqa: SLF001
+    original = dict(tiny.VIDEO_EVAL_DELTA_INDICES)
+    try:
+        tiny.VIDEO_EVAL_DELTA_INDICES["agibot"] = [0]
+        assert tiny._definition_digest("tiny_agibot") != before  # noqa: SLF001
+    finally:
+        tiny.VIDEO_EVAL_DELTA_INDICES.update(original)

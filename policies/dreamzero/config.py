@@ -63,7 +63,9 @@ class DreamZeroConfig(pydantic.BaseModel):
         description="per-view (height, width) fed to the model (default: the training run's resize, else the family's: 14B 176x320, 5B 160x320)",
     )
     image_resolution: tuple[int, int] | None = pydantic.Field(
-        None, description="camera size advertised to clients (default: 14B 180x320; 5B its metadata.json's, else 160x320)"
+        None,
+        description="camera size advertised to clients (default: 14B 180x320; 5B its target_video_height/width, 160x320, "
+        "to which it first resizes every received frame, as upstream's 5B server)",
     )
     num_inference_steps: int = pydantic.Field(16, ge=1, le=1000)  # denoise steps per call (upstream: 16)
     sigma_shift: float = pydantic.Field(5.0, gt=0)  # flow-matching schedule shift (upstream: 5.0)

@@ -52,6 +52,7 @@ from policies.dreamzero.transforms import (
     denormalize_actions,
     normalize_state,
     pixels_to_model_range,
+    resize_like_opencv,
     resize_video,
     stitch_canvas,
     to_absolute,
@@ -158,13 +159,24 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
 
     def _family_image_resolution(self) -> tuple[int, int]:
         """The camera size upstream's server for this family advertises: the 14B's (socket_test_optimized_AR.py) a fixed
-        180x320; the 5B's (eval_utils/serve_dreamzero_wan22.py) the checkpoint's recorded camera resolution
-        (experiment_cfg/metadata.json ``<embodiment>.modalities.video.<first camera>.resolution``, width x height),
-        else 160x320."""
+        180x320; the 5B's (eval_utils/serve_dreamzero_wan22.py) the size its eval transform expects, which sim_policy.py
+        sets to the checkpoint's ``target_video_height/width`` (overwriting metadata.json's camera resolutions), else
+        metadata.json's first camera (width x height), else 160x320. (A 5B config.json without both target keys gets
+        upstream's 176x320 fallback, which this server refuses: its latent has an odd row.)"""
         if not self.model.vae.is_wan22:
             return (180, 320)
+        if self.action_head_config.target_video_size is not None:
+            return tuple(self.action_head_config.target_video_size)
         first = self.embodiment.camera_resolutions[0] if self.embodiment.camera_resolutions else None
         return tuple(first) if first is not None else (160, 320)
+
+    @property
+    def camera_sizes(self) -> list[tuple[int, int]]:
+        """(height, width) advertised per camera, in the embodiment's camera order. The 5B family: every camera at
+        ``image_resolution`` (upstream's 5B server resizes every camera to one size); else metadata.json's per camera."""
+        if self.model.vae.is_wan22:
+            return [tuple(self.image_resolution)] * len(self.embodiment.cameras)
+        return [tuple(size or self.image_resolution) for size in self.embodiment.schema(self.image_resolution).resolutions]
 
     @property
     def canvas_size(self) -> tuple[int, int]:
@@ -226,7 +238,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
     def info(self) -> PolicyInfo:
         e, horizon = self.embodiment, self.action_head_config.action_horizon
         resolution = self.image_resolution
-        schema = e.schema(resolution) if e.wire == "keys" else None
+        schema = ObservationSchema(e.tag, e.cameras, e.states, tuple(self.camera_sizes)) if e.wire == "keys" else None
         return PolicyInfo(
             server_config=droid_server_config(resolution) if schema is None else metadata_frame(e, schema, horizon, FRAMES_CONTRACT),
             action_horizon=horizon,
@@ -237,7 +249,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 "dit_step_cache": self.config.dit_step_cache,
                 "num_inference_steps": self.config.num_inference_steps,
                 "backbone": "wan2.2-ti2v-5b" if self.model.vae.is_wan22 else "wan2.1-i2v-14b",
-                "embodiment": e.describe(resolution),
+                "embodiment": {**e.describe(resolution), **({"observation": schema.describe()} if schema is not None else {})},
                 "frames_per_call": FRAMES_CONTRACT,
             },  # fmt: skip
             max_batch=64,  # step_batch runs any number of sessions in one forward; engine.max_batch caps it
@@ -283,7 +295,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
     def warmup_observations(self) -> Iterator[RobotObservation]:
         """A session that fills one window and restarts it once: every shape a session meets."""
         e = self.embodiment
-        sizes = [size or self.image_resolution for size in e.schema(self.image_resolution).resolutions]
+        sizes = self.camera_sizes
         window_calls = 1 + -(-(self.dit_config.local_attn_size - 1) // self.dit_config.num_frame_per_block)
         for call in range(window_calls + 1):
             count = 1 if call == 0 else FRAMES_PER_CALL
@@ -544,6 +556,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
     def _canvas(self, observation: RobotObservation) -> np.ndarray:
         size, e = self.view_size, self.embodiment
         frames = [observation.cameras.get(name) for name in e.cameras]
+        if self.model.vae.is_wan22:
+            # Upstream's 5B server first brings every received frame to the advertised size with OpenCV's bilinear
+            # resize (serve_dreamzero_wan22.py _resize_frames_to_resolution), then runs the transform on it.
+            frames = [None if v is None else resize_like_opencv(v, s) for v, s in zip(frames, self.camera_sizes, strict=True)]
         views = [None if v is None else crop_and_resize(v, size, e.crop_scale) for v in frames]
         return stitch_canvas(e.layout, views, view_size=size)
 

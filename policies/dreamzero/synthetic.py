@@ -300,7 +300,7 @@ def build_model(
     logger.info("synthetic DreamZero %s: %.2f B parameters on %s (%s) in %.1f s", spec.preset, params / 1e9, device, dtype,
                 time.perf_counter() - start)  # fmt: skip
     check_dit_fits_vae(spec.dit, vae)
-    # the 5B's server advertises the cameras' recorded resolution (DROID's 320 x 180)
+    # the cameras' recorded resolution, as a 5B run writes it (DROID's 320 x 180); the 5B is served at its target size
     metadata = droid_metadata((320, 180) if vae.is_wan22 else None)
     return DreamZeroModel(dit, text_encoder, image_encoder, vae, tokenizer, spec.head, metadata)
 

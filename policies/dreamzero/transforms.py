@@ -33,7 +33,8 @@ from policies.embodiment import Layout, QuantileStats
 
 __all__ = [
     "CROP_SCALE", "DROID_TEMPLATE", "NormStats", "canvas_size", "clean_prompt", "crop_and_resize", "denormalize_actions",
-    "droid_instruction", "droid_prompt", "normalize_state", "stitch_canvas", "stitch_views", "to_absolute", "to_absolute_joints",
+    "droid_instruction", "droid_prompt", "normalize_state", "resize_like_opencv", "stitch_canvas", "stitch_views", "to_absolute",
+    "to_absolute_joints",
 ]  # fmt: skip
 
 CROP_SCALE = 0.95
@@ -83,6 +84,53 @@ def crop_and_resize(frames: np.ndarray, size: tuple[int, int], crop_scale: float
     if (crop_h, crop_w) != tuple(size):
         x = F.interpolate(x, size=size, mode="bilinear", align_corners=False, antialias=True)
     return (x.permute(0, 2, 3, 1) * 255.0).to(torch.uint8).numpy()
+
+
+# OpenCV's fixed-point bilinear resize of uint8 images (imgproc/src/resize.cpp): 11-bit weights.
+_CV_COEF_BITS = 11
+
+
+def _cv_axis(src: int, dst: int, *, horizontal: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per output index along one axis: (first source index, second source index, weight of the first, of the
+    second), as OpenCV computes them: ``fx = float((d + 0.5) * scale - 0.5)`` in float32, ``sx = floor(fx)``, the
+    weights ``1 - fx`` and ``fx`` rounded to 11 bits. Past an edge both taps are the edge pixel; horizontally
+    OpenCV also sets the weight there to (1, 0), vertically it keeps the computed pair."""
+    scale = 1.0 / (dst / src)  # OpenCV: 1 / inv_scale with inv_scale = dsize / ssize, in double
+    f = ((np.arange(dst, dtype=np.float64) + 0.5) * scale - 0.5).astype(np.float32)
+    first = np.floor(f).astype(np.int64)
+    f = f - first.astype(np.float32)
+    if horizontal:
+        f[(first < 0) | (first >= src - 1)] = 0.0
+        first = np.clip(first, 0, src - 1)
+    one = np.float32(1 << _CV_COEF_BITS)
+    w0 = np.rint((np.float32(1.0) - f) * one).astype(np.int32)
+    w1 = np.rint(f * one).astype(np.int32)
+    return np.clip(first, 0, src - 1), np.clip(first + 1, 0, src - 1), w0, w1
+
+
+def resize_like_opencv(frames: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """(T, H, W, C) uint8 -> (T, *size, C) uint8, bit for bit ``cv2.resize(frame, (w, h), interpolation=cv2.INTER_LINEAR)``
+    (upstream's 5B server, ``eval_utils/serve_dreamzero_wan22.py``, resizes every received frame so); frames already
+    at ``size`` are returned as they are.
+
+    OpenCV does it in fixed point: a horizontal pass with 11-bit weights into int32 rows, then a vertical pass that
+    (x86 SIMD, ``VResizeLinearVec_32s8u``) multiplies ``row >> 4`` by the 11-bit weight keeping the high 16 bits,
+    sums the two taps and rounds off 2 more bits. An exact 2x downscale is its INTER_AREA fast path instead (the
+    rounded mean of each 2x2 block). Checked against cv2 itself in ``tests/policies/test_transforms.py``."""
+    h, w = frames.shape[1:3]
+    out_h, out_w = size
+    if (h, w) == (out_h, out_w):
+        return frames
+    x = frames.astype(np.int32)
+    if h == 2 * out_h and w == 2 * out_w:
+        block = x[:, 0::2, 0::2] + x[:, 0::2, 1::2] + x[:, 1::2, 0::2] + x[:, 1::2, 1::2]
+        return ((block + 2) >> 2).astype(np.uint8)
+    x0, x1, a0, a1 = _cv_axis(w, out_w, horizontal=True)
+    rows = x[:, :, x0] * a0[:, None] + x[:, :, x1] * a1[:, None]  # (T, H, out_w, C), weights summing to 2048
+    y0, y1, b0, b1 = _cv_axis(h, out_h, horizontal=False)
+    top, bottom = rows[:, y0] >> 4, rows[:, y1] >> 4
+    value = ((top * b0[:, None, None]) >> 16) + ((bottom * b1[:, None, None]) >> 16)
+    return np.clip((value + 2) >> 2, 0, 255).astype(np.uint8)
 
 
 def stitch_views(

@@ -67,6 +67,7 @@ def policy_stub(embodiment) -> SimpleNamespace:
     """What DreamZeroPolicy's per-call methods read, at the reference's view size (the DiT is not involved)."""
     stub = SimpleNamespace(
         embodiment=embodiment, view_size=VIEW_SIZE, action_head_config=SimpleNamespace(max_state_dim=64),
+        model=SimpleNamespace(vae=SimpleNamespace(is_wan22=False)),  # the 14B's camera path (the 5B resizes to its target first)
         state_stats=NormStats.from_quantiles(embodiment.state_stats), action_stats=NormStats.from_quantiles(embodiment.action_stats),
     )  # fmt: skip
     slices = embodiment.state_slices

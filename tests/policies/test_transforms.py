@@ -101,3 +101,26 @@ def test_stats_come_from_metadata_joint_then_gripper():
     assert stats.q01.tolist() == [1, 2, 0] and stats.q99.tolist() == [3, 4, 1]
     with pytest.raises(ValueError, match=r"oxe_droid\.statistics\.state"):
         NormStats.from_metadata(meta, "oxe_droid", "state")
+
+
+@pytest.mark.parametrize(("source", "target"), [((180, 320), (160, 320)), ((720, 1280), (160, 320)), ((320, 640), (160, 320)),
+                                                ((90, 160), (160, 320)), ((37, 53), (19, 71)), ((5, 3), (41, 2))])  # fmt: skip
+def test_resize_like_opencv_is_bit_exact_to_cv2_inter_linear(source, target):
+    """Upstream's 5B server resizes received frames with cv2.resize(INTER_LINEAR); ours must give the same bytes
+    (downscale, an exact 2x (OpenCV's area fast path), upscale, odd sizes, saturated pixels)."""
+    cv2 = pytest.importorskip("cv2", reason="opencv-python-headless (the dev extra) is the independent reference")
+    from policies.dreamzero.transforms import resize_like_opencv
+
+    rng = np.random.default_rng(sum(source) + sum(target))
+    frames = rng.integers(0, 256, (3, *source, 3), dtype=np.uint8)
+    frames[1] = 255
+    frames[2] = rng.integers(250, 256, (*source, 3), dtype=np.uint8)
+    expected = np.stack([cv2.resize(f, (target[1], target[0]), interpolation=cv2.INTER_LINEAR) for f in frames])
+    np.testing.assert_array_equal(resize_like_opencv(frames, target), expected)
+
+
+def test_resize_like_opencv_keeps_frames_already_at_the_size():
+    from policies.dreamzero.transforms import resize_like_opencv
+
+    frames = np.random.default_rng(0).integers(0, 256, (2, 16, 24, 3), dtype=np.uint8)
+    assert resize_like_opencv(frames, (16, 24)) is frames

@@ -153,10 +153,12 @@ def test_two_policy_calls_match_upstreams_action_head(reference, tiny_5b, monkey
     cache.end_session(session.kv)
 
 
-def test_the_5b_needs_no_ys_and_reads_the_advertised_resolution_from_its_metadata(tiny_5b):
+def test_the_5b_needs_no_ys_and_advertises_its_target_video_size(tiny_5b):
     policy = DreamZeroPolicy(DreamZeroConfig(checkpoint="builtin:tiny_5b"), RuntimeOptions(), model=tiny_5b)
     assert policy.view_size == (96, 192) and policy.canvas_size == (96, 192)
-    assert policy.info.server_config["image_resolution"] == [180, 320]  # metadata.json: DROID cameras, 320 x 180
+    # upstream's sim_policy.py overwrites metadata.json's 320 x 180 cameras with target_video_height/width (96x192 here)
+    assert policy.embodiment.camera_resolutions[0] == (180, 320)
+    assert policy.info.server_config["image_resolution"] == [96, 192]
     assert policy.info.details["backbone"] == "wan2.2-ti2v-5b"
     image = torch.zeros(1, 3, 1, 96, 192)
     ys, first = policy._image_conditioning(image)  # noqa: SLF001
@@ -194,7 +196,7 @@ def test_tiny_5b_served_end_to_end_to_an_openpi_client(tmp_path):
 
     with ServerProcess("tiny_5b", tmp_path, args=["--set", "engine.warmup=false"]) as process:
         client = WebsocketClientPolicy(host="127.0.0.1", port=process.port)
-        assert client.get_server_metadata()["image_resolution"] == [180, 320]  # from the 5B checkpoint's metadata.json
+        assert client.get_server_metadata()["image_resolution"] == [96, 192]  # the 5B checkpoint's target video size
         replies = [client.infer(droid_observation(1 if i == 0 else 4, session_id="ep", seed=i, size=(90, 160))) for i in range(3)]
         assert [r["session"]["current_start_frame"] for r in replies] == [3, 5, 7]
         assert all(r["actions"].shape == (24, 8) and r["actions"].dtype == np.float32 and np.isfinite(r["actions"]).all() for r in replies)
@@ -235,7 +237,7 @@ def test_synthetic_5b_policy_steps_and_gpu_check_knows_the_family():
     assert gpu_check.FAMILY_CHECKPOINTS["5b"] == ("synthetic:droid_5b", "synthetic:tiny_5b,layers=2")
     release_cached_model()
     policy = DreamZeroPolicy(DreamZeroConfig(checkpoint="synthetic:tiny_5b,layers=2"), RuntimeOptions())
-    assert policy.view_size == (96, 192) and policy.info.server_config["image_resolution"] == [180, 320]
+    assert policy.view_size == (96, 192) and policy.info.server_config["image_resolution"] == [96, 192]
     spec = policy.kv_spec()
     assert spec.page_size == 18 and spec.cross_image_tokens == 257
     session = policy.start_session("s", PagedKVCache(spec, num_pages=2 * spec.pages_per_branch + 1, max_sessions=1).open_session("s"))
@@ -252,3 +254,49 @@ def test_upstreams_176x320_fallback_is_refused_because_its_latent_has_an_odd_row
     odd = DreamZeroModel(**{**tiny_5b.__dict__, "action_head_config": dataclasses.replace(tiny_5b.action_head_config, target_video_size=(176, 320))})
     with pytest.raises(ValueError, match=r"target_video_height/width 176x320 gives a 11x20 latent; the DiT needs it divisible by its 2x2 patch"):
         DreamZeroPolicy(DreamZeroConfig(checkpoint="builtin:tiny_5b"), RuntimeOptions(), model=odd)
+
+
+def _opencv_canvas(policy: DreamZeroPolicy, cameras: list[np.ndarray], size: tuple[int, int]) -> np.ndarray:
+    """Upstream's 5B server path, with OpenCV itself: every frame cv2-resized (INTER_LINEAR) to the advertised size,
+    then the transform's 95 % crop + per-view resize, stitched."""
+    import cv2
+
+    from policies.dreamzero.transforms import crop_and_resize, stitch_canvas
+
+    resized = [np.stack([cv2.resize(f, (size[1], size[0]), interpolation=cv2.INTER_LINEAR) for f in frames]) for frames in cameras]
+    views = [crop_and_resize(frames, policy.view_size, policy.embodiment.crop_scale) for frames in resized]
+    return stitch_canvas(policy.embodiment.layout, views, view_size=policy.view_size)
+
+
+@pytest.mark.parametrize("camera", [(180, 320), (720, 1280), (61, 97)])
+def test_the_5b_resizes_received_frames_to_the_advertised_size_as_upstreams_opencv_call(tiny_5b, camera):
+    """Frames at a camera size other than the advertised one reach the transform as upstream's 5B server hands them
+    over: cv2.resize(..., INTER_LINEAR) to the advertised size first (so a client sending its native 180x320 DROID
+    frames gets the same canvas from both servers)."""
+    pytest.importorskip("cv2", reason="opencv-python-headless (the dev extra) is the independent reference")
+    policy = DreamZeroPolicy(DreamZeroConfig(checkpoint="builtin:tiny_5b"), RuntimeOptions(), model=tiny_5b)
+    size = tuple(policy.info.server_config["image_resolution"])
+    assert size != camera
+    rng = np.random.default_rng(7)
+    cameras = [rng.integers(0, 256, (2, *camera, 3), dtype=np.uint8) for _ in range(3)]
+    observation = RobotObservation(exterior_left=cameras[0], exterior_right=cameras[1], wrist=cameras[2], prompt="pick up the cup",
+                                   joint_position=np.zeros(7), gripper_position=np.zeros(1))  # fmt: skip
+    ours = policy._canvas(observation)  # noqa: SLF001
+    np.testing.assert_array_equal(ours, _opencv_canvas(policy, cameras, size))
+    # without the pre-resize (the 14B's path) the canvas differs: the test would catch its removal
+    from policies.dreamzero.transforms import crop_and_resize, stitch_canvas
+
+    direct = stitch_canvas(policy.embodiment.layout, [crop_and_resize(c, policy.view_size, policy.embodiment.crop_scale) for c in cameras],
+                           view_size=policy.view_size)  # fmt: skip
+    assert not np.array_equal(ours, direct)
+
+
+def test_frames_at_the_advertised_size_are_not_resampled_first(tiny_5b):
+    from policies.dreamzero.transforms import crop_and_resize, stitch_canvas
+
+    policy = DreamZeroPolicy(DreamZeroConfig(checkpoint="builtin:tiny_5b", image_resolution=(90, 160)), RuntimeOptions(), model=tiny_5b)
+    frames = np.random.default_rng(3).integers(0, 256, (1, 90, 160, 3), dtype=np.uint8)
+    observation = RobotObservation(exterior_left=frames, exterior_right=frames, wrist=frames, prompt="pick up the cup",
+                                   joint_position=np.zeros(7), gripper_position=np.zeros(1))  # fmt: skip
+    view = crop_and_resize(frames, policy.view_size, policy.embodiment.crop_scale)
+    np.testing.assert_array_equal(policy._canvas(observation), stitch_canvas(policy.embodiment.layout, [view] * 3, view_size=policy.view_size))  # noqa: SLF001

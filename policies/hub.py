@@ -96,7 +96,7 @@ def download(hub_id: HubId, *, key: str, example: str, allow_patterns: Sequence[
         RevisionNotFoundError,
     )
 
-    fetch = f"hf download {hub_id.repo_id}" + (f" --revision {hub_id.revision}" if hub_id.revision else "")
+    fetch = download_command(hub_id, allow_patterns)
     local = f"give a local directory (--set {key}={example})"
     try:
         folder = snapshot_download(hub_id.repo_id, revision=hub_id.revision, allow_patterns=list(allow_patterns))
@@ -130,6 +130,23 @@ def download(hub_id: HubId, *, key: str, example: str, allow_patterns: Sequence[
     path = Path(folder)
     logger.info("%s: %s -> %s", key, hub_id, path)
     return path
+
+
+def download_command(hub_id: HubId, allow_patterns: Sequence[str]) -> str:
+    """``hf download <id> [--revision R] --include ...``: only the files the server reads (``google/umt5-xxl``'s
+    tokenizer, not its tens of GB of weights). ``hf`` takes one ``--include`` per pattern from huggingface_hub 1.0
+    (its Typer CLI); before, one ``--include`` followed by every pattern."""
+    import shlex
+
+    from huggingface_hub import __version__ as hub_version
+
+    command = f"hf download {hub_id.repo_id}" + (f" --revision {hub_id.revision}" if hub_id.revision else "")
+    if not allow_patterns:
+        return command
+    quoted = [shlex.quote(p) for p in allow_patterns]
+    if int(hub_version.split(".")[0]) >= 1:
+        return command + "".join(f" --include {q}" for q in quoted)
+    return command + " --include " + " ".join(quoted)
 
 
 def resolve(text: str, *, key: str, example: str, allow_patterns: Sequence[str]) -> Path:

@@ -7,7 +7,10 @@ key. ``replica_config`` is the config one model replica's engine runs with.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ardiff_server.config import AppConfig, ConfigError, validate_config
@@ -16,6 +19,20 @@ MODEL_DEPLOYMENT = "EngineReplica"
 INGRESS_DEPLOYMENT = "Ingress"
 ROUTING_STATS_PERIOD_S = 1.0  # how often Serve asks each replica for its sessions and KV stats
 HEALTH_CHECK_PERIOD_S = 2.0
+# What huggingface_hub reads from the environment. Model replicas resolve Hub ids themselves (on whichever node
+# they run), so they get the driver's values: a token for gated or private repos, offline mode, the cache.
+HUB_ENV_VARS = ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_HOME", "HF_HUB_CACHE", "HF_ENDPOINT")
+
+
+def hub_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The Hugging Face variables set here (``os.environ`` by default), cache paths made absolute (a replica's
+    working directory is Ray's, not this one)."""
+    environ = os.environ if environ is None else environ
+    out = {name: environ[name] for name in HUB_ENV_VARS if name in environ}
+    for name in ("HF_HOME", "HF_HUB_CACHE"):
+        if out.get(name):
+            out[name] = str(Path(out[name]).expanduser().absolute())
+    return out
 
 
 @dataclass(frozen=True)
@@ -49,12 +66,15 @@ class DeploymentPlan:
             return f"{self.min_replicas}-{self.max_replicas} replicas, autoscaling"
         return f"{self.num_replicas} replica{'s' if self.num_replicas != 1 else ''}"
 
-    def model_options(self) -> dict[str, Any]:
-        """Keyword arguments for the model deployment (``serve.deployment(...).options``)."""
+    def model_options(self, env_vars: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Keyword arguments for the model deployment (``serve.deployment(...).options``); ``env_vars`` (e.g.
+        :func:`hub_environment`) go into each replica's ``runtime_env``."""
         options: dict[str, Any] = {
             "max_ongoing_requests": self.max_ongoing_requests,
             "ray_actor_options": {"num_gpus": self.num_gpus, "num_cpus": self.num_cpus},
         }
+        if env_vars:
+            options["ray_actor_options"]["runtime_env"] = {"env_vars": dict(env_vars)}
         if self.autoscaling:
             options["autoscaling_config"] = {
                 "min_replicas": self.min_replicas,

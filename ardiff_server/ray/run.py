@@ -28,6 +28,7 @@ from ardiff_server.ray.plan import (
     MODEL_DEPLOYMENT,
     ROUTING_STATS_PERIOD_S,
     DeploymentPlan,
+    hub_environment,
     plan_deployment,
 )
 from ardiff_server.ray.proxy import proxy_environment
@@ -47,7 +48,7 @@ def build_app(config: AppConfig, plan: DeploymentPlan, *, log_level: int = loggi
     server = config.server
     idle = None if server.idle_timeout_s is None else server.idle_timeout_s + server.session_ttl_s + server.request_timeout_s + 60
     model = serve.deployment(EngineReplica, name=MODEL_DEPLOYMENT).options(
-        **plan.model_options(),
+        **plan.model_options(hub_environment()),  # replicas resolve Hub ids with the driver's token, cache, offline mode
         request_router_config=RequestRouterConfig(
             request_router_class="ardiff_server.ray.router:SessionAffinityRouter",
             request_router_kwargs={"idle_ttl_s": idle},

@@ -119,7 +119,9 @@ class DreamZeroConfig(pydantic.BaseModel):
             from policies.dreamzero.tiny import ensure_tiny_checkpoint
 
             checkpoint = ensure_tiny_checkpoint(variant=self.checkpoint.removeprefix(BUILTIN_PREFIX))
-            return checkpoint, Path(self.tokenizer).expanduser() if self.tokenizer else None
+            # a tokenizer given beside it resolves as in preflight (a Hub id is fetched, never read as a relative path):
+            # Ray replicas get the config unresolved
+            return checkpoint, self._tokenizer_dir(None) if self.tokenizer else None
         return self.local_files()
 
     def local_files(self) -> tuple[Path, Path]:

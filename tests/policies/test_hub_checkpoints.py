@@ -141,8 +141,31 @@ def test_an_incomplete_or_foreign_snapshot_and_an_uncached_id_fail_in_one_line(o
     message = str(caught.value)
     assert message.startswith("policy.checkpoint: test-org/not-cached@v2 is not in the Hugging Face cache")
     assert "HF_HUB_OFFLINE=1" in message and "hf download test-org/not-cached --revision v2" in message and "\n" not in message
-    with pytest.raises(hub.HubError, match=re.escape("policy.tokenizer: google/umt5-xxl is not in the Hugging Face cache")):
+    with pytest.raises(hub.HubError, match=re.escape("policy.tokenizer: google/umt5-xxl is not in the Hugging Face cache")) as caught:
         DreamZeroConfig(checkpoint=REPO_ID, tokenizer="google/umt5-xxl").preflight()
+    # the fix fetches only what the server reads: umt5-xxl's tokenizer files, not its weights
+    fetch = re.search(r"\((hf download google/umt5-xxl[^)]*)\)", str(caught.value)).group(1)
+    assert "--include tokenizer.json" in fetch and "--include spiece.model" in fetch and "safetensors" not in fetch and ".bin" not in fetch
+
+
+def test_the_download_hint_includes_only_the_files_the_server_reads_and_the_hf_cli_takes_it():
+    from click.testing import CliRunner
+    from huggingface_hub.cli.hf import app
+
+    from policies.dreamzero.config import CHECKPOINT_FILES, CHECKPOINT_TOKENIZER_FILES
+
+    command = hub.download_command(hub.HubId("GEAR-Dreams/DreamZero-DROID", "v2"), CHECKPOINT_FILES + CHECKPOINT_TOKENIZER_FILES)
+    assert command.startswith("hf download GEAR-Dreams/DreamZero-DROID --revision v2 --include config.json ")
+    assert "--include 'model-*.safetensors'" in command and "--include 'tokenizer/*'" in command  # quoted: the shell must not glob
+    # the installed hf CLI parses it: every pattern reaches its include list (download itself is not run)
+    import shlex
+    from unittest import mock
+
+    with mock.patch("huggingface_hub.cli.download.snapshot_download", return_value="/x") as download:
+        result = CliRunner().invoke(app, shlex.split(command)[1:])
+    assert result.exit_code == 0, result.output
+    assert download.call_args.kwargs["allow_patterns"] == [*CHECKPOINT_FILES, *CHECKPOINT_TOKENIZER_FILES]
+    assert download.call_args.kwargs["revision"] == "v2"
 
 
 def test_a_hub_id_is_served_through_the_cli_from_the_offline_cache(hf_home, tmp_path):
@@ -176,3 +199,12 @@ def test_an_uncached_id_fails_before_any_worker_with_one_line(tmp_path):
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     assert cpu_s < 2.0, f"{cpu_s:.1f} s of CPU: the failure should come before anything heavy is imported"  # ~0.8 s
+
+
+def test_a_hub_tokenizer_beside_a_built_in_checkpoint_resolves_the_same_without_preflight(offline_hub, tmp_path, monkeypatch):
+    """Ray replicas get the config unresolved (preflight runs with local=False): files() must fetch the id, not read
+    it as a path relative to the replica's working directory."""
+    monkeypatch.chdir(tmp_path)
+    config = DreamZeroConfig(checkpoint="builtin:tiny", tokenizer=TOKENIZER_ID)
+    _, tokenizer = config.files()
+    assert tokenizer == Path(config.preflight().tokenizer) == offline_hub / "models--test-org--tiny-umt5" / "snapshots" / COMMIT

@@ -150,3 +150,16 @@ def test_sighup_under_ray_is_logged_not_fatal():
 def test_a_tls_handshake_timeout_the_proxy_cannot_apply_is_refused():
     with pytest.raises(ConfigError, match=r"server\.tls_handshake_timeout_s=3 cannot be applied under --ray"):
         plan_deployment(load_config("tiny", ["server.tls_handshake_timeout_s=3"]))
+
+
+def test_model_replicas_get_the_drivers_hugging_face_environment(tmp_path, monkeypatch):
+    """Replicas resolve Hub ids on their own nodes: HF_TOKEN, HF_HUB_OFFLINE, HF_HOME (absolute) reach their runtime_env."""
+    from ardiff_server.ray.plan import hub_environment
+
+    monkeypatch.chdir(tmp_path)
+    env = {"HF_TOKEN": "hf_secret", "HF_HUB_OFFLINE": "1", "HF_HOME": "hf-home", "PATH": "/bin", "HF_UNRELATED": "x"}
+    hub = hub_environment(env)
+    assert hub == {"HF_TOKEN": "hf_secret", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
+    options = plan_deployment(load_config("tiny")).model_options(hub)
+    assert options["ray_actor_options"]["runtime_env"] == {"env_vars": hub}
+    assert "runtime_env" not in plan_deployment(load_config("tiny")).model_options({})["ray_actor_options"]

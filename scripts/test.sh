@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up (first run only) and run the whole test suite. Extra arguments go to pytest.
+# Set up (first run only) and run the whole test suite in .venv (CPU torch, the dev, viz and ray extras).
+# Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/bootstrap.sh
-exec .venv/bin/python -m pytest "$@"
+ARDIFF_EXTRAS="${ARDIFF_EXTRAS-dev,viz,ray}" bash scripts/bootstrap.sh
+exec "${ARDIFF_VENV:-.venv}/bin/python" -m pytest "$@"

@@ -158,9 +158,15 @@ class EngineConfig(_Section):
         if (self.replicas > 1 or ranks > 1) and self.devices is None and self.device == "cuda":
             return [[f"cuda:{r * ranks + k}" for k in range(ranks)] for r in range(self.replicas)]
         if self.replicas > 1 and self.device.startswith("cuda"):
+            example = [[f"cuda:{r * ranks + k}" for k in range(ranks)] for r in range(2)]
+            listed = "[" + ", ".join("[" + ",".join(d) + "]" for d in example) + ", ...]"
+            spread = "--set engine.devices=null (engine.device: cuda then spreads them" if self.devices is not None else (
+                "--set engine.device=cuda (to spread them")  # fmt: skip
+            what = f"engine.devices pins one replica's {ranks} rank(s) to {self.devices}" if self.devices is not None else (
+                f"engine.device {self.device} is one GPU")  # fmt: skip
             raise ValueError(
-                "engine.replicas > 1 on CUDA: give each replica its devices with engine.replica_devices "
-                "(e.g. [[cuda:0], [cuda:1]]) or set engine.device: cuda to spread them over consecutive GPUs"
+                f"engine.replicas={self.replicas} on CUDA, but {what}: {spread} over consecutive GPUs, "
+                f"{ranks} per replica) or give each replica its own with --set 'engine.replica_devices={listed}'"
             )
         return [[self.rank_device(k) for k in range(ranks)] for _ in range(self.replicas)]
 
@@ -326,9 +332,11 @@ def preflight(config: AppConfig, *, local: bool = True) -> None:
             index = int(device.partition(":")[2] or 0)
             if index >= count:
                 have = f"{count} CUDA device(s)" if count else "no CUDA device"
+                on_cpu = "--set engine.device=cpu" + "".join(
+                    f" --set engine.{key}=null" for key in ("devices", "replica_devices") if getattr(config.engine, key) is not None
+                )
                 raise ConfigError(
-                    f"{config.source}: engine device {device}: this machine has {have}; "
-                    "serve the CPU default (--config tiny) or --set engine.device=cpu"
+                    f"{config.source}: engine device {device}: this machine has {have}; serve the CPU default (--config tiny) or {on_cpu}"
                 )
     if config.server.record_dir is not None:
         missing = [name for name in ("av", "matplotlib", "PIL") if importlib.util.find_spec(name) is None]

@@ -31,17 +31,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from policies.dreamzero import memory  # noqa: E402
-from policies.dreamzero.dit import DiTConfig  # noqa: E402
+from policies.dreamzero import memory
+from policies.dreamzero.dit import DiTConfig
 
 GiB = memory.GiB
 CARDS_GIB = (24, 48, 80, 141)

@@ -82,7 +82,7 @@ def test_replica_devices_spread_over_gpus_or_must_be_given():
     config = load_config("tiny", ["engine.device=cuda", "engine.replicas=2", "engine.cfg_parallel_size=2", "policy.cfg_scale=5"])
     assert config.engine.replica_device_lists() == [["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]]
     config = load_config("tiny", ["engine.device=cuda:0", "engine.replicas=2"])
-    with pytest.raises(ValueError, match="give each replica its devices"):
+    with pytest.raises(ValueError, match=r"engine.device cuda:0 is one GPU: --set engine.device=cuda .* or give each replica its own"):
         config.engine.replica_device_lists()
     assert load_config("tiny", ["engine.replicas=3"]).engine.replica_device_lists() == [["cpu"]] * 3
 

@@ -48,6 +48,7 @@ from ardiff_server.engine.messages import (
 from kv import CapacityError, PagedKVCache, SessionKV
 from policies.base import Policy, StepResult
 from policies.observation import RobotObservation, UnsupportedObservation
+from policies.progress import StepProgress, frames_label
 
 logger = logging.getLogger(__name__)
 
@@ -311,10 +312,12 @@ class SessionEngine:
         free_before = self.cache.pool.num_free if self.cache else 0
         session_id = WARMUP_SESSION
         timings: dict[str, float] = {}
+        progress = StepProgress("warm-up", len(observations))  # a line per call: compile time per shape, time left
         try:
             for i, observation in enumerate(observations):
                 outcome = self.infer(session_id, observation)
                 timings[f"call{i}_ms"] = round(outcome.compute_ms, 1)
+                progress.step(frames_label(observation.cameras))
         finally:
             self._end(session_id, "warmup", count=False)  # not a real session ending
             self.steps = 0

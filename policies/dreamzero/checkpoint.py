@@ -27,6 +27,7 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from policies.dreamzero.naming import COMPONENT_PREFIXES, Target
+from policies.progress import LoadProgress
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ class WeightFiles:
     def __init__(self, weight_map: dict[str, Path]) -> None:
         self.weight_map = weight_map
         self._handles: dict[Path, Any] = {}
+        # a log line per shard as reading reaches it (GiB, GiB/s, time left); DreamZeroModel.load ends it
+        shards = {path: path.stat().st_size if path.exists() else 0 for path in set(weight_map.values())}
+        self.progress = LoadProgress("weights", shards)
 
     @classmethod
     def from_directory(cls, directory: Path) -> WeightFiles:
@@ -83,9 +87,11 @@ class WeightFiles:
         if path not in self._handles:
             self._handles[path] = _open(path)
         try:
-            return self._handles[path].get_tensor(name)
+            tensor = self._handles[path].get_tensor(name)
         except Exception as exc:  # truncated or corrupted shard
             raise CheckpointError(f"{path.name}: cannot read tensor {name!r}: {exc}") from None
+        self.progress.read(path, tensor.numel() * tensor.element_size())
+        return tensor
 
 
 def _open(path: Path) -> Any:

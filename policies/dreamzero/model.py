@@ -293,6 +293,7 @@ class DreamZeroModel:
         for module, prefix, targets, module_device in components:
             load_component(module, ckpt.weights, prefix, targets, dtype=dtype, device=module_device)
             module.eval().requires_grad_(False)
+        ckpt.weights.progress.finish()
 
         tokenizer_path = Path(tokenizer).expanduser() if tokenizer else ckpt.path / "tokenizer"
         if not tokenizer_path.exists():

@@ -178,7 +178,7 @@ def test_gpu_paged_attention_matches_dense(history, extra):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _flash_available(), reason="needs CUDA and vLLM's flash-attention (pip install .[gpu])")
+@pytest.mark.skipif(not _flash_available(), reason="needs CUDA and vLLM's flash-attention (the GPU install: bash scripts/serve.sh --gpu)")
 def test_gpu_flash_backend_matches_sdpa_backend_at_droid_page_size():
     spec = KVSpec(num_layers=1, num_heads=4, head_dim=128, page_size=880, window_pages=9, max_new_pages=2,
                   max_extra_tokens=25, dtype=torch.bfloat16)  # fmt: skip

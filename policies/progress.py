@@ -3,7 +3,7 @@
 Loading a 46 GB checkpoint, compiling and warming up take minutes; these lines say how far it is. They are
 INFO records of this module's logger, so ``--log-level warning`` keeps start-up quiet. Torch-free.
 
-    weights: shard 2/6 model-00002-of-00006.safetensors (9.31 GiB); 9.80 of 46.20 GiB read in 4.1 s (2.39 GiB/s), ~15 s left
+    weights: shard 2/6 model-00002-of-00006.safetensors (9.31 GiB); 9.80 GiB of 46.20 GiB read in 4.1 s (2.39 GiB/s), ~15 s left
     weights: 46.20 GiB from 6 shard(s) in 19.0 s (2.43 GiB/s)
     warm-up: call 2/6 (4 frames) 812 ms; ~3.2 s left to listening
 """
@@ -18,6 +18,14 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 GiB = 2**30
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= 0.1 * GiB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _rate(nbytes: float, seconds: float) -> str:
+    return _size(nbytes / seconds) + "/s"
 
 
 class LoadProgress:
@@ -37,19 +45,18 @@ class LoadProgress:
         if shard not in self.seen:
             self.seen.add(shard)
             elapsed = self.clock() - self.started
-            line = f"{self.what}: shard {self.order.get(shard, len(self.seen))}/{len(self.shard_bytes)} {shard.name} ({self.shard_bytes.get(shard, 0) / GiB:.2f} GiB)"
+            line = f"{self.what}: shard {self.order.get(shard, len(self.seen))}/{len(self.shard_bytes)} {shard.name} ({_size(self.shard_bytes.get(shard, 0))})"
             if self.read_bytes and elapsed > 0:
-                rate = self.read_bytes / elapsed
-                left = max(0.0, self.total - self.read_bytes) / rate
-                line += (f"; {self.read_bytes / GiB:.2f} of {self.total / GiB:.2f} GiB read in {elapsed:.1f} s "
-                         f"({rate / GiB:.2f} GiB/s), ~{left:.0f} s left")  # fmt: skip
+                left = max(0.0, self.total - self.read_bytes) / (self.read_bytes / elapsed)
+                line += (f"; {_size(self.read_bytes)} of {_size(self.total)} read in {elapsed:.1f} s "
+                         f"({_rate(self.read_bytes, elapsed)}), ~{left:.0f} s left")  # fmt: skip
             logger.info("%s", line)
         self.read_bytes += nbytes
 
     def finish(self) -> None:
         elapsed = self.clock() - self.started
-        rate = f" ({self.read_bytes / elapsed / GiB:.2f} GiB/s)" if elapsed > 0 else ""
-        logger.info("%s: %.2f GiB from %d shard(s) in %.1f s%s", self.what, self.read_bytes / GiB, len(self.seen), elapsed, rate)
+        rate = f" ({_rate(self.read_bytes, elapsed)})" if elapsed > 0 else ""
+        logger.info("%s: %s from %d shard(s) in %.1f s%s", self.what, _size(self.read_bytes), len(self.seen), elapsed, rate)
 
 
 class StepProgress:

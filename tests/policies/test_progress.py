@@ -35,7 +35,7 @@ def test_weights_are_reported_shard_by_shard_with_rates_and_time_left(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
         "weights: shard 1/2 model-00001-of-00002.safetensors (3.00 GiB)",
-        "weights: shard 2/2 model-00002-of-00002.safetensors (1.00 GiB); 3.00 of 4.00 GiB read in 2.0 s (1.50 GiB/s), ~1 s left",
+        "weights: shard 2/2 model-00002-of-00002.safetensors (1.00 GiB); 3.00 GiB of 4.00 GiB read in 2.0 s (1.50 GiB/s), ~1 s left",
         "weights: 4.00 GiB from 2 shard(s) in 2.5 s (1.60 GiB/s)",
     ]
 

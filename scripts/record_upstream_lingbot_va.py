@@ -15,6 +15,12 @@ which ``tests/policies/test_lingbot_va_model.py`` and ``tests/kv/test_provisiona
   an eviction of committed ones, and are dropped together. Timesteps are upstream's schedulers' (shift 5 video,
   shift 1 action, padded with the trailing 0).
 
+* ``policy.*``: a whole episode of upstream's own server (``VA_Server._reset`` / ``_infer`` / ``_compute_kv_cache``
+  through ``VA_Server.infer``, the messages the RoboTwin client sends) on the tiny checkpoint with the tiny RoboTwin
+  embodiment (``policies.lingbot_va.tiny.TINY_EMBODIMENT``): reset, then four chunks of infer + compute_kv_cache
+  (the window slides twice), its global generator seeded right after the reset; the actions of every chunk and the
+  first chunk's encoded observation.
+
 Inputs are drawn from seeded CPU generators (``torch.randn(shape, generator=Generator().manual_seed(seed))``); the
 JSON lists every call (mode, update_cache, frame start, timesteps, seeds) and the sha256 of each input, so the tests
 draw the same tensors and check they did.
@@ -27,7 +33,11 @@ Usage::
         --upstream /tmp/lingbot-va-src --commit <sha>
 
 Adapted to run upstream on a CPU, and nothing else: ``flash_attn`` (imported at module load, unused with
-``attn_mode="torch"``) is a stand-in module whose function raises if called.
+``attn_mode="torch"``) is a stand-in module whose function raises if called. The server object is built without its
+``__init__`` (which wants CUDA and ``torch.distributed``): the same components its ``__init__`` loads from the
+checkpoint (``load_vae`` twice, ``load_text_encoder``, ``load_transformer``, in float32 on the CPU) are set on it,
+with the tiny checkpoint's tokenizer through ``AutoTokenizer`` (upstream's ``T5TokenizerFast`` expects a
+SentencePiece vocabulary; the tiny one is word-level). ``torch.amp.autocast('cuda')`` is a no-op on the CPU.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ import json
 import sys
 import tempfile
 import types
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +186,91 @@ def upstream_output(up, model, out: torch.Tensor, mode: str, x: torch.Tensor, pa
     return out.transpose(1, 2).reshape(2, out.shape[-1], f, h, w)
 
 
+POLICY = {"prompt": "grab the white mug and place it on the table", "seed": 1234, "chunks": 4, "camera_size": [48, 72]}
+
+
+def camera_frame(seed: int, size: tuple[int, int]) -> Any:
+    """A smooth random (H, W, 3) uint8 image: bilinear upsampling of coarse noise (image-like signal for the VAE)."""
+    coarse = randn((1, 3, size[0] // 8, size[1] // 8), seed) * 80 + 128
+    fine = torch.nn.functional.interpolate(coarse, size=size, mode="bilinear", align_corners=False)
+    return fine.round().clamp(0, 255).to(torch.uint8)[0].permute(1, 2, 0).numpy()
+
+
+def observation(cameras: Sequence[str], seed: int) -> dict[str, Any]:
+    """One formatted observation, as the RoboTwin client's ``format_obs`` builds it (images only are read)."""
+    size = tuple(POLICY["camera_size"])
+    return {camera: camera_frame(seed * 10 + i, size) for i, camera in enumerate(cameras)}
+
+
+def key_frames(cameras: Sequence[str], chunk: int, count: int) -> list[dict[str, Any]]:
+    return [observation(cameras, 1000 * (chunk + 1) + k) for k in range(count)]
+
+
+def upstream_server(path: Path, checkpoint: Path, embodiment: Any, save_root: Path) -> Any:
+    """upstream's VA_Server with its __init__'s components, on the CPU in float32 (see the module docstring)."""
+    from easydict import EasyDict
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(path / "wan_va"))
+    import wan_va_server as server_module
+    from modules.utils import WanVAEStreamingWrapper, load_text_encoder, load_transformer, load_vae
+    from utils import FlowMatchScheduler
+
+    e = embodiment
+    used = list(e.used_action_channel_ids)
+    inverse = [len(used)] * e.action_dim
+    for i, j in enumerate(used):
+        inverse[j] = i
+    config = EasyDict(
+        env_type=e.layout, height=e.height, width=e.width, frame_chunk_size=e.frame_chunk_size,
+        action_per_frame=e.action_per_frame, attn_window=e.attn_window, action_dim=e.action_dim,
+        obs_cam_keys=list(e.cameras), guidance_scale=e.guidance_scale, action_guidance_scale=e.action_guidance_scale,
+        num_inference_steps=e.num_inference_steps, video_exec_step=-1,
+        action_num_inference_steps=e.action_num_inference_steps, snr_shift=e.snr_shift,
+        action_snr_shift=e.action_snr_shift, used_action_channel_ids=used, inverse_used_action_channel_ids=inverse,
+        action_norm_method="quantiles", norm_stat={"q01": list(e.q01), "q99": list(e.q99)}, patch_size=(1, 2, 2),
+        param_dtype=torch.float32, save_root=str(save_root),
+    )  # fmt: skip
+    srv = object.__new__(server_module.VA_Server)
+    srv.cache_name, srv.job_config, srv.save_root = "pos", config, config.save_root
+    srv.dtype, srv.device = torch.float32, torch.device("cpu")
+    srv.scheduler = FlowMatchScheduler(shift=e.snr_shift, sigma_min=0.0, extra_one_step=True)
+    srv.action_scheduler = FlowMatchScheduler(shift=e.action_snr_shift, sigma_min=0.0, extra_one_step=True)
+    srv.scheduler.set_timesteps(1000, training=True)
+    srv.action_scheduler.set_timesteps(1000, training=True)
+    srv.vae = load_vae(str(checkpoint / "vae"), torch_dtype=torch.float32, torch_device="cpu")
+    srv.streaming_vae = WanVAEStreamingWrapper(srv.vae)
+    srv.tokenizer = AutoTokenizer.from_pretrained(checkpoint / "tokenizer")
+    srv.text_encoder = load_text_encoder(str(checkpoint / "text_encoder"), torch_dtype=torch.float32, torch_device="cpu")
+    srv.transformer = load_transformer(str(checkpoint / "transformer"), torch_dtype=torch.float32, torch_device="cpu").eval()
+    srv.env_type = e.layout
+    srv.streaming_vae_half = None
+    if e.layout == "robotwin_tshape":
+        vae_half = load_vae(str(checkpoint / "vae"), torch_dtype=torch.float32, torch_device="cpu")
+        srv.streaming_vae_half = WanVAEStreamingWrapper(vae_half)
+    return srv
+
+
+def record_policy(path: Path, checkpoint: Path, save_root: Path, out: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """An episode through upstream's server, the way the RoboTwin client drives it."""
+    from policies.lingbot_va.tiny import TINY_EMBODIMENT as e
+
+    srv = upstream_server(path, checkpoint, e, save_root)
+    srv.infer({"reset": True, "prompt": POLICY["prompt"]})
+    torch.manual_seed(POLICY["seed"])  # upstream never seeds: the episode's generator state, set once after reset
+    frames_per_latent = 4
+    for chunk in range(POLICY["chunks"]):
+        first = observation(e.cameras, chunk)
+        reply = srv.infer({"obs": first, "prompt": POLICY["prompt"], "video_guidance_scale": 5.0, "action_guidance_scale": 5.0})
+        action = reply["action"]
+        out[f"policy.actions.{chunk}"] = torch.from_numpy(action)
+        if chunk == 0:
+            out["policy.first_latent"] = srv.init_latent.float()
+        count = frames_per_latent * (e.frame_chunk_size - (chunk == 0))
+        srv.infer({"obs": key_frames(e.cameras, chunk, count), "compute_kv_cache": True, "imagine": False, "state": action})
+    return POLICY
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--upstream", type=Path, required=True, help="a checkout (or git archive) of Robbyant/lingbot-va")
@@ -228,6 +324,7 @@ def main() -> None:
                       update_cache=call["update"], cache_name="pos", action_mode=call["mode"] == "action")  # fmt: skip
             out[f"episode.{n}"] = upstream_output(up, model, y, call["mode"], x, patch)
             inputs[f"episode.{n}"] = sha(x)
+        policy = record_policy(args.upstream.resolve(), checkpoint, Path(tmp) / "visualization", out)
         meta = {
             "note": (
                 "Outputs of upstream LingBot-VA's WanTransformer3DModel (Robbyant/lingbot-va wan_va/modules/model.py) "
@@ -243,6 +340,7 @@ def main() -> None:
             "single": SINGLE,
             "episode": {**EPISODE, "video_timesteps": video_timesteps, "action_timesteps": action_timesteps, "calls": calls},
             "input_sha256": inputs,
+            "policy": policy,
         }
     args.out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous().float() for k, v in out.items()}, args.out / f"{NAME}.safetensors", metadata={"format": "pt"})

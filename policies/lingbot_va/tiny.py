@@ -14,6 +14,7 @@ and 30 action channels; UMT5 at width 32 (``text_dim``); the Wan2.2 VAE at toy w
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -28,7 +29,7 @@ from safetensors.torch import save_file
 
 from policies.dreamzero.encoders import WAN22_VAE_CONFIG, TextEncoder, VideoVAE
 from policies.dreamzero.tiny import TINY_TEXT_ENCODER, _init, tiny_tokenizer
-from policies.lingbot_va.config import TransformerConfig
+from policies.lingbot_va.config import ROBOTWIN, TransformerConfig
 from policies.lingbot_va.model import LingBotVATransformer
 
 TINY_VERSION = 1
@@ -38,6 +39,12 @@ TINY_TRANSFORMER = TransformerConfig(
     num_layers=2,
 )  # fmt: skip
 TINY_VAE = {"base_dim": 4, "decoder_base_dim": 8, "num_res_blocks": 1}
+# RoboTwin's embodiment at toy size and few steps: the T layout (64x96 high camera, 32x48 wrists -> a 6x6 latent
+# frame, 9 tokens), 2-frame chunks of 16 actions (pages of gcd(18, 32) = 2 tokens), a window of two chunks, 2 video
+# and 2 action steps.
+TINY_EMBODIMENT = dataclasses.replace(
+    ROBOTWIN, height=64, width=96, attn_window=4, num_inference_steps=2, action_num_inference_steps=2
+)
 
 # Words of the tiny tokenizer: RoboTwin-style instructions.
 CORPUS = """

@@ -1,0 +1,382 @@
+"""LingBot-VA's episode logic: ``reset`` / ``infer`` / ``compute_kv_cache`` over a session's paged KV.
+
+Upstream's server (``wan_va/wan_va_server.py``: ``_reset``, ``_infer``, ``_compute_kv_cache``) holds one robot in
+module state; here every session is a :class:`LingBotVASession` (its KV pages, its VAE streams' feature caches, its
+prompt's cross-attention K/V, its noise generator, its frame position), and the arithmetic is upstream's:
+
+* ``reset``: the prompt and the negative prompt ``""`` through UMT5 (padded to 512, padding zeroed), projected once
+  into every layer's cross-attention K/V; the KV window and the VAE streams start empty; the session's generator
+  is seeded (upstream draws from the unseeded global generator: not reproducible);
+* ``infer``: on the first chunk the observation is encoded and becomes latent frame 0 (timestep 0); then video
+  noise, then action noise are drawn; the video loop (FlowMatch Euler, its timesteps padded with a trailing 0 whose
+  forward only writes the predicted chunk's K/V, as provisional pages), then the action loop the same way; CFG
+  over [prompt, negative] whenever either guidance scale is above 1;
+* ``compute_kv_cache``: the provisional pages are dropped, the frames the robot saw and the actions it executed are
+  written as committed pages (t = 0), and the frame position advances.
+
+Where this deliberately differs from upstream (docs/lingbot-va.md): the guidance scales a request carries are used
+(bounded), upstream ignores them; noise comes from a per-session generator seeded at reset.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from diffusers import AutoencoderKLWan
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, patchify
+
+from kv import Branch, KVSpec, SessionKV, prepare_batch
+from policies.dreamzero.embodiments import clean_prompt
+from policies.dreamzero.encoders import TextEncoder
+from policies.lingbot_va.config import Embodiment
+from policies.lingbot_va.model import LingBotVATransformer, TextKV, action_grid, load_transformer, video_grid
+
+TEXT_LENGTH = 512  # upstream's max_sequence_length: the cross-attention sees all 512 positions
+LATENT_CHANNELS = 48
+MAX_GUIDANCE = 20.0  # a request's guidance scale outside [1, MAX_GUIDANCE] is refused by name
+
+
+class EpisodeError(ValueError):
+    """A request this session cannot take (the message names the key); the session is left as it was."""
+
+
+def kv_spec(embodiment: Embodiment, model_cfg, dtype: torch.dtype) -> KVSpec:
+    """Pages of gcd(video, action tokens per chunk): every write is whole pages; the window is upstream's
+    ``(attn_window // 2) x (video + action tokens per chunk)``."""
+    video, action = embodiment.video_tokens_per_chunk, embodiment.action_tokens_per_chunk
+    page = math.gcd(video, action)
+    return KVSpec(
+        num_layers=model_cfg.num_layers, num_heads=model_cfg.num_attention_heads, head_dim=model_cfg.attention_head_dim,
+        page_size=page, window_pages=(embodiment.attn_window // 2) * (video + action) // page,
+        max_new_pages=max(video, action) // page, evict_to_fit=True, dtype=dtype,
+    )  # fmt: skip
+
+
+def flow_match_sigmas(steps: int, shift: float) -> torch.Tensor:
+    """Upstream's ``FlowMatchScheduler(shift, sigma_min=0, extra_one_step=True).set_timesteps(steps)`` sigmas."""
+    sigmas = torch.linspace(1.0, 0.0, steps + 1)[:-1]
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+@dataclass
+class StreamingEncoder:
+    """The VAE encoder with its causal-conv feature cache carried across calls (upstream ``WanVAEStreamingWrapper``)."""
+
+    vae: AutoencoderKLWan
+    feat_cache: list = field(default_factory=list)
+
+    def clear(self) -> None:
+        self.feat_cache = [None] * sum(isinstance(m, WanCausalConv3d) for m in self.vae.encoder.modules())
+
+    def encode(self, video: torch.Tensor) -> torch.Tensor:
+        if not self.feat_cache:
+            self.clear()
+        if self.vae.config.patch_size is not None:
+            video = patchify(video, self.vae.config.patch_size)
+        return self.vae.quant_conv(self.vae.encoder(video, feat_cache=self.feat_cache, feat_idx=[0]))
+
+
+@dataclass
+class LingBotVASession:
+    session_id: str
+    kv: SessionKV
+    streams: tuple[StreamingEncoder, ...]
+    generator: torch.Generator = field(default_factory=torch.Generator)
+    text_kv: list[TextKV] | None = None  # per layer, batch [prompt, negative]
+    frame_start: int = 0
+    first_latent: torch.Tensor | None = None
+    chunks_inferred: int = 0
+
+
+class LingBotVAPolicy:
+    def __init__(
+        self,
+        transformer: LingBotVATransformer,
+        vae: AutoencoderKLWan,
+        text_encoder: TextEncoder,
+        tokenizer,
+        embodiment: Embodiment,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.transformer = transformer
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.tokenizer = tokenizer
+        self.embodiment = embodiment
+        self.device = torch.device(device)
+        self.dtype = dtype
+        e = embodiment
+        if transformer.config.action_dim != e.action_dim:
+            raise ValueError(f"the transformer has {transformer.config.action_dim} action channels, the embodiment {e.action_dim}")
+        self.action_mask = torch.zeros(e.action_dim, dtype=torch.bool)
+        self.action_mask[list(e.used_action_channel_ids)] = True
+        inverse = [len(e.used_action_channel_ids)] * e.action_dim  # unused channels read the zero row
+        for i, channel in enumerate(e.used_action_channel_ids):
+            inverse[channel] = i
+        self.inverse_channels = inverse
+        self.q01 = torch.tensor(e.q01, dtype=torch.float32).reshape(-1, 1, 1)
+        self.q99 = torch.tensor(e.q99, dtype=torch.float32).reshape(-1, 1, 1)
+        vae_cfg = vae.config
+        self.latents_mean = torch.tensor(vae_cfg.latents_mean, dtype=torch.float32)
+        self.latents_std = torch.tensor(vae_cfg.latents_std, dtype=torch.float32)
+
+    @classmethod
+    def load(cls, checkpoint: str | Path, embodiment: Embodiment, *, device="cpu", dtype=torch.float32) -> LingBotVAPolicy:
+        """A released checkpoint directory (``transformer/``, ``vae/``, ``text_encoder/``, ``tokenizer/``)."""
+        from transformers import AutoTokenizer, UMT5EncoderModel
+
+        root = Path(checkpoint)
+        transformer = load_transformer(root / "transformer", dtype=dtype, device=device)
+        vae = AutoencoderKLWan.from_pretrained(root / "vae", torch_dtype=dtype).to(device).eval()
+        text = TextEncoder(UMT5EncoderModel.from_pretrained(root / "text_encoder", torch_dtype=dtype)).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
+        return cls(transformer, vae, text, tokenizer, embodiment, device=device, dtype=dtype)
+
+    def kv_spec(self) -> KVSpec:
+        return kv_spec(self.embodiment, self.transformer.config, self.dtype)
+
+    @property
+    def branches(self) -> tuple[Branch, ...]:
+        """CFG [prompt, negative] when either configured scale is above 1 (upstream's ``use_cfg``), fixed per
+        policy: both branches' K/V are written by every forward, so a request can change the scales, not the batch."""
+        e = self.embodiment
+        return (Branch.COND, Branch.UNCOND) if (e.guidance_scale > 1 or e.action_guidance_scale > 1) else (Branch.COND,)
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    def start_session(self, session_id: str, kv: SessionKV) -> LingBotVASession:
+        streams = 2 if self.embodiment.layout == "robotwin_tshape" else 1
+        return LingBotVASession(session_id, kv, tuple(StreamingEncoder(self.vae) for _ in range(streams)))
+
+    @torch.no_grad()
+    def reset(self, session: LingBotVASession, prompt: str, seed: int) -> None:
+        session.kv.restart_window()
+        for stream in session.streams:
+            stream.clear()
+        session.generator = torch.Generator().manual_seed(seed)
+        session.frame_start, session.first_latent, session.chunks_inferred = 0, None, 0
+        text = self._encode_text([prompt, ""])
+        session.text_kv = self.transformer.project_text(text)
+
+    def _encode_text(self, prompts: list[str]) -> torch.Tensor:
+        tokens = self.tokenizer(
+            [clean_prompt(p) for p in prompts], padding="max_length", max_length=TEXT_LENGTH, truncation=True,
+            add_special_tokens=True, return_attention_mask=True, return_tensors="pt",
+        )  # fmt: skip
+        return self.text_encoder(tokens.input_ids.to(self.device), tokens.attention_mask.to(self.device)).to(self.dtype)
+
+    # -- observations ------------------------------------------------------------------------
+
+    def _encode_frames(self, session: LingBotVASession, frames: Sequence[Mapping[str, np.ndarray]], key: str) -> torch.Tensor:
+        """Key frames (dicts camera -> (H, W, 3) uint8) -> normalized latents (1, 48, F, h, w), continuing the
+        session's VAE streams (upstream ``_encode_obs``)."""
+        e = self.embodiment
+        videos = []
+        for i, camera in enumerate(e.cameras):
+            try:
+                stack = np.stack([np.asarray(frame[camera]) for frame in frames])
+            except KeyError:
+                raise EpisodeError(f"{key}: camera {camera!r} missing") from None
+            except ValueError as exc:
+                raise EpisodeError(f"{key}: frames of {camera!r} differ in shape ({exc})") from None
+            if stack.ndim != 4 or stack.shape[-1] != 3:
+                raise EpisodeError(f"{key}: {camera!r} must be (H, W, 3) images, got {stack.shape[1:]}")
+            size = (e.height // 2, e.width // 2) if e.layout == "robotwin_tshape" and i > 0 else (e.height, e.width)
+            video = torch.from_numpy(stack).float().permute(3, 0, 1, 2)  # (3, T, H, W)
+            videos.append(F.interpolate(video, size=size, mode="bilinear", align_corners=False).unsqueeze(0))
+        if e.layout == "robotwin_tshape":
+            high = self._to_model(videos[0])
+            wrists = self._to_model(torch.cat(videos[1:], dim=0))
+            high_enc = session.streams[0].encode(high)
+            wrist_enc = session.streams[1].encode(wrists)
+            encoded = torch.cat([torch.cat(wrist_enc.split(1, dim=0), dim=-1), high_enc], dim=-2)
+        else:
+            encoded = session.streams[0].encode(self._to_model(torch.cat(videos, dim=0)))
+        mu = encoded.chunk(2, dim=1)[0]
+        shape = (1, -1, 1, 1, 1)
+        mean = self.latents_mean.to(mu.device).view(shape)
+        inv_std = (1.0 / self.latents_std).to(mu.device).view(shape)
+        normalized = ((mu.float() - mean) * inv_std).to(mu)
+        return torch.cat(normalized.split(1, dim=0), dim=-1)
+
+    def _to_model(self, video: torch.Tensor) -> torch.Tensor:
+        return (video / 255.0 * 2.0 - 1.0).to(self.device).to(self.dtype)
+
+    # -- the transformer over the session's pages --------------------------------------------
+
+    def _forward(self, session, x, timesteps, grid, *, action_mode: bool, update: int, branches) -> torch.Tensor:
+        """One forward of the CFG batch; ``update``: 0 scratch, 1 provisional, 2 committed (upstream's update_cache)."""
+        tokens = grid.shape[1]
+        contexts = [
+            session.kv.begin_forward(b, num_video_tokens=tokens, commit=update > 0, provisional=update == 1)
+            for b in branches
+        ]
+        n = len(branches)
+        try:
+            text_kv = [(k[:n], v[:n]) for k, v in session.text_kv]
+            out = self.transformer(
+                x.repeat(n, 1, 1, 1, 1), timesteps[None].repeat(n, 1), grid[None].repeat(n, 1, 1), text_kv,
+                action_mode=action_mode, self_kv=prepare_batch(contexts, self.device),
+            )  # fmt: skip
+        except BaseException:
+            for b in branches:
+                session.kv.abort(b)
+            raise
+        for b in branches:
+            session.kv.complete(b)
+        return out
+
+    @staticmethod
+    def _guide(pred: torch.Tensor, scale: float) -> torch.Tensor:
+        if scale > 1:
+            return pred[1:] + scale * (pred[:1] - pred[1:])
+        return pred[:1]
+
+    # -- the three requests --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def infer(
+        self,
+        session: LingBotVASession,
+        observation: Mapping[str, np.ndarray] | Sequence[Mapping[str, np.ndarray]],
+        *,
+        video_guidance_scale: float | None = None,
+        action_guidance_scale: float | None = None,
+    ) -> np.ndarray:
+        """One chunk: actions (len(used channels), frame_chunk_size, action_per_frame) float32."""
+        if session.text_kv is None:
+            raise EpisodeError("infer before reset: send {reset: True, prompt} first")
+        e = self.embodiment
+        video_g = _guidance("video_guidance_scale", video_guidance_scale, e.guidance_scale)
+        action_g = _guidance("action_guidance_scale", action_guidance_scale, e.action_guidance_scale)
+        branches = self.branches
+        for key, value in (("video_guidance_scale", video_g), ("action_guidance_scale", action_g)):
+            if value > 1 and len(branches) == 1:
+                # the negative prompt's K/V were never written: the configured scales are both 1
+                raise EpisodeError(f"{key}: {value} needs the unconditional branch, which this policy does not run")
+        first = session.frame_start == 0
+        if first:
+            frames = [observation] if isinstance(observation, Mapping) else list(observation)
+            if len(frames) != 1:
+                raise EpisodeError(f"obs: the first infer of an episode takes one observation, got {len(frames)}")
+            session.first_latent = self._encode_frames(session, frames, "obs")
+        f, n = e.frame_chunk_size, e.action_per_frame
+        h, w = e.latent_size
+        # noise: video, then actions, from the session's generator (upstream: the global one, same order and shapes)
+        latents = torch.randn(1, LATENT_CHANNELS, f, h, w, generator=session.generator, dtype=self.dtype).to(self.device)
+        actions = torch.randn(1, e.action_dim, f, n, 1, generator=session.generator, dtype=self.dtype).to(self.device)
+        start = session.frame_start
+
+        latent_cond = session.first_latent[:, :, 0:1].to(self.dtype) if first else None
+        grid = video_grid(f, h // 2, w // 2, start).to(self.device)
+        sigmas = flow_match_sigmas(e.num_inference_steps, e.snr_shift)
+        for i in range(len(sigmas) + 1):  # the trailing t = 0 forward keeps the chunk's K/V
+            last = i == len(sigmas)
+            timesteps = torch.full((f,), float(sigmas[i] * 1000) if not last else 0.0, device=self.device)
+            if first:
+                latents[:, :, 0:1] = latent_cond
+                timesteps[0] = 0.0
+            pred = self._forward(session, latents, timesteps, grid, action_mode=False, update=1 if last else 0, branches=branches)
+            if not last:
+                if len(branches) == 1:
+                    pred = pred[:1]
+                else:
+                    pred = self._guide(pred, video_g)
+                latents = latents + pred * (_next(sigmas, i) - sigmas[i])
+            if first:
+                latents[:, :, 0:1] = latent_cond
+
+        action_cond = torch.zeros(1, e.action_dim, 1, n, 1, device=self.device, dtype=self.dtype) if first else None
+        unused = ~self.action_mask.to(self.device)
+        grid = action_grid(f, n, start).to(self.device)
+        sigmas = flow_match_sigmas(e.action_num_inference_steps, e.action_snr_shift)
+        for i in range(len(sigmas) + 1):
+            last = i == len(sigmas)
+            timesteps = torch.full((f,), float(sigmas[i] * 1000) if not last else 0.0, device=self.device)
+            if first:
+                actions[:, :, 0:1] = action_cond
+                timesteps[0] = 0.0
+            actions[:, unused] *= 0
+            pred = self._forward(session, actions, timesteps, grid, action_mode=True, update=1 if last else 0, branches=branches)
+            if not last:
+                pred = pred[:1] if len(branches) == 1 else self._guide(pred, action_g)
+                actions = actions + pred * (_next(sigmas, i) - sigmas[i])
+            if first:
+                actions[:, :, 0:1] = action_cond
+        actions[:, unused] *= 0
+        session.chunks_inferred += 1
+        return self._denormalize(actions)
+
+    @torch.no_grad()
+    def compute_kv_cache(
+        self, session: LingBotVASession, frames: Sequence[Mapping[str, np.ndarray]], state: np.ndarray
+    ) -> None:
+        """What the robot saw and did: the prediction's pages are dropped, these written as committed."""
+        if session.text_kv is None:
+            raise EpisodeError("compute_kv_cache before reset: send {reset: True, prompt} first")
+        e = self.embodiment
+        if session.frame_start == 0 and session.first_latent is None:
+            raise EpisodeError("compute_kv_cache before the episode's first infer")
+        action_in = self._normalize(state)
+        frames = [frames] if isinstance(frames, Mapping) else list(frames)
+        # 4 frames per latent frame; the first chunk's frame 0 is the observation its infer encoded
+        expected = 4 * (e.frame_chunk_size - (session.frame_start == 0))
+        if len(frames) != expected:
+            raise EpisodeError(f"obs: {len(frames)} key frames; this chunk takes {expected} (4 per latent frame)")
+        latent = self._encode_frames(session, frames, "obs") if frames else None
+        if session.frame_start == 0:
+            latent = session.first_latent if latent is None else torch.cat([session.first_latent, latent], dim=2)
+        session.kv.drop_provisional()
+        branches = self.branches
+        f = e.frame_chunk_size
+        h, w = e.latent_size
+        zeros = torch.zeros(f, device=self.device)
+        self._forward(session, latent.to(self.dtype), zeros, video_grid(f, h // 2, w // 2, session.frame_start).to(self.device),
+                      action_mode=False, update=2, branches=branches)  # fmt: skip
+        action_in = action_in.to(self.device, self.dtype)
+        action_in[:, ~self.action_mask.to(self.device)] *= 0
+        self._forward(session, action_in, zeros, action_grid(f, e.action_per_frame, session.frame_start).to(self.device),
+                      action_mode=True, update=2, branches=branches)  # fmt: skip
+        session.frame_start += latent.shape[2]
+
+    # -- actions ---------------------------------------------------------------------------------
+
+    def _normalize(self, state: np.ndarray) -> torch.Tensor:
+        """The executed actions as the client echoes them, (used channels, F, N) -> (1, 30, F, N, 1) normalized."""
+        e = self.embodiment
+        expected = (len(e.used_action_channel_ids), e.frame_chunk_size, e.action_per_frame)
+        array = np.asarray(state)
+        if array.shape != expected or not np.issubdtype(array.dtype, np.number):
+            raise EpisodeError(f"state: expected the chunk's actions {expected}, got {array.shape} {array.dtype}")
+        if not np.isfinite(array).all():
+            raise EpisodeError("state: contains NaN or infinity")
+        padded = F.pad(torch.from_numpy(array.astype(np.float32)), [0, 0, 0, 0, 0, 1])[self.inverse_channels]
+        normalized = (padded - self.q01) / (self.q99 - self.q01 + 1e-6) * 2.0 - 1.0
+        return normalized.unsqueeze(0).unsqueeze(-1)
+
+    def _denormalize(self, actions: torch.Tensor) -> np.ndarray:
+        a = actions.cpu()[0, ..., 0]
+        a = (a + 1) / 2 * (self.q99 - self.q01 + 1e-6) + self.q01
+        return a.float().numpy()[list(self.embodiment.used_action_channel_ids)]
+
+
+def _next(sigmas: torch.Tensor, i: int) -> torch.Tensor:
+    return sigmas[i + 1] if i + 1 < len(sigmas) else torch.tensor(0.0)
+
+
+def _guidance(key: str, value: float | None, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise EpisodeError(f"{key}: expected a number, got {value!r}")
+    if not 1.0 <= value <= MAX_GUIDANCE:
+        raise EpisodeError(f"{key}: {value} outside [1, {MAX_GUIDANCE}]")
+    return float(value)

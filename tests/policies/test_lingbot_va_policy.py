@@ -1,0 +1,146 @@
+"""LingBot-VA's episode logic (policies/lingbot_va/policy.py) against upstream's own server on the tiny checkpoint.
+
+The reference (scripts/record_upstream_lingbot_va.py, ``policy.*``) is a whole episode of upstream's ``VA_Server``:
+reset, four chunks of infer + compute_kv_cache with the RoboTwin client's messages, the window sliding twice, its
+global generator seeded after the reset. The same episode here, from a session generator seeded at reset, gives the
+same actions within 1e-5.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kv import PagedKVCache
+from policies.lingbot_va.policy import EpisodeError, LingBotVAPolicy
+from policies.lingbot_va.tiny import TINY_EMBODIMENT, ensure_tiny_checkpoint
+
+REPO = Path(__file__).parents[2]
+REFERENCE = REPO / "tests" / "reference_data" / "upstream_lingbot_va_tiny"
+ATOL = 1e-5
+
+
+def _recording_script():
+    spec = importlib.util.spec_from_file_location("record_upstream_lingbot_va", REPO / "scripts" / "record_upstream_lingbot_va.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+RECORD = _recording_script()  # its observation and key-frame functions: the episode's inputs
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return json.loads(REFERENCE.with_suffix(".json").read_text()), load_file(REFERENCE.with_suffix(".safetensors"))
+
+
+@pytest.fixture(scope="module")
+def policy() -> LingBotVAPolicy:
+    return LingBotVAPolicy.load(ensure_tiny_checkpoint(), TINY_EMBODIMENT)
+
+
+def make_cache(policy, sessions=2):
+    spec = policy.kv_spec()
+    return PagedKVCache(spec, num_pages=sessions * 2 * spec.pages_per_branch + 1, max_sessions=sessions, attention_backend="sdpa")
+
+
+def chunk(policy, session, index, seed_offset=0):
+    """One chunk of the RoboTwin client's loop: infer, then compute_kv_cache with the key frames it saw (4 per latent
+    frame; the first chunk's frame 0 is the observation) and the actions it executed."""
+    e = TINY_EMBODIMENT
+    action = policy.infer(session, RECORD.observation(e.cameras, index + seed_offset))
+    frames = RECORD.key_frames(e.cameras, index + seed_offset, 4 * (e.frame_chunk_size - (index == 0)))
+    policy.compute_kv_cache(session, frames, action)
+    return action
+
+
+def test_an_episode_interleaved_with_another_robots_matches_upstreams_server(reference, policy):
+    meta, tensors = reference
+    p = meta["policy"]
+    cache = make_cache(policy)
+    robot = policy.start_session("robot", cache.open_session("robot"))
+    other = policy.start_session("other", cache.open_session("other"))
+    policy.reset(robot, p["prompt"], seed=p["seed"])
+    policy.reset(other, "pick up the red cup", seed=p["seed"] + 1)
+    evicted = []
+    for index in range(p["chunks"]):
+        action = chunk(policy, robot, index)
+        other_action = chunk(policy, other, index, seed_offset=7)  # its own pages, VAE streams and generator
+        expected = tensors[f"policy.actions.{index}"].numpy()
+        assert action.shape == expected.shape == (16, 2, 16) and action.dtype == np.float32
+        error = np.abs(action - expected).max()
+        assert error <= ATOL, f"chunk {index}: max abs error {error:.3g} vs upstream"
+        assert np.isfinite(other_action).all() and not np.allclose(other_action, action)
+        if index == 0:
+            latent_error = (robot.first_latent - tensors["policy.first_latent"]).abs().max().item()
+            assert latent_error <= ATOL, f"the encoded first observation: max abs error {latent_error:.3g}"
+        evicted.append(robot.kv.branch(0).evicted_pages)
+    assert evicted[1] == 0 and evicted[-1] > 0, "the episode was meant to slide the window"
+    assert robot.frame_start == 2 * p["chunks"]
+    cache.end_session(robot.kv)
+    cache.end_session(other.kv)
+    assert cache.pool.num_allocated == 0
+
+
+def test_a_reset_replays_the_episode_from_its_seed(reference, policy):
+    meta, tensors = reference
+    p = meta["policy"]
+    cache = make_cache(policy)
+    session = policy.start_session("robot", cache.open_session("robot"))
+    observation = RECORD.observation(TINY_EMBODIMENT.cameras, 0)
+    policy.reset(session, "pick up the red cup", seed=5)
+    policy.infer(session, observation)  # a half-done episode: predicted pages, a used generator and VAE streams
+    policy.reset(session, p["prompt"], seed=p["seed"])
+    assert np.abs(policy.infer(session, observation) - tensors["policy.actions.0"].numpy()).max() <= ATOL
+    policy.reset(session, p["prompt"], seed=p["seed"] + 1)
+    assert not np.allclose(policy.infer(session, observation), tensors["policy.actions.0"].numpy(), atol=1e-3)
+
+
+def test_bad_requests_are_refused_by_key_and_leave_the_episode_intact(reference, policy):
+    meta, tensors = reference
+    p = meta["policy"]
+    e = TINY_EMBODIMENT
+    cache = make_cache(policy)
+    session = policy.start_session("robot", cache.open_session("robot"))
+    with pytest.raises(EpisodeError, match="before reset"):
+        policy.infer(session, RECORD.observation(e.cameras, 0))
+    policy.reset(session, p["prompt"], seed=p["seed"])
+    with pytest.raises(EpisodeError, match="video_guidance_scale"):
+        policy.infer(session, RECORD.observation(e.cameras, 0), video_guidance_scale=1e9)
+    with pytest.raises(EpisodeError, match="action_guidance_scale"):
+        policy.infer(session, RECORD.observation(e.cameras, 0), action_guidance_scale=float("nan"))
+    broken = RECORD.observation(e.cameras, 0)
+    del broken[e.cameras[2]]
+    with pytest.raises(EpisodeError, match="cam_right_wrist"):
+        policy.infer(session, broken)
+    action = policy.infer(session, RECORD.observation(e.cameras, 0))
+    assert np.abs(action - tensors["policy.actions.0"].numpy()).max() <= ATOL  # nothing above moved the episode
+    with pytest.raises(EpisodeError, match="state"):
+        policy.compute_kv_cache(session, RECORD.key_frames(e.cameras, 0, 4), action[:, :1])
+    with pytest.raises(EpisodeError, match="obs: 3 key frames"):
+        policy.compute_kv_cache(session, RECORD.key_frames(e.cameras, 0, 3), action)
+    policy.compute_kv_cache(session, RECORD.key_frames(e.cameras, 0, 4), action)
+    action = policy.infer(session, RECORD.observation(e.cameras, 1))
+    assert np.abs(action - tensors["policy.actions.1"].numpy()).max() <= ATOL
+
+
+def test_the_kv_geometry_of_the_shipped_embodiments():
+    from policies.lingbot_va.config import FRANKA, ROBOTWIN, TransformerConfig
+    from policies.lingbot_va.policy import kv_spec
+
+    full = TransformerConfig()
+    robotwin = kv_spec(ROBOTWIN, full, torch.bfloat16)
+    # 24x20 latents -> 120 tokens per frame, 240 per chunk, 32 actions: pages of 16; 36 chunks of 17 pages
+    assert (robotwin.page_size, robotwin.window_pages, robotwin.max_new_pages) == (16, 612, 15)
+    franka = kv_spec(FRANKA, full, torch.bfloat16)
+    # 14x60 latents -> 210 tokens per frame, 840 per chunk, 80 actions: pages of 40; 15 chunks of 23 pages
+    assert (franka.page_size, franka.window_pages, franka.max_new_pages) == (40, 345, 21)
+    gib = robotwin.window_pages * robotwin.page_bytes * 2 / 2**30  # both CFG branches
+    assert 6.5 < gib < 7.0  # a RoboTwin session's window in bf16: ~6.7 GiB

@@ -82,6 +82,14 @@ class StreamingEncoder:
         return self.vae.quant_conv(self.vae.encoder(video, feat_cache=self.feat_cache, feat_idx=[0]))
 
 
+@dataclass(frozen=True)
+class InferRequest:
+    session: LingBotVASession
+    observation: Mapping[str, np.ndarray] | Sequence[Mapping[str, np.ndarray]]
+    video_guidance_scale: float | None = None
+    action_guidance_scale: float | None = None
+
+
 @dataclass
 class LingBotVASession:
     session_id: str
@@ -175,20 +183,32 @@ class LingBotVAPolicy:
 
     # -- observations ------------------------------------------------------------------------
 
+    def _camera_stacks(self, frames: Sequence[Mapping[str, np.ndarray]], key: str) -> list[np.ndarray]:
+        """Each camera's frames as (T, H, W, 3), or EpisodeError naming the key and the camera."""
+        stacks = []
+        for camera in self.embodiment.cameras:
+            try:
+                stack = np.stack([np.asarray(frame[camera]) for frame in frames])
+            except (KeyError, TypeError, IndexError):
+                raise EpisodeError(f"{key}: camera {camera!r} missing") from None
+            except ValueError as exc:
+                raise EpisodeError(f"{key}: frames of {camera!r} differ in shape ({exc})") from None
+            if stack.ndim != 4 or stack.shape[-1] != 3 or min(stack.shape[1:3]) < 1:
+                raise EpisodeError(f"{key}: {camera!r} must be (H, W, 3) images, got {stack.shape[1:]}")
+            if not (np.issubdtype(stack.dtype, np.integer) or np.issubdtype(stack.dtype, np.floating)):
+                raise EpisodeError(f"{key}: {camera!r} has dtype {stack.dtype}; expected uint8 pixels")
+            stacks.append(stack)
+        return stacks
+
+    def _check_frames(self, frames: Sequence[Mapping[str, np.ndarray]], key: str) -> None:
+        self._camera_stacks(frames, key)
+
     def _encode_frames(self, session: LingBotVASession, frames: Sequence[Mapping[str, np.ndarray]], key: str) -> torch.Tensor:
         """Key frames (dicts camera -> (H, W, 3) uint8) -> normalized latents (1, 48, F, h, w), continuing the
         session's VAE streams (upstream ``_encode_obs``)."""
         e = self.embodiment
         videos = []
-        for i, camera in enumerate(e.cameras):
-            try:
-                stack = np.stack([np.asarray(frame[camera]) for frame in frames])
-            except KeyError:
-                raise EpisodeError(f"{key}: camera {camera!r} missing") from None
-            except ValueError as exc:
-                raise EpisodeError(f"{key}: frames of {camera!r} differ in shape ({exc})") from None
-            if stack.ndim != 4 or stack.shape[-1] != 3:
-                raise EpisodeError(f"{key}: {camera!r} must be (H, W, 3) images, got {stack.shape[1:]}")
+        for i, stack in enumerate(self._camera_stacks(frames, key)):
             size = (e.height // 2, e.width // 2) if e.layout == "robotwin_tshape" and i > 0 else (e.height, e.width)
             video = torch.from_numpy(stack).float().permute(3, 0, 1, 2)  # (3, T, H, W)
             videos.append(F.interpolate(video, size=size, mode="bilinear", align_corners=False).unsqueeze(0))
@@ -212,37 +232,52 @@ class LingBotVAPolicy:
 
     # -- the transformer over the session's pages --------------------------------------------
 
-    def _forward(self, session, x, timesteps, grid, *, action_mode: bool, update: int, branches) -> torch.Tensor:
-        """One forward of the CFG batch; ``update``: 0 scratch, 1 provisional, 2 committed (upstream's update_cache)."""
-        tokens = grid.shape[1]
-        contexts = [
-            session.kv.begin_forward(b, num_video_tokens=tokens, commit=update > 0, provisional=update == 1)
-            for b in branches
-        ]
+    def _forward(self, sessions, x, timesteps, grids, *, action_mode: bool, update: int, text_kv) -> torch.Tensor:
+        """One forward of every session's CFG batch, rows [s0 prompt, s0 negative, s1 prompt, ...]; ``x`` (B, ...),
+        ``timesteps`` (B, F) and ``grids`` (B, 3, L) per session. ``update``: 0 scratch, 1 provisional, 2 committed
+        (upstream's update_cache)."""
+        branches = self.branches
         n = len(branches)
+        contexts = [
+            s.kv.begin_forward(b, num_video_tokens=grids.shape[2], commit=update > 0, provisional=update == 1,
+                               scratch_slot=slot)
+            for slot, s in enumerate(sessions) for b in branches
+        ]  # fmt: skip
         try:
-            text_kv = [(k[:n], v[:n]) for k, v in session.text_kv]
             out = self.transformer(
-                x.repeat(n, 1, 1, 1, 1), timesteps[None].repeat(n, 1), grid[None].repeat(n, 1, 1), text_kv,
-                action_mode=action_mode, self_kv=prepare_batch(contexts, self.device),
+                x.repeat_interleave(n, dim=0), timesteps.repeat_interleave(n, dim=0), grids.repeat_interleave(n, dim=0),
+                text_kv, action_mode=action_mode, self_kv=prepare_batch(contexts, self.device),
             )  # fmt: skip
         except BaseException:
-            for b in branches:
-                session.kv.abort(b)
+            for s in sessions:
+                for b in branches:
+                    s.kv.abort(b)
             raise
-        for b in branches:
-            session.kv.complete(b)
+        for s in sessions:
+            for b in branches:
+                s.kv.complete(b)
         return out
 
-    @staticmethod
-    def _guide(pred: torch.Tensor, scale: float) -> torch.Tensor:
-        if scale > 1:
-            return pred[1:] + scale * (pred[:1] - pred[1:])
-        return pred[:1]
+    def _text_kv(self, sessions: Sequence[LingBotVASession]) -> list[TextKV]:
+        """Every layer's cross-attention K/V of the batch's rows (made once per call, not per step)."""
+        n = len(self.branches)
+        if len(sessions) == 1:
+            return [(k[:n], v[:n]) for k, v in sessions[0].text_kv]
+        layers = zip(*(s.text_kv for s in sessions))
+        return [(torch.cat([k[:n] for k, _ in kvs]), torch.cat([v[:n] for _, v in kvs])) for kvs in layers]
+
+    def _guide(self, pred: torch.Tensor, scales: Sequence[float]) -> torch.Tensor:
+        """CFG per session: rows [prompt, negative] of each -> one row (``uncond + g (cond - uncond)``, upstream's)."""
+        if len(self.branches) == 1:
+            return pred
+        rows = []
+        for i, scale in enumerate(scales):
+            cond, uncond = pred[2 * i : 2 * i + 1], pred[2 * i + 1 : 2 * i + 2]
+            rows.append(uncond + scale * (cond - uncond) if scale > 1 else cond)
+        return torch.cat(rows)
 
     # -- the three requests --------------------------------------------------------------------
 
-    @torch.no_grad()
     def infer(
         self,
         session: LingBotVASession,
@@ -252,68 +287,104 @@ class LingBotVAPolicy:
         action_guidance_scale: float | None = None,
     ) -> np.ndarray:
         """One chunk: actions (len(used channels), frame_chunk_size, action_per_frame) float32."""
+        result = self.infer_batch([InferRequest(session, observation, video_guidance_scale, action_guidance_scale)])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    @torch.no_grad()
+    def infer_batch(self, requests: Sequence[InferRequest]) -> list[np.ndarray | EpisodeError]:
+        """One chunk for each of several distinct sessions, in one forward per denoising step (each session over its
+        own pages, with its own noise, guidance and frame position). A request that is refused gets its
+        :class:`EpisodeError` in its place, before anything of its session changed; the others run."""
+        if len({id(r.session) for r in requests}) != len(requests):
+            raise ValueError("a batch takes each session once")
+        results: list[np.ndarray | EpisodeError | None] = [None] * len(requests)
+        accepted: list[tuple[int, InferRequest, float, float]] = []
+        for i, request in enumerate(requests):
+            try:
+                accepted.append((i, request, *self._check_infer(request)))
+            except EpisodeError as exc:
+                results[i] = exc
+        if not accepted:
+            return results
+        e = self.embodiment
+        sessions = [r.session for _, r, _, _ in accepted]
+        video_scales = [v for _, _, v, _ in accepted]
+        action_scales = [a for _, _, _, a in accepted]
+        first = [s.frame_start == 0 for s in sessions]
+        for (_, request, _, _), is_first in zip(accepted, first):
+            if is_first:
+                frames = [request.observation] if isinstance(request.observation, Mapping) else list(request.observation)
+                request.session.first_latent = self._encode_frames(request.session, frames, "obs")
+        f, n = e.frame_chunk_size, e.action_per_frame
+        h, w = e.latent_size
+        # noise: video, then actions, from each session's generator (upstream: the global one, same order and shapes)
+        latents, actions = [], []
+        for s in sessions:
+            latents.append(torch.randn(1, LATENT_CHANNELS, f, h, w, generator=s.generator, dtype=self.dtype))
+            actions.append(torch.randn(1, e.action_dim, f, n, 1, generator=s.generator, dtype=self.dtype))
+        latents = torch.cat(latents).to(self.device)
+        actions = torch.cat(actions).to(self.device)
+        first_rows = [i for i, is_first in enumerate(first) if is_first]
+        text_kv = self._text_kv(sessions)
+
+        # the conditioning of a session's first chunk: latent frame 0 is its observation, action frame 0 zeros, both
+        # at timestep 0 (re-imposed after every step, as upstream)
+        latent_cond = {i: sessions[i].first_latent[:, :, 0:1].to(self.dtype) for i in first_rows}
+        grids = torch.stack([video_grid(f, h // 2, w // 2, s.frame_start) for s in sessions]).to(self.device)
+        sigmas = flow_match_sigmas(e.num_inference_steps, e.snr_shift)
+        for step in range(len(sigmas) + 1):  # the trailing t = 0 forward keeps the chunk's K/V
+            last = step == len(sigmas)
+            timesteps = torch.full((len(sessions), f), 0.0 if last else float(sigmas[step] * 1000), device=self.device)
+            for i in first_rows:
+                latents[i : i + 1, :, 0:1] = latent_cond[i]
+                timesteps[i, 0] = 0.0
+            pred = self._forward(sessions, latents, timesteps, grids, action_mode=False, update=1 if last else 0, text_kv=text_kv)
+            if not last:
+                latents = latents + self._guide(pred, video_scales) * (_next(sigmas, step) - sigmas[step])
+            for i in first_rows:
+                latents[i : i + 1, :, 0:1] = latent_cond[i]
+
+        unused = ~self.action_mask.to(self.device)
+        grids = torch.stack([action_grid(f, n, s.frame_start) for s in sessions]).to(self.device)
+        sigmas = flow_match_sigmas(e.action_num_inference_steps, e.action_snr_shift)
+        for step in range(len(sigmas) + 1):
+            last = step == len(sigmas)
+            timesteps = torch.full((len(sessions), f), 0.0 if last else float(sigmas[step] * 1000), device=self.device)
+            for i in first_rows:
+                actions[i, :, 0:1] = 0.0
+                timesteps[i, 0] = 0.0
+            actions[:, unused] *= 0
+            pred = self._forward(sessions, actions, timesteps, grids, action_mode=True, update=1 if last else 0, text_kv=text_kv)
+            if not last:
+                actions = actions + self._guide(pred, action_scales) * (_next(sigmas, step) - sigmas[step])
+            for i in first_rows:
+                actions[i, :, 0:1] = 0.0
+        actions[:, unused] *= 0
+        for row, (i, _, _, _) in enumerate(accepted):
+            sessions[row].chunks_inferred += 1
+            results[i] = self._denormalize(actions[row : row + 1])
+        return results
+
+    def _check_infer(self, request: InferRequest) -> tuple[float, float]:
+        """The request's guidance scales, or EpisodeError naming the key (nothing of the session has changed)."""
+        session, e = request.session, self.embodiment
         if session.text_kv is None:
             raise EpisodeError("infer before reset: send {reset: True, prompt} first")
-        e = self.embodiment
-        video_g = _guidance("video_guidance_scale", video_guidance_scale, e.guidance_scale)
-        action_g = _guidance("action_guidance_scale", action_guidance_scale, e.action_guidance_scale)
-        branches = self.branches
+        video_g = _guidance("video_guidance_scale", request.video_guidance_scale, e.guidance_scale)
+        action_g = _guidance("action_guidance_scale", request.action_guidance_scale, e.action_guidance_scale)
         for key, value in (("video_guidance_scale", video_g), ("action_guidance_scale", action_g)):
-            if value > 1 and len(branches) == 1:
+            if value > 1 and len(self.branches) == 1:
                 # the negative prompt's K/V were never written: the configured scales are both 1
                 raise EpisodeError(f"{key}: {value} needs the unconditional branch, which this policy does not run")
-        first = session.frame_start == 0
-        if first:
+        if session.frame_start == 0:
+            observation = request.observation
             frames = [observation] if isinstance(observation, Mapping) else list(observation)
             if len(frames) != 1:
                 raise EpisodeError(f"obs: the first infer of an episode takes one observation, got {len(frames)}")
-            session.first_latent = self._encode_frames(session, frames, "obs")
-        f, n = e.frame_chunk_size, e.action_per_frame
-        h, w = e.latent_size
-        # noise: video, then actions, from the session's generator (upstream: the global one, same order and shapes)
-        latents = torch.randn(1, LATENT_CHANNELS, f, h, w, generator=session.generator, dtype=self.dtype).to(self.device)
-        actions = torch.randn(1, e.action_dim, f, n, 1, generator=session.generator, dtype=self.dtype).to(self.device)
-        start = session.frame_start
-
-        latent_cond = session.first_latent[:, :, 0:1].to(self.dtype) if first else None
-        grid = video_grid(f, h // 2, w // 2, start).to(self.device)
-        sigmas = flow_match_sigmas(e.num_inference_steps, e.snr_shift)
-        for i in range(len(sigmas) + 1):  # the trailing t = 0 forward keeps the chunk's K/V
-            last = i == len(sigmas)
-            timesteps = torch.full((f,), float(sigmas[i] * 1000) if not last else 0.0, device=self.device)
-            if first:
-                latents[:, :, 0:1] = latent_cond
-                timesteps[0] = 0.0
-            pred = self._forward(session, latents, timesteps, grid, action_mode=False, update=1 if last else 0, branches=branches)
-            if not last:
-                if len(branches) == 1:
-                    pred = pred[:1]
-                else:
-                    pred = self._guide(pred, video_g)
-                latents = latents + pred * (_next(sigmas, i) - sigmas[i])
-            if first:
-                latents[:, :, 0:1] = latent_cond
-
-        action_cond = torch.zeros(1, e.action_dim, 1, n, 1, device=self.device, dtype=self.dtype) if first else None
-        unused = ~self.action_mask.to(self.device)
-        grid = action_grid(f, n, start).to(self.device)
-        sigmas = flow_match_sigmas(e.action_num_inference_steps, e.action_snr_shift)
-        for i in range(len(sigmas) + 1):
-            last = i == len(sigmas)
-            timesteps = torch.full((f,), float(sigmas[i] * 1000) if not last else 0.0, device=self.device)
-            if first:
-                actions[:, :, 0:1] = action_cond
-                timesteps[0] = 0.0
-            actions[:, unused] *= 0
-            pred = self._forward(session, actions, timesteps, grid, action_mode=True, update=1 if last else 0, branches=branches)
-            if not last:
-                pred = pred[:1] if len(branches) == 1 else self._guide(pred, action_g)
-                actions = actions + pred * (_next(sigmas, i) - sigmas[i])
-            if first:
-                actions[:, :, 0:1] = action_cond
-        actions[:, unused] *= 0
-        session.chunks_inferred += 1
-        return self._denormalize(actions)
+            self._check_frames(frames, "obs")
+        return video_g, action_g
 
     @torch.no_grad()
     def compute_kv_cache(
@@ -331,20 +402,21 @@ class LingBotVAPolicy:
         expected = 4 * (e.frame_chunk_size - (session.frame_start == 0))
         if len(frames) != expected:
             raise EpisodeError(f"obs: {len(frames)} key frames; this chunk takes {expected} (4 per latent frame)")
+        self._check_frames(frames, "obs")
         latent = self._encode_frames(session, frames, "obs") if frames else None
         if session.frame_start == 0:
             latent = session.first_latent if latent is None else torch.cat([session.first_latent, latent], dim=2)
         session.kv.drop_provisional()
-        branches = self.branches
         f = e.frame_chunk_size
         h, w = e.latent_size
-        zeros = torch.zeros(f, device=self.device)
-        self._forward(session, latent.to(self.dtype), zeros, video_grid(f, h // 2, w // 2, session.frame_start).to(self.device),
-                      action_mode=False, update=2, branches=branches)  # fmt: skip
+        zeros = torch.zeros(1, f, device=self.device)
+        text_kv = self._text_kv([session])
+        grid = video_grid(f, h // 2, w // 2, session.frame_start)[None].to(self.device)
+        self._forward([session], latent.to(self.dtype), zeros, grid, action_mode=False, update=2, text_kv=text_kv)
         action_in = action_in.to(self.device, self.dtype)
         action_in[:, ~self.action_mask.to(self.device)] *= 0
-        self._forward(session, action_in, zeros, action_grid(f, e.action_per_frame, session.frame_start).to(self.device),
-                      action_mode=True, update=2, branches=branches)  # fmt: skip
+        grid = action_grid(f, e.action_per_frame, session.frame_start)[None].to(self.device)
+        self._forward([session], action_in, zeros, grid, action_mode=True, update=2, text_kv=text_kv)
         session.frame_start += latent.shape[2]
 
     # -- actions ---------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 The reference (scripts/record_upstream_lingbot_va.py, ``policy.*``) is a whole episode of upstream's ``VA_Server``:
 reset, four chunks of infer + compute_kv_cache with the RoboTwin client's messages, the window sliding twice, its
-global generator seeded after the reset. The same episode here, from a session generator seeded at reset, gives the
-same actions within 1e-5.
+global generator seeded after the reset. The same episode here, from a session generator seeded at reset and batched
+with other robots' sessions, gives the same actions within 1e-5.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from kv import PagedKVCache
-from policies.lingbot_va.policy import EpisodeError, LingBotVAPolicy
+from policies.lingbot_va.policy import EpisodeError, InferRequest, LingBotVAPolicy
 from policies.lingbot_va.tiny import TINY_EMBODIMENT, ensure_tiny_checkpoint
 
 REPO = Path(__file__).parents[2]
@@ -48,7 +48,10 @@ def policy() -> LingBotVAPolicy:
 
 def make_cache(policy, sessions=2):
     spec = policy.kv_spec()
-    return PagedKVCache(spec, num_pages=sessions * 2 * spec.pages_per_branch + 1, max_sessions=sessions, attention_backend="sdpa")
+    return PagedKVCache(
+        spec, num_pages=sessions * 2 * spec.pages_per_branch + 1, max_sessions=sessions, attention_backend="sdpa",
+        max_batch=sessions,
+    )  # fmt: skip
 
 
 def chunk(policy, session, index, seed_offset=0):
@@ -59,34 +62,6 @@ def chunk(policy, session, index, seed_offset=0):
     frames = RECORD.key_frames(e.cameras, index + seed_offset, 4 * (e.frame_chunk_size - (index == 0)))
     policy.compute_kv_cache(session, frames, action)
     return action
-
-
-def test_an_episode_interleaved_with_another_robots_matches_upstreams_server(reference, policy):
-    meta, tensors = reference
-    p = meta["policy"]
-    cache = make_cache(policy)
-    robot = policy.start_session("robot", cache.open_session("robot"))
-    other = policy.start_session("other", cache.open_session("other"))
-    policy.reset(robot, p["prompt"], seed=p["seed"])
-    policy.reset(other, "pick up the red cup", seed=p["seed"] + 1)
-    evicted = []
-    for index in range(p["chunks"]):
-        action = chunk(policy, robot, index)
-        other_action = chunk(policy, other, index, seed_offset=7)  # its own pages, VAE streams and generator
-        expected = tensors[f"policy.actions.{index}"].numpy()
-        assert action.shape == expected.shape == (16, 2, 16) and action.dtype == np.float32
-        error = np.abs(action - expected).max()
-        assert error <= ATOL, f"chunk {index}: max abs error {error:.3g} vs upstream"
-        assert np.isfinite(other_action).all() and not np.allclose(other_action, action)
-        if index == 0:
-            latent_error = (robot.first_latent - tensors["policy.first_latent"]).abs().max().item()
-            assert latent_error <= ATOL, f"the encoded first observation: max abs error {latent_error:.3g}"
-        evicted.append(robot.kv.branch(0).evicted_pages)
-    assert evicted[1] == 0 and evicted[-1] > 0, "the episode was meant to slide the window"
-    assert robot.frame_start == 2 * p["chunks"]
-    cache.end_session(robot.kv)
-    cache.end_session(other.kv)
-    assert cache.pool.num_allocated == 0
 
 
 def test_a_reset_replays_the_episode_from_its_seed(reference, policy):
@@ -101,6 +76,46 @@ def test_a_reset_replays_the_episode_from_its_seed(reference, policy):
     assert np.abs(policy.infer(session, observation) - tensors["policy.actions.0"].numpy()).max() <= ATOL
     policy.reset(session, p["prompt"], seed=p["seed"] + 1)
     assert not np.allclose(policy.infer(session, observation), tensors["policy.actions.0"].numpy(), atol=1e-3)
+
+
+def test_an_episode_batched_with_other_robots_matches_upstreams_server(reference, policy):
+    """The whole recorded episode (4 chunks, the window sliding twice) while sessions share every denoising forward, each with its own pages, noise, guidance scales and frame position
+    (the other robot is a chunk ahead: one conditions on its first observation while the other reads its window), and
+    a refused request in the batch costs nobody else: the reference robot's actions are still upstream's."""
+    meta, tensors = reference
+    p = meta["policy"]
+    e = TINY_EMBODIMENT
+    cache = make_cache(policy, sessions=3)
+    robot = policy.start_session("robot", cache.open_session("robot"))
+    other = policy.start_session("other", cache.open_session("other"))
+    idle = policy.start_session("idle", cache.open_session("idle"))  # never reset: refused
+    policy.reset(robot, p["prompt"], seed=p["seed"])
+    policy.reset(other, "pick up the red cup", seed=3)
+    chunk(policy, other, 0, seed_offset=7)
+    evicted = []
+    for index in range(p["chunks"]):
+        results = policy.infer_batch([
+            InferRequest(robot, RECORD.observation(e.cameras, index)),  # the configured scales: upstream's run
+            InferRequest(idle, RECORD.observation(e.cameras, index)),
+            InferRequest(other, RECORD.observation(e.cameras, index + 8), 3.0, 2.0),
+        ])  # fmt: skip
+        assert isinstance(results[1], EpisodeError) and "before reset" in str(results[1])
+        expected = tensors[f"policy.actions.{index}"].numpy()
+        assert results[0].shape == expected.shape == (16, 2, 16) and results[0].dtype == np.float32
+        error = np.abs(results[0] - expected).max()
+        assert error <= ATOL, f"chunk {index} batched: max abs error {error:.3g} vs upstream"
+        assert np.isfinite(results[2]).all() and not np.allclose(results[2], results[0])
+        if index == 0:
+            latent_error = (robot.first_latent - tensors["policy.first_latent"]).abs().max().item()
+            assert latent_error <= ATOL, f"the encoded first observation: max abs error {latent_error:.3g}"
+        evicted.append(robot.kv.branch(0).evicted_pages)
+        policy.compute_kv_cache(robot, RECORD.key_frames(e.cameras, index, 4 * (e.frame_chunk_size - (index == 0))), results[0])
+        policy.compute_kv_cache(other, RECORD.key_frames(e.cameras, index + 8, 4 * e.frame_chunk_size), results[2])
+    assert idle.kv.pages_held == 0 and other.frame_start == robot.frame_start + 2 == 2 * p["chunks"] + 2
+    assert evicted[1] == 0 and evicted[-1] > 0, "the episode was meant to slide the window"
+    for session in (robot, other, idle):
+        cache.end_session(session.kv)
+    assert cache.pool.num_allocated == 0
 
 
 def test_bad_requests_are_refused_by_key_and_leave_the_episode_intact(reference, policy):

@@ -98,8 +98,7 @@ class LingBotVASession:
     generator: torch.Generator = field(default_factory=torch.Generator)
     text_kv: list[TextKV] | None = None  # per layer, batch [prompt, negative]
     frame_start: int = 0
-    first_latent: torch.Tensor | None = None
-    chunks_inferred: int = 0
+    first_latent: torch.Tensor | None = None  # the first chunk's encoded observation, until its commit
 
 
 class LingBotVAPolicy:
@@ -166,11 +165,16 @@ class LingBotVAPolicy:
 
     @torch.no_grad()
     def reset(self, session: LingBotVASession, prompt: str, seed: int) -> None:
+        """A new episode: the prompt's K/V, an empty window and VAE streams, the generator seeded."""
+        if not isinstance(prompt, str):
+            raise EpisodeError(f"prompt: expected a string, got {type(prompt).__name__}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise EpisodeError(f"seed: expected a non-negative integer, got {seed!r}")
         session.kv.restart_window()
         for stream in session.streams:
             stream.clear()
         session.generator = torch.Generator().manual_seed(seed)
-        session.frame_start, session.first_latent, session.chunks_inferred = 0, None, 0
+        session.frame_start, session.first_latent = 0, None
         text = self._encode_text([prompt, ""])
         session.text_kv = self.transformer.project_text(text)
 
@@ -363,7 +367,6 @@ class LingBotVAPolicy:
                 actions[i, :, 0:1] = 0.0
         actions[:, unused] *= 0
         for row, (i, _, _, _) in enumerate(accepted):
-            sessions[row].chunks_inferred += 1
             results[i] = self._denormalize(actions[row : row + 1])
         return results
 
@@ -418,6 +421,7 @@ class LingBotVAPolicy:
         grid = action_grid(f, e.action_per_frame, session.frame_start)[None].to(self.device)
         self._forward([session], action_in, zeros, grid, action_mode=True, update=2, text_kv=text_kv)
         session.frame_start += latent.shape[2]
+        session.first_latent = None  # committed with the first chunk: later chunks never read it
 
     # -- actions ---------------------------------------------------------------------------------
 

@@ -126,6 +126,10 @@ def test_bad_requests_are_refused_by_key_and_leave_the_episode_intact(reference,
     session = policy.start_session("robot", cache.open_session("robot"))
     with pytest.raises(EpisodeError, match="before reset"):
         policy.infer(session, RECORD.observation(e.cameras, 0))
+    with pytest.raises(EpisodeError, match="prompt"):
+        policy.reset(session, ["not", "a", "string"], seed=1)
+    with pytest.raises(EpisodeError, match="seed"):
+        policy.reset(session, p["prompt"], seed=-1)
     policy.reset(session, p["prompt"], seed=p["seed"])
     with pytest.raises(EpisodeError, match="video_guidance_scale"):
         policy.infer(session, RECORD.observation(e.cameras, 0), video_guidance_scale=1e9)

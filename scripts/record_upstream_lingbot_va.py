@@ -27,8 +27,9 @@ draw the same tensors and check they did.
 
 Usage::
 
-    git -C <mirror of Robbyant/lingbot-va> archive HEAD | tar -x -C /tmp/lingbot-va-src
-    pip install --target /tmp/lingbot-deps einops          # upstream's one import this project lacks
+    mkdir -p /tmp/lingbot-va-src
+    git -C <mirror of Robbyant/lingbot-va> archive HEAD wan_va | tar -x -C /tmp/lingbot-va-src  # the code only
+    pip install --target /tmp/lingbot-deps einops easydict   # upstream's imports this project lacks
     PYTHONPATH=<repo>:/tmp/lingbot-deps .venv/bin/python scripts/record_upstream_lingbot_va.py \\
         --upstream /tmp/lingbot-va-src --commit <sha>
 

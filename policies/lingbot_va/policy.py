@@ -90,6 +90,13 @@ class InferRequest:
     action_guidance_scale: float | None = None
 
 
+@dataclass(frozen=True)
+class CommitRequest:
+    session: LingBotVASession
+    frames: Sequence[Mapping[str, np.ndarray]]  # the key frames the robot saw while executing the chunk
+    state: np.ndarray  # the chunk's actions as the client received (and executed) them
+
+
 @dataclass
 class LingBotVASession:
     session_id: str
@@ -143,6 +150,8 @@ class LingBotVAPolicy:
         root = Path(checkpoint)
         transformer = load_transformer(root / "transformer", dtype=dtype, device=device)
         vae = AutoencoderKLWan.from_pretrained(root / "vae", torch_dtype=dtype).to(device).eval()
+        # transformers' default attention, as upstream's load_text_encoder (DreamZero's TextEncoder.from_config forces
+        # eager to match DreamZero's own T5 in bf16; LingBot-VA uses transformers' UMT5 itself)
         text = TextEncoder(UMT5EncoderModel.from_pretrained(root / "text_encoder", torch_dtype=dtype)).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
         return cls(transformer, vae, text, tokenizer, embodiment, device=device, dtype=dtype)
@@ -389,39 +398,70 @@ class LingBotVAPolicy:
             self._check_frames(frames, "obs")
         return video_g, action_g
 
-    @torch.no_grad()
     def compute_kv_cache(
         self, session: LingBotVASession, frames: Sequence[Mapping[str, np.ndarray]], state: np.ndarray
     ) -> None:
         """What the robot saw and did: the prediction's pages are dropped, these written as committed."""
+        result = self.compute_kv_cache_batch([CommitRequest(session, frames, state)])[0]
+        if isinstance(result, BaseException):
+            raise result
+
+    @torch.no_grad()
+    def compute_kv_cache_batch(self, requests: Sequence[CommitRequest]) -> list[EpisodeError | None]:
+        """:meth:`compute_kv_cache` for several distinct sessions: their frames through their own VAE streams, then one
+        video and one action forward for all. A refused request gets its EpisodeError in place (its session
+        unchanged); the others' entries are None."""
+        if len({id(r.session) for r in requests}) != len(requests):
+            raise ValueError("a batch takes each session once")
+        results: list[EpisodeError | None] = [None] * len(requests)
+        accepted: list[tuple[LingBotVASession, list, torch.Tensor]] = []
+        for i, request in enumerate(requests):
+            try:
+                accepted.append(self._check_commit(request))
+            except EpisodeError as exc:
+                results[i] = exc
+        if not accepted:
+            return results
+        e = self.embodiment
+        sessions, latents, actions = [], [], []
+        for session, frames, action_in in accepted:
+            latent = self._encode_frames(session, frames, "obs") if frames else None
+            if session.frame_start == 0:
+                latent = session.first_latent if latent is None else torch.cat([session.first_latent, latent], dim=2)
+            session.kv.drop_provisional()  # upstream's clear_pred_cache: the observation replaces the prediction
+            sessions.append(session)
+            latents.append(latent.to(self.dtype))
+            actions.append(action_in)
+        f = e.frame_chunk_size
+        h, w = e.latent_size
+        zeros = torch.zeros(len(sessions), f, device=self.device)
+        text_kv = self._text_kv(sessions)
+        grids = torch.stack([video_grid(f, h // 2, w // 2, s.frame_start) for s in sessions]).to(self.device)
+        self._forward(sessions, torch.cat(latents), zeros, grids, action_mode=False, update=2, text_kv=text_kv)
+        action_in = torch.cat(actions).to(self.device, self.dtype)
+        action_in[:, ~self.action_mask.to(self.device)] *= 0
+        grids = torch.stack([action_grid(f, e.action_per_frame, s.frame_start) for s in sessions]).to(self.device)
+        self._forward(sessions, action_in, zeros, grids, action_mode=True, update=2, text_kv=text_kv)
+        for session in sessions:
+            session.frame_start += f
+            session.first_latent = None  # committed with the first chunk: later chunks never read it
+        return results
+
+    def _check_commit(self, request: CommitRequest) -> tuple[LingBotVASession, list, torch.Tensor]:
+        """The request's frames and normalized actions, or EpisodeError naming the key (nothing has changed)."""
+        session, e = request.session, self.embodiment
         if session.text_kv is None:
             raise EpisodeError("compute_kv_cache before reset: send {reset: True, prompt} first")
-        e = self.embodiment
         if session.frame_start == 0 and session.first_latent is None:
             raise EpisodeError("compute_kv_cache before the episode's first infer")
-        action_in = self._normalize(state)
-        frames = [frames] if isinstance(frames, Mapping) else list(frames)
+        action_in = self._normalize(request.state)
+        frames = [request.frames] if isinstance(request.frames, Mapping) else list(request.frames)
         # 4 frames per latent frame; the first chunk's frame 0 is the observation its infer encoded
         expected = 4 * (e.frame_chunk_size - (session.frame_start == 0))
         if len(frames) != expected:
             raise EpisodeError(f"obs: {len(frames)} key frames; this chunk takes {expected} (4 per latent frame)")
         self._check_frames(frames, "obs")
-        latent = self._encode_frames(session, frames, "obs") if frames else None
-        if session.frame_start == 0:
-            latent = session.first_latent if latent is None else torch.cat([session.first_latent, latent], dim=2)
-        session.kv.drop_provisional()
-        f = e.frame_chunk_size
-        h, w = e.latent_size
-        zeros = torch.zeros(1, f, device=self.device)
-        text_kv = self._text_kv([session])
-        grid = video_grid(f, h // 2, w // 2, session.frame_start)[None].to(self.device)
-        self._forward([session], latent.to(self.dtype), zeros, grid, action_mode=False, update=2, text_kv=text_kv)
-        action_in = action_in.to(self.device, self.dtype)
-        action_in[:, ~self.action_mask.to(self.device)] *= 0
-        grid = action_grid(f, e.action_per_frame, session.frame_start)[None].to(self.device)
-        self._forward([session], action_in, zeros, grid, action_mode=True, update=2, text_kv=text_kv)
-        session.frame_start += latent.shape[2]
-        session.first_latent = None  # committed with the first chunk: later chunks never read it
+        return session, frames, action_in
 
     # -- actions ---------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from kv import PagedKVCache
-from policies.lingbot_va.policy import EpisodeError, InferRequest, LingBotVAPolicy
+from policies.lingbot_va.policy import CommitRequest, EpisodeError, InferRequest, LingBotVAPolicy
 from policies.lingbot_va.tiny import TINY_EMBODIMENT, ensure_tiny_checkpoint
 
 REPO = Path(__file__).parents[2]
@@ -109,8 +109,12 @@ def test_an_episode_batched_with_other_robots_matches_upstreams_server(reference
             latent_error = (robot.first_latent - tensors["policy.first_latent"]).abs().max().item()
             assert latent_error <= ATOL, f"the encoded first observation: max abs error {latent_error:.3g}"
         evicted.append(robot.kv.branch(0).evicted_pages)
-        policy.compute_kv_cache(robot, RECORD.key_frames(e.cameras, index, 4 * (e.frame_chunk_size - (index == 0))), results[0])
-        policy.compute_kv_cache(other, RECORD.key_frames(e.cameras, index + 8, 4 * e.frame_chunk_size), results[2])
+        committed = policy.compute_kv_cache_batch([
+            CommitRequest(robot, RECORD.key_frames(e.cameras, index, 4 * (e.frame_chunk_size - (index == 0))), results[0]),
+            CommitRequest(idle, RECORD.key_frames(e.cameras, index, 8), results[0]),
+            CommitRequest(other, RECORD.key_frames(e.cameras, index + 8, 4 * e.frame_chunk_size), results[2]),
+        ])  # fmt: skip
+        assert committed[0] is None and committed[2] is None and "before reset" in str(committed[1])
     assert idle.kv.pages_held == 0 and other.frame_start == robot.frame_start + 2 == 2 * p["chunks"] + 2
     assert evicted[1] == 0 and evicted[-1] > 0, "the episode was meant to slide the window"
     for session in (robot, other, idle):

@@ -9,27 +9,22 @@ of two chunks that slides twice, and one chunk predicted twice before its commit
 
 from __future__ import annotations
 
-import json
 from math import gcd
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from kv import Branch, KVSpec, PagedKVCache, prepare_batch
 from policies.lingbot_va.model import action_grid, load_transformer, video_grid
 from policies.lingbot_va.tiny import ensure_tiny_checkpoint
-from tests.policies.test_lingbot_va_model import randn, sha, text_embeddings
+from tests.helpers.lingbot_va import ATOL, load_reference, randn, sha, text_embeddings
 
-REFERENCE = Path(__file__).parents[1] / "reference_data" / "upstream_lingbot_va_tiny"
-ATOL = 1e-5
 BRANCHES = (Branch.COND, Branch.UNCOND)  # the CFG batch's rows: prompt, negative prompt
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return json.loads(REFERENCE.with_suffix(".json").read_text()), load_file(REFERENCE.with_suffix(".safetensors"))
+    return load_reference()
 
 
 @pytest.fixture(scope="module")

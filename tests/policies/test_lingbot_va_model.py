@@ -6,7 +6,6 @@ tiny checkpoint, float32 on the CPU (scripts/record_upstream_lingbot_va.py). Com
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -17,31 +16,12 @@ from safetensors.torch import load_file, save_file
 from policies.lingbot_va.config import TransformerConfig
 from policies.lingbot_va.model import LingBotVATransformer, action_grid, load_transformer, video_grid
 from policies.lingbot_va.tiny import TINY_TRANSFORMER, ensure_tiny_checkpoint, tree_digest
-
-REFERENCE = Path(__file__).parents[1] / "reference_data" / "upstream_lingbot_va_tiny"
-ATOL = 1e-5
-
-
-def randn(shape, seed):  # scripts/record_upstream_lingbot_va.py's
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
-
-
-def text_embeddings(meta, dim):  # scripts/record_upstream_lingbot_va.py's
-    text = randn((2, meta["text_tokens"], dim), 7)
-    for row, length in enumerate(meta["prompt_tokens"]):
-        text[row, length:] = 0
-    return text
-
-
-def sha(t):
-    import hashlib
-
-    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+from tests.helpers.lingbot_va import ATOL, load_reference, randn, sha, text_embeddings
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return json.loads(REFERENCE.with_suffix(".json").read_text()), load_file(REFERENCE.with_suffix(".safetensors"))
+    return load_reference()
 
 
 @pytest.fixture(scope="module")

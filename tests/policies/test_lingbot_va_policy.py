@@ -8,37 +8,22 @@ with other robots' sessions, gives the same actions within 1e-5.
 
 from __future__ import annotations
 
-import importlib.util
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from kv import PagedKVCache
 from policies.lingbot_va.policy import CommitRequest, EpisodeError, InferRequest, LingBotVAPolicy
 from policies.lingbot_va.tiny import TINY_EMBODIMENT, ensure_tiny_checkpoint
+from tests.helpers.lingbot_va import ATOL, load_reference
+from tests.helpers.scripts import load_script
 
-REPO = Path(__file__).parents[2]
-REFERENCE = REPO / "tests" / "reference_data" / "upstream_lingbot_va_tiny"
-ATOL = 1e-5
-
-
-def _recording_script():
-    spec = importlib.util.spec_from_file_location("record_upstream_lingbot_va", REPO / "scripts" / "record_upstream_lingbot_va.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-RECORD = _recording_script()  # its observation and key-frame functions: the episode's inputs
+RECORD = load_script("record_upstream_lingbot_va")  # its observation and key-frame functions: the inputs
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return json.loads(REFERENCE.with_suffix(".json").read_text()), load_file(REFERENCE.with_suffix(".safetensors"))
+    return load_reference()
 
 
 @pytest.fixture(scope="module")

@@ -97,7 +97,7 @@ class EngineConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # bfloat16 on GPU (the released checkpoints' precision)
     cfg_parallel_size: Literal[1, 2] = 1  # 2: one CFG branch per rank and GPU (gloo on CPU, NCCL on GPU)
     devices: list[str] | None = None  # per CFG rank, e.g. [cuda:0, cuda:1]; default: device
-    max_sessions: int = pydantic.Field(8, ge=1)  # LRU cap
+    max_sessions: int = pydantic.Field(8, ge=1)  # sessions per replica; a new one takes only an idle session's place, never one a robot is on
     max_batch: int = pydantic.Field(4, ge=1, le=64)  # sessions per forward when several robots' requests wait together
     batch_wait_ms: float = pydantic.Field(0.0, ge=0, le=1000)  # how long a partial batch waits for more (0: only what is queued)
     kv_budget_gib: float | None = pydantic.Field(None, gt=0)  # GiB for the KV pool per rank; null: kv_memory_fraction of the free memory (set it when two servers share a GPU)

@@ -17,7 +17,7 @@ from kv.pool import CapacityError, PagePool
 from kv.session import ForwardContext, SessionKV, prepare_batch
 from kv.spec import Branch, CrossKV, KVSpec
 from kv.storage import CrossAttentionSlots, PagedStorage
-from kv.window import pages_to_evict, visible_pages
+from kv.window import pages_to_evict, pages_to_fit, visible_pages
 
 __all__ = [
     "Branch",
@@ -36,6 +36,7 @@ __all__ = [
     "paged_attention",
     "paged_write_attend",
     "pages_to_evict",
+    "pages_to_fit",
     "prepare_batch",
     "visible_pages",
 ]

@@ -14,6 +14,12 @@ Prefill forwards (``commit=True``) write into pages the branch will own; denoise
 (``commit=False``) write into the rank's scratch pages, which are reused every forward and
 never committed. Extra (action/state) tokens always go to scratch.
 
+Provisional entries (``commit=True, provisional=True``): K/V written by a *prediction* (LingBot-VA
+keeps its predicted chunk's K/V until the robot's real frames arrive). Their pages form a tail
+after the committed pages: later forwards see them, a committing forward discards them first
+(``drop_provisional``: the pages go back to the pool), and the committed pages are never copied
+or moved. Upstream's ``update_cache`` 0 / 1 / 2 are ``commit=False`` / provisional / ``commit=True``.
+
 Several sequences (sessions x branches) in one forward: :func:`prepare_batch` lays their block
 table rows, slots and lengths side by side; each sequence attends only to its own pages and
 its own new tokens. The ``slot``-th session of a batch writes into its own scratch region
@@ -31,7 +37,7 @@ from kv.attention import PagedLayerInputs
 from kv.pool import PagePool
 from kv.spec import Branch, CrossKV
 from kv.storage import PagedStorage
-from kv.window import pages_to_evict, visible_pages
+from kv.window import pages_to_evict, pages_to_fit, visible_pages
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +54,11 @@ class ForwardContext:
         commit: bool,
         extra_tokens: int,
         scratch_slot: int = 0,
+        provisional: bool = False,
     ) -> None:
         spec = session.storage.spec
+        if provisional and not commit:
+            raise ValueError("a provisional forward keeps its pages: it needs commit=True")
         if num_video_tokens <= 0 or num_video_tokens % spec.page_size:
             raise ValueError(
                 f"a forward must bring whole frames: num_video_tokens={num_video_tokens} is not a positive "
@@ -65,6 +74,7 @@ class ForwardContext:
         self.branch = branch
         self.num_video_tokens = num_video_tokens
         self.commit = commit
+        self.provisional = provisional
         self.extra_tokens = extra_tokens
         self.scratch_slot = scratch_slot
         self.new_pages: list[int] = []  # pages this forward allocated (commit forwards only)
@@ -100,13 +110,18 @@ class ForwardContext:
         spec = storage.spec
         branch_kv = self.session.branch(self.branch)
         scratch = storage.scratch_pages(self.branch, self.scratch_slot)
+        if self.commit and not self.provisional:
+            self.session.drop_provisional(self.branch)  # the observation replaces the prediction
+        if spec.evict_to_fit:
+            self.session._evict_to_fit(self.branch, self.num_new_pages)
         if self.commit:
             self.new_pages = self.session.pool.allocate(self.num_new_pages)
             video_pages = self.new_pages
         else:
             video_pages = scratch[: self.num_new_pages]
         extra_pages = scratch[spec.max_new_pages : spec.max_new_pages + -(-self.extra_tokens // spec.page_size)]
-        visible = visible_pages(branch_kv.resident, video_pages, window_pages=spec.window_pages, sink_pages=spec.sink_pages)
+        held = branch_kv.resident + branch_kv.provisional
+        visible = visible_pages(held, video_pages, window_pages=spec.window_pages, sink_pages=spec.sink_pages)
         table = visible + extra_pages
         table += [0] * (spec.block_table_width - len(table))
         self._sequence = _Sequence(
@@ -185,6 +200,7 @@ class BranchKV:
     """One CFG branch of one session."""
 
     resident: list[int] = field(default_factory=list)  # committed pages, oldest first (sink first)
+    provisional: list[int] = field(default_factory=list)  # predicted pages after them, oldest first
     committed_tokens: int = 0  # advances once per committed chunk, never per denoise step
     evicted_pages: int = 0
     pending: ForwardContext | None = None
@@ -212,7 +228,7 @@ class SessionKV:
         """Managed pages this session owns right now (resident plus an in-flight chunk)."""
         total = 0
         for state in self._branches.values():
-            total += len(state.resident)
+            total += len(state.resident) + len(state.provisional)
             if state.pending is not None:
                 total += len(state.pending.new_pages)
         return total
@@ -220,7 +236,14 @@ class SessionKV:
     # -- self-attention ---------------------------------------------------------------
 
     def begin_forward(
-        self, branch: Branch, *, num_video_tokens: int, commit: bool, extra_tokens: int = 0, scratch_slot: int = 0
+        self,
+        branch: Branch,
+        *,
+        num_video_tokens: int,
+        commit: bool,
+        extra_tokens: int = 0,
+        scratch_slot: int = 0,
+        provisional: bool = False,
     ) -> ForwardContext:
         self._check_open()
         self.storage.check_local(branch)
@@ -231,8 +254,9 @@ class SessionKV:
                 "committed; call complete() or abort() first"
             )
         state.pending = ForwardContext(
-            self, branch, num_video_tokens=num_video_tokens, commit=commit, extra_tokens=extra_tokens, scratch_slot=scratch_slot
-        )
+            self, branch, num_video_tokens=num_video_tokens, commit=commit, extra_tokens=extra_tokens,
+            scratch_slot=scratch_slot, provisional=provisional,
+        )  # fmt: skip
         return state.pending
 
     def complete(self, branch: Branch) -> None:
@@ -247,8 +271,13 @@ class SessionKV:
         if not ctx.prepared:
             raise RuntimeError(f"session {self.session_id!r} {branch.name}: complete() of a forward that never ran")
         spec = self.storage.spec
+        if ctx.provisional:
+            state.provisional.extend(ctx.new_pages)
+            return
         state.resident.extend(ctx.new_pages)
         state.committed_tokens += ctx.num_video_tokens
+        if spec.evict_to_fit:
+            return  # the next forward frees what it needs (_evict_to_fit)
         evict = pages_to_evict(
             len(state.resident),
             window_pages=spec.window_pages,
@@ -261,6 +290,33 @@ class SessionKV:
             victims = state.resident[sink : sink + evict]
             del state.resident[sink : sink + evict]
             state.evicted_pages += evict
+            self.pool.free(victims)
+
+    def drop_provisional(self, branch: Branch | None = None) -> int:
+        """Discard the provisional tail (one branch, or both): its pages go back to the pool; the
+        committed pages are untouched. Returns the number of pages freed."""
+        self._check_open()
+        freed = 0
+        for b in (branch,) if branch is not None else tuple(self._branches):
+            state = self._branches[b]
+            if state.provisional:
+                pages, state.provisional = state.provisional, []
+                self.pool.free(pages)
+                freed += len(pages)
+        return freed
+
+    def _evict_to_fit(self, branch: Branch, new_pages: int) -> None:
+        """Free the oldest pages until the branch's pages plus ``new_pages`` fit in the window
+        (``KVSpec.evict_to_fit``): committed first, then provisional."""
+        state = self._branches[branch]
+        from_resident, from_provisional = pages_to_fit(
+            len(state.resident), len(state.provisional), new_pages, window_pages=self.storage.spec.window_pages
+        )
+        victims = state.resident[:from_resident] + state.provisional[:from_provisional]
+        if victims:
+            del state.resident[:from_resident]
+            del state.provisional[:from_provisional]
+            state.evicted_pages += len(victims)
             self.pool.free(victims)
 
     def abort(self, branch: Branch) -> None:
@@ -321,8 +377,8 @@ class SessionKV:
         self._check_open()
         for branch, state in self._branches.items():
             self.abort(branch)
-            self.pool.free(state.resident)
-            state.resident = []
+            self.pool.free(state.resident + state.provisional)
+            state.resident, state.provisional = [], []
             state.committed_tokens = 0
             state.evicted_pages = 0
             state.cross_image_ready = False
@@ -336,8 +392,8 @@ class SessionKV:
             return
         for branch, state in self._branches.items():
             self.abort(branch)
-            self.pool.free(state.resident)
-            state.resident = []
+            self.pool.free(state.resident + state.provisional)
+            state.resident, state.provisional = [], []
             if state.cross_slot is not None:
                 self.storage.cross.release(state.cross_slot)
                 state.cross_slot = None

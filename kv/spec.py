@@ -43,6 +43,9 @@ class KVSpec:
     chunk_pages: int = 1  # eviction unit: a chunk is never half-evicted
     sink_chunks: int = 0  # leading chunks that are never evicted
     reset_at_boundary: bool = False  # window full -> drop everything past the sink
+    # LingBot-VA's window: before every forward (a denoising step's too), the oldest pages are freed until the
+    # held pages plus the forward's new ones fit in ``window_pages``; attention sees every page held (window.pages_to_fit)
+    evict_to_fit: bool = False
     cross_text_tokens: int = 0  # text tokens cached once per session for cross-attention
     cross_image_tokens: int = 0  # image tokens (I2V) cached once per window
     dtype: torch.dtype = torch.float32
@@ -60,6 +63,8 @@ class KVSpec:
             )
         if self.window_pages % self.chunk_pages:
             raise ValueError(f"KVSpec: window_pages ({self.window_pages}) must be a whole number of chunks ({self.chunk_pages} pages)")
+        if self.evict_to_fit and (self.sink_chunks or self.reset_at_boundary):
+            raise ValueError("KVSpec: evict_to_fit frees the oldest pages one forward at a time; it has no sink and no window reset")
         if self.sink_pages >= self.window_pages:
             raise ValueError(f"KVSpec: sink ({self.sink_pages} pages) must be smaller than the window ({self.window_pages})")
 
@@ -94,8 +99,11 @@ class KVSpec:
         """Worst case a branch holds during a forward.
 
         A full window, plus the part of a chunk that is still partly visible (chunks are never
-        half-evicted), plus the in-flight chunk.
+        half-evicted), plus the in-flight chunk. With ``evict_to_fit`` the in-flight pages are
+        inside the window: the window itself.
         """
+        if self.evict_to_fit:
+            return self.window_pages
         return self.window_pages + self.chunk_pages - 1 + self.max_new_pages
 
     @property

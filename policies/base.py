@@ -8,7 +8,7 @@ keeps whatever else a session needs (frame buffers, conditioning) in the object 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -89,6 +89,22 @@ class Policy(abc.ABC, Generic[S]):
     @abc.abstractmethod
     def start_session(self, session_id: str, kv: SessionKV | None) -> S: ...
 
+    def prepare(self, session: S, observation: RobotObservation) -> Callable[[], None] | None:
+        """This call's session-own work (e.g. a first call's text and image encodes), as a job the
+        engine runs on its encoder thread while other robots' batched steps go on; None if the call
+        has none. The job keeps what it made on the session for :meth:`step_batch` to use, and
+        must not touch anything else the session shares (KV pages): the step still runs without it,
+        doing that work itself (so a job that failed or was never run changes nothing but time).
+
+        Called on the serving thread at admission, after :meth:`check_observation`; the session's
+        state does not change until this call's step."""
+        return None
+
+    def agree(self, failed: Sequence[bool]) -> list[bool]:
+        """Under CFG-parallel, which of these requests failed on *any* rank (a collective: every
+        rank calls it with its own view), so that every rank drops the same ones. One process: as given."""
+        return list(failed)
+
     @abc.abstractmethod
     def step(self, session: S, observation: RobotObservation) -> StepResult:
         """One call: observation in, action chunk out. Raising leaves the session unusable; the
@@ -100,7 +116,8 @@ class Policy(abc.ABC, Generic[S]):
     def step_batch(self, items: Sequence[tuple[S, RobotObservation]]) -> list[StepResult | BaseException]:
         """One call for each of several distinct sessions (at most ``engine.max_batch`` and
         ``info.max_batch``), results in order; a failed session's entry is its exception (the engine
-        ends that session, the others carry on). A policy that can run several sessions in one
+        ends that session, the others carry on). A batched phase that fails is retried member by
+        member before any member is failed: a session fails only for what fails when it is alone. A policy that can run several sessions in one
         forward overrides this and says how many in ``PolicyInfo.max_batch``; the default runs
         them one after another (the engine then never batches: ``max_batch`` 1)."""
         results: list[StepResult | BaseException] = []

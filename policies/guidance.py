@@ -64,6 +64,15 @@ class Guidance:
     def is_parallel(self) -> bool:
         return self.transport is not None
 
+    def agree(self, failed: list[bool], device: torch.device | str = "cpu") -> list[bool]:
+        """Which entries failed on any rank (every rank calls it with its own view): CFG ranks step
+        the same sessions, so a failure on one is a failure on both, or their batches (and the
+        collectives inside them) would fall out of step. One process: as given."""
+        if self.transport is None or not failed:
+            return list(failed)
+        parts = self.transport.all_gather(torch.tensor(failed, dtype=torch.uint8, device=device))
+        return [bool(x) for x in torch.stack(parts).amax(0).tolist()]
+
     def gather_video(self, local: dict[Branch, torch.Tensor]) -> dict[Branch, torch.Tensor]:
         """Both branches' video predictions, wherever they were computed."""
         if self.transport is None:

@@ -320,7 +320,7 @@ def run_variant(args, variant: Variant, obs: list, deadline: float | None) -> di
 
 def run_batches(args, variant: Variant, sizes: list[int], calls: int, deadline: float | None) -> dict[str, Any]:
     """Several robots on one GPU: ``b`` sessions served as one batched step per call
-    (``engine.serve``, as the worker does with ``engine.max_batch``), for each ``b`` in ``sizes``.
+    (``engine.run``, as the worker's scheduler batches with ``engine.max_batch``), for each ``b`` in ``sizes``.
     Reported per batch size: ms per step (window start and steady) and chunks per second."""
     import torch
 
@@ -344,13 +344,13 @@ def run_batches(args, variant: Variant, sizes: list[int], calls: int, deadline: 
                 torch.cuda.reset_peak_memory_stats()
             try:
                 for call in range(calls):
-                    items = [(Infer(i, sid, robots[i][call]), 0.0) for i, sid in enumerate(sessions)]
+                    requests = [Infer(i, sid, robots[i][call]) for i, sid in enumerate(sessions)]
                     t = time.perf_counter()
-                    replies, deferred = engine.serve(items)
+                    replies = engine.run(requests)
                     walls.append((time.perf_counter() - t) * 1000.0)
                     errors = [r.message for r in replies if isinstance(r, ErrorReply)]
-                    if errors or deferred:
-                        raise RuntimeError(f"batch of {size}: {errors[:1] or 'requests deferred'}")
+                    if errors or any(r.batch_size != size for r in replies):
+                        raise RuntimeError(f"batch of {size}: {errors[:1] or 'not one batch'}")
                     log(f"[batch {size}] call {call + 1}/{calls}: {walls[-1]:.0f} ms for {size} chunks")
             except torch.cuda.OutOfMemoryError as exc:
                 rows.append({"batch": size, "status": f"out of memory: {str(exc)[:200]}"})

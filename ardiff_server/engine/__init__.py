@@ -36,9 +36,10 @@ Modules, in the order a request meets them:
 ``shm``             camera arrays to the worker through shared memory
 ``channel``         the framing of messages on the socket, both ends
 ``messages``        typed requests and replies (what crosses a process boundary)
-``worker``          the worker process: reader thread -> ``inbox`` -> the engine, CFG-parallel ranks
-``inbox``           RequestInbox: control requests ahead of inference
-``core``            SessionEngine: the session table, each session's model and KV state
+``worker``          the worker process: reader thread -> ``scheduler``; ``loop`` serves; CFG-parallel ranks
+``loop``            the one serving loop: the scheduler's rounds, carried out by the engine
+``scheduler``       Scheduler: control first, admission and eviction, batch formation (rounds)
+``core``            SessionEngine: the session table, each session's model and KV state; executes rounds
 ``builder``         build_engine / start_engine: policy + KV cache + recorder for one rank
 ``inproc_client``   InprocClient: an engine in this process (tests, scripts, Ray replicas)
 ``recorder``        session recordings (server.record_dir), written between requests

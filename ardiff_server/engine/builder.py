@@ -85,7 +85,12 @@ def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> Se
         from ardiff_server.engine.recorder import Recorder
 
         recorder = Recorder(config.server.record_dir, max_bytes=int(config.server.record_max_gib * 2**30), decode=policy.decode_prediction)
-    return SessionEngine(policy, cache, max_sessions=engine_config.max_sessions, max_batch=max_batch, rank=rank, recorder=recorder)
+    # A compiled forward (engine.compile, the flex kernel) is a graph per batch shape: warm-up walks them all.
+    compiled = engine_config.compile or engine_config.attention_backend == "flex"
+    return SessionEngine(
+        policy, cache, max_sessions=engine_config.max_sessions, max_batch=max_batch, batch_wait_s=engine_config.batch_wait_s,
+        rank=rank, recorder=recorder, warmup_batches=max_batch if compiled else 1,
+    )  # fmt: skip
 
 
 def set_threads(config, world_size: int) -> None:

@@ -1,34 +1,33 @@
 """The session engine: owns every session's model and KV state (in a worker, a Ray replica or a test).
 
-Requests of a session are applied in the order they arrive. Control requests are served one at
-a time; inference requests of several sessions that are waiting together run as one batch
-(:meth:`SessionEngine.serve`, ``engine.max_batch``): each request is validated and admitted on its
-own, then the policy runs every admitted session in one batched step. Sessions live in an LRU
-table:
+It carries out the rounds its :class:`~ardiff_server.engine.scheduler.Scheduler` decides
+(:meth:`SessionEngine.execute`; the one serving loop is ``loop.py``):
 
-* opened on a session's first request, after the policy has accepted the observation (a bad
-  observation is refused before any state changes). KV admission may first evict detached
-  sessions: disconnected ones first, then ones their robot switched away from, least recently
-  used first; a session being served (any member of the running batch) never. A new session that
-  only a member of the running batch could make room for waits for the next, smaller batch;
-* ended by an :class:`~ardiff_server.engine.messages.End` request (a reset on the wire, or the
-  front end's TTL expiry), by the LRU cap, under pool pressure, and when a step raises
-  (transactional: the session is torn down so its next request starts a fresh window).
+* a control request: end or detach a session;
+* an admission round: each new request is checked (a bad observation is refused before any
+  state changes), its session found or opened (admission may end idle sessions: the scheduler's
+  :func:`~ardiff_server.engine.scheduler.choose_victims`, never an attached one), and the
+  session-own work of its call (:meth:`policies.base.Policy.prepare`: text, image conditioning)
+  started on the encoder thread, beside other robots' batched steps;
+* a batch: the policy steps its sessions in one batched call. A failed batched phase is retried
+  member by member inside the policy; a session whose own call fails is ended (transactional:
+  its next request starts a fresh window) and the others get their normal replies.
 
 Every ending goes through :meth:`SessionEngine._end`, which drops the policy's state and hands
 the session's KV back to the cache (every page and cross-attention slot back to the pool).
 
-:meth:`SessionEngine.handle` turns one typed request into its typed reply and never raises; the
-worker process (``worker.py``), the in-process client and Ray replicas all serve through it.
+:meth:`SessionEngine.handle` turns one typed request into its typed reply and never raises.
 """
-
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import logging
 import time
 import traceback
 from collections import Counter, OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -45,6 +44,7 @@ from ardiff_server.engine.messages import (
     Reply,
     Request,
 )
+from ardiff_server.engine.scheduler import Round, Scheduler, capacity_message, choose_victims
 from kv import CapacityError, PagedKVCache, SessionKV
 from policies.base import Policy, StepResult
 from policies.observation import RobotObservation, UnsupportedObservation
@@ -54,8 +54,7 @@ logger = logging.getLogger(__name__)
 
 Status = Literal["attached", "switched", "disconnected"]
 WARMUP_SESSION = "__warmup__"  # a synthetic session: never recorded
-# Eviction order: a robot that went away, then a session its robot switched away from, then the rest.
-_EVICTION_RANK: dict[str, int] = {"disconnected": 0, "switched": 1, "attached": 2}
+_DETACH_RANK: dict[str, int] = {"disconnected": 0, "switched": 1, "attached": 2}
 
 
 @dataclass
@@ -67,6 +66,7 @@ class SessionState:
     kv: SessionKV | None
     calls: int = 0
     status: Status = "attached"
+    waiting: int = 0  # admitted requests not answered yet: never evicted while > 0
 
 
 @dataclass
@@ -78,44 +78,71 @@ class StepOutcome:
     compute_ms: float
 
 
+@dataclass
+class _Admitted:
+    """An admitted request waiting for its batch: its session and its session-own work, if any."""
+
+    request: Infer
+    session: SessionState
+    new: bool
+    work: Future | None = None  # the policy's prepare job on the encoder thread
+
+
 class SessionEngine:
     def __init__(
-        self, policy: Policy, cache: PagedKVCache | None, *, max_sessions: int, max_batch: int = 1, rank: int = 0, recorder=None
-    ) -> None:
+        self, policy: Policy, cache: PagedKVCache | None, *, max_sessions: int, max_batch: int = 1, batch_wait_s: float = 0.0,
+        rank: int = 0, recorder=None, warmup_batches: int = 1,
+    ) -> None:  # fmt: skip
         self.policy = policy
         self.cache = cache
         self.max_sessions = max_sessions
-        self.max_batch = max_batch  # sessions per step the serving loop hands over: engine.max_batch, policy permitting
+        self.max_batch = max_batch  # sessions per step: engine.max_batch, policy and KV pool permitting
         self.rank = rank
         self.recorder = recorder  # engine/recorder.py, when server.record_dir is set (rank 0)
-        self.sessions: OrderedDict[str, SessionState] = OrderedDict()
+        self.warmup_batches = warmup_batches  # batch shapes warm-up walks (all of them when shapes compile)
+        self.scheduler = Scheduler(max_batch=max_batch, batch_wait_s=batch_wait_s)
+        self.sessions: OrderedDict[str, SessionState] = OrderedDict()  # least recently served first
         self.endings: Counter[str] = Counter()  # reason -> count
         self.batches: Counter[int] = Counter()  # sessions per step -> steps
         self.steps = 0
         self.failures = 0
         self.warmup_ms: dict[str, float] = {}
-        self._serving: set[str] = set()  # the running batch: never evicted
+        self._admitted: dict[int, _Admitted] = {}
+        self._encoder: ThreadPoolExecutor | None = None  # session-own work, beside the batched steps
 
     # -- typed requests -------------------------------------------------------------------
 
-    def serve(self, items: list[tuple[Request, float]]) -> tuple[list[Reply], list[tuple[Request, float]]]:
-        """Serve what the inbox handed over (``(request, queued_ms)``: one control request, or a
-        batch of inference requests). Returns the replies and the requests to put back at the head
-        of the inbox (new sessions that could not be admitted beside this batch's members).
-        Never raises; every reply carries this rank's stats."""
-        if len(items) == 1 and not isinstance(items[0][0], Infer):
-            request, queued_ms = items[0]
-            return [self.handle(request, queued_ms=queued_ms)], []
-        return self._infer_batch(items)
+    def execute(self, round: Round) -> list[Reply]:
+        """Carry out one scheduling round; every reply carries this rank's stats. Never raises."""
+        if round.control is not None:
+            return [self.handle(round.control)]
+        replies = self._admit(round.admit) if round.admit else []
+        if round.batch:
+            replies += self._step(round.batch)
+        stats = (self.stats(),)
+        return [dataclasses.replace(r, stats=stats) for r in replies]
+
+    def run(self, requests: list[Request], *, waited_ms: float = 0.0) -> list[Reply]:
+        """Serve these requests to the end in this thread, batched as the scheduler forms batches
+        (waiting for session-own work, so requests given together are stepped together): tests,
+        scripts, warm-up. Replies in the order they were made."""
+        for request in requests:
+            self.scheduler.put(request, waited_ms=waited_ms)
+        wanted = {r.request_id for r in requests}
+        replies: list[Reply] = []
+        while wanted:
+            round = self.scheduler.next_round(wait_for_prepared=True)
+            for reply in self.execute(round):
+                wanted.discard(reply.request_id)
+                replies.append(reply)
+        return replies
 
     def handle(self, request: Request, *, queued_ms: float = 0.0) -> Reply:
         """Serve one request; errors become :class:`ErrorReply`. The reply carries this rank's
-        stats (a CFG-parallel worker replaces them with every rank's). ``queued_ms``: how long
-        the request waited for the engine (recorded with the call)."""
+        stats (a CFG-parallel worker replaces them with every rank's)."""
         if isinstance(request, Infer):
-            replies, deferred = self._infer_batch([(request, queued_ms)])
-            assert not deferred  # alone, nothing defers it
-            return replies[0]
+            (reply,) = self.run([request], waited_ms=queued_ms)
+            return reply
         try:
             if isinstance(request, End):
                 reply: Reply = ControlReply(request.request_id, self.end(request.session_id, request.reason), (self.stats(),))
@@ -128,49 +155,94 @@ class SessionEngine:
             reply = ErrorReply(request.request_id, ErrorKind.POLICY, f"{type(exc).__name__}: {exc}", traceback.format_exc(), (self.stats(),))
         return reply
 
-    def _infer_batch(self, items: list[tuple[Infer, float]]) -> tuple[list[Reply], list[tuple[Infer, float]]]:
-        replies: list[Reply] = []
-        deferred: list[tuple[Infer, float]] = []
-        admitted: list[tuple[Infer, float, SessionState, bool]] = []
-        for request, queued_ms in items:
-            if any(request.session_id == a[0].session_id for a in admitted):  # never twice in one forward
-                deferred.append((request, queued_ms))
-                continue
+    def _admit(self, items: tuple[tuple[Infer, float], ...]) -> list[Reply]:
+        """Check each new request, find or open its session, start its session-own work. A refused
+        request is answered now; the others wait for a batch. Under CFG-parallel the ranks agree:
+        a request refused on one rank is refused on both."""
+        round_ids = {request.session_id for request, _ in items}
+        errors: list[ErrorReply | None] = []
+        opened: list[tuple[SessionState, bool] | None] = []
+        for request, _ in items:
+            error, entry = None, None
             try:
                 self.policy.check_observation(request.observation)  # before any state changes: a bad request
-                session, new = self._get_or_open(request.session_id, protect={a[0].session_id for a in admitted})
+                entry = self._get_or_open(request.session_id, protect=round_ids)
             except UnsupportedObservation as exc:
-                replies.append(ErrorReply(request.request_id, ErrorKind.BAD_REQUEST, str(exc)))
+                error = ErrorReply(request.request_id, ErrorKind.BAD_REQUEST, str(exc))
             except CapacityError as exc:
-                if admitted:  # only a member of this batch could make room: next, smaller batch
-                    deferred.append((request, queued_ms))
-                else:
-                    replies.append(ErrorReply(request.request_id, ErrorKind.CAPACITY, str(exc)))
+                error = ErrorReply(request.request_id, ErrorKind.CAPACITY, str(exc))
             except Exception as exc:
                 logger.exception("session %s could not be opened", request.session_id)
-                message = f"{type(exc).__name__}: {exc}"
-                replies.append(ErrorReply(request.request_id, ErrorKind.POLICY, message, traceback.format_exc()))
-            else:
-                admitted.append((request, queued_ms, session, new))
-        if admitted:
-            replies += self._step(admitted)
-        stats = (self.stats(),)
-        return [dataclasses.replace(r, stats=stats) for r in replies], deferred
+                error = ErrorReply(request.request_id, ErrorKind.POLICY, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+            errors.append(error)
+            opened.append(entry)
+            if entry is not None:
+                entry[0].waiting += 1
+        agreed = self.policy.agree([e is not None for e in errors])
+        replies: list[Reply] = []
+        for (request, queued_ms), error, entry, failed in zip(items, errors, opened, agreed):
+            if failed:
+                if entry is not None:  # refused on another CFG rank: undo what this one did
+                    entry[0].waiting -= 1
+                    if entry[1]:
+                        self._end(request.session_id, "failed")
+                self.scheduler.done([request.request_id])
+                replies.append(error or ErrorReply(request.request_id, ErrorKind.POLICY, "refused on the other CFG-parallel rank (see its log)"))
+                continue
+            session, new = entry
+            admitted = _Admitted(request, session, new)
+            job = self._prepare_job(session, request)
+            if job is not None:
+                admitted.work = self._encoder_pool().submit(job)
+                admitted.work.add_done_callback(functools.partial(self._prepared, request))
+            self._admitted[request.request_id] = admitted
+            self.scheduler.admitted(request, queued_ms, ready=job is None)
+        return replies
 
-    def _step(self, admitted: list[tuple[Infer, float, SessionState, bool]]) -> list[Reply]:
-        """One batched policy step over the admitted sessions; a failed session is torn down."""
-        self._serving = {request.session_id for request, *_ in admitted}
+    def _prepare_job(self, session: SessionState, request: Infer):
+        try:
+            return self.policy.prepare(session.policy_state, request.observation)
+        except Exception:  # the step computes it inline, and fails there if it must
+            logger.exception("session %s: preparing its call failed", request.session_id)
+            return None
+
+    def _prepared(self, request: Infer, work: Future) -> None:
+        """The encoder thread finished a request's session-own work: it may join a batch."""
+        if not work.cancelled() and work.exception() is not None:
+            logger.warning("session %s: its encodes failed beside the batch (%s); its step does them itself", request.session_id, work.exception())
+        self.scheduler.prepared(request.request_id)
+
+    def _encoder_pool(self) -> ThreadPoolExecutor:
+        if self._encoder is None:
+            self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ardiff-encoder")
+        return self._encoder
+
+    def _step(self, batch: tuple[tuple[int, float], ...]) -> list[Reply]:
+        """One batched policy step over admitted requests; a session whose call failed is ended."""
+        members: list[tuple[_Admitted, float]] = []
+        replies: list[Reply] = []
+        for request_id, queued_ms in batch:
+            admitted = self._admitted.pop(request_id)
+            if admitted.work is not None:
+                wait([admitted.work])  # the encoder thread's part (CFG rank 1 may still be at it)
+            request = admitted.request
+            admitted.session.waiting -= 1
+            if self.sessions.get(request.session_id) is not admitted.session:  # ended while it waited
+                replies.append(ErrorReply(request.request_id, ErrorKind.POLICY, f"session {request.session_id} was ended while this request waited"))
+                continue
+            members.append((admitted, queued_ms))
+        self.scheduler.done(request_id for request_id, _ in batch)
+        if not members:
+            return replies
         start = time.perf_counter()
         try:
-            results = self.policy.step_batch([(session.policy_state, request.observation) for request, _, session, _ in admitted])
+            results = self.policy.step_batch([(a.session.policy_state, a.request.observation) for a, _ in members])
         except Exception as exc:  # the policy's batch machinery itself failed: every member did
-            results = [exc] * len(admitted)
-        finally:
-            self._serving = set()
+            results = [exc] * len(members)
         compute_ms = (time.perf_counter() - start) * 1000.0
-        self.batches[len(admitted)] += 1
-        replies: list[Reply] = []
-        for (request, queued_ms, session, new), result in zip(admitted, results):
+        self.batches[len(members)] += 1
+        for (admitted, queued_ms), result in zip(members, results):
+            request, session, new = admitted.request, admitted.session, admitted.new
             if isinstance(result, BaseException):
                 self.failures += 1
                 logger.error("step failed (session %s): %s", request.session_id, "".join(traceback.format_exception_only(result)).strip())
@@ -181,11 +253,11 @@ class SessionEngine:
                 continue
             session.calls += 1
             self.steps += 1
-            if self.recorder is not None and result.recording is not None and request.session_id != WARMUP_SESSION:
+            if self.recorder is not None and result.recording is not None and not request.session_id.startswith(WARMUP_SESSION):
                 self._record(session, request.observation, result, compute_ms, queued_ms)
             replies.append(InferReply(
                 request.request_id, request.session_id, result.actions, result.timing_ms, result.info, new, session.calls,
-                compute_ms, batch_size=len(admitted), queue_ms=queued_ms,
+                compute_ms, batch_size=len(members), queue_ms=queued_ms,
             ))  # fmt: skip
         return replies
 
@@ -219,6 +291,8 @@ class SessionEngine:
     def close(self) -> None:
         """End every session and finish background work (shutdown)."""
         self.end_all("shutdown")
+        if self._encoder is not None:
+            self._encoder.shutdown(wait=True, cancel_futures=True)
         if self.recorder is not None:
             self.recorder.close()
 
@@ -231,7 +305,7 @@ class SessionEngine:
         session = self.sessions.get(session_id)
         if session is None:
             return False
-        if _EVICTION_RANK[reason] < _EVICTION_RANK[session.status]:
+        if _DETACH_RANK[reason] < _DETACH_RANK[session.status]:
             session.status = reason
         return True
 
@@ -242,28 +316,24 @@ class SessionEngine:
     # -- table --------------------------------------------------------------------------
 
     def _get_or_open(self, session_id: str, protect: set[str] = frozenset()) -> tuple[SessionState, bool]:
-        """The session (moved to the LRU's end), or a new one. Admission may evict detached
-        sessions, never ``session_id`` itself nor one in ``protect`` (members of the batch)."""
+        """The session (moved to the LRU's end, attached), or a new one. Admission may end idle
+        sessions (:func:`choose_victims`), never an attached one nor one in ``protect``."""
         session = self.sessions.get(session_id)
         if session is not None:
             self.sessions.move_to_end(session_id)
             session.status = "attached"
             return session, False
-        keep = {session_id, *protect}
-        while len(self.sessions) >= self.max_sessions:
-            if not self._evict_one("lru", keep):
-                raise CapacityError(f"server at capacity: {len(self.sessions)} sessions, none idle")
-        kv = None
-        if self.cache is not None:
-            while True:
-                try:
-                    kv = self.cache.open_session(session_id)
-                    break
-                except CapacityError as exc:
-                    if not self._evict_one("pressure", keep):
-                        raise CapacityError(
-                            f"server at capacity: {len(self.sessions)} sessions hold the KV cache and none is idle ({exc})"
-                        ) from None
+        pool = self.cache.pool.capacity // self.cache.reservation_per_session if self.cache is not None else None
+        capacity = min(self.max_sessions, pool) if pool is not None else self.max_sessions
+        needed = len(self.sessions) + 1 - capacity
+        victims = choose_victims(self.sessions, needed, {session_id, *protect})
+        if victims is None:
+            raise CapacityError(capacity_message(len(self.sessions), self.max_sessions, pool))
+        for victim in victims:
+            reason = "lru" if len(self.sessions) >= self.max_sessions else "pressure"
+            logger.warning("evicting session %s (%s; %s) for new session %s", victim, reason, self.sessions[victim].status, session_id)
+            self._end(victim, reason)
+        kv = self.cache.open_session(session_id) if self.cache is not None else None
         try:
             policy_state = self.policy.start_session(session_id, kv)
         except BaseException:
@@ -274,16 +344,6 @@ class SessionEngine:
         self.sessions[session_id] = session
         logger.info("session %s opened (%d open)", session_id, len(self.sessions))
         return session, True
-
-    def _evict_one(self, reason: str, protect: set[str]) -> bool:
-        """End the least recently used session not in ``protect`` nor being served: disconnected ones
-        first, then switched-away ones, then attached ones."""
-        candidates = [s for s in self.sessions.values() if s.session_id not in protect and s.session_id not in self._serving]
-        if not candidates:
-            return False
-        victim = min(candidates, key=lambda s: _EVICTION_RANK[s.status])  # stable: LRU within a class
-        logger.warning("evicting session %s (%s; %s)", victim.session_id, reason, victim.status)
-        return self._end(victim.session_id, reason)
 
     def _end(self, session_id: str, reason: str, *, count: bool = True) -> bool:
         session = self.sessions.pop(session_id, None)
@@ -296,7 +356,7 @@ class SessionEngine:
                 self.cache.end_session(session.kv)  # every page and cross-attention slot back to the pool
         if count:
             self.endings[reason] += 1
-        if self.recorder is not None and session_id != WARMUP_SESSION:
+        if self.recorder is not None and not session_id.startswith(WARMUP_SESSION):
             self.recorder.end(session_id, reason)
         logger.info("session %s ended (%s) after %d calls", session_id, reason, session.calls)
         return True
@@ -305,26 +365,37 @@ class SessionEngine:
 
     def warmup(self) -> dict[str, float]:
         """Walk a synthetic session through one full window and a restart, so every shape is
-        compiled/captured before the first robot; then restore the pool exactly."""
+        compiled/captured before the first robot; with ``warmup_batches`` > 1 (compiled shapes),
+        as many sessions in lockstep for every batch size up to it. Then restore the pool exactly."""
         observations = list(self.policy.warmup_observations())
         if not observations:
             return {}
         free_before = self.cache.pool.num_free if self.cache else 0
-        session_id = WARMUP_SESSION
+        capacity = self.cache.session_capacity if self.cache is not None else self.max_sessions
+        sizes = range(1, max(1, min(self.warmup_batches, capacity, self.max_sessions)) + 1)
         timings: dict[str, float] = {}
-        progress = StepProgress("warm-up", len(observations))  # a line per call: compile time per shape, time left
-        try:
-            for i, observation in enumerate(observations):
-                outcome = self.infer(session_id, observation)
-                timings[f"call{i}_ms"] = round(outcome.compute_ms, 1)
-                progress.step(frames_label(observation.cameras))
-        finally:
-            self._end(session_id, "warmup", count=False)  # not a real session ending
-            self.steps = 0
-            self.batches.clear()
+        ids = itertools.count(-1, -1)
+        progress = StepProgress("warm-up", len(sizes) * len(observations))  # a line per call: compile time per shape, time left
+        for size in sizes:
+            members = [WARMUP_SESSION if k == 0 else f"{WARMUP_SESSION}{k}" for k in range(size)]
+            try:
+                for i, observation in enumerate(observations):
+                    replies = self.run([Infer(next(ids), sid, observation) for sid in members])
+                    for reply in replies:
+                        if isinstance(reply, ErrorReply):
+                            raise RuntimeError(f"warm-up call {i} (batch of {size}) failed: {reply.message}")
+                    compute_ms = max(reply.compute_ms for reply in replies)
+                    timings[f"call{i}_ms" if size == 1 else f"batch{size}_call{i}_ms"] = round(compute_ms, 1)
+                    label = frames_label(observation.cameras)
+                    progress.step(label if len(sizes) == 1 else f"batch of {size}, {label}")
+            finally:
+                for sid in members:
+                    self._end(sid, "warmup", count=False)  # not a real session ending
+                self.steps = 0
+                self.batches.clear()
         if self.cache is not None and self.cache.pool.num_free != free_before:
             raise RuntimeError(f"warm-up leaked KV pages: {free_before} free before, {self.cache.pool.num_free} after")
-        logger.info("warm-up: %d calls %s", len(observations), timings)
+        logger.info("warm-up: %d calls per batch size %s: %s", len(observations), list(sizes), timings)
         self.warmup_ms = timings
         return timings
 

@@ -1,8 +1,8 @@
 """An engine in this process, as an :class:`~ardiff_server.engine.client.EngineClient`.
 
-The engine is served by one thread (control requests first, inference in batches of up to
-``max_batch``, through the same :class:`~ardiff_server.engine.inbox.RequestInbox` the worker
-uses), so the event loop never runs model code. Used by tests, scripts and Ray model replicas (which are processes already).
+The engine is served by one thread running the same serving loop as the worker (``loop.py``: the
+engine's scheduler decides, control requests first, inference in batches), so the event loop
+never runs model code. Used by tests, scripts and Ray model replicas (which are processes already).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from ardiff_server.engine.client import EngineState, ReplicaStatus
-from ardiff_server.engine.inbox import RequestInbox
+from ardiff_server.engine.loop import serve
 from ardiff_server.engine.messages import (
     Detach,
     DetachReason,
@@ -40,13 +40,8 @@ class InprocClient:
     says ``stuck`` once a step has run past ``step_timeout_s``, and whoever hosts the engine
     decides (a Ray replica fails its health check and is replaced)."""
 
-    def __init__(
-        self, engine: Any, *, replica: int = 0, devices: list[str] | None = None, step_timeout_s: float | None = None,
-        max_batch: int = 1, batch_wait_s: float = 0.0,
-    ) -> None:  # fmt: skip
+    def __init__(self, engine: Any, *, replica: int = 0, devices: list[str] | None = None, step_timeout_s: float | None = None) -> None:
         self.engine = engine
-        self.max_batch = max_batch
-        self.batch_wait_s = batch_wait_s
         self.replica = replica
         self.devices = devices or ["in-process"]
         self.step_timeout_s = step_timeout_s
@@ -59,7 +54,6 @@ class InprocClient:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._state: EngineState = "starting"
-        self._inbox = RequestInbox()
 
     @property
     def state(self) -> EngineState:
@@ -82,7 +76,7 @@ class InprocClient:
 
     async def stop(self, grace_s: float = 3.0) -> None:
         self._state = "stopped"
-        self._inbox.put(Shutdown())
+        self.engine.scheduler.put(Shutdown())
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, grace_s)
         for future in self._pending.values():
@@ -109,28 +103,23 @@ class InprocClient:
             raise EngineError(ErrorKind.UNAVAILABLE, "the engine is not running")
         future = asyncio.get_running_loop().create_future()
         self._pending[request.request_id] = future
-        self._inbox.put(request)
+        self.engine.scheduler.put(request)
         reply = await future  # cancelled caller: _resolve finds the future done and drops the reply
         if isinstance(reply, ErrorReply):
             raise reply.error()
         return reply
 
     def _serve(self) -> None:
-        while True:
-            if self._inbox.empty() and self.engine.idle_work():  # recording: only while no request waits
-                continue
-            items = self._inbox.get_batch(self.max_batch, self.batch_wait_s)
-            if isinstance(items[0][0], Shutdown):
-                self.engine.close()
-                return
-            self.busy_since, self.busy_members = time.monotonic(), len(items)
-            try:
-                replies, deferred = self.engine.serve(items)
-            finally:
-                self.busy_since = None
-            self._inbox.put_back(deferred)
-            for reply in replies:
-                self._loop.call_soon_threadsafe(self._resolve, reply)
+        try:
+            serve(self.engine, lambda reply: self._loop.call_soon_threadsafe(self._resolve, reply), running=self._running)
+        finally:
+            self.engine.close()
+
+    def _running(self, request_ids: tuple[int, ...] | None) -> None:
+        if request_ids is None:
+            self.busy_since = None
+        else:
+            self.busy_since, self.busy_members = time.monotonic(), max(1, len(request_ids))
 
     def _resolve(self, reply: Reply) -> None:
         self.stats = reply.stats or self.stats

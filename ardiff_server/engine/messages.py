@@ -161,7 +161,7 @@ class InferReply:
     stats: tuple[EngineStats, ...] = ()
     replica: int = 0  # which engine replica served it (set by the client that talked to it)
     batch_size: int = 1  # sessions in the forward that computed it (engine.max_batch)
-    queue_ms: float = 0.0  # how long it waited in the engine's inbox, behind other steps
+    queue_ms: float = 0.0  # how long it waited in the engine (scheduler), behind other steps
 
 
 def scalar_info(info: dict[str, Any]) -> dict[str, Any]:

@@ -1,16 +1,16 @@
 """The worker process: one engine rank behind a socket to the front end.
 
-Rank 0 holds the socket. A reader thread takes requests off it into a :class:`RequestInbox`
-(control first) and answers liveness pings at once, with the requests the main thread is
-computing and for how long (the front end's progress watchdog and a request's compute timeout
-run from there; no message per step, so a fast step costs no extra wake-up of the front end);
-the main thread serves the inbox: one control request, or a batch of up to ``engine.max_batch``
-waiting inference requests in one step (``SessionEngine.serve``).
+Rank 0 holds the socket. A reader thread takes requests off it into the engine's
+:class:`~ardiff_server.engine.scheduler.Scheduler` (control first) and answers liveness pings at
+once, with the requests the main thread is computing and for how long (the front end's progress
+watchdog and a request's compute timeout run from there; no message per step, so a fast step
+costs no extra wake-up of the front end); the main thread runs the serving loop (``loop.py``):
+the scheduler's rounds, carried out by ``SessionEngine.execute``.
 
 CFG-parallel (``engine.cfg_parallel_size: 2``): two processes form a ``torch.distributed``
-group. Rank 0 broadcasts each request over a gloo control group; both ranks serve it in
-lock-step (each its own CFG branch and KV pool), both gather every rank's stats (a
-collective), and rank 0 replies with them.
+group. Rank 0's scheduler decides every round and broadcasts it over a gloo control group; both
+ranks carry it out in lock-step (each its own CFG branch and KV pool; the policy's phases agree
+on which sessions failed), both gather every rank's stats (a collective), and rank 0 replies.
 
 Start-up, in order: validate the config, join the process group, build and warm up the engine
 (``builder.start_engine``), attach the shared-memory arena, send :class:`Ready` (or
@@ -86,7 +86,7 @@ def worker_main(
         channel.send(Ready(engine.policy.info, stats, engine.warmup_ms, time.perf_counter() - started))
     try:
         if rank == 0:
-            _serve(engine, channel, control, arena, engine.max_batch, config.engine.batch_wait_s)
+            _serve(engine, channel, control, arena)
         else:
             _follow(engine, control, arena)
     finally:
@@ -106,26 +106,23 @@ def gather_stats(engine, control) -> tuple:
     return tuple(gathered)
 
 
-def _broadcast(request: Any, control) -> Any:
+def _broadcast(round: Any, control) -> Any:
     import torch.distributed as dist
 
-    box = [request]
+    box = [round]
     dist.broadcast_object_list(box, src=0, group=control)
     return box[0]
 
 
-def _serve_items(engine, items: list, control, arena) -> tuple[list, list]:
-    """What the inbox handed over, on any rank: the engine's replies (with every rank's stats
-    attached) and the requests to put back in the inbox."""
-    from ardiff_server.engine.messages import Infer
-
-    if arena is not None:
-        items = [(replace(r, observation=arena.view(r.observation)) if isinstance(r, Infer) else r, q) for r, q in items]
-    replies, deferred = engine.serve(items)
+def _execute(engine, round, control, arena) -> list:
+    """One round on any rank: the engine's replies, with every rank's stats attached."""
+    if arena is not None and round.admit:  # camera arrays: views of the shared-memory arena, valid until answered
+        round = replace(round, admit=tuple((replace(r, observation=arena.view(r.observation)), q) for r, q in round.admit))
+    replies = engine.execute(round)
     if control is not None:
         stats = gather_stats(engine, control)
         replies = [replace(reply, stats=stats) for reply in replies]
-    return replies, deferred  # deferred requests keep their views: viewing a view again changes nothing
+    return replies
 
 
 class Running:
@@ -134,51 +131,34 @@ class Running:
     def __init__(self) -> None:
         self.requests: tuple[tuple[int, ...], float] | None = None  # (request ids, time.monotonic() at the start)
 
+    def __call__(self, request_ids: tuple[int, ...] | None) -> None:
+        self.requests = None if request_ids is None else (request_ids, time.monotonic())
 
-def _serve(engine, channel: WorkerChannel, control, arena, max_batch: int, wait_s: float) -> None:
-    from ardiff_server.engine.inbox import RequestInbox
-    from ardiff_server.engine.messages import Shutdown
 
-    inbox, running = RequestInbox(), Running()
-    threading.Thread(target=_read_requests, args=(channel, inbox, running), name="ardiff-worker-inbox", daemon=True).start()
-    while True:
-        if inbox.empty() and engine.idle_work():  # recording: only while no request waits
-            continue
-        items = inbox.get_batch(max_batch, wait_s)
-        if control is not None:
-            _broadcast(items, control)
-        if isinstance(items[0][0], Shutdown):
-            return
-        running.requests = (tuple(request.request_id for request, _ in items), time.monotonic())
-        try:
-            replies, deferred = _serve_items(engine, items, control, arena)
-        finally:
-            running.requests = None
-        inbox.put_back(deferred)
-        for reply in replies:
-            channel.send(reply)
+def _serve(engine, channel: WorkerChannel, control, arena) -> None:
+    from ardiff_server.engine.loop import serve
+
+    running = Running()
+    threading.Thread(target=_read_requests, args=(channel, engine.scheduler, running), name="ardiff-worker-inbox", daemon=True).start()
+    share = None if control is None else (lambda round: _broadcast(round, control))
+    serve(engine, channel.send, execute=lambda round: _execute(engine, round, control, arena), share=share, running=running)
 
 
 def _follow(engine, control, arena) -> None:
-    """CFG-parallel rank 1: serve whatever rank 0 broadcasts, in the same order (the same batches:
-    admission is deterministic, so both ranks defer the same requests)."""
-    from ardiff_server.engine.messages import Shutdown
+    """CFG-parallel rank 1: carry out the rounds rank 0's scheduler decided, in the same order."""
+    from ardiff_server.engine.loop import follow
 
-    while True:
-        items = _broadcast(None, control)
-        if isinstance(items[0][0], Shutdown):
-            return
-        _serve_items(engine, items, control, arena)
+    follow(lambda: _broadcast(None, control), lambda round: _execute(engine, round, control, arena))
 
 
-def _read_requests(channel: WorkerChannel, inbox, running: Running) -> None:
+def _read_requests(channel: WorkerChannel, scheduler, running: Running) -> None:
     from ardiff_server.engine.messages import Ping, Pong, Shutdown
 
     while True:
         try:
             message = channel.recv()
         except (EOFError, OSError):  # the front end is gone
-            inbox.put(Shutdown())
+            scheduler.put(Shutdown())
             return
         if isinstance(message, Ping):
             current = running.requests
@@ -187,4 +167,4 @@ def _read_requests(channel: WorkerChannel, inbox, running: Running) -> None:
             else:
                 channel.send(Pong(message.request_id, running=current[0], running_s=time.monotonic() - current[1]))
         else:
-            inbox.put(message)
+            scheduler.put(message)

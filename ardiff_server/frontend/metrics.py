@@ -58,7 +58,7 @@ class Metrics:
             "ardiff_request_seconds", "Server time per infer request (queue + compute + codec)", registry=r, buckets=_BUCKETS
         )
         self.queue_seconds = Histogram(
-            "ardiff_queue_seconds", "Time an infer request waited in the engine's inbox behind other steps", registry=r, buckets=_BUCKETS
+            "ardiff_queue_seconds", "Time an infer request waited in the engine (its scheduler) behind other steps", registry=r, buckets=_BUCKETS
         )
         self.connections = Gauge("ardiff_connections_open", "Open websocket connections", registry=r)
         self.closed = Counter("ardiff_connections_closed", "Connections the server closed, by reason", ["reason"], registry=r)

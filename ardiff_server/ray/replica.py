@@ -58,9 +58,8 @@ class EngineReplica:
 
             engine = await asyncio.to_thread(start_engine, self.config, warmup=self.config.engine.warmup)
             self.client = InprocClient(
-                engine, replica=index, devices=self.devices, step_timeout_s=self.config.server.request_timeout_s,
-                max_batch=engine.max_batch, batch_wait_s=self.config.engine.batch_wait_s,
-            )  # fmt: skip
+                engine, replica=index, devices=self.devices, step_timeout_s=self.config.server.request_timeout_s
+            )
         await self.client.start()
         logger.info(
             "model replica %s (index %s, pid %d) ready in %.1f s on %s",

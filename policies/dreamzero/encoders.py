@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -257,6 +258,18 @@ class VideoVAE(nn.Module):
             if type(module) is WanRMS_norm:
                 module.__class__ = UpstreamRMSNorm
         self.model = model
+        # diffusers' Wan VAE keeps its causal feature cache on the module (clear_cache, _enc_feat_map): one call at a
+        # time, whichever thread (the engine's encoder thread encodes window starts beside the batched re-encode).
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:  # copies and pickles get a lock of their own
+        state = dict(self.__dict__)
+        state.pop("_lock", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._lock = threading.Lock()
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | None = None, base: Mapping[str, Any] = WAN21_VAE_CONFIG) -> VideoVAE:
@@ -289,7 +302,8 @@ class VideoVAE(nn.Module):
             # The causal encoder consumes the first frame, then chunks of 4; a remainder would be
             # silently dropped.
             raise ValueError(f"expected video (B, C, 1 + 4k, H, W), got {tuple(video.shape)}")
-        mu = self.model.encode(video).latent_dist.mean
+        with self._lock:
+            mu = self.model.encode(video).latent_dist.mean
         # Upstream keeps the statistics in fp32, inverts std there, and casts both to mu's dtype.
         config = self.model.config
         mean = torch.tensor(config.latents_mean, dtype=torch.float32, device=mu.device)
@@ -304,7 +318,8 @@ class VideoVAE(nn.Module):
         shape = (1, -1, 1, 1, 1)
         mean = torch.tensor(config.latents_mean, dtype=latents.dtype, device=latents.device).view(shape)
         std = torch.tensor(config.latents_std, dtype=latents.dtype, device=latents.device).view(shape)
-        return self.model.decode(latents * std + mean).sample
+        with self._lock:
+            return self.model.decode(latents * std + mean).sample
 
 
 def check_vae_config(vae_config: Mapping[str, Any]) -> None:

@@ -25,6 +25,7 @@ template) is the served :class:`policies.embodiment.Embodiment`, read from the c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -83,6 +84,19 @@ class DreamZeroSession:
     clip_feature: torch.Tensor | None = None
     ys: torch.Tensor | None = None  # (1, 4 + z, latent frames, h, w) image conditioning (14B only)
     first_latent: torch.Tensor | None = None  # (1, z, 1, h, w) the window's first frame
+    prepared: _Prepared | None = None  # what the encoder thread made for the next call (DreamZeroPolicy.prepare)
+
+
+@dataclass
+class _Prepared:
+    """A call's session-own work, done before its batch on the engine's encoder thread."""
+
+    observation: RobotObservation  # the call it was made for
+    prompt: str
+    canvas: np.ndarray  # (T, H, W, 3) uint8: the call's stitched frames
+    prompt_embeds: torch.Tensor | None  # the prompt's text embeddings, if the call needs them
+    image: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None  # (clip_feature, ys, first_latent) at a window start
+    timing_ms: dict[str, float]
 
 
 class PhaseTimer:
@@ -129,6 +143,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         if self.guidance.is_parallel and not self.use_guidance:
             raise ValueError("CFG-parallel needs cfg_scale != 1 (there is no second branch to run)")
         self._negative_embeds: torch.Tensor | None = None  # a model constant: encoded once per process
+        self._side_stream = None  # the encoder thread's CUDA stream (prepare)
         self.graphs = None
         if options.cuda_graphs:
             from policies.dreamzero.cuda_graphs import DenoiseGraphs
@@ -290,7 +305,51 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
 
     def end_session(self, session: DreamZeroSession) -> None:
         session.frames.clear()
-        session.prompt_embeds = session.clip_feature = session.ys = session.first_latent = None
+        session.prompt_embeds = session.clip_feature = session.ys = session.first_latent = session.prepared = None
+
+    def agree(self, failed: Sequence[bool]) -> list[bool]:
+        return self.guidance.agree(list(failed), self.device)
+
+    def prepare(self, session: DreamZeroSession, observation: RobotObservation):
+        """The encodes a window start needs (CLIP, the image conditioning, the prompt's text), as a job for the engine's
+        encoder thread, so a new robot's first call (or a prompt change, a window restart) never runs them inside
+        other robots' batched step. Steady calls have none. The step uses what the job made only for this very
+        call, and computes it itself otherwise: the result is the same either way."""
+        prompt = embodiment_prompt(self.embodiment, observation.prompt)
+        window_start = session.prompt is None or prompt != session.prompt or session.current_start_frame >= self.dit_config.local_attn_size
+        need_text = Branch.COND in self.branches and (prompt != session.prompt or session.prompt_embeds is None)
+        need_negative = Branch.UNCOND in self.branches and self._negative_embeds is None
+        if not (window_start or need_text or need_negative):
+            return None
+
+        @torch.no_grad()
+        def job() -> None:
+            with self._encoder_stream():
+                timer = PhaseTimer(self.device)
+                canvas = self._canvas(observation)
+                newest = self._model_video([canvas[-1]])
+                timer.mark("frames")
+                text = self._encode_text(prompt) if need_text else None
+                if need_negative:
+                    self._prompt_embeds_negative()
+                timer.mark("text")
+                image = None
+                if window_start:
+                    clip_feature = self.model.image_encoder(newest[:, :, 0].to(self.image_device)).to(self.device, self.dtype)
+                    timer.mark("vision")
+                    image = (clip_feature, *self._image_conditioning(newest))
+                    timer.mark("vae")
+            session.prepared = _Prepared(observation, prompt, canvas, text, image, timer.ms)
+
+        return job
+
+    def _encoder_stream(self):
+        """The encoder thread's own CUDA stream (it overlaps the batched step's), synchronized when the job ends."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        return _synchronized(self._side_stream)
 
     def warmup_observations(self) -> Iterator[RobotObservation]:
         """A session that fills one window and restarts it once: every shape a session meets."""
@@ -325,49 +384,93 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         summation order). A failure in a session's own part fails that session; a failure in a
         batched forward fails every session in it (the engine tears each down)."""
         calls = [_Call(session, observation, slot) for slot, (session, observation) in enumerate(items)]
-        for call in calls:
-            self._guarded([call], self._begin, call)
+        self._each(calls, self._begin)
         pending = [c for c in self._live(calls) if c.video is not None]  # later calls: their observed frames
         for shape in dict.fromkeys(tuple(c.video.shape) for c in pending):  # one VAE encode per frame-stack shape
-            group = [c for c in pending if tuple(c.video.shape) == shape]
-            self._guarded(group, self._encode_observed, group)
+            self._phase([c for c in pending if tuple(c.video.shape) == shape], self._encode_observed)
         for frames in sorted({call.prefill_latents.shape[2] for call in self._live(calls)}):
-            group = [c for c in self._live(calls) if c.prefill_latents.shape[2] == frames]
-            self._guarded(group, self._prefill, group)
-        self._guarded(self._live(calls), self._denoise, self._live(calls))
-        for call in self._live(calls):
-            self._guarded([call], self._finish, call)
+            self._phase([c for c in self._live(calls) if c.prefill_latents.shape[2] == frames], self._prefill)
+        self._phase(self._live(calls), self._denoise)
+        self._each(self._live(calls), self._finish)
         return [call.error if call.error is not None else call.result for call in calls]
 
     @staticmethod
     def _live(calls: list[_Call]) -> list[_Call]:
         return [call for call in calls if call.error is None]
 
-    @staticmethod
-    def _guarded(calls: list[_Call], phase, *args) -> None:
-        """Run a phase; if it raises, every call it served fails with that error (and only those)."""
+    def _each(self, calls: list[_Call], phase) -> None:
+        """A per-session phase for each call; a call whose phase raised (on any CFG rank) fails."""
+        errors: list[BaseException | None] = []
+        for call in calls:
+            try:
+                phase(call)
+                errors.append(None)
+            except Exception as exc:
+                errors.append(exc)
+        for call, error, failed in zip(calls, errors, self.agree([e is not None for e in errors])):
+            if failed:
+                call.error = error or OtherRankFailed(f"session {call.session.session_id} failed on the other CFG-parallel rank")
+
+    def _phase(self, calls: list[_Call], phase) -> None:
+        """A batched phase. If it raises, each member is retried alone before anything fails: a
+        batch-size OOM or one member's bad input never costs the others their call. A phase changes
+        a session only once it has succeeded (KV writes abort on error), so a retry starts clean.
+
+        Under CFG-parallel the ranks agree after every attempt. A rank whose batched attempt
+        succeeded (the other's failed) has done its part: it only takes part in the agreements of
+        the retries, so nothing is written twice. The denoise's collectives agree every step, so
+        the ranks never disagree on it."""
         if not calls:
             return
-        try:
-            phase(*args)
-        except Exception as exc:
-            for call in calls:
-                call.error = exc
+        error, done_here = self._attempt(calls, phase)
+        if error is None:
+            return
+        if len(calls) == 1:
+            calls[0].error = error
+            return
+        logger.warning("a batched %s of %d sessions failed (%s); retrying each alone", phase.__name__.strip("_"), len(calls), error)
+        for call in calls:
+            call.error, _ = self._attempt([call], phase, run=not done_here)
+
+    def _attempt(self, calls: list[_Call], phase, *, run: bool = True) -> tuple[BaseException | None, bool]:
+        """Run a batched phase (``run``: else only agree). Returns its error if it failed on any CFG
+        rank, and whether it completed on this one."""
+        error = None
+        if run:
+            try:
+                phase(calls)
+            except Exception as exc:
+                error = exc
+        if self.agree([error is not None])[0]:
+            return error or OtherRankFailed(f"a batched {phase.__name__.strip('_')} failed on the other CFG-parallel rank"), error is None
+        return None, True
 
     def _begin(self, call: _Call) -> None:
-        """The session's own part: frames, resets, text, and at a window start its image conditioning."""
+        """The session's own part: frames, resets, text, and at a window start its image conditioning
+        (made beforehand by :meth:`prepare`'s job when it ran for this call)."""
         session = call.session
+        prepared, session.prepared = session.prepared, None
+        if prepared is not None and prepared.observation is not call.observation:
+            prepared = None  # made for another call of this session: not this one's
         timer = PhaseTimer(self.device, call.timing)
-        call.events = self._advance_session(session, call.observation)
+        call.events = self._advance_session(session, call.observation, None if prepared is None else prepared.canvas)
         video = self._video_tensor(session)  # (1, 3, T, H, W) in [-1, 1] (H, W: canvas_size)
         timer.mark("frames")
+        if prepared is not None:
+            for phase, ms in prepared.timing_ms.items():  # the encoder thread's time counts as this call's
+                call.add(phase, ms)
+            if prepared.prompt_embeds is not None and prepared.prompt == session.prompt and session.prompt_embeds is None:
+                session.prompt_embeds = prepared.prompt_embeds
         prompt_embeds = self._prompt_embeds(session)
         timer.mark("text")
         if session.current_start_frame == 0:
-            newest = video[:, :, -1:]
-            session.clip_feature = self.model.image_encoder(newest[:, :, 0].to(self.image_device)).to(self.device, self.dtype)
-            timer.mark("vision")
-            session.ys, session.first_latent = self._image_conditioning(newest)  # ys: None for the 5B
+            if prepared is not None and prepared.image is not None:
+                session.clip_feature, session.ys, session.first_latent = prepared.image
+            else:
+                newest = video[:, :, -1:]
+                session.clip_feature = self.model.image_encoder(newest[:, :, 0].to(self.image_device)).to(self.device, self.dtype)
+                timer.mark("vision")
+                session.ys, session.first_latent = self._image_conditioning(newest)  # ys: None for the 5B
             self._populate_cross(session, prompt_embeds)
             timer.mark("vae")
             call.prefill_latents, call.prefill_start = session.first_latent, 0
@@ -475,10 +578,17 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             if running:
                 timestep = torch.full((1, dit.num_frame_per_block), int(t_video), dtype=torch.long, device=self.device)
                 timestep_action = torch.full((1, head.action_horizon), int(t_action), dtype=torch.long, device=self.device)
-                predictions = self._forward(
-                    running, [c.latents for c in running], timestep, starts=[c.session.current_start_frame for c in running],
-                    commit=False, action=[c.actions for c in running], timestep_action=timestep_action, state=[c.state for c in running],
-                )  # fmt: skip
+                try:
+                    predictions, error = self._forward(
+                        running, [c.latents for c in running], timestep, starts=[c.session.current_start_frame for c in running],
+                        commit=False, action=[c.actions for c in running], timestep_action=timestep_action, state=[c.state for c in running],
+                    ), None  # fmt: skip
+                except Exception as exc:
+                    error = exc
+                # Under CFG-parallel the ranks meet in _guide's collectives: a forward that failed on one rank must stop both
+                # here, or the other would wait there for it (one tiny all-gather per step; nothing in one process).
+                if self.agree([error is not None])[0]:
+                    raise error or OtherRankFailed("a batched denoise forward failed on the other CFG-parallel rank")
                 self._guide(running, predictions)
             for call in calls:
                 call.latents = call.video_scheduler.step(call.velocity, call.latents, i)
@@ -535,8 +645,8 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         frames = ((frames[0].float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
         return frames.permute(1, 2, 3, 0).cpu().numpy()
 
-    def _advance_session(self, session: DreamZeroSession, observation: RobotObservation) -> dict[str, bool]:
-        """Buffer the new frames and apply upstream's reset rules. Returns what happened."""
+    def _advance_session(self, session: DreamZeroSession, observation: RobotObservation, canvas: np.ndarray | None = None) -> dict[str, bool]:
+        """Buffer the new frames (``canvas``: already stitched) and apply upstream's reset rules. Returns what happened."""
         prompt = embodiment_prompt(self.embodiment, observation.prompt)
         events = {"prompt_change": False, "window_restart": False}
         if session.prompt is not None and prompt != session.prompt:
@@ -549,13 +659,16 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             session.current_start_frame = 0
             events["window_restart"] = True
         session.prompt = prompt
-        session.frames.extend(self._canvas(observation))
+        session.frames.extend(self._canvas(observation) if canvas is None else canvas)
         session.calls += 1
         return events
 
     def _canvas(self, observation: RobotObservation) -> np.ndarray:
+        """The call's stitched frames. Only the newest FRAMES_PER_CALL are kept (a client may send up to 64): older ones are
+        dropped before any pixel work."""
         size, e = self.view_size, self.embodiment
         frames = [observation.cameras.get(name) for name in e.cameras]
+        frames = [None if v is None else v[-FRAMES_PER_CALL:] for v in frames]
         if self.model.vae.is_wan22:
             # Upstream's 5B server first brings every received frame to the advertised size with OpenCV's bilinear
             # resize (serve_dreamzero_wan22.py _resize_frames_to_resolution), then runs the transform on it.
@@ -568,6 +681,11 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         wanted = 1 if session.calls == 1 else FRAMES_PER_CALL
         frames = frames[-wanted:]
         frames = [frames[0]] * (wanted - len(frames)) + frames  # pad by repeating the oldest
+        return self._model_video(frames)
+
+    def _model_video(self, frames: list[np.ndarray]) -> torch.Tensor:
+        """Stitched uint8 frames -> (1, 3, T, H, W) in [-1, 1] on the engine's device, at the checkpoint's target size.
+        Frame by frame: a frame comes out the same whichever frames it is stacked with."""
         video = torch.from_numpy(np.stack(frames)).to(self.device)
         video = pixels_to_model_range(video.permute(3, 0, 1, 2).unsqueeze(0), self.dtype)
         target = self.action_head_config.target_video_size
@@ -595,11 +713,14 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 session.prompt_embeds = self._encode_text(session.prompt)
             embeds[Branch.COND] = session.prompt_embeds
         if Branch.UNCOND in self.branches:
-            if self._negative_embeds is None:
-                # Upstream's tokenizer cleans the negative prompt too (no template, no lower-casing).
-                self._negative_embeds = self._encode_text(clean_prompt(self.config.negative_prompt))
-            embeds[Branch.UNCOND] = self._negative_embeds
+            embeds[Branch.UNCOND] = self._prompt_embeds_negative()
         return embeds
+
+    def _prompt_embeds_negative(self) -> torch.Tensor:
+        if self._negative_embeds is None:
+            # Upstream's tokenizer cleans the negative prompt too (no template, no lower-casing).
+            self._negative_embeds = self._encode_text(clean_prompt(self.config.negative_prompt))
+        return self._negative_embeds
 
     def _image_conditioning(self, image: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(``ys``, the first frame's latent). ``ys``: VAE latents of [image, zeros x (num_frames - 1)] with a mask on
@@ -722,6 +843,18 @@ class _Call:
 
     def add(self, phase: str, ms: float) -> None:
         self.timing[phase] = self.timing.get(phase, 0.0) + ms
+
+
+class OtherRankFailed(RuntimeError):
+    """This rank's part succeeded, the other CFG-parallel rank's failed (its log has the error)."""
+
+
+@contextlib.contextmanager
+def _synchronized(stream):
+    """Run on ``stream``; wait for it before leaving, so what ran there is ready on every stream."""
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
 
 
 def _seeded_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Several robots in one forward: a batched engine step equals each session's unbatched calls.
 
-The engine serves what waits together as one batch (``SessionEngine.serve``); every session's
+The engine serves what waits together as one batch (``SessionEngine.run``, the scheduler's batches); every session's
 actions must equal what the same session gets when it runs alone (fp32, max abs <= 1e-5), over
 whole episodes with window restarts, prompt changes, ends and sessions joining and leaving at
 any point. The reference is the same engine code with batches of one.
@@ -30,7 +30,7 @@ def make_engine(tiny_model, *, max_sessions: int = 6, max_batch: int = 4, pool_s
     spec = policy.kv_spec()
     pages = (pool_sessions or max_sessions) * len(policy.branches) * spec.pages_per_branch + 1
     cache = PagedKVCache(spec, num_pages=pages, max_sessions=max_sessions, branches=policy.branches, max_batch=max_batch)
-    return SessionEngine(policy, cache, max_sessions=max_sessions)
+    return SessionEngine(policy, cache, max_sessions=max_sessions, max_batch=max_batch)
 
 
 def observation(rng: np.random.Generator, first: bool, prompt: str = "pick up the cup") -> RobotObservation:
@@ -43,8 +43,7 @@ def observation(rng: np.random.Generator, first: bool, prompt: str = "pick up th
 
 
 def serve(engine: SessionEngine, requests: list[Infer]) -> dict[str, InferReply | ErrorReply]:
-    replies, deferred = engine.serve([(r, 0.0) for r in requests])
-    assert not deferred
+    replies = engine.run(requests)
     by_id = {r.request_id: r.session_id for r in requests}
     return {by_id[reply.request_id]: reply for reply in replies}
 
@@ -250,17 +249,77 @@ def test_a_failed_vae_encode_fails_only_the_sessions_it_encoded(tiny_model, monk
     assert isinstance(replies["new"], InferReply) and replies["new"].new_session and "new" in engine.sessions
 
 
-def test_a_new_session_that_does_not_fit_beside_the_batch_waits_for_the_next_batch(tiny_model):
+def test_a_new_session_that_does_not_fit_is_refused_and_the_batch_runs(tiny_model):
     rng = np.random.default_rng(3)
     engine = make_engine(tiny_model, max_sessions=4, pool_sessions=2)  # room for two sessions' pages
-    items = [(Infer(i, sid, observation(rng, True)), 0.0) for i, sid in enumerate(["a", "b", "c"])]
-    replies, deferred = engine.serve(items)
-    assert sorted(r.session_id for r in replies) == ["a", "b"] and [r.session_id for r, _ in deferred] == ["c"]
-    assert set(engine.sessions) == {"a", "b"}  # no member of the running batch was evicted for c
+    replies = serve(engine, [Infer(i, sid, observation(rng, True)) for i, sid in enumerate(["a", "b", "c"])])
+    assert replies["a"].batch_size == replies["b"].batch_size == 2
+    assert isinstance(replies["c"], ErrorReply) and replies["c"].kind is ErrorKind.CAPACITY and "the KV pool holds 2" in replies["c"].message
+    assert set(engine.sessions) == {"a", "b"}  # no robot's session was evicted for c
     engine.detach("a", "disconnected")
-    replies, deferred = engine.serve(deferred)  # alone, c may evict an idle session
-    assert not deferred and replies[0].session_id == "c" and replies[0].new_session
-    assert set(engine.sessions) == {"b", "c"} and engine.endings["pressure"] == 1
+    replies = serve(engine, [Infer(3, "c", observation(rng, True))])  # now c may take the idle session's place
+    assert replies["c"].new_session and set(engine.sessions) == {"b", "c"} and engine.endings["pressure"] == 1
+
+
+def test_a_batch_never_evicts_its_own_members(tiny_model):
+    """A new session N and a detached session D whose robot came back, in one admission round, with
+    the pool full: N may not take D's place (D's robot is waiting on it), and so D's request never
+    has to evict an attached robot's session either. Before: two episodes lost (D's, then another's)."""
+    rng = np.random.default_rng(4)
+    engine = make_engine(tiny_model, max_sessions=2)
+    serve(engine, [Infer(0, "A", observation(rng, True)), Infer(1, "D", observation(rng, True))])
+    engine.detach("D", "disconnected")
+    replies = serve(engine, [Infer(2, "N", observation(rng, True)), Infer(3, "D", observation(rng, False))])
+    assert isinstance(replies["N"], ErrorReply) and replies["N"].kind is ErrorKind.CAPACITY
+    assert isinstance(replies["D"], InferReply) and not replies["D"].new_session and replies["D"].calls == 2
+    assert set(engine.sessions) == {"A", "D"} and not engine.endings
+    assert not serve(engine, [Infer(4, "A", observation(rng, False))])["A"].new_session
+
+
+def test_a_failed_batched_phase_is_retried_member_by_member(tiny_model, reference_engine, monkeypatch):
+    """A forward that fails only because of the batch (an out-of-memory at 3 sessions) costs no one
+    their call: each member is retried alone and gets exactly its unbatched reply. A member that
+    fails alone too (a corrupt input) ends, with its own error; the others carry on."""
+    rng = np.random.default_rng(5)
+    episodes = {sid: [observation(rng, i == 0) for i in range(3)] for sid in "abc"}
+    engine = make_engine(tiny_model)
+    dit = engine.policy.dit
+    real_forward = dit.forward
+    forwards: list[int] = []
+
+    def batch_oom(x, *args, **kwargs):
+        forwards.append(x.shape[0])
+        if x.shape[0] > 2 * len(engine.policy.branches):
+            raise RuntimeError("CUDA out of memory (a batch of 3)")
+        return real_forward(x, *args, **kwargs)
+
+    monkeypatch.setattr(dit, "forward", batch_oom)
+    got: dict[str, list[np.ndarray]] = {sid: [] for sid in episodes}
+    for i in range(3):
+        replies = serve(engine, [Infer(10 * i + n, sid, episodes[sid][i]) for n, sid in enumerate("abc")])
+        for sid in "abc":
+            assert isinstance(replies[sid], InferReply), replies[sid]
+            assert replies[sid].calls == i + 1 and replies[sid].batch_size == 3
+            got[sid].append(replies[sid].actions)
+    assert max(forwards) == 3 * len(engine.policy.branches)  # the batched forward was tried
+    monkeypatch.setattr(dit, "forward", real_forward)
+    for sid, episode in episodes.items():
+        for call, (a, b) in enumerate(zip(alone(reference_engine, f"ref-{sid}", episode), got[sid])):
+            np.testing.assert_allclose(b, a, atol=ATOL, rtol=0, err_msg=f"{sid} call {call}")
+
+    poisoned = observation(rng, False)
+    real_denoise = engine.policy._denoise
+
+    def denoise(calls):
+        if any(c.observation is poisoned for c in calls):
+            raise ValueError("NaN in this session's latents")
+        return real_denoise(calls)
+
+    monkeypatch.setattr(engine.policy, "_denoise", denoise)
+    replies = serve(engine, [Infer(40, "a", observation(rng, False)), Infer(41, "b", poisoned), Infer(42, "c", observation(rng, False))])
+    assert isinstance(replies["b"], ErrorReply) and "NaN in this session" in replies["b"].message and "b" not in engine.sessions
+    assert isinstance(replies["a"], InferReply) and isinstance(replies["c"], InferReply) and replies["a"].calls == replies["c"].calls == 4
+    assert engine.endings == {"failed": 1}
 
 
 def test_a_session_appears_once_per_batch():
@@ -268,7 +327,8 @@ def test_a_session_appears_once_per_batch():
 
     policy = FakePolicy(FakeConfig(), RuntimeOptions())
     spec = policy.kv_spec()
-    engine = SessionEngine(policy, PagedKVCache(spec, num_pages=8 * spec.pages_per_branch + 1, max_sessions=8, branches=policy.branches, max_batch=4), max_sessions=8)
-    items = [(Infer(1, "a", RobotObservation()), 0.0), (Infer(2, "a", RobotObservation()), 0.0)]
-    replies, deferred = engine.serve(items)
-    assert [r.request_id for r in replies] == [1] and [r.request_id for r, _ in deferred] == [2]
+    cache = PagedKVCache(spec, num_pages=8 * spec.pages_per_branch + 1, max_sessions=8, branches=policy.branches, max_batch=4)
+    engine = SessionEngine(policy, cache, max_sessions=8, max_batch=4)
+    replies = engine.run([Infer(1, "a", RobotObservation()), Infer(2, "a", RobotObservation()), Infer(3, "b", RobotObservation())])
+    assert [(r.request_id, r.batch_size) for r in replies] == [(1, 2), (3, 2), (2, 1)]  # a's second call: the next batch
+    assert [r.actions[0, 0] for r in replies] == [1, 1, 2]

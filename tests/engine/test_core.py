@@ -1,17 +1,14 @@
-"""The session engine in-process: LRU table, pool pressure, transactional steps, churn, warm-up."""
+"""The session engine in-process: admission and eviction, pool pressure, transactional steps, churn, warm-up."""
 
 from __future__ import annotations
 
 import gc
 import random
-import time
 
 import numpy as np
 import pytest
 
 from ardiff_server.engine.core import SessionEngine
-from ardiff_server.engine.inbox import RequestInbox
-from ardiff_server.engine.messages import End, Infer
 from kv import CapacityError, PagedKVCache
 from policies.base import RuntimeOptions
 from policies.observation import RobotObservation
@@ -36,16 +33,20 @@ def calls(engine: SessionEngine, session_id: str) -> int:
 def test_pool_pressure_evicts_the_least_recently_used_idle_session():
     engine = make_engine(sessions_in_pool=2)
     assert calls(engine, "a") == 1 and calls(engine, "b") == 1 and calls(engine, "a") == 2
+    engine.detach("a", "switched")
+    engine.detach("b", "switched")
     assert calls(engine, "c") == 1  # served: b (least recently used) made room
     assert set(engine.sessions) == {"a", "c"} and engine.endings == {"pressure": 1}
     assert calls(engine, "a") == 3  # a kept its state
 
 
-def test_a_session_mid_call_is_never_evicted():
+def test_a_session_whose_request_waits_is_never_evicted():
     engine = make_engine(sessions_in_pool=2)
     calls(engine, "a")
     calls(engine, "b")
-    engine._serving = {"a"}  # a is being served (the LRU one): pressure must take b instead
+    engine.detach("a", "disconnected")
+    engine.detach("b", "disconnected")
+    engine.sessions["a"].waiting = 1  # a's request waits for its batch (its robot dropped meanwhile): take b instead
     engine._get_or_open("c")
     assert set(engine.sessions) == {"a", "c"}
 
@@ -59,18 +60,26 @@ def test_detached_sessions_are_evicted_before_connected_ones():
     assert set(engine.sessions) == {"a", "c"}
 
 
-def test_at_capacity_with_nothing_idle_is_a_clear_error():
-    engine = make_engine(sessions_in_pool=1)
+def test_a_session_with_a_robot_attached_is_never_evicted_and_the_newcomer_is_told_why():
+    """Before: any client minting new ids ended the least recently used robot's episode, attached or not."""
+    engine = make_engine(sessions_in_pool=8, max_sessions=2)
     calls(engine, "a")
-    engine._serving = "a"
-    with pytest.raises(CapacityError, match="server at capacity"):
-        engine._get_or_open("b")
+    calls(engine, "b")
+    with pytest.raises(CapacityError, match=r"server at capacity: 2 sessions open \(engine.max_sessions: 2\) and a robot is attached to each.*larger engine.max_sessions"):
+        engine.infer("intruder", obs())
+    assert set(engine.sessions) == {"a", "b"} and not engine.endings
+    assert calls(engine, "a") == 2 and calls(engine, "b") == 2  # both robots carry on
+    pool_bound = make_engine(sessions_in_pool=1, max_sessions=4)
+    calls(pool_bound, "a")
+    with pytest.raises(CapacityError, match=r"the KV pool holds 1 \(engine.max_sessions: 4\).*kv_budget_gib"):
+        pool_bound.infer("b", obs())
 
 
 def test_lru_cap_bounds_the_table():
     engine = make_engine(sessions_in_pool=8, max_sessions=2)
     for sid in ("a", "b", "c"):
         calls(engine, sid)
+        engine.detach(sid, "switched")  # the robot moves on to its next episode
     assert list(engine.sessions) == ["b", "c"] and engine.endings == {"lru": 1}
 
 
@@ -119,6 +128,8 @@ def test_churn_of_200_sessions_leaks_no_page_and_no_memory():
                 engine.end(sid, ending)
             elif ending == "drop":
                 engine.detach(sid)  # left for the TTL / pressure
+            elif ending == "keep":
+                engine.detach(sid, "switched")
             elif ending == "fail":
                 with pytest.raises(RuntimeError):
                     engine.infer(sid, obs("explode"))
@@ -155,16 +166,3 @@ def test_dreamzero_warmup_walks_a_full_window_and_a_restart(tiny_model):
     timings = engine.warmup()
     assert len(timings) == 6  # 1 + 4 calls fill the 9-frame window, 1 more restarts it
     assert cache.pool.num_free == cache.pool.capacity and cache.storage.cross.num_free == cache.storage.cross.num_slots
-
-
-def test_the_inbox_serves_control_first_and_says_how_long_each_request_waited():
-    inbox = RequestInbox()
-    first, second, reset = Infer(1, "a", obs()), Infer(2, "b", obs()), End(3, "c", "reset")
-    inbox.put(first)
-    inbox.put(second)
-    time.sleep(0.05)
-    inbox.put(reset)
-    order = [inbox.get() for _ in range(3)]
-    assert [request for request, _ in order] == [reset, first, second]  # a reset never waits behind inference
-    waited = [ms for _, ms in order]
-    assert waited[0] < 50.0 <= waited[1] and waited[2] >= 50.0

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
+import torch
 
 from kv import PagedKVCache
 from policies.base import RuntimeOptions
@@ -38,3 +41,32 @@ def rollout(policy, cache, obs, session_id="s"):
     session = policy.start_session(session_id, cache.open_session(session_id))
     results = [policy.step(session, o) for o in obs]
     return session, results
+
+
+class ThreadPair:
+    """Two in-process 'ranks' meeting at a barrier: a stand-in for torch.distributed."""
+
+    def __init__(self) -> None:
+        self.barrier = threading.Barrier(2, timeout=60)
+        self.slots: list[torch.Tensor | None] = [None, None]
+
+    def endpoint(self, rank: int):
+        pair = self
+
+        class Endpoint:
+            def all_gather(self, tensor):
+                pair.slots[rank] = tensor.clone()
+                pair.barrier.wait()
+                out = [s.clone() for s in pair.slots]
+                pair.barrier.wait()
+                return out
+
+            def broadcast(self, tensor, src):
+                if rank == src:
+                    pair.slots[src] = tensor.clone()
+                pair.barrier.wait()
+                out = pair.slots[src].clone()
+                pair.barrier.wait()
+                return out
+
+        return Endpoint()

@@ -8,7 +8,9 @@ DreamZero), so page accounting is exercised, and its actions encode what the eng
     actions[0, 2] = a hash of the session id (so mixed-up replies are detectable)
 
 ``prompt`` controls behaviour: "explode" raises inside the step; "sleep:<seconds>" computes
-slowly; "die" kills the worker process.
+slowly; "die" kills the worker process; "encode:<seconds>" gives a session's first call that much
+session-own work (``prepare``: the engine runs it on its encoder thread; the step does it itself
+if it did not run).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class FakeSession:
     session_id: str
     kv: SessionKV
     calls: int = 0
+    encoded: bool = False  # its first call's session-own work is done
 
 
 def session_tag(session_id: str) -> float:
@@ -67,9 +70,22 @@ class FakePolicy(Policy[FakeSession]):
     def start_session(self, session_id: str, kv: SessionKV | None) -> FakeSession:
         return FakeSession(session_id, kv)
 
+    def prepare(self, session: FakeSession, observation: RobotObservation):
+        if session.calls or not observation.prompt.startswith("encode:"):
+            return None
+
+        def encode() -> None:
+            time.sleep(float(observation.prompt.split(":", 1)[1]))
+            session.encoded = True
+
+        return encode
+
     def step(self, session: FakeSession, observation: RobotObservation) -> StepResult:
         prompt = observation.prompt
         delay = self.config.delay_s
+        if prompt.startswith("encode:") and not session.encoded:  # its first call's encode did not run beforehand
+            time.sleep(float(prompt.split(":", 1)[1]))
+            session.encoded = True
         if prompt.startswith("sleep:"):
             delay = float(prompt.split(":", 1)[1])
         ctx = session.kv.begin_forward(Branch.COND, num_video_tokens=4, commit=True)

@@ -27,7 +27,7 @@ class InprocServer:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="inproc-server", daemon=True)
         self._thread.start()
-        client = InprocClient(self.engine, max_batch=self.engine.max_batch, batch_wait_s=self.config.engine.batch_wait_s)
+        client = InprocClient(self.engine)
         self.server = PolicyServer(self.config, client=client)
         self._call(self.server.start())
 

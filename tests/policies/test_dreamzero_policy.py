@@ -7,14 +7,13 @@ import threading
 
 import numpy as np
 import pytest
-import torch
 
 from kv import Branch, PagedKVCache
 from policies.base import RuntimeOptions
 from policies.dreamzero.policy import DreamZeroConfig, DreamZeroPolicy
 from policies.guidance import Guidance
 from policies.observation import RobotObservation
-from tests.helpers.dreamzero import TINY, make_policy, observations, rollout
+from tests.helpers.dreamzero import TINY, ThreadPair, make_policy, observations, rollout
 
 
 def test_thirteen_call_rollout_walks_the_window_and_frees_every_page(tiny_model):
@@ -140,35 +139,6 @@ def test_decoupled_inference_noise_changes_only_the_video_schedule(tiny_model, m
     assert not np.array_equal(results["plain"][1].actions, results["decoupled"][1].actions)
 
 
-class ThreadPair:
-    """Two in-process 'ranks' meeting at a barrier: a stand-in for torch.distributed."""
-
-    def __init__(self) -> None:
-        self.barrier = threading.Barrier(2, timeout=60)
-        self.slots: list[torch.Tensor | None] = [None, None]
-
-    def endpoint(self, rank: int):
-        pair = self
-
-        class Endpoint:
-            def all_gather(self, tensor):
-                pair.slots[rank] = tensor.clone()
-                pair.barrier.wait()
-                out = [s.clone() for s in pair.slots]
-                pair.barrier.wait()
-                return out
-
-            def broadcast(self, tensor, src):
-                if rank == src:
-                    pair.slots[src] = tensor.clone()
-                pair.barrier.wait()
-                out = pair.slots[src].clone()
-                pair.barrier.wait()
-                return out
-
-        return Endpoint()
-
-
 def test_branches_computed_apart_and_combined_equal_one_process_cfg(tiny_model):
     """The contract CFG-parallel relies on: each branch alone + exchanged predictions == both here."""
     single, cache = make_policy(tiny_model)
@@ -284,7 +254,7 @@ def test_compiled_blocks_keep_a_graph_for_every_batch_shape(tiny_model):
         obs = observations(2)
         for sessions in (["a"], ["b", "c"]):
             for call in obs:
-                replies, _ = engine.serve([(Infer(i, sid, call), 0.0) for i, sid in enumerate(sessions)])
+                replies = engine.run([Infer(i, sid, call) for i, sid in enumerate(sessions)])
                 assert all(isinstance(r, InferReply) for r in replies), [getattr(r, "message", "") for r in replies]
             for sid in sessions:
                 engine.end(sid, "done")

@@ -1,0 +1,332 @@
+"""The engine's scheduler (engine/scheduler.py): order, admission, batches; and what no robot pays for.
+
+Each test of a guarantee here fails on the engine before the scheduler: a slow newcomer's encode
+stalled its batch-mates, and a failure on one CFG-parallel rank left the other waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ardiff_server.engine.core import SessionEngine
+from ardiff_server.engine.inproc_client import InprocClient
+from ardiff_server.engine.messages import Detach, End, ErrorKind, ErrorReply, Infer, InferReply
+from ardiff_server.engine.scheduler import Scheduler, choose_victims
+from kv import Branch, PagedKVCache
+from policies.base import RuntimeOptions
+from policies.guidance import Guidance
+from policies.observation import RobotObservation
+from tests.helpers.dreamzero import ThreadPair, make_policy, observations
+from tests.helpers.fake_policy import FakeConfig, FakePolicy
+
+
+def infer(request_id: int, session_id: str = "s") -> Infer:
+    return Infer(request_id, session_id, RobotObservation())
+
+
+# -- order and batches ------------------------------------------------------------------
+
+
+def test_control_requests_come_first_and_each_round_says_how_long_requests_waited():
+    scheduler = Scheduler(max_batch=4)
+    scheduler.put(infer(1, "a"))
+    scheduler.put(infer(2, "b"))
+    time.sleep(0.05)
+    scheduler.put(End(3, "c", "reset"))
+    assert scheduler.next_round().control == End(3, "c", "reset")  # a reset never waits behind inference
+    admit = scheduler.next_round().admit
+    assert [r.request_id for r, _ in admit] == [1, 2] and all(ms >= 50.0 for _, ms in admit)
+    for request, ms in admit:
+        scheduler.admitted(request, ms, ready=True)
+    batch = scheduler.next_round().batch
+    assert [rid for rid, _ in batch] == [1, 2] and all(ms >= 50.0 for _, ms in batch)
+
+
+def test_batches_hold_distinct_sessions_in_arrival_order_up_to_max_batch():
+    scheduler = Scheduler(max_batch=2)
+    for request in (infer(1, "a"), infer(2, "a"), infer(3, "b"), infer(4, "c")):
+        scheduler.put(request)
+    for request, ms in scheduler.next_round().admit:
+        scheduler.admitted(request, ms, ready=True)
+    first = [rid for rid, _ in scheduler.next_round().batch]
+    assert first == [1, 3]  # a's second request waits for its first (never twice in one forward)
+    scheduler.done(first)
+    second = [rid for rid, _ in scheduler.next_round().batch]
+    assert second == [2, 4]
+    scheduler.done(second)
+    assert scheduler.empty()
+
+
+def test_a_request_whose_session_work_runs_does_not_hold_the_ready_ones_back():
+    scheduler = Scheduler(max_batch=4)
+    for request in (infer(1, "new"), infer(2, "steady")):
+        scheduler.put(request)
+    (new, ms_new), (steady, ms_steady) = scheduler.next_round().admit
+    scheduler.admitted(new, ms_new, ready=False)  # its first-call encodes run on the encoder thread
+    scheduler.admitted(steady, ms_steady, ready=True)
+    assert [rid for rid, _ in scheduler.next_round().batch] == [2]
+    scheduler.done([2])
+    assert scheduler.next_round(timeout_s=0.05) is None  # nothing ready: it waits for the encode
+    threading.Timer(0.05, scheduler.prepared, args=(1,)).start()
+    assert [rid for rid, _ in scheduler.next_round(timeout_s=5).batch] == [1]
+
+
+def test_a_partial_batch_waits_only_when_told_and_never_past_a_control_request():
+    scheduler = Scheduler(max_batch=2, batch_wait_s=2.0)
+    scheduler.put(infer(1, "a"))
+    for request, ms in scheduler.next_round().admit:
+        scheduler.admitted(request, ms, ready=True)
+    threading.Timer(0.05, scheduler.put, args=(Detach(9, "z", "switched"),)).start()
+    started = time.monotonic()
+    assert scheduler.next_round().control is not None and time.monotonic() - started < 1.0  # the detach did not wait
+    threading.Timer(0.05, scheduler.put, args=(infer(2, "b"),)).start()
+    for request, ms in scheduler.next_round().admit:  # b arrived while a waited for company
+        scheduler.admitted(request, ms, ready=True)
+    assert [rid for rid, _ in scheduler.next_round().batch] == [1, 2] and time.monotonic() - started < 1.5
+
+
+def test_victims_are_idle_sessions_disconnected_first_never_attached_waiting_or_protected():
+    class S:
+        def __init__(self, status: str, waiting: int = 0) -> None:
+            self.status, self.waiting = status, waiting
+
+    table = {"old-switched": S("switched"), "attached": S("attached"), "gone-waiting": S("disconnected", 1), "gone": S("disconnected"), "peer": S("switched")}
+    assert choose_victims(table, 1, protect=()) == ["gone"]
+    assert choose_victims(table, 2, protect=()) == ["gone", "old-switched"]
+    assert choose_victims(table, 2, protect={"old-switched"}) == ["gone", "peer"]
+    assert choose_victims(table, 4, protect=()) is None  # the attached and the waiting one never go
+    assert choose_victims(table, 0, protect=()) == []
+
+
+# -- no robot pays for another's arrival --------------------------------------------------
+
+
+def fake_engine(max_batch: int = 4, delay_s: float = 0.0) -> SessionEngine:
+    policy = FakePolicy(FakeConfig(max_batch=max_batch, delay_s=delay_s), RuntimeOptions())
+    spec = policy.kv_spec()
+    cache = PagedKVCache(spec, num_pages=8 * spec.pages_per_branch + 1, max_sessions=8, branches=policy.branches, max_batch=max_batch)
+    return SessionEngine(policy, cache, max_sessions=8, max_batch=max_batch)
+
+
+def test_a_slow_first_call_encode_never_stalls_three_steady_robots():
+    """Three robots calling back to back; a fourth arrives whose first call needs 1.5 s of
+    session-own encoding. Before: its encode ran inside the batched step, and every steady robot's
+    call took 1.5 s longer. Now it runs on the encoder thread and the steady robots never notice."""
+    encode_s = 1.5
+    engine = fake_engine(delay_s=0.02)
+
+    async def scenario() -> tuple[list[float], list[float], float]:
+        client = InprocClient(engine)
+        await client.start()
+        steady_before: list[float] = []
+        steady_during: list[float] = []
+        newcomer_done = asyncio.Event()
+
+        async def robot(name: str) -> None:
+            calls = 0
+            while not newcomer_done.is_set() or calls < 5:
+                started = time.perf_counter()
+                reply = await client.infer(name, RobotObservation(prompt="steady"))
+                assert reply.calls == calls + 1
+                calls += 1
+                (steady_during if arrived.is_set() and not newcomer_done.is_set() else steady_before).append(time.perf_counter() - started)
+
+        async def newcomer() -> float:
+            await asyncio.sleep(0.3)
+            arrived.set()
+            started = time.perf_counter()
+            reply = await client.infer("newcomer", RobotObservation(prompt=f"encode:{encode_s}"))
+            newcomer_done.set()
+            assert reply.new_session and reply.calls == 1
+            return time.perf_counter() - started
+
+        arrived = asyncio.Event()
+        results = await asyncio.gather(robot("r1"), robot("r2"), robot("r3"), newcomer())
+        await client.stop()
+        return steady_before, steady_during, results[-1]
+
+    before, during, newcomer_s = asyncio.run(scenario())
+    assert newcomer_s >= encode_s  # its encode did run
+    assert len(during) >= 6, during  # the steady robots kept being served while it encoded
+    assert max(during) < encode_s / 3, f"a steady robot waited {max(during):.2f} s behind the newcomer's encode"
+    print(f"steady robots' calls: before {np.median(before) * 1000:.0f} ms, during the encode {np.median(during) * 1000:.0f} ms "
+          f"(max {max(during) * 1000:.0f} ms); the newcomer's first call {newcomer_s * 1000:.0f} ms")  # fmt: skip
+
+
+def test_the_step_does_the_session_work_itself_when_it_did_not_run_beforehand():
+    engine = fake_engine()
+    started = time.perf_counter()
+    (reply,) = engine.run([Infer(1, "a", RobotObservation(prompt="encode:0.2"))])
+    assert isinstance(reply, InferReply) and time.perf_counter() - started >= 0.2 and engine.sessions["a"].policy_state.encoded
+
+
+def test_dreamzero_prepares_window_starts_off_the_batch_and_gives_the_same_actions(tiny_model):
+    """A first call, a prompt change and a window restart: their encodes run on the encoder thread
+    (the policy's own path: prepared beforehand) and the actions equal the step's own encodes'."""
+    results = {}
+    for prepared in (True, False):
+        policy, cache = make_policy(tiny_model)
+        engine = SessionEngine(policy, cache, max_sessions=3, max_batch=2)
+        if not prepared:
+            engine.policy.prepare = lambda session, observation: None
+        made = []
+        real_begin = policy._begin
+
+        def begin(call, real_begin=real_begin, made=made):
+            made.append(call.session.prepared is not None)
+            return real_begin(call)
+
+        policy._begin = begin
+        obs = list(observations(7))
+        obs[3:] = [RobotObservation(**{**o.__dict__, "prompt": "put the block in the bowl"}) for o in obs[3:]]
+        replies = [engine.run([Infer(i, "s", o)])[0] for i, o in enumerate(obs)]
+        assert all(isinstance(r, InferReply) for r in replies), replies
+        results[prepared] = (replies, made)
+    replies, made = results[True]
+    events = [(r.info.get("prompt_change"), r.info.get("window_restart")) for r in replies]
+    starts = [i for i, r in enumerate(replies) if i == 0 or r.info.get("prompt_change") or r.info.get("window_restart")]
+    assert len(starts) >= 2, events
+    assert [made[i] for i in starts] == [True] * len(starts) and not any(made[i] for i in range(len(made)) if i not in starts)
+    for a, b in zip(results[True][0], results[False][0]):
+        assert np.array_equal(a.actions, b.actions)
+
+
+def test_frames_past_what_the_policy_keeps_are_dropped_before_any_pixel_work(tiny_model, monkeypatch):
+    import policies.dreamzero.policy as dz
+
+    policy, _ = make_policy(tiny_model)
+    seen: list[int] = []
+    real = dz.crop_and_resize
+    monkeypatch.setattr(dz, "crop_and_resize", lambda frames, *a, **k: (seen.append(frames.shape[0]), real(frames, *a, **k))[1])
+    frames = np.zeros((64, 90, 160, 3), np.uint8)
+    canvas = policy._canvas(RobotObservation(exterior_left=frames, exterior_right=frames, wrist=frames, prompt="x"))
+    assert canvas.shape[0] == dz.FRAMES_PER_CALL and seen == [dz.FRAMES_PER_CALL] * 3
+
+
+# -- CFG-parallel ranks agree ------------------------------------------------------------
+
+
+def run_ranks(tiny_model, sabotage, calls: list[list[tuple[str, RobotObservation]]]) -> dict[int, list[list]]:
+    """Two CFG-parallel ranks (threads meeting at a barrier, as two processes meet in collectives),
+    each its own engine, serving the same rounds; ``sabotage(rank, policy)`` breaks one of them."""
+    pair = ThreadPair()
+    replies: dict[int, list[list]] = {0: [], 1: []}
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            policy, _ = make_policy(copy.deepcopy(tiny_model), branches=(Branch(r),), guidance=Guidance.parallel(r, pair.endpoint(r)))
+            spec = policy.kv_spec()
+            cache = PagedKVCache(spec, num_pages=3 * spec.pages_per_branch + 1, max_sessions=3, branches=(Branch(r),), max_batch=3)
+            engine = SessionEngine(policy, cache, max_sessions=3, max_batch=3)
+            sabotage(r, policy)
+            for k, batch in enumerate(calls):
+                replies[r].append(engine.run([Infer(10 * k + i, sid, obs) for i, (sid, obs) in enumerate(batch)]))
+            replies[r].append(sorted(engine.sessions))
+        except BaseException as exc:
+            errors.append(exc)
+            pair.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    assert not any(t.is_alive() for t in threads), "a rank is stuck waiting for the other"
+    assert not errors, errors
+    return replies
+
+
+@pytest.mark.parametrize("phase", ["encode", "denoise"])
+def test_a_failure_on_one_cfg_rank_fails_the_same_session_on_both(tiny_model, phase):
+    """Rank 1's re-encode (or its denoise forward) fails for one session only. Before: rank 0 went
+    on with a batch rank 1 had dropped a member from, and the two waited on each other (or
+    exchanged mismatched tensors) until the watchdog restarted the replica."""
+    rollouts = {sid: list(observations(2, seed=n)) for n, sid in enumerate(("a", "victim", "c"))}
+    calls = [[(sid, obs[k]) for sid, obs in rollouts.items()] for k in range(2)]
+    victim_obs = rollouts["victim"][1]
+
+    def sabotage(rank: int, policy) -> None:
+        if rank != 1:
+            return
+        if phase == "encode":
+            real = policy._encode_observed
+
+            def encode(group):
+                if any(c.observation is victim_obs for c in group):
+                    raise RuntimeError("rank 1: VAE encode failed")
+                return real(group)
+
+            policy._encode_observed = encode
+        else:
+            dit, real_forward, real_denoise = policy.dit, policy.dit.forward, policy._denoise
+            victim_in = [False]
+
+            def denoise(calls):
+                victim_in[0] = any(c.observation is victim_obs for c in calls)
+                return real_denoise(calls)
+
+            def forward(x, *args, **kwargs):
+                if kwargs.get("action") is not None and victim_in[0]:  # rank 1's forward fails mid-denoise; rank 0's does not
+                    raise RuntimeError("rank 1: denoise forward failed")
+                return real_forward(x, *args, **kwargs)
+
+            policy._denoise, dit.forward = denoise, forward
+
+    replies = run_ranks(tiny_model, sabotage, calls)
+    by_rank = {}
+    for r in (0, 1):
+        first, second, open_sessions = replies[r]
+        assert all(isinstance(x, InferReply) for x in first)
+        by_rank[r] = {x.request_id: x for x in second}  # 10: a, 11: the victim, 12: c
+        assert isinstance(by_rank[r][11], ErrorReply) and by_rank[r][11].kind is ErrorKind.POLICY
+        assert isinstance(by_rank[r][10], InferReply) and isinstance(by_rank[r][12], InferReply)
+        assert open_sessions == ["a", "c"]
+    assert "rank 1:" in by_rank[1][11].message
+    assert "other CFG-parallel rank" in by_rank[0][11].message  # rank 0 replies, and says where it failed
+    for rid in (10, 12):
+        assert np.array_equal(by_rank[0][rid].actions, by_rank[1][rid].actions)
+
+
+# -- warm-up ---------------------------------------------------------------------------------
+
+
+def test_warmup_walks_every_batch_size_when_shapes_compile_and_restores_the_pool():
+    policy = FakePolicy(FakeConfig(max_batch=3), RuntimeOptions())
+    spec = policy.kv_spec()
+    cache = PagedKVCache(spec, num_pages=4 * spec.pages_per_branch + 1, max_sessions=4, branches=policy.branches, max_batch=3)
+    engine = SessionEngine(policy, cache, max_sessions=4, max_batch=3, warmup_batches=3)
+    timings = engine.warmup()
+    assert list(timings) == ["call0_ms", "batch2_call0_ms", "batch3_call0_ms"]
+    assert engine.cache.pool.num_free == engine.cache.pool.capacity and not engine.sessions and not engine.batches
+
+
+def test_compiled_batches_are_compiled_at_warm_up_not_while_robots_wait(tiny_model):
+    """engine.compile: every batch shape up to engine.max_batch is traced during warm-up; a batch
+    of two robots afterwards compiles nothing (before: warm-up traced batch size 1 only)."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    from policies.dreamzero.policy import DreamZeroConfig, DreamZeroPolicy
+    from tests.helpers.dreamzero import TINY
+
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    options = RuntimeOptions(compile=True, compile_backend=counter, max_batch=2)
+    policy = DreamZeroPolicy(DreamZeroConfig(**TINY), options, model=copy.deepcopy(tiny_model))
+    spec = policy.kv_spec()
+    cache = PagedKVCache(spec, num_pages=2 * 2 * spec.pages_per_branch + 1, max_sessions=2, max_batch=2)
+    engine = SessionEngine(policy, cache, max_sessions=2, max_batch=2, warmup_batches=2)
+    engine.warmup()
+    traced = counter.frame_count
+    assert traced > 0
+    for k, obs in enumerate(observations(3)):
+        replies = engine.run([Infer(2 * k, "a", obs), Infer(2 * k + 1, "b", obs)])
+        assert all(isinstance(r, InferReply) and r.batch_size == 2 for r in replies)
+    assert counter.frame_count == traced, "a batch shape was compiled while robots waited"

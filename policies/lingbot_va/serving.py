@@ -33,7 +33,7 @@ from policies.info import PolicyInfo
 from policies.lingbot_va import config as lv_config
 from policies.lingbot_va.model import TextKV
 from policies.lingbot_va.policy import MAX_GUIDANCE, CommitRequest, EpisodeError, InferRequest, LingBotVAPolicy, LingBotVASession
-from policies.lingbot_va.settings import BUILTIN_TINY, LingBotVAConfig
+from policies.lingbot_va.settings import BUILTIN_TINY, SYNTHETIC_PREFIX, LingBotVAConfig
 from policies.observation import RobotObservation, UnsupportedObservation
 
 CAMERA_PREFIX = "observation.images."  # upstream's camera keys; the OpenPI wire uses the names after it
@@ -289,11 +289,16 @@ def build_lingbot_va(config: LingBotVAConfig, options: RuntimeOptions) -> LingBo
             raise StartRefused(f"{name}: not supported by the lingbot_va policy yet; unset it")
     if options.guidance.is_parallel:
         raise StartRefused("engine.cfg_parallel_size: lingbot_va runs both CFG branches in one process; set it to 1")
+    embodiment, dtype = embodiment_by_name(config.embodiment_name), getattr(torch, options.dtype)
+    if config.checkpoint.startswith(SYNTHETIC_PREFIX):
+        from policies.lingbot_va.synthetic import synthetic_policy
+
+        return LingBotVAServing(synthetic_policy(config.checkpoint, embodiment, device=options.device, dtype=dtype), config, config.checkpoint)
     if config.checkpoint == BUILTIN_TINY:
         from policies.lingbot_va.tiny import ensure_tiny_checkpoint
 
         checkpoint = ensure_tiny_checkpoint()
     else:
         checkpoint = config.local_checkpoint()
-    episodes = LingBotVAPolicy.load(checkpoint, embodiment_by_name(config.embodiment_name), device=options.device, dtype=getattr(torch, options.dtype))
+    episodes = LingBotVAPolicy.load(checkpoint, embodiment, device=options.device, dtype=dtype)
     return LingBotVAServing(episodes, config, str(checkpoint))

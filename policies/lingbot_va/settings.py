@@ -1,6 +1,7 @@
 """Settings of the LingBot-VA policy (torch-free: the front end validates them without loading a model).
 
-Every key is read: ``checkpoint`` (a released checkpoint directory or Hugging Face id, ``builtin:tiny``), ``embodiment``
+Every key is read: ``checkpoint`` (a released checkpoint directory or Hugging Face id, ``builtin:tiny``, or
+``synthetic:released`` / ``synthetic:tiny`` with ``,layers=N``: random weights made on the device, ``synthetic.py``), ``embodiment``
 (upstream's config it was trained with: ``robotwin``, ``franka``; ``tiny_robotwin`` for the tiny checkpoint), ``seed``
 (each session's noise generator is seeded with it at reset: upstream never seeds). Unknown keys are refused by name.
 """
@@ -15,6 +16,8 @@ import pydantic
 from policies import hub
 
 BUILTIN_TINY = "builtin:tiny"
+SYNTHETIC_PREFIX = "synthetic:"
+SYNTHETIC_PRESETS = ("released", "tiny")  # synthetic.py
 CHECKPOINT_EXAMPLE = "/path/to/lingbot-va-posttrain-robotwin"
 # What the server reads of a released checkpoint (diffusers-style directories), and so all it fetches of a hub repo.
 CHECKPOINT_FILES = ("transformer/*", "vae/*", "text_encoder/*", "tokenizer/*")
@@ -27,7 +30,8 @@ class LingBotVAConfig(pydantic.BaseModel):
     name: Literal["lingbot_va"] = "lingbot_va"
     checkpoint: str = pydantic.Field(
         BUILTIN_TINY,
-        description="checkpoint directory, Hugging Face id (robbyant/lingbot-va-posttrain-robotwin, robbyant/lingbot-va-base) or builtin:tiny",
+        description="checkpoint directory, Hugging Face id (robbyant/lingbot-va-posttrain-robotwin, robbyant/lingbot-va-base), builtin:tiny "
+        "or synthetic:released / synthetic:tiny[,layers=N]",
     )
     embodiment: Literal["robotwin", "franka", "tiny_robotwin"] | None = pydantic.Field(
         None, description="upstream's embodiment config (default: tiny_robotwin for builtin:tiny, else robotwin)"
@@ -36,23 +40,28 @@ class LingBotVAConfig(pydantic.BaseModel):
 
     @pydantic.model_validator(mode="after")
     def _check_pair(self) -> LingBotVAConfig:
-        tiny = self.checkpoint == BUILTIN_TINY
+        tiny = self.checkpoint == BUILTIN_TINY or self.checkpoint.startswith(SYNTHETIC_PREFIX + "tiny")
+        if self.checkpoint.startswith(SYNTHETIC_PREFIX):
+            preset = self.checkpoint.removeprefix(SYNTHETIC_PREFIX).split(",")[0]
+            if preset not in SYNTHETIC_PRESETS:
+                raise ValueError(f"policy.checkpoint: unknown synthetic preset {preset!r}; presets: {', '.join(SYNTHETIC_PRESETS)}")
         if self.checkpoint.startswith("builtin:") and not tiny:
             raise ValueError(f"policy.checkpoint: unknown {self.checkpoint!r}; built in: {BUILTIN_TINY}")
         if tiny and self.embodiment not in (None, "tiny_robotwin"):
-            raise ValueError(f"policy.embodiment: builtin:tiny is trained for nothing but its tiny_robotwin geometry, not {self.embodiment!r}")
+            raise ValueError(f"policy.embodiment: {self.checkpoint} has nothing but the tiny_robotwin geometry, not {self.embodiment!r}")
         if not tiny and self.embodiment == "tiny_robotwin":
-            raise ValueError("policy.embodiment: tiny_robotwin is the geometry of builtin:tiny only")
+            raise ValueError("policy.embodiment: tiny_robotwin is the geometry of builtin:tiny and synthetic:tiny only")
         return self
 
     @property
     def embodiment_name(self) -> str:
-        return self.embodiment or ("tiny_robotwin" if self.checkpoint == BUILTIN_TINY else "robotwin")
+        tiny = self.checkpoint == BUILTIN_TINY or self.checkpoint.startswith(SYNTHETIC_PREFIX + "tiny")
+        return self.embodiment or ("tiny_robotwin" if tiny else "robotwin")
 
     def preflight(self) -> LingBotVAConfig:
         """Before any worker is spawned: a Hugging Face id becomes a local snapshot directory; the directory is checked.
         Raises ValueError naming the problem and the fix."""
-        if self.checkpoint == BUILTIN_TINY:
+        if self.checkpoint == BUILTIN_TINY or self.checkpoint.startswith(SYNTHETIC_PREFIX):
             return self
         return self.model_copy(update={"checkpoint": str(self.local_checkpoint())})
 

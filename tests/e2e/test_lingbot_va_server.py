@@ -87,3 +87,23 @@ def test_openpi_sessions_interleave_and_equal_the_robotwin_protocol(server):
     assert policy.infer({"endpoint": "reset", "session_ids": ["left", "right"]})["status"] == "reset successful"
     status, body = server.http("/info")
     assert status == 200 and json.loads(body)["policy"]["native_protocol"] == "lingbot_va"
+
+
+def test_each_connection_is_its_own_session(server):
+    """Two RoboTwin-protocol connections interleaved message by message: each runs its own episode, equal to it alone."""
+    prompt = "grab the white mug"
+    with LingBotVAClient(server.url) as alone:
+        reference, frames = run_episode(alone, prompt, 3, seed=5, size=SIZE)
+        alone.call({"reset": True, "prompt": "done"})
+    with LingBotVAClient(server.url) as a, LingBotVAClient(server.url) as b:
+        a.call({"reset": True, "prompt": prompt})
+        b.call({"reset": True, "prompt": "stack the red cube"})
+        for chunk in range(3):
+            got = a.call({"obs": frames[0][0], "video_guidance_scale": 5.0, "action_guidance_scale": 1.0})["action"]
+            other = b.call({"obs": frames[0][0]})["action"]
+            np.testing.assert_allclose(got, reference[chunk], atol=1e-5, rtol=0)
+            assert np.abs(other - got).max() > 1e-4
+            a.call({"obs": frames[chunk + 1], "compute_kv_cache": True, "state": got})
+            b.call({"obs": frames[chunk + 1], "compute_kv_cache": True, "state": other})
+        a.call({"reset": True, "prompt": "done"})
+        b.call({"reset": True, "prompt": "done"})

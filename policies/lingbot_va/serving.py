@@ -10,7 +10,8 @@ The engine opens a session per robot and hands it its KV; this adapter maps its 
   chunk) or ``compute_kv_cache`` (commit the key frames in the observation's camera stacks and the executed actions);
 * a request without one (OpenPI / RoboArena, with ``session_id``) is a whole chunk: on a session that has a chunk
   out, its frames (4 per latent frame) commit that chunk with the actions the server sent, then the next chunk is
-  predicted; the first request of a session carries one frame per camera.
+  predicted; the first request of a session carries one frame per camera (of a stack, the newest is used: a robot
+  whose session was evicted starts a new episode instead of failing).
 
 :meth:`step_batch` runs all commits of a batch in one video and one action forward, then all predictions batched.
 Actions go back as (frames x actions per frame, channels), time-major (the OpenPI shape); LingBot-VA's wire reshapes
@@ -220,6 +221,10 @@ class LingBotVAServing(Policy[ServedSession]):
             video_g = call.video_guidance_scale if call is not None else None
             action_g = call.action_guidance_scale if call is not None else None
             frames = self._frames(observation)
+            if call is None and session.episode.frame_start == 0:
+                # OpenPI: an episode starts from one observation; a stack (a robot whose session was evicted, or a
+                # client that always sends its key frames) starts it from its newest frame
+                frames = frames[-1:]
             requests.append(InferRequest(session.episode, frames[0] if len(frames) == 1 else frames, video_g, action_g))
             rows.append(i)
         if requests:

@@ -132,3 +132,16 @@ def test_the_episode_call_crosses_the_process_seam():
     assert call != EpisodeCall("compute_kv_cache", executed_actions=np.zeros((1, 2, 3), np.float32)) != EpisodeCall("infer")
     plain = RobotObservation({"cam_high": np.zeros((1, 2, 2, 3), np.uint8)}, {}, "x")
     assert pickle.loads(pickle.dumps(plain)).episode is None
+
+
+def test_an_openpi_episode_starts_from_the_newest_frame_of_a_stack(engine):
+    """A robot whose session was evicted sends its key frames to a fresh session: the episode starts over from the
+    newest frame instead of failing."""
+    stack = cameras(engine, 8, 21)
+    newest = {name: frames[-1:] for name, frames in stack.items()}
+    from_stack = engine.infer("stacked", RobotObservation(stack, {}, "grab the mug"))
+    from_frame = engine.infer("single", RobotObservation(newest, {}, "grab the mug"))
+    assert from_stack.result.info["execute_from"] == 16
+    np.testing.assert_array_equal(from_stack.result.actions, from_frame.result.actions)
+    engine.end("stacked", "test")
+    engine.end("single", "test")

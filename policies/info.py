@@ -54,6 +54,9 @@ class PolicyInfo:
     max_batch: int = 1
     # None: RoboArena's DROID keys. Else the embodiment's observation/<name> keys (and server_config is its frame).
     observation_schema: ObservationSchema | None = None
+    # A policy's own wire served beside OpenPI's on the same socket (``ardiff_server/wire/lingbot_va.py``): None, or
+    # "lingbot_va" (LingBot-VA's reset / infer / compute_kv_cache messages, one session per connection).
+    native_protocol: str | None = None
 
     def __post_init__(self) -> None:
         keys = tuple(self.server_config)
@@ -76,5 +79,6 @@ class PolicyInfo:
             "action_dim": self.action_dim,
             "action_shape": self.action_shape,
             "server_config": self.server_config,
+            **({"native_protocol": self.native_protocol} if self.native_protocol else {}),
             **self.details,
         }

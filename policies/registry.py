@@ -30,6 +30,7 @@ class PolicyEntry:
 
 _REGISTRY: dict[str, PolicyEntry] = {
     "dreamzero": PolicyEntry("policies.dreamzero.config:DreamZeroConfig", "policies.dreamzero.policy:build_dreamzero"),
+    "lingbot_va": PolicyEntry("policies.lingbot_va.settings:LingBotVAConfig", "policies.lingbot_va.serving:build_lingbot_va"),
     "noop": PolicyEntry("policies.noop.config:NoopConfig", "policies.noop.policy:build_noop"),
 }
 

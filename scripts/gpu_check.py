@@ -31,6 +31,8 @@ fullgraph, no code generation), and prints the same tables.
     python scripts/gpu_check.py --json                      # CPU: reduced size (about a minute)
     PYTHONPATH=. python3 scripts/gpu_check.py --full-size --json --budget-s 480 --out "$OUT"   # the device run
     python scripts/gpu_check.py --family 5b ...             # the same for the Wan2.2-5B DreamZero (synthetic:droid_5b)
+    python scripts/gpu_check.py --family lingbot_va ...     # LingBot-VA (synthetic:released; reduced: synthetic:tiny): an
+                                                            # episode per session, batches of sessions, peak vs its memory plan
 
 On a bare device image the packages the import chain needs beyond torch/transformers/triton are
 installed from ``.device_wheels/`` (``scripts/fetch_device_wheels.sh`` downloads them; carry
@@ -73,7 +75,10 @@ H200_BF16_DENSE_TFLOPS = 989.0  # datasheet dense bf16 (H100/H200 SXM)
 FULL_CHECKPOINT = "synthetic:droid"
 REDUCED_CHECKPOINT = "synthetic:tiny,layers=2"
 # --family 5b: upstream's Wan2.2-TI2V-5B DreamZero (30 layers at dim 3072, 50 tokens per latent frame, the Wan2.2 VAE)
-FAMILY_CHECKPOINTS = {"14b": (FULL_CHECKPOINT, REDUCED_CHECKPOINT), "5b": ("synthetic:droid_5b", "synthetic:tiny_5b,layers=2")}
+FAMILY_CHECKPOINTS = {
+    "14b": (FULL_CHECKPOINT, REDUCED_CHECKPOINT), "5b": ("synthetic:droid_5b", "synthetic:tiny_5b,layers=2"),
+    "lingbot_va": ("synthetic:released", "synthetic:tiny"),  # policies/lingbot_va/synthetic.py
+}  # fmt: skip
 PHASES = ("frames", "text", "vision", "vae", "prefill", "denoise", "decode")
 CAMERA = (180, 320)
 PROMPT = "pick up the cup and put it in the bowl"
@@ -508,7 +513,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--full-size", action="store_true", help="the released DreamZero-DROID geometry (default on CUDA)")
     parser.add_argument("--reduced", action="store_true", help=f"the reduced model ({REDUCED_CHECKPOINT}; default without CUDA)")
     parser.add_argument("--family", choices=sorted(FAMILY_CHECKPOINTS), default="14b",
-                        help="14b: DreamZero-DROID (synthetic:droid); 5b: the Wan2.2-5B DreamZero (synthetic:droid_5b)")
+                        help="14b: DreamZero-DROID (synthetic:droid); 5b: the Wan2.2-5B DreamZero (synthetic:droid_5b); "
+                        "lingbot_va: LingBot-VA (synthetic:released)")
+    parser.add_argument("--embodiment", choices=("robotwin", "franka", "tiny_robotwin"), help="--family lingbot_va: upstream's embodiment config")
     parser.add_argument("--checkpoint", help="a synthetic:<preset>[,key=value...] spec (overrides --full-size/--reduced/--family)")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default bfloat16 on CUDA, float32 on CPU")
@@ -553,6 +560,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     full = args.full_size or (cuda and not args.reduced)
     args.checkpoint = args.checkpoint or FAMILY_CHECKPOINTS[args.family][0 if full else 1]
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    if args.family == "lingbot_va":
+        return lingbot_va_check(args, cuda, full)
     args.compile_backend = args.compile_backend or ("inductor" if cuda else "eager")
     if args.compile_estimate_s is None:
         args.compile_estimate_s = 240.0 if cuda else 30.0
@@ -686,6 +695,96 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     _write(out_dir, report)
     if args.json:
         print(json.dumps(_public(report)))
+    return report
+
+
+def lingbot_va_check(args, cuda: bool, full: bool) -> dict[str, Any]:
+    """LingBot-VA through the engine: per session an OpenPI-wire episode of ``--calls`` chunks (the first frame, then
+    each chunk's key frames committing it and predicting the next), then ``--batches`` sessions per engine step;
+    ms per chunk, chunks/s, peak GPU memory beside the memory plan's figures."""
+    import numpy as np
+    import torch
+
+    from ardiff_server.config import validate_config
+    from ardiff_server.engine.builder import build_engine
+    from ardiff_server.engine.messages import ErrorReply, Infer
+    from policies.lingbot_va import memory as lv_memory
+    from policies.lingbot_va.policy import kv_spec
+    from policies.lingbot_va.serving import embodiment_by_name
+    from policies.lingbot_va.synthetic import parse_spec
+    from policies.observation import RobotObservation
+
+    name = args.embodiment or ("robotwin" if full or "released" in args.checkpoint else "tiny_robotwin")
+    sizes = [int(b) for b in args.batches.split(",") if b.strip()] or [1]
+    sessions = max(max(sizes), args.max_sessions)
+    dtype = getattr(torch, args.dtype)
+    embodiment = embodiment_by_name(name)
+    spec = parse_spec(args.checkpoint)
+    budget = kv_budget_gib(kv_spec(embodiment, spec.transformer, dtype), sessions, max_batch=max(sizes))
+    # the memory plan models the released networks (UMT5-XXL, the Wan2.2 VAE): held against the peak at full size only
+    plan = lv_memory.plan(name, embodiment, dtype=dtype, max_batch=max(sizes), cfg=spec.transformer) if spec.preset == "released" else None
+    raw = {
+        "engine": {"device": args.device, "dtype": args.dtype, "max_sessions": sessions, "max_batch": max(sizes), "kv_budget_gib": budget, "warmup": False},
+        "policy": {"name": "lingbot_va", "checkpoint": args.checkpoint, "embodiment": name},
+    }  # fmt: skip
+    report: dict[str, Any] = {
+        "check": "gpu_check", "family": "lingbot_va", "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
+        "size": "full" if full else "reduced", "checkpoint": args.checkpoint, "embodiment": name, "dtype": args.dtype, "kv_budget_gib": budget,
+    }  # fmt: skip
+    if plan is not None:
+        report["memory_plan_gib"] = {"weights": gib(sum(plan.weights.values())), "kv_session": gib(plan.kv_session), "text_session": gib(plan.text_session),
+                                     "activations": gib(plan.activations), "reserve": gib(plan.reserve), "one_session": gib(plan.total())}  # fmt: skip
+    t = time.monotonic()
+    engine = build_engine(validate_config(raw, source="gpu_check"))
+    report["build_s"] = time.monotonic() - t
+    policy = engine.policy
+    log(f"lingbot_va {args.checkpoint} ({name}) built in {report['build_s']:.1f} s; memory plan {report.get('memory_plan_gib')}")
+    counts = (1, 4 * (policy.frames - 1), *[4 * policy.frames] * max(0, args.calls - 2))[: args.calls]
+    rng = np.random.default_rng(0)
+    ids = iter(range(1, 1_000_000))
+
+    def chunk_observation(frames: int) -> RobotObservation:
+        cams = {c: rng.integers(0, 256, (frames, h, w, 3), dtype=np.uint8) for c, (h, w) in zip(policy.cameras, policy.schema.resolutions)}
+        return RobotObservation(cams, {}, PROMPT)
+
+    def step(members: list[str], frames: int) -> float:
+        started = time.perf_counter()
+        replies = engine.run([Infer(next(ids), sid, chunk_observation(frames)) for sid in members])
+        if cuda:
+            torch.cuda.synchronize()
+        for reply in replies:
+            if isinstance(reply, ErrorReply):
+                raise RuntimeError(reply.message)
+            if not np.isfinite(reply.actions).all():
+                raise RuntimeError("non-finite actions")
+        return (time.perf_counter() - started) * 1000.0
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    episode = [step(["episode"], frames) for frames in counts]
+    engine.end("episode", "gpu_check")
+    steady = episode[2:] or episode[1:]
+    report["episode"] = {"calls_ms": [round(ms, 1) for ms in episode], "first_ms": episode[0],
+                         "steady_median_ms": statistics.median(steady) if steady else None, "steady_p99_ms": percentile(steady, 99) if steady else None}  # fmt: skip
+    log(f"episode: {report['episode']}")
+    report["batches"] = {}
+    for size in sizes:
+        members = [f"batch{size}-{k}" for k in range(size)]
+        times = [step(members, frames) for frames in counts]
+        for sid in members:
+            engine.end(sid, "gpu_check")
+        steady = times[2:] or times
+        report["batches"][size] = {"steady_ms_per_step": statistics.median(steady), "chunks_per_s": size * 1000.0 / statistics.median(steady)}
+        log(f"batch {size}: {report['batches'][size]}")
+    if cuda:
+        report["peak_gib"] = gib(torch.cuda.max_memory_allocated())
+    if plan is not None:
+        report["plan_at_peak_gib"] = gib(plan.fixed + max(sizes) * plan.per_session)
+    report["elapsed_s"] = elapsed()
+    out_dir = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    _write(out_dir, report)
+    if args.json:
+        print(json.dumps(report))
     return report
 
 

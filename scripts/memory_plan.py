@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""GiB per GPU for DreamZero's two families, by placement, against common cards (the table in docs/performance.md).
+"""GiB per GPU for DreamZero's two families, by placement, and for LingBot-VA, against common cards (docs/performance.md).
 
 Everything comes from ``policies/dreamzero/memory.py``, the plan the server prints and checks at
 start-up: weights from the networks built on the meta device (exact parameter counts), the KV
@@ -22,7 +22,10 @@ Each configuration holds one session (``engine.max_sessions: 1``: the pool at it
 "+session" column is what each further session adds (its pages and cross-attention slots). A
 card's free memory is its size less 0.5 GiB for the CUDA context.
 
-    python scripts/memory_plan.py            # the markdown table
+LingBot-VA (``policies/lingbot_va/memory.py``): the released 5B transformer, UMT5-XXL and the Wan2.2 VAE on one GPU,
+bf16, both CFG branches, per upstream embodiment config; "+session" is a session's KV window plus its prompt K/V.
+
+    python scripts/memory_plan.py            # the markdown tables
     python scripts/memory_plan.py --json
     python scripts/memory_plan.py --measure-vae   # re-measure the VAE activation constant on this CPU (minutes)
 """
@@ -121,6 +124,28 @@ def markdown(table: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def lingbot_va_table() -> tuple[str, list[dict]]:
+    from policies.lingbot_va import memory as lv_memory
+    from policies.lingbot_va.config import FRANKA, ROBOTWIN
+
+    cards = " | ".join(f"{c} GiB" for c in CARDS_GIB)
+    lines = [
+        f"| LingBot-VA | weights | KV, 1 session | prompt K/V | activations | reserve | **GiB per GPU** | +session | {cards} |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(CARDS_GIB),
+    ]
+    out = []
+    for name, embodiment in (("RoboTwin (posttrain-robotwin)", ROBOTWIN), ("Franka (base)", FRANKA)):
+        p = lv_memory.plan(name, embodiment)
+        fits = {card: p.sessions_on(int((card - CONTEXT_GIB) * GiB)) for card in CARDS_GIB}
+        lines.append(
+            f"| {name} | {sum(p.weights.values()) / GiB:.1f} | {p.kv_session / GiB:.1f} | {p.text_session / GiB:.2f} | {p.activations / GiB:.1f} "
+            f"| {p.reserve / GiB:.1f} | **{p.total() / GiB:.1f}** | {p.per_session / GiB:.2f} | " + " | ".join(str(n) if n else "-" for n in fits.values()) + " |"
+        )
+        out.append({"model": name, "weights": {k: v / GiB for k, v in p.weights.items()}, "kv_session": p.kv_session / GiB,
+                    "text_session": p.text_session / GiB, "activations": p.activations / GiB, "total": p.total() / GiB, "sessions": fits})  # fmt: skip
+    return "\n".join(lines), out
+
+
 def parameters() -> dict[str, dict[str, int]]:
     return {name: {c: s.floating for c, s in g.sizes.items()} for name, g in (("14B", geometry_14b()), ("5B", geometry_5b()))}
 
@@ -190,8 +215,11 @@ def main() -> None:
         print(f"{name}: " + ", ".join(f"{memory.LABELS[c]} {n:,}" for c, n in parts.items()) + f"; {sum(parts.values()):,} in all")
     print()
     print(markdown(table))
+    lingbot, lingbot_rows = lingbot_va_table()
+    print()
+    print(lingbot)
     if args.json:
-        print(json.dumps({"parameters": counts, "rows": [r.__dict__ for r in table]}))
+        print(json.dumps({"parameters": counts, "rows": [r.__dict__ for r in table], "lingbot_va": lingbot_rows}))
 
 
 if __name__ == "__main__":

@@ -28,9 +28,11 @@ from ardiff_server.config import AppConfig
 from ardiff_server.engine.client import EngineClient
 from ardiff_server.engine.messages import EngineError, ErrorKind, InferReply, scalar_info
 from ardiff_server.frontend.auth import ApiKeys, Unauthorized
+from ardiff_server.frontend.lingbot_va import LingBotVAConnections
 from ardiff_server.frontend.metrics import Metrics
 from ardiff_server.frontend.sessions import Connection, KeyLimits, SessionForbidden, SessionTable
 from ardiff_server.wire.decode import PolicyRequest, decode_request
+from ardiff_server.wire.lingbot_va import LingBotVARequest, decode_lingbot_va, is_lingbot_va_message
 from ardiff_server.wire.protocol import DecodeLimits, ProtocolError, pack, unpack
 
 logger = logging.getLogger(__name__)
@@ -92,6 +94,7 @@ class PolicyService:
         )
         self.started = time.time()
         self.connections = 0
+        self.lingbot_va = LingBotVAConnections(self)  # a policy's own wire beside OpenPI's (PolicyInfo.native_protocol)
         self._closing: set[asyncio.Task] = set()
 
     # -- HTTP ---------------------------------------------------------------------------
@@ -202,6 +205,7 @@ class PolicyService:
                 self.key_connections[key] -= 1
             self.connections -= 1
             self.metrics.connections.set(self.connections)
+            self.lingbot_va.forget(conn)
             await self.sessions.disconnect(conn)
             logger.info("connection %d closed after %d requests", conn.conn_id, conn.requests)
 
@@ -228,6 +232,8 @@ class PolicyService:
             logger.info("connection %d: bad request: %s", conn.conn_id, exc)
             return f"bad request: {exc}"
         try:
+            if isinstance(request, LingBotVARequest):
+                return await self.lingbot_va.serve(conn, request, prev_total_ms, started)
             if request.endpoint == "reset":
                 return await self._reset(conn, request)
             return await self._infer(conn, request, prev_total_ms, started)
@@ -236,9 +242,12 @@ class PolicyService:
             logger.warning("connection %d: %s", conn.conn_id, exc)
             return f"forbidden: {exc}"
 
-    def _decode(self, frame: bytes) -> PolicyRequest:
+    def _decode(self, frame: bytes) -> PolicyRequest | LingBotVARequest:
         info = self.engine.info  # its observation schema: the served embodiment's keys (None: RoboArena's DROID keys)
-        return decode_request(unpack(frame, self.limits, copy=False), info.observation_schema if info is not None else None)
+        payload = unpack(frame, self.limits, copy=False)
+        if info is not None and info.native_protocol == "lingbot_va" and is_lingbot_va_message(payload):
+            return decode_lingbot_va(payload, info.observation_schema.cameras)
+        return decode_request(payload, info.observation_schema if info is not None else None)
 
     async def _reset(self, conn: Connection, request: PolicyRequest) -> bytes | str:
         if request.reset_scope == "all":

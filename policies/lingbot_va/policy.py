@@ -173,8 +173,9 @@ class LingBotVAPolicy:
         return LingBotVASession(session_id, kv, tuple(StreamingEncoder(self.vae) for _ in range(streams)))
 
     @torch.no_grad()
-    def reset(self, session: LingBotVASession, prompt: str, seed: int) -> None:
-        """A new episode: the prompt's K/V, an empty window and VAE streams, the generator seeded."""
+    def reset(self, session: LingBotVASession, prompt: str, seed: int, text_kv: list[TextKV] | None = None) -> None:
+        """A new episode: the prompt's K/V, an empty window and VAE streams, the generator seeded. ``text_kv``: the
+        prompt's K/V made beforehand (:meth:`encode_prompt`, e.g. on the engine's encoder thread)."""
         if not isinstance(prompt, str):
             raise EpisodeError(f"prompt: expected a string, got {type(prompt).__name__}")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -184,8 +185,12 @@ class LingBotVAPolicy:
             stream.clear()
         session.generator = torch.Generator().manual_seed(seed)
         session.frame_start, session.first_latent = 0, None
-        text = self._encode_text([prompt, ""])
-        session.text_kv = self.transformer.project_text(text)
+        session.text_kv = text_kv if text_kv is not None else self.encode_prompt(prompt)
+
+    @torch.no_grad()
+    def encode_prompt(self, prompt: str) -> list[TextKV]:
+        """Every layer's cross-attention K/V of [prompt, negative ""] (touches no session)."""
+        return self.transformer.project_text(self._encode_text([prompt, ""]))
 
     def _encode_text(self, prompts: list[str]) -> torch.Tensor:
         tokens = self.tokenizer(

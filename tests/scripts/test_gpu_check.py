@@ -122,3 +122,25 @@ def test_fetch_script_is_valid_bash():
     import subprocess
 
     subprocess.run(["bash", "-n", str(ROOT / "scripts" / "fetch_device_wheels.sh")], check=True)
+
+
+def test_lingbot_va_family_runs_episodes_and_batches_at_reduced_size(gpu_check):
+    """``--family lingbot_va``: the device run's LingBot-VA path (synthetic:released there) at reduced size."""
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        report = gpu_check.main(["--family", "lingbot_va", "--calls", "3", "--batches", "2"])
+    assert report["family"] == "lingbot_va" and report["checkpoint"] == "synthetic:tiny" and report["embodiment"] == "tiny_robotwin"
+    assert len(report["episode"]["calls_ms"]) == 3 and all(ms > 0 for ms in report["episode"]["calls_ms"])
+    assert report["batches"][2]["chunks_per_s"] > 0
+    assert "memory_plan_gib" not in report  # the plan models the released networks only
+
+
+def test_lingbot_va_synthetic_released_spec_is_the_5b():
+    from policies.lingbot_va.synthetic import parse_spec
+
+    spec = parse_spec("synthetic:released,layers=2")
+    assert (spec.transformer.num_layers, spec.transformer.dim, spec.transformer.ffn_dim, spec.text["d_model"]) == (2, 3072, 14336, 4096)
+    with pytest.raises(ValueError, match="layers=31"):
+        parse_spec("synthetic:released,layers=31")

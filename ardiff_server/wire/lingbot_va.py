@@ -1,0 +1,130 @@
+"""LingBot-VA's own wire: the messages of its RoboTwin client, decoded into typed requests.
+
+Upstream's server (``wan_va/wan_va_server.py`` behind openpi's websocket server) holds one robot; its client
+(``evaluation/robotwin/eval_polict_client_openpi.py``) sends, on one connection, msgpack-numpy maps:
+
+* ``{reset: True, prompt, save_visualization}``: a new episode with this prompt;
+* ``{obs: {<camera key>: (H, W, 3) uint8, observation.state, task}, prompt, save_visualization,
+  video_guidance_scale, action_guidance_scale}``: predict the next chunk (only the first chunk's ``obs`` is read:
+  later observations reach the model through ``compute_kv_cache``);
+* ``{obs: [key frame maps], compute_kv_cache: True, imagine, save_visualization, state: (channels, F, N)}``: commit
+  the frames the robot saw and the actions it executed.
+
+Here each connection is its own session. ``save_visualization`` / ``imagine`` / ``observation.state`` / ``task`` are
+accepted and unused (upstream's server does not read them either); ``prompt`` on an infer is the reset's (upstream
+reads the reset's). A message is LingBot-VA's when it holds ``reset``, ``compute_kv_cache`` or ``obs`` and no OpenPI
+``observation/...`` key; anything else is decoded as OpenPI (``decode.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from ardiff_server.wire.decode import MAX_FRAMES, MAX_IMAGE_SIDE, MAX_PROMPT_CHARS, RequestError
+from ardiff_server.wire.protocol import short_repr
+from policies.episode import EpisodeCall
+from policies.observation import RobotObservation
+
+CAMERA_PREFIX = "observation.images."  # upstream's camera keys: observation.images.<camera>
+MARKER_KEYS = ("reset", "compute_kv_cache", "obs")
+
+
+@dataclass(frozen=True)
+class LingBotVARequest:
+    kind: Literal["reset", "infer", "compute_kv_cache"]
+    prompt: str | None = None  # reset: the episode's prompt
+    observation: RobotObservation | None = None  # infer / compute_kv_cache (its prompt is filled in from the reset)
+
+
+def is_lingbot_va_message(payload: Any) -> bool:
+    return (
+        isinstance(payload, dict)
+        and any(key in payload for key in MARKER_KEYS)
+        and not any(isinstance(key, str) and key.startswith("observation/") for key in payload)
+        and "endpoint" not in payload
+    )
+
+
+def decode_lingbot_va(payload: dict[str, Any], cameras: tuple[str, ...]) -> LingBotVARequest:
+    """One of LingBot-VA's messages; ``cameras``: the served cameras' short names (``cam_high``, ...)."""
+    if _flag(payload, "reset"):
+        prompt = payload.get("prompt")
+        if not isinstance(prompt, str):
+            raise RequestError(f"prompt: a reset needs the episode's prompt (a string), got {short_repr(prompt)}")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise RequestError(f"prompt: expected at most {MAX_PROMPT_CHARS} characters, got {len(prompt)}")
+        return LingBotVARequest("reset", prompt=prompt)
+    if "obs" not in payload:
+        raise RequestError(f"obs: missing; expected the observation (or key frames) under 'obs', got keys {short_repr(sorted(payload)[:8])}")
+    if _flag(payload, "compute_kv_cache"):
+        state = payload.get("state")
+        if not isinstance(state, np.ndarray) or state.dtype.kind not in "fiu" or state.ndim != 3:
+            raise RequestError(f"state: expected the chunk's actions as a (channels, frames, actions per frame) array, got {short_repr(state)}")
+        call = EpisodeCall("compute_kv_cache", executed_actions=np.array(state, dtype=np.float32))
+        return LingBotVARequest("compute_kv_cache", observation=_observation(payload["obs"], cameras, call))
+    call = EpisodeCall(
+        "infer", _scale(payload, "video_guidance_scale"), _scale(payload, "action_guidance_scale"),
+    )  # fmt: skip
+    return LingBotVARequest("infer", observation=_observation(payload["obs"], cameras, call))
+
+
+def _flag(payload: dict[str, Any], key: str) -> bool:
+    value = payload.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, (bool, np.bool_)):
+        raise RequestError(f"{key}: expected true or false, got {short_repr(value)}")
+    return bool(value)
+
+
+def _scale(payload: dict[str, Any], key: str) -> float | None:
+    value = payload.get(key)
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise RequestError(f"{key}: expected a number, got {short_repr(value)}")
+    if not math.isfinite(float(value)):
+        raise RequestError(f"{key}: expected a finite number, got {value}")
+    return float(value)
+
+
+def _observation(obs: Any, cameras: tuple[str, ...], call: EpisodeCall) -> RobotObservation:
+    """``obs`` (one frame map, or a list of them) -> one (T, H, W, 3) stack per camera."""
+    frames = obs if isinstance(obs, list) else [obs]
+    if not frames:
+        raise RequestError("obs: expected at least one frame")
+    if len(frames) > MAX_FRAMES:
+        raise RequestError(f"obs: expected at most {MAX_FRAMES} frames, got {len(frames)}")
+    stacks = {}
+    for name in cameras:
+        key = CAMERA_PREFIX + name
+        images = []
+        for i, frame in enumerate(frames):
+            where = f"obs[{i}].{key}" if isinstance(obs, list) else f"obs.{key}"
+            if not isinstance(frame, dict):
+                raise RequestError(f"obs[{i}]: expected a map of camera images, got {short_repr(frame)}")
+            images.append(_image(where, frame.get(key)))
+        if len({image.shape for image in images}) != 1:
+            raise RequestError(f"obs: the frames of {key} differ in shape ({sorted({image.shape for image in images})})")
+        stacks[name] = np.ascontiguousarray(np.stack(images))
+    return RobotObservation(cameras=stacks, states={}, prompt=None, episode=call)
+
+
+def _image(key: str, value: Any) -> np.ndarray:
+    expected = "a uint8 RGB image array (H, W, 3)"
+    if value is None:
+        raise RequestError(f"{key}: missing; expected {expected}")
+    if not isinstance(value, np.ndarray) or value.dtype != np.uint8 or value.ndim != 3 or value.shape[-1] != 3:
+        raise RequestError(f"{key}: expected {expected}, got {short_repr(value) if not isinstance(value, np.ndarray) else f'{value.dtype} {value.shape}'}")
+    if not (1 <= value.shape[0] <= MAX_IMAGE_SIDE and 1 <= value.shape[1] <= MAX_IMAGE_SIDE):
+        raise RequestError(f"{key}: expected height and width of 1 to {MAX_IMAGE_SIDE} pixels, got {value.shape}")
+    return value
+
+
+def action_reply(actions: np.ndarray, channels: int, frames: int, per_frame: int) -> np.ndarray:
+    """The engine's time-major (frames x per_frame, channels) actions as upstream's (channels, frames, per_frame)."""
+    return np.ascontiguousarray(np.asarray(actions, dtype=np.float32).T.reshape(channels, frames, per_frame))

@@ -1,0 +1,309 @@
+"""LingBot-VA behind the engine's :class:`~policies.base.Policy` interface.
+
+The engine opens a session per robot and hands it its KV; this adapter maps its calls onto the episode logic
+(``policy.py``):
+
+* a session is an episode: LingBot-VA's ``reset`` is the engine ending the session (its KV pages back to the pool); the
+  next request opens a fresh one, whose first step encodes the prompt (beforehand, on the engine's encoder thread,
+  when :meth:`prepare` ran) and seeds the session's generator with ``policy.seed``;
+* a request with an :class:`~policies.episode.EpisodeCall` is one of LingBot-VA's own calls: ``infer`` (predict the next
+  chunk) or ``compute_kv_cache`` (commit the key frames in the observation's camera stacks and the executed actions);
+* a request without one (OpenPI / RoboArena, with ``session_id``) is a whole chunk: on a session that has a chunk
+  out, its frames (4 per latent frame) commit that chunk with the actions the server sent, then the next chunk is
+  predicted; the first request of a session carries one frame per camera (of a stack, the newest is used: a robot
+  whose session was evicted starts a new episode instead of failing).
+
+:meth:`step_batch` runs all commits of a batch in one video and one action forward, then all predictions batched.
+Actions go back as (frames x actions per frame, channels), time-major (the OpenPI shape); LingBot-VA's wire reshapes
+them to upstream's (channels, frames, actions per frame) (``PolicyInfo.details['action_layout']``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kv import Branch, KVSpec, SessionKV
+from policies.base import Policy, RuntimeOptions, StartRefused, StepResult
+from policies.embodiment import ObservationSchema
+from policies.info import PolicyInfo
+from policies.lingbot_va import config as lv_config
+from policies.lingbot_va.model import TextKV
+from policies.lingbot_va.policy import MAX_GUIDANCE, CommitRequest, EpisodeError, InferRequest, LingBotVAPolicy, LingBotVASession
+from policies.lingbot_va.settings import BUILTIN_TINY, SYNTHETIC_PREFIX, LingBotVAConfig
+from policies.observation import RobotObservation, UnsupportedObservation
+
+CAMERA_PREFIX = "observation.images."  # upstream's camera keys; the OpenPI wire uses the names after it
+MAX_BATCH = 64  # sessions per forward: any number works, the engine's max_batch and the KV pool bound it
+FRAMES_PER_LATENT = 4  # key frames per latent frame (the VAE's temporal stride)
+
+
+def embodiment_by_name(name: str) -> lv_config.Embodiment:
+    from policies.lingbot_va.tiny import TINY_EMBODIMENT
+
+    return {"robotwin": lv_config.ROBOTWIN, "franka": lv_config.FRANKA, "tiny_robotwin": TINY_EMBODIMENT}[name]
+
+
+def short_camera(name: str) -> str:
+    return name.removeprefix(CAMERA_PREFIX)
+
+
+@dataclass
+class ServedSession:
+    episode: LingBotVASession
+    prompt: str | None = None  # the episode's prompt, once its first step began it
+    pending_text: tuple[str, list[TextKV]] | None = None  # the prompt's K/V made by prepare() on the encoder thread
+    last_actions: np.ndarray | None = None  # the chunk out, (channels, F, N), until the OpenPI wire commits it
+    timing_ms: dict[str, float] = field(default_factory=dict)
+
+
+class LingBotVAServing(Policy[ServedSession]):
+    def __init__(self, episodes: LingBotVAPolicy, config: LingBotVAConfig, checkpoint: str) -> None:
+        self.episodes = episodes
+        self.config = config
+        self.checkpoint = checkpoint
+        e = episodes.embodiment
+        self.embodiment = e
+        self.cameras = tuple(short_camera(c) for c in e.cameras)
+        self.channels = len(e.used_action_channel_ids)
+        self.frames, self.per_frame = e.frame_chunk_size, e.action_per_frame
+        self.tag = f"lingbot_va_{config.embodiment_name}"
+        sizes = [(e.height, e.width) if i == 0 or e.layout != "robotwin_tshape" else (e.height // 2, e.width // 2) for i in range(len(e.cameras))]
+        self.schema = ObservationSchema(self.tag, self.cameras, (), tuple(sizes))
+        self._info = self._make_info()
+
+    # -- what clients are told ------------------------------------------------------------------
+
+    def _make_info(self) -> PolicyInfo:
+        e = self.embodiment
+        commit_frames = {"first_chunk": FRAMES_PER_LATENT * (self.frames - 1), "later_chunks": FRAMES_PER_LATENT * self.frames}
+        frame = {
+            "embodiment": self.tag,
+            "observation": self.schema.describe(),
+            "frames_per_call": {"first": 1, "after_first_chunk": commit_frames["first_chunk"], "later": commit_frames["later_chunks"]},
+            "actions": {
+                "horizon": self.frames * self.per_frame, "dim": self.channels,
+                "layout": "time-major (frames x actions per frame, channels); LingBot-VA's own wire: (channels, frames, actions per frame)",
+                "execute_from": "the reply's session.execute_from: the first chunk's first frame of actions conditions the model and is not executed",
+            },
+            "needs_session_id": True,
+            "image_resolution": list(self.schema.resolutions[0]),
+            "protocols": ["openpi", "lingbot_va"],
+            "guidance": {"video_guidance_scale": e.guidance_scale, "action_guidance_scale": e.action_guidance_scale, "max": MAX_GUIDANCE},
+        }  # fmt: skip
+        return PolicyInfo(
+            frame, action_horizon=self.frames * self.per_frame, action_dim=self.channels, model=self.tag, checkpoint=self.checkpoint,
+            details={
+                "action_layout": {"channels": self.channels, "frames": self.frames, "per_frame": self.per_frame},
+                "commit_frames": commit_frames, "layout": e.layout, "attn_window": e.attn_window, "seed": self.config.seed,
+            },
+            max_batch=MAX_BATCH, observation_schema=self.schema, native_protocol="lingbot_va",
+        )  # fmt: skip
+
+    @property
+    def info(self) -> PolicyInfo:
+        return self._info
+
+    def kv_spec(self) -> KVSpec:
+        return self.episodes.kv_spec()
+
+    @property
+    def branches(self) -> tuple[Branch, ...]:
+        return self.episodes.branches
+
+    # -- requests checked before any session state changes ---------------------------------------
+
+    def check_observation(self, observation: RobotObservation) -> None:
+        call = observation.episode
+        counts = set()
+        for name in self.cameras:
+            stack = observation.cameras.get(name)
+            if stack is None:
+                raise UnsupportedObservation(f"obs: camera {name!r} missing (this server serves {self.tag}: cameras {list(self.cameras)})")
+            counts.add(int(np.shape(stack)[0]))
+        if len(counts) != 1:
+            raise UnsupportedObservation(f"obs: every camera needs the same number of frames, got {sorted(counts)}")
+        (count,) = counts
+        commit_counts = {FRAMES_PER_LATENT * (self.frames - 1), FRAMES_PER_LATENT * self.frames}
+        if call is None:  # OpenPI: a session's first call (one frame) or the key frames of the chunk out
+            if count not in {1, *commit_counts}:
+                raise UnsupportedObservation(f"observation: {count} frames per camera; send 1 on a session's first call, then {sorted(commit_counts)} (4 per latent frame)")
+            return
+        if call.kind == "infer":
+            for key in ("video_guidance_scale", "action_guidance_scale"):
+                self._check_guidance(key, getattr(call, key))
+            return
+        if count not in commit_counts:
+            raise UnsupportedObservation(f"obs: {count} key frames; compute_kv_cache takes {sorted(commit_counts)} (4 per latent frame)")
+        expected = (self.channels, self.frames, self.per_frame)
+        actions = call.executed_actions
+        if actions is None or actions.shape != expected:
+            raise UnsupportedObservation(f"state: expected the chunk's actions {expected}, got {None if actions is None else actions.shape}")
+        if not np.isfinite(actions).all():
+            raise UnsupportedObservation("state: contains NaN or infinity")
+
+    def _check_guidance(self, key: str, value: float | None) -> None:
+        if value is None:
+            return
+        if not 1.0 <= value <= MAX_GUIDANCE:
+            raise UnsupportedObservation(f"{key}: {value} outside [1, {MAX_GUIDANCE}]")
+        if value > 1 and len(self.branches) == 1:
+            raise UnsupportedObservation(f"{key}: {value} needs the unconditional branch, which this deployment does not run (its scales are 1)")
+
+    # -- sessions ----------------------------------------------------------------------------------
+
+    def start_session(self, session_id: str, kv: SessionKV | None) -> ServedSession:
+        if kv is None:
+            raise RuntimeError("LingBot-VA needs the engine's paged KV")
+        return ServedSession(self.episodes.start_session(session_id, kv))
+
+    def prepare(self, session: ServedSession, observation: RobotObservation) -> Callable[[], None] | None:
+        """A new episode's prompt encode (UMT5 and every layer's cross-attention K/V) beside other robots' steps."""
+        if session.prompt is not None:
+            return None
+        prompt = observation.prompt or ""
+
+        def encode() -> None:
+            session.pending_text = (prompt, self.episodes.encode_prompt(prompt))
+
+        return encode
+
+    def end_session(self, session: ServedSession) -> None:
+        session.episode.text_kv = session.pending_text = session.last_actions = None
+
+    # -- steps -------------------------------------------------------------------------------------
+
+    def step(self, session: ServedSession, observation: RobotObservation) -> StepResult:
+        (result,) = self.step_batch([(session, observation)])
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def step_batch(self, items: Sequence[tuple[ServedSession, RobotObservation]]) -> list[StepResult | BaseException]:
+        results: list[StepResult | BaseException | None] = [None] * len(items)
+        commits: list[tuple[int, CommitRequest]] = []
+        infers: list[int] = []
+        for i, (session, observation) in enumerate(items):
+            session.timing_ms = {}
+            try:
+                self._begin(session, observation)
+            except Exception as exc:
+                results[i] = exc
+                continue
+            call, frames = observation.episode, self._frames(observation)
+            if call is not None and call.kind == "compute_kv_cache":
+                commits.append((i, CommitRequest(session.episode, frames, call.executed_actions)))
+            elif call is None and session.last_actions is not None:  # OpenPI: these frames close the chunk out
+                commits.append((i, CommitRequest(session.episode, frames, session.last_actions)))
+                infers.append(i)
+            else:
+                infers.append(i)
+        if commits:
+            start = time.perf_counter()
+            outcomes = _batched(self.episodes.compute_kv_cache_batch, [r for _, r in commits])
+            ms = (time.perf_counter() - start) * 1000.0
+            for (i, _), outcome in zip(commits, outcomes):
+                items[i][0].timing_ms["commit"] = ms
+                if outcome is not None:
+                    results[i] = outcome
+                else:
+                    items[i][0].last_actions = None
+        requests, rows = [], []
+        for i in infers:
+            if results[i] is not None:
+                continue
+            session, observation = items[i]
+            call = observation.episode
+            video_g = call.video_guidance_scale if call is not None else None
+            action_g = call.action_guidance_scale if call is not None else None
+            frames = self._frames(observation)
+            if call is None and session.episode.frame_start == 0:
+                # OpenPI: an episode starts from one observation; a stack (a robot whose session was evicted, or a
+                # client that always sends its key frames) starts it from its newest frame
+                frames = frames[-1:]
+            requests.append(InferRequest(session.episode, frames[0] if len(frames) == 1 else frames, video_g, action_g))
+            rows.append(i)
+        if requests:
+            first = [items[i][0].episode.frame_start == 0 for i in rows]
+            start = time.perf_counter()
+            outcomes = _batched(self.episodes.infer_batch, requests)
+            ms = (time.perf_counter() - start) * 1000.0
+            for i, is_first, outcome in zip(rows, first, outcomes):
+                session = items[i][0]
+                if isinstance(outcome, BaseException):
+                    results[i] = outcome
+                    continue
+                session.timing_ms["infer"] = ms
+                session.last_actions = outcome
+                results[i] = self._result(session, outcome, "infer", execute_from=self.per_frame if is_first else 0)
+        for i, (session, _) in enumerate(items):
+            if results[i] is None:  # a commit only (LingBot-VA's compute_kv_cache)
+                results[i] = self._result(session, None, "compute_kv_cache", execute_from=0)
+        return results  # type: ignore[return-value]
+
+    def _begin(self, session: ServedSession, observation: RobotObservation) -> None:
+        """A session's first step begins its episode (the prompt's K/V, the window, the generator seeded)."""
+        prompt = observation.prompt or ""
+        if session.prompt is not None:
+            if observation.prompt is not None and prompt != session.prompt:
+                raise EpisodeError(f"prompt: {prompt!r} differs from this episode's {session.prompt!r}; reset the session for a new task")
+            return
+        start = time.perf_counter()
+        pending, session.pending_text = session.pending_text, None
+        text_kv = pending[1] if pending is not None and pending[0] == prompt else None
+        self.episodes.reset(session.episode, prompt, self.config.seed, text_kv=text_kv)
+        session.prompt = prompt
+        session.timing_ms["text"] = (time.perf_counter() - start) * 1000.0
+
+    def _frames(self, observation: RobotObservation) -> list[dict[str, np.ndarray]]:
+        """The observation's camera stacks as upstream's list of key-frame dicts (upstream camera names)."""
+        stacks = [np.asarray(observation.cameras[name]) for name in self.cameras]
+        return [{camera: stack[t] for camera, stack in zip(self.embodiment.cameras, stacks)} for t in range(stacks[0].shape[0])]
+
+    def _result(self, session: ServedSession, actions: np.ndarray | None, kind: str, *, execute_from: int) -> StepResult:
+        if actions is None:
+            out = np.zeros((0, self.channels), np.float32)
+        else:
+            out = np.ascontiguousarray(actions.reshape(self.channels, -1).T, dtype=np.float32)
+        info = {"call": kind, "frame_start": session.episode.frame_start, "execute_from": execute_from}
+        return StepResult(out, dict(session.timing_ms), info)
+
+    def warmup_observations(self) -> Iterator[RobotObservation]:
+        """One episode over the OpenPI wire: the first frame, then the key frames of the first and of a later chunk."""
+        for count in (1, FRAMES_PER_LATENT * (self.frames - 1), FRAMES_PER_LATENT * self.frames):
+            cameras = {name: np.zeros((count, h, w, 3), np.uint8) for name, (h, w) in zip(self.cameras, self.schema.resolutions)}
+            yield RobotObservation(cameras=cameras, states={}, prompt="warm up")
+
+
+def _batched(run, requests):
+    """A batched phase; if it fails as a whole, every member gets the failure (the engine ends those sessions: their
+    VAE streams or provisional pages may have moved, so they are not retried alone)."""
+    try:
+        return run(requests)
+    except Exception as exc:
+        return [exc] * len(requests)
+
+
+def build_lingbot_va(config: LingBotVAConfig, options: RuntimeOptions) -> LingBotVAServing:
+    for name, value in (("engine.compile", options.compile), ("engine.cuda_graphs", options.cuda_graphs), ("server.record_dir", options.record)):
+        if value:
+            raise StartRefused(f"{name}: not supported by the lingbot_va policy yet; unset it")
+    if options.guidance.is_parallel:
+        raise StartRefused("engine.cfg_parallel_size: lingbot_va runs both CFG branches in one process; set it to 1")
+    embodiment, dtype = embodiment_by_name(config.embodiment_name), getattr(torch, options.dtype)
+    if config.checkpoint.startswith(SYNTHETIC_PREFIX):
+        from policies.lingbot_va.synthetic import synthetic_policy
+
+        return LingBotVAServing(synthetic_policy(config.checkpoint, embodiment, device=options.device, dtype=dtype), config, config.checkpoint)
+    if config.checkpoint == BUILTIN_TINY:
+        from policies.lingbot_va.tiny import ensure_tiny_checkpoint
+
+        checkpoint = ensure_tiny_checkpoint()
+    else:
+        checkpoint = config.local_checkpoint()
+    episodes = LingBotVAPolicy.load(checkpoint, embodiment, device=options.device, dtype=dtype)
+    return LingBotVAServing(episodes, config, str(checkpoint))

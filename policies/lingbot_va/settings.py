@@ -1,0 +1,76 @@
+"""Settings of the LingBot-VA policy (torch-free: the front end validates them without loading a model).
+
+Every key is read: ``checkpoint`` (a released checkpoint directory or Hugging Face id, ``builtin:tiny``, or
+``synthetic:released`` / ``synthetic:tiny`` with ``,layers=N``: random weights made on the device, ``synthetic.py``), ``embodiment``
+(upstream's config it was trained with: ``robotwin``, ``franka``; ``tiny_robotwin`` for the tiny checkpoint), ``seed``
+(each session's noise generator is seeded with it at reset: upstream never seeds). Unknown keys are refused by name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import pydantic
+
+from policies import hub
+
+BUILTIN_TINY = "builtin:tiny"
+SYNTHETIC_PREFIX = "synthetic:"
+SYNTHETIC_PRESETS = ("released", "tiny")  # synthetic.py
+CHECKPOINT_EXAMPLE = "/path/to/lingbot-va-posttrain-robotwin"
+# What the server reads of a released checkpoint (diffusers-style directories), and so all it fetches of a hub repo.
+CHECKPOINT_FILES = ("transformer/*", "vae/*", "text_encoder/*", "tokenizer/*")
+EMBODIMENTS = ("robotwin", "franka", "tiny_robotwin")
+
+
+class LingBotVAConfig(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    name: Literal["lingbot_va"] = "lingbot_va"
+    checkpoint: str = pydantic.Field(
+        BUILTIN_TINY,
+        description="checkpoint directory, Hugging Face id (robbyant/lingbot-va-posttrain-robotwin, robbyant/lingbot-va-base), builtin:tiny "
+        "or synthetic:released / synthetic:tiny[,layers=N]",
+    )
+    embodiment: Literal["robotwin", "franka", "tiny_robotwin"] | None = pydantic.Field(
+        None, description="upstream's embodiment config (default: tiny_robotwin for builtin:tiny, else robotwin)"
+    )
+    seed: int = pydantic.Field(0, ge=0, description="every session's noise generator is seeded with it at reset")
+
+    @pydantic.model_validator(mode="after")
+    def _check_pair(self) -> LingBotVAConfig:
+        tiny = self.checkpoint == BUILTIN_TINY or self.checkpoint.startswith(SYNTHETIC_PREFIX + "tiny")
+        if self.checkpoint.startswith(SYNTHETIC_PREFIX):
+            preset = self.checkpoint.removeprefix(SYNTHETIC_PREFIX).split(",")[0]
+            if preset not in SYNTHETIC_PRESETS:
+                raise ValueError(f"policy.checkpoint: unknown synthetic preset {preset!r}; presets: {', '.join(SYNTHETIC_PRESETS)}")
+        if self.checkpoint.startswith("builtin:") and not tiny:
+            raise ValueError(f"policy.checkpoint: unknown {self.checkpoint!r}; built in: {BUILTIN_TINY}")
+        if tiny and self.embodiment not in (None, "tiny_robotwin"):
+            raise ValueError(f"policy.embodiment: {self.checkpoint} has nothing but the tiny_robotwin geometry, not {self.embodiment!r}")
+        if not tiny and self.embodiment == "tiny_robotwin":
+            raise ValueError("policy.embodiment: tiny_robotwin is the geometry of builtin:tiny and synthetic:tiny only")
+        return self
+
+    @property
+    def embodiment_name(self) -> str:
+        tiny = self.checkpoint == BUILTIN_TINY or self.checkpoint.startswith(SYNTHETIC_PREFIX + "tiny")
+        return self.embodiment or ("tiny_robotwin" if tiny else "robotwin")
+
+    def preflight(self) -> LingBotVAConfig:
+        """Before any worker is spawned: a Hugging Face id becomes a local snapshot directory; the directory is checked.
+        Raises ValueError naming the problem and the fix."""
+        if self.checkpoint == BUILTIN_TINY or self.checkpoint.startswith(SYNTHETIC_PREFIX):
+            return self
+        return self.model_copy(update={"checkpoint": str(self.local_checkpoint())})
+
+    def local_checkpoint(self) -> Path:
+        root = hub.resolve(self.checkpoint, key="policy.checkpoint", example=CHECKPOINT_EXAMPLE, allow_patterns=CHECKPOINT_FILES)
+        missing = [part for part in ("transformer", "vae", "text_encoder", "tokenizer") if not (root / part).is_dir()]
+        if missing:
+            raise ValueError(
+                f"policy.checkpoint: {root} lacks {', '.join(f'{m}/' for m in missing)}; point it at a released LingBot-VA "
+                f"checkpoint (--set policy.checkpoint=robbyant/lingbot-va-posttrain-robotwin or a local copy)"
+            )
+        return root

@@ -1,0 +1,109 @@
+"""``ardiff-serve --config tiny_lingbot_va``: LingBot-VA served to its own RoboTwin protocol (a client written from
+the protocol, one session per connection) and to OpenPI clients with interleaved session ids, from the same server."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+from tests.helpers.lingbot_va_client import CAMERAS, LingBotVAClient, ServerError, robotwin_frame, run_episode
+from tests.helpers.server_harness import ServerProcess
+
+pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")
+
+SIZE = (64, 96)  # the tiny RoboTwin geometry's head camera
+SHAPE = (16, 2, 16)  # upstream's reply: (used channels, frames per chunk, actions per frame)
+
+
+def openpi_request(frames: list[dict], session_id: str, prompt: str) -> dict:
+    """The same frames as OpenPI keys: observation/<camera> as (T, H, W, 3) stacks (one frame: (H, W, 3))."""
+    request = {"session_id": session_id, "prompt": prompt}
+    for camera in CAMERAS:
+        stack = np.stack([frame[camera] for frame in frames])
+        request["observation/" + camera.removeprefix("observation.images.")] = stack[0] if len(frames) == 1 else stack
+    return request
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with ServerProcess("tiny_lingbot_va", tmp_path_factory.mktemp("lingbot"), args=["--set", "engine.warmup=false"]) as process:
+        yield process
+
+
+def test_robotwin_client_runs_episodes_with_a_reset(server):
+    with LingBotVAClient(server.url) as client:
+        assert client.metadata["embodiment"] == "lingbot_va_tiny_robotwin" and "lingbot_va" in client.metadata["protocols"]
+        actions, _ = run_episode(client, "grab the white mug", 5, seed=1, size=SIZE)
+        assert [a.shape for a in actions] == [SHAPE] * 5 and all(a.dtype == np.float32 and np.isfinite(a).all() for a in actions)
+        again, _ = run_episode(client, "grab the white mug", 2, seed=1, size=SIZE)  # reset: a fresh episode, same seed
+        np.testing.assert_array_equal(again[0], actions[0])
+        np.testing.assert_array_equal(again[1], actions[1])
+        other, _ = run_episode(client, "stack the red cube", 1, seed=1, size=SIZE)
+        assert np.abs(other[0] - actions[0]).max() > 1e-4  # another prompt, another chunk
+        client.call({"reset": True, "prompt": "done"})
+    assert server.metric('ardiff_kv_blocks_total{rank="0"}') == server.metric('ardiff_kv_blocks_free{rank="0"}')
+
+
+def test_bad_requests_name_the_key_and_keep_the_episode(server):
+    with LingBotVAClient(server.url) as client:
+        frame = robotwin_frame(np.random.default_rng(0), *SIZE, "x")
+        with pytest.raises(ServerError, match="before reset"):
+            client.call({"obs": frame})
+        client.call({"reset": True, "prompt": "grab the white mug"})
+        with pytest.raises(ServerError, match="action_guidance_scale"):
+            client.call({"obs": frame, "action_guidance_scale": 50.0})
+        with pytest.raises(ServerError, match="cam_left_wrist"):
+            client.call({"obs": {k: v for k, v in frame.items() if k != CAMERAS[1]}})
+        action = client.call({"obs": frame, "video_guidance_scale": 5.0, "action_guidance_scale": 1.0})["action"]
+        with pytest.raises(ServerError, match="state"):
+            client.call({"obs": [frame] * 4, "compute_kv_cache": True, "state": action[:, :1]})
+        client.call({"obs": [frame] * 4, "compute_kv_cache": True, "state": action})  # the episode goes on
+        assert client.call({"obs": frame})["action"].shape == SHAPE
+
+
+def test_openpi_sessions_interleave_and_equal_the_robotwin_protocol(server):
+    """Two OpenPI sessions, interleaved on one connection, each one chunk per call (its key frames commit the chunk
+    out). Same seed, prompt and frames as a RoboTwin-protocol episode: the same actions."""
+    prompt = "grab the white mug"
+    with LingBotVAClient(server.url) as client:
+        reference, frames = run_episode(client, prompt, 5, seed=3, size=SIZE)
+        client.call({"reset": True, "prompt": "done"})
+    policy = WebsocketClientPolicy(host="127.0.0.1", port=server.port)
+    metadata = policy.get_server_metadata()
+    assert [c["key"] for c in metadata["observation"]["cameras"]] == ["observation/cam_high", "observation/cam_left_wrist", "observation/cam_right_wrist"]
+    assert metadata["actions"]["horizon"] == 32 and metadata["actions"]["dim"] == 16
+    other = [[robotwin_frame(np.random.default_rng(9), *SIZE, "")] * len(f) for f in frames]
+    for chunk in range(5):
+        for session_id, sent in (("left", frames), ("right", other)):
+            reply = policy.infer(openpi_request(sent[chunk], session_id, prompt))
+            actions = reply["actions"]
+            assert actions.shape == (32, 16) and np.isfinite(actions).all()
+            assert reply["session"]["calls"] == chunk + 1 and reply["session"]["execute_from"] == (16 if chunk == 0 else 0)
+            if session_id == "left":  # time-major (frames x actions per frame, channels) of upstream's (16, 2, 16)
+                np.testing.assert_allclose(actions.T.reshape(SHAPE), reference[chunk], atol=1e-5, rtol=0)
+    assert policy.infer({"endpoint": "reset", "session_ids": ["left", "right"]})["status"] == "reset successful"
+    status, body = server.http("/info")
+    assert status == 200 and json.loads(body)["policy"]["native_protocol"] == "lingbot_va"
+
+
+def test_each_connection_is_its_own_session(server):
+    """Two RoboTwin-protocol connections interleaved message by message: each runs its own episode, equal to it alone."""
+    prompt = "grab the white mug"
+    with LingBotVAClient(server.url) as alone:
+        reference, frames = run_episode(alone, prompt, 3, seed=5, size=SIZE)
+        alone.call({"reset": True, "prompt": "done"})
+    with LingBotVAClient(server.url) as a, LingBotVAClient(server.url) as b:
+        a.call({"reset": True, "prompt": prompt})
+        b.call({"reset": True, "prompt": "stack the red cube"})
+        for chunk in range(3):
+            got = a.call({"obs": frames[0][0], "video_guidance_scale": 5.0, "action_guidance_scale": 1.0})["action"]
+            other = b.call({"obs": frames[0][0]})["action"]
+            np.testing.assert_allclose(got, reference[chunk], atol=1e-5, rtol=0)
+            assert np.abs(other - got).max() > 1e-4
+            a.call({"obs": frames[chunk + 1], "compute_kv_cache": True, "state": got})
+            b.call({"obs": frames[chunk + 1], "compute_kv_cache": True, "state": other})
+        a.call({"reset": True, "prompt": "done"})
+        b.call({"reset": True, "prompt": "done"})

@@ -1,0 +1,30 @@
+"""LingBot-VA's memory plan (``policies/lingbot_va/memory.py``) against the arithmetic of docs/lingbot-va.md."""
+
+from __future__ import annotations
+
+import torch
+
+from policies.lingbot_va import memory
+from policies.lingbot_va.config import FRANKA, ROBOTWIN
+
+GiB = 2**30
+
+
+def test_a_sessions_kv_is_upstreams_window_in_both_branches():
+    for embodiment, chunks, tokens in ((ROBOTWIN, 36, 240 + 32), (FRANKA, 15, 840 + 80)):
+        plan = memory.plan("x", embodiment)
+        # window tokens x (K, V) x 30 layers x 24 heads x 128 x 2 CFG branches x 2 bytes (bf16)
+        assert plan.kv_session == chunks * tokens * 2 * 30 * 24 * 128 * 2 * 2
+        assert plan.text_session == 30 * 2 * 2 * 512 * 3072 * 2  # every layer's [prompt, negative] K/V
+    assert round(memory.plan("x", ROBOTWIN).kv_session / GiB, 1) == 6.7 and round(memory.plan("x", FRANKA).kv_session / GiB, 1) == 9.5
+
+
+def test_weights_are_the_released_5b_umt5_xxl_and_wan22_vae():
+    counts = memory.weight_counts()
+    assert 4.9e9 < counts["transformer"] < 5.3e9  # Wan2.2-TI2V-5B blocks + the action stream
+    assert 5.6e9 < counts["text_encoder"] < 5.8e9  # UMT5-XXL's encoder
+    plan = memory.plan("x", ROBOTWIN)
+    assert plan.weights["transformer"] == counts["transformer"] * 2  # bf16
+    assert memory.plan("x", ROBOTWIN, dtype=torch.float32).weights["vae"] == 2 * plan.weights["vae"]
+    assert plan.sessions_on(80 * GiB) == (80 * GiB - plan.fixed) // plan.per_session > 0
+    assert plan.sessions_on(24 * GiB) == 0  # the weights alone need more than 21 GiB

@@ -1,0 +1,74 @@
+"""LingBot-VA's own messages (``wire/lingbot_va.py``): told apart from OpenPI's, decoded to typed requests, a bad
+value refused naming its key."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ardiff_server.wire.decode import RequestError
+from ardiff_server.wire.lingbot_va import action_reply, decode_lingbot_va, is_lingbot_va_message
+from ardiff_server.wire.protocol import pack, unpack
+
+CAMERAS = ("cam_high", "cam_left_wrist", "cam_right_wrist")
+
+
+def frame(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    images = {f"observation.images.{c}": rng.integers(0, 256, (8, 12, 3), dtype=np.uint8) for c in CAMERAS}
+    return {**images, "observation.state": np.zeros(14), "task": "x"}
+
+
+def decode(message: dict):
+    return decode_lingbot_va(unpack(pack(message)), CAMERAS)  # as it arrives: through openpi's codec
+
+
+def test_messages_are_told_apart_from_openpi():
+    assert is_lingbot_va_message({"reset": True, "prompt": "x"})
+    assert is_lingbot_va_message({"obs": frame()}) and is_lingbot_va_message({"obs": [frame()], "compute_kv_cache": True})
+    assert not is_lingbot_va_message({"observation/cam_high": np.zeros((2, 2, 3), np.uint8), "session_id": "a"})
+    assert not is_lingbot_va_message({"endpoint": "reset", "obs": 1}) and not is_lingbot_va_message([1])
+
+
+def test_reset_infer_and_compute_kv_cache_decode_to_typed_requests():
+    reset = decode({"reset": True, "prompt": "grab the mug", "save_visualization": True})
+    assert (reset.kind, reset.prompt, reset.observation) == ("reset", "grab the mug", None)
+    infer = decode({"obs": frame(), "prompt": "ignored", "video_guidance_scale": 5.0, "action_guidance_scale": 1})
+    assert infer.kind == "infer" and infer.observation.episode.kind == "infer"
+    assert (infer.observation.episode.video_guidance_scale, infer.observation.episode.action_guidance_scale) == (5.0, 1.0)
+    assert {k: v.shape for k, v in infer.observation.cameras.items()} == dict.fromkeys(CAMERAS, (1, 8, 12, 3))
+    np.testing.assert_array_equal(infer.observation.cameras["cam_left_wrist"][0], frame()["observation.images.cam_left_wrist"])
+    state = np.arange(16 * 2 * 16, dtype=np.float32).reshape(16, 2, 16)
+    commit = decode({"obs": [frame(i) for i in range(4)], "compute_kv_cache": True, "imagine": False, "state": state})
+    assert commit.kind == "compute_kv_cache" and commit.observation.cameras["cam_high"].shape == (4, 8, 12, 3)
+    np.testing.assert_array_equal(commit.observation.cameras["cam_high"][3], frame(3)["observation.images.cam_high"])
+    np.testing.assert_array_equal(commit.observation.episode.executed_actions, state)
+
+
+@pytest.mark.parametrize(
+    ("message", "key"),
+    [
+        ({"reset": True}, "prompt"),
+        ({"reset": "yes", "prompt": "x"}, "reset"),
+        ({"compute_kv_cache": True}, "obs"),
+        ({"obs": [], "compute_kv_cache": True, "state": np.zeros((16, 2, 16))}, "obs"),
+        ({"obs": [frame()], "compute_kv_cache": True, "state": [1, 2]}, "state"),
+        ({"obs": [frame()], "compute_kv_cache": True}, "state"),
+        ({"obs": frame(), "video_guidance_scale": "5"}, "video_guidance_scale"),
+        ({"obs": frame(), "action_guidance_scale": float("nan")}, "action_guidance_scale"),
+        ({"obs": {**frame(), "observation.images.cam_high": np.zeros((8, 12), np.uint8)}}, "obs.observation.images.cam_high"),
+        ({"obs": {**frame(), "observation.images.cam_high": np.zeros((8, 12, 3), np.float32)}}, "cam_high"),
+        ({"obs": [frame(), {**frame(), "observation.images.cam_right_wrist": np.zeros((4, 4, 3), np.uint8)}], "compute_kv_cache": True,
+          "state": np.zeros((16, 2, 16))}, "cam_right_wrist"),
+        ({"obs": [frame(), 3], "compute_kv_cache": True, "state": np.zeros((16, 2, 16))}, "obs[1]"),
+    ],
+)  # fmt: skip
+def test_a_bad_value_names_its_key(message, key):
+    with pytest.raises(RequestError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        decode(message)
+
+
+def test_actions_go_back_in_upstreams_layout():
+    upstream = np.random.default_rng(0).normal(size=(16, 2, 16)).astype(np.float32)
+    time_major = upstream.reshape(16, 32).T  # what the engine carries: (frames x actions per frame, channels)
+    np.testing.assert_array_equal(action_reply(time_major, 16, 2, 16), upstream)

@@ -117,7 +117,10 @@ class Policy(abc.ABC, Generic[S]):
         """One call for each of several distinct sessions (at most ``engine.max_batch`` and
         ``info.max_batch``), results in order; a failed session's entry is its exception (the engine
         ends that session, the others carry on). A batched phase that fails is retried member by
-        member before any member is failed: a session fails only for what fails when it is alone. A policy that can run several sessions in one
+        member before any member is failed: a session fails only for what fails when it is alone.
+        An entry that is an :class:`~policies.observation.UnsupportedObservation` is a refusal made
+        before the session changed (what only the session's state can tell, e.g. a call out of its
+        episode's order): the engine answers ``bad request`` and keeps the session. A policy that can run several sessions in one
         forward overrides this and says how many in ``PolicyInfo.max_batch``; the default runs
         them one after another (the engine then never batches: ``max_batch`` 1)."""
         results: list[StepResult | BaseException] = []

@@ -243,6 +243,9 @@ class SessionEngine:
         self.batches[len(members)] += 1
         for (admitted, queued_ms), result in zip(members, results):
             request, session, new = admitted.request, admitted.session, admitted.new
+            if isinstance(result, UnsupportedObservation):  # refused before the session changed: a bad request, the session stays
+                replies.append(ErrorReply(request.request_id, ErrorKind.BAD_REQUEST, str(result)))
+                continue
             if isinstance(result, BaseException):
                 self.failures += 1
                 logger.error("step failed (session %s): %s", request.session_id, "".join(traceback.format_exception_only(result)).strip())

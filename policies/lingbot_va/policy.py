@@ -36,14 +36,16 @@ from policies.dreamzero.embodiments import clean_prompt
 from policies.dreamzero.encoders import TextEncoder
 from policies.lingbot_va.config import Embodiment
 from policies.lingbot_va.model import LingBotVATransformer, TextKV, action_grid, load_transformer, video_grid
+from policies.observation import UnsupportedObservation
 
 TEXT_LENGTH = 512  # upstream's max_sequence_length: the cross-attention sees all 512 positions
 LATENT_CHANNELS = 48
 MAX_GUIDANCE = 20.0  # a request's guidance scale outside [1, MAX_GUIDANCE] is refused by name
 
 
-class EpisodeError(ValueError):
-    """A request this session cannot take (the message names the key); the session is left as it was."""
+class EpisodeError(UnsupportedObservation):
+    """A request this session cannot take (the message names the key); the session is left as it was, so the
+    engine answers it as a bad request and keeps the session."""
 
 
 def kv_spec(embodiment: Embodiment, model_cfg, dtype: torch.dtype) -> KVSpec:

@@ -11,7 +11,7 @@ import pytest
 from ardiff_server.engine.core import SessionEngine
 from kv import CapacityError, PagedKVCache
 from policies.base import RuntimeOptions
-from policies.observation import RobotObservation
+from policies.observation import RobotObservation, UnsupportedObservation
 from tests.helpers.fake_policy import FakeConfig, FakePolicy
 
 
@@ -93,6 +93,14 @@ def test_a_failed_step_tears_the_session_down_and_the_next_request_starts_fresh(
     assert "a" not in engine.sessions and engine.cache.pool.num_free == free
     outcome = engine.infer("a", obs())
     assert outcome.new_session and outcome.result.actions[0, 0] == 1
+
+
+def test_a_call_the_policy_refuses_in_its_step_is_a_bad_request_and_the_session_stays():
+    engine = make_engine(sessions_in_pool=2)
+    calls(engine, "a")
+    with pytest.raises(UnsupportedObservation, match="cannot take this call now"):
+        engine.infer("a", obs("refuse"))
+    assert "a" in engine.sessions and calls(engine, "a") == 2 and not engine.endings
 
 
 def test_every_ending_returns_every_page():

@@ -7,7 +7,8 @@ DreamZero), so page accounting is exercised, and its actions encode what the eng
     actions[0, 1] = joint_position[0] of this request
     actions[0, 2] = a hash of the session id (so mixed-up replies are detectable)
 
-``prompt`` controls behaviour: "explode" raises inside the step; "sleep:<seconds>" computes
+``prompt`` controls behaviour: "explode" raises inside the step; "refuse" refuses the call in the
+step before the session changes (an ``UnsupportedObservation``); "sleep:<seconds>" computes
 slowly; "die" kills the worker process; "encode:<seconds>" gives a session's first call that much
 session-own work (``prepare``: the engine runs it on its encoder thread; the step does it itself
 if it did not run).
@@ -27,7 +28,7 @@ import pydantic
 from kv import Branch, KVSpec, SessionKV
 from policies.base import Policy, RuntimeOptions, StepResult
 from policies.info import PolicyInfo, droid_server_config
-from policies.observation import RobotObservation
+from policies.observation import RobotObservation, UnsupportedObservation
 from policies.registry import register_policy
 
 
@@ -88,6 +89,8 @@ class FakePolicy(Policy[FakeSession]):
             session.encoded = True
         if prompt.startswith("sleep:"):
             delay = float(prompt.split(":", 1)[1])
+        if prompt == "refuse":
+            raise UnsupportedObservation(f"session {session.session_id} cannot take this call now")
         ctx = session.kv.begin_forward(Branch.COND, num_video_tokens=4, commit=True)
         ctx.prepare()
         if prompt == "explode":

@@ -310,7 +310,7 @@ def test_two_keys_share_the_engine_fairly_and_see_their_counts_per_key_id(server
         assert "alpha" not in text and "beta" not in text  # key ids only, never the keys
         for reason in ("lru", "pressure"):  # the engine never had to evict
             with pytest.raises(KeyError):
-                metric_value(text, f'ardiff_session_endings{{reason="{reason}"}}')
+                metric_value(text, f'ardiff_session_endings_total{{reason="{reason}"}}')
     finally:
         for ws in [*alpha, beta]:
             ws.close()

@@ -214,10 +214,7 @@ class AppConfig(_Section):
         return self._per_key(self.server.max_connections_per_key, self.server.max_connections)
 
     def _per_key(self, setting: int | str | None, total: int) -> int | None:
-        if setting != "fair":
-            return setting
-        keys = len(set(self.server.api_keys))
-        return max(1, total // keys) if keys > 1 else None
+        return fair_share(total, len(set(self.server.api_keys))) if setting == "fair" else setting
 
     @property
     def policy_name(self) -> str:
@@ -225,6 +222,13 @@ class AppConfig(_Section):
 
     def policy_options(self) -> pydantic.BaseModel:
         return policy_entry(self.policy_name).config_model().model_validate(self.policy)
+
+
+def fair_share(total: int, keys: int) -> int | None:
+    """A key's share of ``total`` (sessions, connections) under a ``fair`` per-key limit: an equal
+    share, at least 1, among two or more keys; None (no limit) with one key or none. The one rule
+    for what ``/info`` reports and what the session table enforces (``frontend/sessions.py``)."""
+    return max(1, total // keys) if keys > 1 else None
 
 
 def resolve_config_path(name_or_path: str | Path) -> Path:

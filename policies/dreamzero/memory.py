@@ -4,14 +4,15 @@ Per device the plan adds up:
 
 * weights: exact parameter counts of the four networks, built on the meta device from the
   checkpoint's configs (nothing is allocated), times the engine dtype's size;
-* the KV pool exactly as the engine sizes it (``kv.PagedKVCache.pages_for_budget`` on the
-  policy's ``KVSpec``): pages, scratch, the null page and the cross-attention slots of every
-  session the engine admits;
+* the KV pool exactly as the engine sizes it (``kv.kv_budget_bytes``, then
+  ``kv.PagedKVCache.pages_for_budget`` on the policy's ``KVSpec``): pages, scratch, the null page
+  and the cross-attention slots of every session the pool holds;
 * activations: an estimate of the largest phase that runs there (a DiT forward, a VAE encode or
   decode, a text / image encode; phases run one after another, so the largest counts), see
-  :func:`activation_bytes`;
+  :func:`activation_bytes`; a DiT forward holds every session of a batch x every CFG branch this
+  process runs, a VAE encode every session of a batch;
 * on CUDA a fixed reserve for what PyTorch does not account as tensors (cuBLAS / cuDNN
-  workspaces, NCCL buffers, allocator fragmentation).
+  workspaces, NCCL buffers, allocator fragmentation): a prior, not measured, and printed as such.
 
 :meth:`MemoryPlan.check` compares that with the free memory of each device (injected: the
 worker passes ``torch.cuda.mem_get_info``, tests pass numbers) and raises :class:`MemoryPlanError`
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kv import KVSpec, PagedKVCache
+from kv import KVSpec, PagedKVCache, kv_budget_bytes
 from kv.storage import device_free_bytes as free_bytes
 from kv.storage import host_available_bytes  # noqa: F401
 from policies.base import RuntimeOptions, StartRefused
@@ -199,10 +200,10 @@ class KVPlan:
 
     @property
     def pool_bytes(self) -> int:
-        """What the engine allocates: pages + null page + scratch, and the cross slots of max_sessions."""
+        """What the engine allocates: pages + null page + scratch, and the cross slots of the sessions the pool holds."""
         spec = self.spec
         pages = self.pages + 1 + self.max_batch * self.branches * spec.scratch_pages_per_branch
-        return pages * spec.page_bytes + self.max_sessions * self.branches * spec.cross_slot_bytes
+        return pages * spec.page_bytes + self.sessions * self.branches * spec.cross_slot_bytes
 
     @property
     def sessions(self) -> int:
@@ -258,7 +259,7 @@ class MemoryPlan:
                 )
             lines.append(f"    {'activations (estimate)':<24}{_size(d.activations):>11}")
             if d.reserve:
-                lines.append(f"    {'CUDA reserve':<24}{_size(d.reserve):>11}")
+                lines.append(f"    {'CUDA reserve':<24}{_size(d.reserve):>11}  (unmeasured: a fixed prior for workspaces and fragmentation)")
         return "\n".join(lines)
 
     def check(self) -> None:
@@ -286,17 +287,15 @@ def plan_memory(geometry: ModelGeometry, settings: PlanSettings, free: Mapping[s
         by_device.setdefault(settings.device_of(component), {})[component] = geometry.sizes[component].bytes(dtype)
     by_device.setdefault(engine, {})
     spec = dit_kv_spec(geometry.dit, dtype)
-    if settings.kv_budget_gib is not None:
-        budget = int(settings.kv_budget_gib * GiB)
-    else:
-        budget = int(max(0, free.get(engine, 0) - sum(by_device[engine].values())) * settings.kv_memory_fraction)
+    # The engine measures what is free once the weights are loaded; the plan predicts it.
+    budget = kv_budget_bytes(settings.kv_budget_gib, settings.kv_memory_fraction, free.get(engine, 0) - sum(by_device[engine].values()))
     sizing = {"max_sessions": settings.max_sessions, "num_branches": settings.branches}
     # The batch the engine will run: engine.max_batch, or fewer if the pool cannot hold that many sessions at once.
     batch = PagedKVCache.batch_for_budget(spec, budget, **sizing, max_batch=settings.max_batch)
     kv = KVPlan(spec, settings.branches, settings.max_sessions, pages_for_budget(spec, budget, **sizing, max_batch=batch), batch)
     phases = activation_bytes(geometry, dtype)
-    for batched in ("dit", "vae"):  # one forward / encode holds every session of a batch
-        phases[batched] *= batch
+    phases["dit"] *= batch * settings.branches  # one DiT forward: a sequence per session x local CFG branch
+    phases["vae"] *= batch  # one encode per session of a batch (both branches read its latents)
     devices = []
     for device, weights in by_device.items():
         here = [c for c in COMPONENTS if settings.device_of(c) == device]
@@ -493,7 +492,7 @@ def _breakdown(d: DevicePlan) -> str:
         parts.append(f"KV {d.kv.pool_bytes / GiB:.1f}")
     parts.append(f"activations {d.activations / GiB:.1f}")
     if d.reserve:
-        parts.append(f"reserve {d.reserve / GiB:.1f}")
+        parts.append(f"unmeasured reserve {d.reserve / GiB:.1f}")
     return " + ".join(parts) + " GiB"
 
 

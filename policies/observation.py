@@ -35,15 +35,21 @@ class RobotObservation:
     names also work as keywords and attributes (``RobotObservation(wrist=..., joint_position=...)``,
     ``observation.wrist``), so a DROID observation always carries all six names. Camera and state
     names never collide (an embodiment refuses that at start-up), so :meth:`arrays` is one flat map.
+
+    ``wire_keys`` maps a camera or state name to the request key the client sent it under (the
+    DROID wire has two camera index conventions: ``exterior_left`` is ``_0_left`` or ``_1_left``),
+    so that a policy's error names the client's own keys (:meth:`wire_key`). It is not part of the
+    observation's value (equality ignores it).
     """
 
-    __slots__ = ("cameras", "prompt", "states")
+    __slots__ = ("cameras", "prompt", "states", "wire_keys")
 
     def __init__(
         self,
         cameras: Mapping[str, Any] | None = None,
         states: Mapping[str, Any] | None = None,
         prompt: str | None = "",
+        wire_keys: Mapping[str, str] | None = None,
         **droid: Any,
     ) -> None:
         unknown = set(droid) - set(CAMERAS) - set(STATES)
@@ -55,6 +61,7 @@ class RobotObservation:
         object.__setattr__(self, "cameras", dict(cameras or {}))
         object.__setattr__(self, "states", dict(states or {}))
         object.__setattr__(self, "prompt", prompt)
+        object.__setattr__(self, "wire_keys", dict(wire_keys or {}))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("RobotObservation is immutable; use with_arrays()")
@@ -70,7 +77,7 @@ class RobotObservation:
 
     @property
     def __dict__(self) -> dict[str, Any]:  # dataclass-like: RobotObservation(**obs.__dict__) copies
-        return {"cameras": self.cameras, "states": self.states, "prompt": self.prompt}
+        return {"cameras": self.cameras, "states": self.states, "prompt": self.prompt, "wire_keys": self.wire_keys}
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RobotObservation):
@@ -87,8 +94,12 @@ class RobotObservation:
         states = {k: shape(v) for k, v in self.states.items()}
         return f"RobotObservation(cameras={cameras}, states={states}, prompt={self.prompt!r})"
 
-    def __reduce__(self):  # pickles as its three fields (the engine's seam)
-        return (_restore, (self.cameras, self.states, self.prompt))
+    def __reduce__(self):  # pickles as its fields (the engine's seam)
+        return (_restore, (self.cameras, self.states, self.prompt, self.wire_keys))
+
+    def wire_key(self, name: str) -> str | None:
+        """The request key the client sent camera or state ``name`` under, if the decoder recorded it."""
+        return self.wire_keys.get(name)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every camera and state array that is set, by name."""
@@ -105,8 +116,8 @@ class RobotObservation:
         unknown = set(arrays) - set(cameras) - set(states)
         if unknown:
             raise KeyError(f"no camera or state named {sorted(unknown)}")
-        return RobotObservation(cameras=cameras, states=states, prompt=self.prompt)
+        return RobotObservation(cameras=cameras, states=states, prompt=self.prompt, wire_keys=self.wire_keys)
 
 
-def _restore(cameras: dict, states: dict, prompt: str | None) -> RobotObservation:
-    return RobotObservation(cameras=cameras, states=states, prompt=prompt)
+def _restore(cameras: dict, states: dict, prompt: str | None, wire_keys: dict | None = None) -> RobotObservation:
+    return RobotObservation(cameras=cameras, states=states, prompt=prompt, wire_keys=wire_keys)

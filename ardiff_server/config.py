@@ -18,6 +18,7 @@ import ctypes
 import importlib
 import importlib.util
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -92,6 +93,11 @@ class ServerConfig(_Section):
         return "wss" if self.tls_cert is not None else "ws"
 
 
+# A torch device string the engine can be given: cpu, cuda (this process's current GPU) or cuda:N.
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+_DEVICE_EXPECTED = "expected cpu, cuda or cuda:<index>"
+
+
 class EngineConfig(_Section):
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -113,6 +119,21 @@ class EngineConfig(_Section):
     replicas: int = pydantic.Field(1, ge=1)  # independent engines behind one port (sessions stay on theirs)
     replica_devices: list[list[str]] | None = None  # per replica, one device per CFG rank
     shm_mib: int = pydantic.Field(128, ge=0)  # shared memory for camera frames per replica (0: through the pipe)
+
+    @pydantic.field_validator("device")
+    @classmethod
+    def _one_device(cls, value: str) -> str:
+        if not _DEVICE.match(value):
+            raise ValueError(_DEVICE_EXPECTED)
+        return value
+
+    @pydantic.field_validator("devices", "replica_devices")
+    @classmethod
+    def _device_lists(cls, value: list | None) -> list | None:
+        for device in _flatten(value or []):
+            if not _DEVICE.match(device):
+                raise ValueError(f"{_DEVICE_EXPECTED}, got {device!r}")
+        return value
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -163,6 +184,10 @@ class EngineConfig(_Section):
                 "(e.g. [[cuda:0], [cuda:1]]) or set engine.device: cuda to spread them over consecutive GPUs"
             )
         return [[self.rank_device(k) for k in range(ranks)] for _ in range(self.replicas)]
+
+
+def _flatten(items: list) -> list[str]:
+    return [leaf for item in items for leaf in (_flatten(item) if isinstance(item, list) else [item])]
 
 
 class RayConfig(_Section):
@@ -275,7 +300,10 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
 
 
 def validate_config(raw: dict[str, Any], source: str = "<config>") -> AppConfig:
-    for module in raw.get("plugins") or []:
+    plugins = raw.get("plugins") or []
+    if not isinstance(plugins, list) or not all(isinstance(module, str) for module in plugins):
+        raise ConfigError(f"{source}: plugins: expected a list of module names (e.g. [my_lab.policies]), got {plugins!r}")
+    for module in plugins:
         try:
             importlib.import_module(module)
         except Exception as exc:

@@ -145,6 +145,11 @@ class EngineConfig(_Section):
             for index, devices in enumerate(self.replica_devices):
                 if len(devices) != self.cfg_parallel_size:
                     raise ValueError(f"replica_devices[{index}] lists {len(devices)} devices for cfg_parallel_size={self.cfg_parallel_size}")
+        on_cpu = [d for devices in self.replica_device_lists_unchecked() for d in devices if not d.startswith("cuda")]
+        if self.attention_backend == "flash" and on_cpu:
+            raise ValueError(f"attention_backend flash (vLLM's paged flash-attention) needs CUDA devices, got {on_cpu[0]}; use auto or sdpa")
+        if self.dist_backend == "nccl" and on_cpu:
+            raise ValueError(f"dist_backend nccl needs CUDA devices, got {on_cpu[0]}; use auto (gloo on the CPU)")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError("cuda_graphs needs a CUDA device")
         if self.cuda_graphs and self.attention_backend not in ("flash", "flex"):
@@ -168,6 +173,12 @@ class EngineConfig(_Section):
 
     def rank_device(self, rank: int) -> str:
         return self.devices[rank] if self.devices else self.device
+
+    def replica_device_lists_unchecked(self) -> list[list[str]]:
+        """Every device a rank may run on, without :meth:`replica_device_lists`' check of the spread."""
+        if self.replica_devices is not None:
+            return [list(devices) for devices in self.replica_devices]
+        return [self.devices or [self.device]]
 
     def replica_device_lists(self) -> list[list[str]]:
         """Devices of each replica, one per CFG rank. Default: ``cuda`` (no index) spreads replicas

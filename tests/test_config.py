@@ -45,6 +45,8 @@ def test_overrides_are_parsed_as_yaml_into_dotted_keys():
         (["engine.cfg_parallel_size=2", "engine.devices=[cuda:0, gpu1]"], r"engine\.devices: .*got 'gpu1'"),
         (["engine.replicas=2", "engine.replica_devices=[[cuda:0], [tpu]]"], r"engine\.replica_devices: .*got 'tpu'"),
         (["plugins=my_lab"], r"plugins: expected a list of module names .*got 'my_lab'"),  # was imported letter by letter
+        (["engine.attention_backend=flash"], r"attention_backend flash .* needs CUDA devices, got cpu; use auto or sdpa"),
+        (["engine.dist_backend=nccl", "engine.cfg_parallel_size=2", "engine.devices=[cpu, cpu]"], r"dist_backend nccl needs CUDA devices"),
     ],
 )
 def test_a_bad_value_names_the_file_and_the_key(overrides, needle):

@@ -166,6 +166,9 @@ class PlanSettings:
     kv_budget_gib: float | None = None  # None: kv_memory_fraction of what the weights leave free
     kv_memory_fraction: float = 0.5
     max_batch: int = 1  # sessions per forward (engine.max_batch): scratch pages and the DiT / VAE activations scale with it
+    # Engine processes on this machine that each place the same encoders on its CPU (the CFG ranks
+    # of a replica): a CUDA engine's host part is needed once per process, and checked for all at once.
+    host_processes: int = 1
 
     def device_of(self, component: str) -> str:
         wanted = {"text_encoder": self.text_encoder_device, "image_encoder": self.image_encoder_device}.get(component, "engine")
@@ -218,10 +221,11 @@ class DevicePlan:
     activations: int
     reserve: int
     kv: KVPlan | None = None
+    processes: int = 1  # engine processes holding this part on the device (the host's CPU encoders, once per CFG rank)
 
     @property
     def total(self) -> int:
-        return sum(self.weights.values()) + (self.kv.pool_bytes if self.kv else 0) + self.activations + self.reserve
+        return self.processes * (sum(self.weights.values()) + (self.kv.pool_bytes if self.kv else 0) + self.activations + self.reserve)
 
 
 @dataclass(frozen=True)
@@ -230,12 +234,13 @@ class MemoryPlan:
     settings: PlanSettings
     devices: tuple[DevicePlan, ...]
     free: Mapping[str, int] = field(default_factory=dict)  # bytes free per device when planned (the CPU's too: remedies move encoders there)
+    unchecked: frozenset[str] = frozenset()  # devices another process checks for this one (the host, for CFG rank 1)
 
     def device(self, name: str) -> DevicePlan:
         return next(d for d in self.devices if d.device == name)
 
     def shortfalls(self) -> list[DevicePlan]:
-        return [d for d in self.devices if d.device in self.free and d.total > self.free[d.device]]
+        return [d for d in self.devices if d.device in self.free and d.device not in self.unchecked and d.total > self.free[d.device]]
 
     def describe(self) -> str:
         """A table per device, for the start-up log."""
@@ -247,7 +252,10 @@ class MemoryPlan:
         for d in self.devices:
             free = f"{_size(self.free[d.device])} free" if d.device in self.free else "free unknown"
             fits = "" if d.device not in self.free else ("  fits" if d.total <= self.free[d.device] else "  DOES NOT FIT")
-            lines.append(f"  {d.device}: needs {_size(d.total)}, {free}{fits}")
+            if d.device in self.unchecked:
+                fits = "  (checked by rank 0 for every rank)"
+            each = f" ({d.processes} processes: every CFG rank holds its own)" if d.processes > 1 else ""
+            lines.append(f"  {d.device}: needs {_size(d.total)}{each}, {free}{fits}")
             for component, size in d.weights.items():
                 lines.append(f"    {LABELS[component] + ' weights':<24}{_size(size):>11}")
             if d.kv is not None:
@@ -301,7 +309,8 @@ def plan_memory(geometry: ModelGeometry, settings: PlanSettings, free: Mapping[s
         here = [c for c in COMPONENTS if settings.device_of(c) == device]
         activations = max(phases[c] for c in here) if here else 0
         reserve = CUDA_RESERVE_BYTES if device.startswith("cuda") else 0
-        devices.append(DevicePlan(device, weights, activations, reserve, kv if device == engine else None))
+        processes = settings.host_processes if device == "cpu" and device != engine else 1
+        devices.append(DevicePlan(device, weights, activations, reserve, kv if device == engine else None, processes))
     devices.sort(key=lambda d: (d.device != engine, d.device))
     return MemoryPlan(geometry, settings, tuple(devices), free)
 
@@ -493,7 +502,8 @@ def _breakdown(d: DevicePlan) -> str:
     parts.append(f"activations {d.activations / GiB:.1f}")
     if d.reserve:
         parts.append(f"unmeasured reserve {d.reserve / GiB:.1f}")
-    return " + ".join(parts) + " GiB"
+    each = f" for each of {d.processes} CFG ranks" if d.processes > 1 else ""
+    return " + ".join(parts) + " GiB" + each
 
 
 # ------------------------------------------------------------------------------ devices
@@ -536,10 +546,13 @@ def check_plan(geometry: ModelGeometry, config: Any, options: RuntimeOptions, de
         branches=len(options.guidance.local_branches) if config.cfg_scale != 1.0 else 1,
         cfg_parallel_size=2 if options.guidance.is_parallel else 1, max_sessions=options.max_sessions,
         kv_budget_gib=options.kv_budget_gib, kv_memory_fraction=options.kv_memory_fraction, max_batch=options.max_batch,
+        host_processes=2 if options.guidance.is_parallel else 1,
     )  # fmt: skip
     used = {settings.device_of(c) for c in COMPONENTS}
     check_devices_exist(sorted(used), torch.cuda.device_count() if any(d.startswith("cuda") for d in used) else 0)
     free = {d: free_bytes(d) for d in used | {"cpu"}}
     plan = plan_memory(geometry, settings, free)
+    if options.guidance.rank > 0:  # the ranks start at once: rank 0 checks the host for both (each seeing it all free would not)
+        plan = replace(plan, unchecked=frozenset({"cpu"}))
     logger.info("%s", plan.describe())
     plan.check()

@@ -199,6 +199,29 @@ def test_a_plan_that_does_not_fit_is_refused_in_one_line_with_the_fix(droid, fre
     assert "DOES NOT FIT" in p.describe()
 
 
+def test_the_host_holds_the_cpu_encoders_of_every_cfg_rank(droid, monkeypatch):
+    """CFG-parallel: both ranks put UMT5 on the CPU, and both start at once, so each seeing the host's
+    free memory alone would let two 10.6 GiB encoders into 16 GiB. Rank 0 checks the host for both;
+    rank 1 checks its own GPU only (it would count rank 0's encoder twice once rank 0 has loaded it)."""
+    from policies.guidance import Guidance
+
+    settings = {"max_sessions": 1, "branches": 1, "cfg_parallel_size": 2, "text_encoder_device": "cpu"}
+    one = plan(droid, free_gib=79.5, cpu_gib=256, **settings).device("cpu")
+    both = plan(droid, free_gib=79.5, cpu_gib=256, host_processes=2, **settings).device("cpu")
+    assert both.total == 2 * one.total and 1.2 * one.total < 16 * GiB < both.total
+    monkeypatch.setattr(memory, "check_devices_exist", lambda devices, count: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 16 * GiB if device == "cpu" else int(79.5 * GiB))
+    config = DreamZeroConfig(text_encoder_device="cpu")
+    for rank in (0, 1):
+        options = RuntimeOptions(device=f"cuda:{rank}", dtype="bfloat16", guidance=Guidance.parallel(rank), max_sessions=1, max_batch=1)
+        if rank == 0:
+            with pytest.raises(memory.MemoryPlanError, match=r"on cpu, has 16\.0 GiB free \(.* GiB for each of 2 CFG ranks\)"):
+                memory.check_plan(droid, config, options, torch.device("cuda", 0))
+        else:
+            memory.check_plan(droid, config, options, torch.device("cuda", 1))  # the host is rank 0's to check
+
+
 def test_the_suggested_fix_fits(droid):
     """Applying the suggestion gives a plan the same device accepts."""
     refused = plan(droid, free_gib=62, max_sessions=1)

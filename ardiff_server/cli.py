@@ -108,8 +108,7 @@ async def _serve(config: AppConfig) -> None:
     server = PolicyServer(config)
     stop = asyncio.Event()
     exit_on_second_signal(stop.set, kill=server.engine.kill_now, loop=asyncio.get_running_loop())
-    if server.tls is not None:
-        reload_on_hangup(server.tls.reload, loop=asyncio.get_running_loop())
+    reload_on_hangup(server.tls.reload if server.tls is not None else None, loop=asyncio.get_running_loop())
     log.info("loading %s (policy %s) on %s ...", config.source, config.policy_name, config.engine.device)
     start = asyncio.ensure_future(server.start())
     await asyncio.wait([start, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)

@@ -18,6 +18,7 @@ import ctypes
 import importlib
 import importlib.util
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -92,6 +93,11 @@ class ServerConfig(_Section):
         return "wss" if self.tls_cert is not None else "ws"
 
 
+# A torch device string the engine can be given: cpu, cuda (this process's current GPU) or cuda:N.
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+_DEVICE_EXPECTED = "expected cpu, cuda or cuda:<index>"
+
+
 class EngineConfig(_Section):
     device: str = "cpu"  # cpu, cuda (replicas and CFG ranks on consecutive GPUs) or cuda:N
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # bfloat16 on GPU (the released checkpoints' precision)
@@ -114,6 +120,21 @@ class EngineConfig(_Section):
     replica_devices: list[list[str]] | None = None  # per replica, one device per CFG rank
     shm_mib: int = pydantic.Field(128, ge=0)  # shared memory for camera frames per replica (0: through the pipe)
 
+    @pydantic.field_validator("device")
+    @classmethod
+    def _one_device(cls, value: str) -> str:
+        if not _DEVICE.match(value):
+            raise ValueError(_DEVICE_EXPECTED)
+        return value
+
+    @pydantic.field_validator("devices", "replica_devices")
+    @classmethod
+    def _device_lists(cls, value: list | None) -> list | None:
+        for device in _flatten(value or []):
+            if not _DEVICE.match(device):
+                raise ValueError(f"{_DEVICE_EXPECTED}, got {device!r}")
+        return value
+
     @pydantic.model_validator(mode="after")
     def _check(self) -> EngineConfig:
         if self.devices is not None and len(self.devices) != self.cfg_parallel_size:
@@ -124,6 +145,11 @@ class EngineConfig(_Section):
             for index, devices in enumerate(self.replica_devices):
                 if len(devices) != self.cfg_parallel_size:
                     raise ValueError(f"replica_devices[{index}] lists {len(devices)} devices for cfg_parallel_size={self.cfg_parallel_size}")
+        on_cpu = [d for devices in self.replica_device_lists_unchecked() for d in devices if not d.startswith("cuda")]
+        if self.attention_backend == "flash" and on_cpu:
+            raise ValueError(f"attention_backend flash (vLLM's paged flash-attention) needs CUDA devices, got {on_cpu[0]}; use auto or sdpa")
+        if self.dist_backend == "nccl" and on_cpu:
+            raise ValueError(f"dist_backend nccl needs CUDA devices, got {on_cpu[0]}; use auto (gloo on the CPU)")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError("cuda_graphs needs a CUDA device")
         if self.cuda_graphs and self.attention_backend not in ("flash", "flex"):
@@ -148,6 +174,12 @@ class EngineConfig(_Section):
     def rank_device(self, rank: int) -> str:
         return self.devices[rank] if self.devices else self.device
 
+    def replica_device_lists_unchecked(self) -> list[list[str]]:
+        """Every device a rank may run on, without :meth:`replica_device_lists`' check of the spread."""
+        if self.replica_devices is not None:
+            return [list(devices) for devices in self.replica_devices]
+        return [self.devices or [self.device]]
+
     def replica_device_lists(self) -> list[list[str]]:
         """Devices of each replica, one per CFG rank. Default: ``cuda`` (no index) spreads replicas
         and ranks over consecutive GPUs (8 GPUs, cfg_parallel_size 2: 4 pairs); anything else is
@@ -169,6 +201,10 @@ class EngineConfig(_Section):
                 f"{ranks} per replica) or give each replica its own with --set 'engine.replica_devices={listed}'"
             )
         return [[self.rank_device(k) for k in range(ranks)] for _ in range(self.replicas)]
+
+
+def _flatten(items: list) -> list[str]:
+    return [leaf for item in items for leaf in (_flatten(item) if isinstance(item, list) else [item])]
 
 
 class RayConfig(_Section):
@@ -220,10 +256,7 @@ class AppConfig(_Section):
         return self._per_key(self.server.max_connections_per_key, self.server.max_connections)
 
     def _per_key(self, setting: int | str | None, total: int) -> int | None:
-        if setting != "fair":
-            return setting
-        keys = len(set(self.server.api_keys))
-        return max(1, total // keys) if keys > 1 else None
+        return fair_share(total, len(set(self.server.api_keys))) if setting == "fair" else setting
 
     @property
     def policy_name(self) -> str:
@@ -231,6 +264,13 @@ class AppConfig(_Section):
 
     def policy_options(self) -> pydantic.BaseModel:
         return policy_entry(self.policy_name).config_model().model_validate(self.policy)
+
+
+def fair_share(total: int, keys: int) -> int | None:
+    """A key's share of ``total`` (sessions, connections) under a ``fair`` per-key limit: an equal
+    share, at least 1, among two or more keys; None (no limit) with one key or none. The one rule
+    for what ``/info`` reports and what the session table enforces (``frontend/sessions.py``)."""
+    return max(1, total // keys) if keys > 1 else None
 
 
 def resolve_config_path(name_or_path: str | Path) -> Path:
@@ -277,7 +317,10 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
 
 
 def validate_config(raw: dict[str, Any], source: str = "<config>") -> AppConfig:
-    for module in raw.get("plugins") or []:
+    plugins = raw.get("plugins") or []
+    if not isinstance(plugins, list) or not all(isinstance(module, str) for module in plugins):
+        raise ConfigError(f"{source}: plugins: expected a list of module names (e.g. [my_lab.policies]), got {plugins!r}")
+    for module in plugins:
         try:
             importlib.import_module(module)
         except Exception as exc:

@@ -11,7 +11,7 @@
 """
 
 from kv.attention import PagedLayerInputs, paged_attention, paged_write_attend
-from kv.cache import PagedKVCache
+from kv.cache import PagedKVCache, kv_budget_bytes
 from kv.dense import DenseKVCache, DenseLayerKV
 from kv.pool import CapacityError, PagePool
 from kv.session import ForwardContext, SessionKV, prepare_batch
@@ -33,6 +33,7 @@ __all__ = [
     "PagedLayerInputs",
     "PagedStorage",
     "SessionKV",
+    "kv_budget_bytes",
     "paged_attention",
     "paged_write_attend",
     "pages_to_evict",

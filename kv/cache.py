@@ -22,6 +22,16 @@ from kv.storage import PagedStorage
 logger = logging.getLogger(__name__)
 
 
+def kv_budget_bytes(budget_gib: float | None, fraction: float, free_bytes: int) -> int:
+    """Bytes for one rank's KV cache (``engine.kv_budget_gib`` / ``kv_memory_fraction``): the
+    configured budget, else ``fraction`` of ``free_bytes``, the memory the device has free once the
+    weights are loaded. The one rule for the engine (``engine/builder.py``, which measures it) and
+    a policy's memory plan (which predicts it before loading anything)."""
+    if budget_gib is not None:
+        return int(budget_gib * 2**30)
+    return int(max(0, free_bytes) * fraction)
+
+
 class PagedKVCache:
     def __init__(
         self,
@@ -42,25 +52,30 @@ class PagedKVCache:
         self.branches = tuple(Branch(b) for b in branches)
         self.max_sessions = max_sessions
         self.pool = PagePool(num_pages)
-        self.storage = PagedStorage(
-            spec, pool_pages=num_pages, max_sessions=max_sessions, branches=self.branches,
-            device=torch.device(device), attention_backend=attention_backend, max_batch=max_batch,
-        )  # fmt: skip
-        self._sessions: dict[str, SessionKV] = {}
         self.reservation_per_session = len(self.branches) * spec.pages_per_branch
         if self.reservation_per_session > self.pool.capacity:
             raise ValueError(
                 f"a pool of {self.pool.capacity} pages cannot hold one session "
                 f"({self.reservation_per_session} pages for {len(self.branches)} branch(es))"
             )
+        # Cross-attention slots for the sessions the pool holds, not for max_sessions: a slot the
+        # pages cannot back would never be used (the 14B's cost 0.6 GiB per session and branch).
+        self.session_capacity = min(max_sessions, self.pool.capacity // self.reservation_per_session)
+        self.storage = PagedStorage(
+            spec, pool_pages=num_pages, max_sessions=self.session_capacity, branches=self.branches,
+            device=torch.device(device), attention_backend=attention_backend, max_batch=max_batch,
+        )  # fmt: skip
+        self._sessions: dict[str, SessionKV] = {}
 
     @staticmethod
     def pages_for_budget(spec: KVSpec, budget_bytes: int, *, max_sessions: int, num_branches: int, max_batch: int = 1) -> int:
         """Pool pages (null page excluded) a byte budget buys.
 
-        Cross-attention slots and scratch pages (one region per branch and batch slot) are
-        deducted first; the pool never drops below what one session needs for the branches this
-        rank runs (1 under CFG-parallel, else 2).
+        Scratch pages (one region per branch and batch slot) are deducted first; then each session
+        the rest holds (at most ``max_sessions``) costs its pages and its cross-attention slots
+        (:meth:`sessions_for_budget`). Pages that could not back one more session are not bought:
+        without cross slots for it, no session could use them. The pool never drops below what one
+        session needs for the branches this rank runs (1 under CFG-parallel, else 2).
         """
         pages = PagedKVCache._pages(spec, budget_bytes, max_sessions=max_sessions, num_branches=num_branches, max_batch=max_batch)
         floor = num_branches * spec.pages_per_branch
@@ -72,10 +87,22 @@ class PagedKVCache:
         return max(pages, floor)
 
     @staticmethod
+    def sessions_for_budget(spec: KVSpec, budget_bytes: int, *, max_sessions: int, num_branches: int, max_batch: int = 1) -> int:
+        """Sessions whose worst case (pages and cross-attention slots in every local branch) a
+        budget holds after the scratch region, at most ``max_sessions`` (0: not even one)."""
+        left = budget_bytes - max_batch * num_branches * spec.scratch_pages_per_branch * spec.page_bytes
+        per_session = num_branches * (spec.pages_per_branch * spec.page_bytes + spec.cross_slot_bytes)
+        return max(0, min(max_sessions, left // per_session))
+
+    @staticmethod
     def _pages(spec: KVSpec, budget_bytes: int, *, max_sessions: int, num_branches: int, max_batch: int) -> int:
+        sessions = PagedKVCache.sessions_for_budget(spec, budget_bytes, max_sessions=max_sessions, num_branches=num_branches, max_batch=max_batch)
         scratch = max_batch * num_branches * spec.scratch_pages_per_branch
-        fixed = max_sessions * num_branches * spec.cross_slot_bytes + scratch * spec.page_bytes
-        return max(0, budget_bytes - fixed) // spec.page_bytes
+        fixed = sessions * num_branches * spec.cross_slot_bytes + scratch * spec.page_bytes
+        pages = max(0, budget_bytes - fixed) // spec.page_bytes
+        if sessions < max_sessions:  # the rest cannot back one more session (its cross slots are not paid for)
+            pages = min(pages, sessions * num_branches * spec.pages_per_branch)
+        return pages
 
     @classmethod
     def batch_for_budget(cls, spec: KVSpec, budget_bytes: int, *, max_sessions: int, num_branches: int, max_batch: int) -> int:
@@ -118,11 +145,6 @@ class PagedKVCache:
     @property
     def num_sessions(self) -> int:
         return len(self._sessions)
-
-    @property
-    def session_capacity(self) -> int:
-        by_pages = self.pool.capacity // self.reservation_per_session
-        return min(by_pages, self.max_sessions)
 
     def can_open_session(self) -> bool:
         return len(self._sessions) < self.session_capacity

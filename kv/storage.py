@@ -89,7 +89,8 @@ class CrossAttentionSlots:
 class PagedStorage:
     """The tensors of one rank's cache: ``pool_pages`` pool pages (null page included), then
     ``scratch_pages_per_branch`` scratch pages per local branch and batch slot (``max_batch``
-    sessions per forward); cross slots for ``max_sessions`` sessions x local branches."""
+    sessions per forward); cross slots for ``max_sessions`` sessions x local branches (the cache
+    passes the sessions its pool holds)."""
 
     def __init__(
         self,

@@ -17,14 +17,10 @@ import pydantic
 
 from kv import Branch, KVSpec, SessionKV
 from policies import registry
+from policies.errors import StartRefused  # noqa: F401 - where policies and workers import it from
 from policies.guidance import Guidance
 from policies.info import PolicyInfo
 from policies.observation import RobotObservation
-
-
-class StartRefused(RuntimeError):
-    """A policy refuses to start on this machine (e.g. its memory plan does not fit a device).
-    The message is one line naming the problem and the fix: workers log it without a traceback."""
 
 
 @dataclass(frozen=True)

@@ -28,14 +28,17 @@ from typing import Any, Literal
 
 import numpy as np
 
+from policies.errors import StartRefused
+
 OBSERVATION_PREFIX = "observation/"
 Layout = Literal["droid", "grid", "single"]
 Wire = Literal["roboarena", "keys"]
 
 
-class EmbodimentError(ValueError):
+class EmbodimentError(StartRefused, ValueError):
     """The checkpoint (or config) does not define an embodiment this server can serve; one line naming
-    what is missing and where it is read from."""
+    what is missing and where it is read from. A ValueError for preflight's one-line config errors, a
+    StartRefused for a worker's (no traceback: it is a setting, not a bug)."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,9 @@ snapshot directory: CFG-parallel ranks and replicas share one download and never
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +127,11 @@ def download(hub_id: HubId, *, key: str, example: str, allow_patterns: Sequence[
         ) from None
     except HfHubHTTPError as exc:
         raise HubError(f"{key}: fetching {hub_id} from the Hugging Face Hub failed: {_first_line(exc)}; {local}") from None
+    except _transport_errors() as exc:  # a proxy that refuses (403 to CONNECT) or hangs up, a timeout, a TLS failure
+        raise HubError(
+            f"{key}: {hub_id} cannot be fetched: {_no_route()} ({type(exc).__name__}: {_first_line(exc)}); "
+            f"{local}, or fetch it where the Hub is reachable ({fetch}) and serve from that cache with HF_HUB_OFFLINE=1"
+        ) from None
     except (OSError, ValueError) as exc:  # disk full, an incomplete cached snapshot, a malformed cache
         raise HubError(f"{key}: cannot use {hub_id} from the Hugging Face cache: {_first_line(exc)}; {local} or re-run {fetch}") from None
     path = Path(folder)
@@ -155,6 +162,44 @@ def resolve(text: str, *, key: str, example: str, allow_patterns: Sequence[str])
     if isinstance(where, Path):
         return where
     return download(where, key=key, example=example, allow_patterns=allow_patterns)
+
+
+# The HTTP clients huggingface_hub has used (requests up to 0.x, httpx since 1.0, or a vendored
+# httpx2): their error families, whichever of them is loaded. Exceptions huggingface_hub does not
+# translate into its own (a proxy's refusal, a dropped connection) arrive as these.
+_CLIENT_ERRORS = {
+    "requests": ("RequestException",),
+    "httpx": ("HTTPError", "StreamError", "InvalidURL"),
+    "httpx2": ("HTTPError", "StreamError", "InvalidURL"),
+    "httpcore": ("ProxyError", "NetworkError", "TimeoutException", "ProtocolError"),
+    "httpcore2": ("ProxyError", "NetworkError", "TimeoutException", "ProtocolError"),
+    "urllib3": ("HTTPError",),
+}
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The loaded HTTP clients' error base classes (nothing is imported for this)."""
+    found = []
+    for module_name, names in _CLIENT_ERRORS.items():
+        module = sys.modules.get(module_name)
+        for name in names if module is not None else ():
+            error = getattr(module, name, None)
+            if isinstance(error, type) and issubclass(error, BaseException):
+                found.append(error)
+    return tuple(found)
+
+
+def _no_route() -> str:
+    """Who could not reach the Hub: the proxy the environment names (credentials left out), or this machine."""
+    for variable in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        if os.environ.get(variable):
+            return f"the proxy {_without_credentials(os.environ[variable])} ({variable}) refused or dropped the connection to the Hub"
+    return "the Hub cannot be reached"
+
+
+def _without_credentials(url: str) -> str:
+    scheme, sep, rest = url.rpartition("://")
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -40,9 +40,14 @@ class RobotObservation:
 
     ``episode`` (None unless the request was one of LingBot-VA's split calls) says whether it predicts a chunk or
     commits what the robot saw, with its options (``policies/episode.py``).
+
+    ``wire_keys`` maps a camera or state name to the request key the client sent it under (the
+    DROID wire has two camera index conventions: ``exterior_left`` is ``_0_left`` or ``_1_left``),
+    so that a policy's error names the client's own keys (:meth:`wire_key`). It is not part of the
+    observation's value (equality ignores it).
     """
 
-    __slots__ = ("cameras", "episode", "prompt", "states")
+    __slots__ = ("cameras", "episode", "prompt", "states", "wire_keys")
 
     def __init__(
         self,
@@ -50,6 +55,7 @@ class RobotObservation:
         states: Mapping[str, Any] | None = None,
         prompt: str | None = "",
         episode: EpisodeCall | None = None,
+        wire_keys: Mapping[str, str] | None = None,
         **droid: Any,
     ) -> None:
         unknown = set(droid) - set(CAMERAS) - set(STATES)
@@ -62,6 +68,7 @@ class RobotObservation:
         object.__setattr__(self, "states", dict(states or {}))
         object.__setattr__(self, "prompt", prompt)
         object.__setattr__(self, "episode", episode)
+        object.__setattr__(self, "wire_keys", dict(wire_keys or {}))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("RobotObservation is immutable; use with_arrays()")
@@ -77,7 +84,7 @@ class RobotObservation:
 
     @property
     def __dict__(self) -> dict[str, Any]:  # dataclass-like: RobotObservation(**obs.__dict__) copies
-        return {"cameras": self.cameras, "states": self.states, "prompt": self.prompt, "episode": self.episode}
+        return {"cameras": self.cameras, "states": self.states, "prompt": self.prompt, "episode": self.episode, "wire_keys": self.wire_keys}
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RobotObservation):
@@ -95,10 +102,13 @@ class RobotObservation:
         tail = f", episode={self.episode.kind!r}" if self.episode is not None else ""
         return f"RobotObservation(cameras={cameras}, states={states}, prompt={self.prompt!r}{tail})"
 
-    def __reduce__(self):  # pickles as its fields (the engine's seam)
-        if self.episode is None:  # the common case pickles as before
-            return (_restore, (self.cameras, self.states, self.prompt))
-        return (_restore, (self.cameras, self.states, self.prompt, self.episode))
+    def __reduce__(self):  # pickles as its fields (the engine's seam); optional ones only when set
+        extras = {name: getattr(self, name) for name in ("episode", "wire_keys") if getattr(self, name)}
+        return (_restore, (self.cameras, self.states, self.prompt, extras) if extras else (self.cameras, self.states, self.prompt))
+
+    def wire_key(self, name: str) -> str | None:
+        """The request key the client sent camera or state ``name`` under, if the decoder recorded it."""
+        return self.wire_keys.get(name)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every camera and state array that is set, by name."""
@@ -115,8 +125,8 @@ class RobotObservation:
         unknown = set(arrays) - set(cameras) - set(states)
         if unknown:
             raise KeyError(f"no camera or state named {sorted(unknown)}")
-        return RobotObservation(cameras=cameras, states=states, prompt=self.prompt, episode=self.episode)
+        return RobotObservation(cameras=cameras, states=states, prompt=self.prompt, episode=self.episode, wire_keys=self.wire_keys)
 
 
-def _restore(cameras: dict, states: dict, prompt: str | None, episode: EpisodeCall | None = None) -> RobotObservation:
-    return RobotObservation(cameras=cameras, states=states, prompt=prompt, episode=episode)
+def _restore(cameras: dict, states: dict, prompt: str | None, extras: dict | None = None) -> RobotObservation:
+    return RobotObservation(cameras=cameras, states=states, prompt=prompt, **(extras or {}))

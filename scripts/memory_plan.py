@@ -3,7 +3,8 @@
 
 Everything comes from ``policies/dreamzero/memory.py``, the plan the server prints and checks at
 start-up: weights from the networks built on the meta device (exact parameter counts), the KV
-pool from ``kv.PagedKVCache.pages_for_budget``, the activation estimate and the CUDA reserve.
+pool from ``kv.PagedKVCache.pages_for_budget``, the activation estimate and the CUDA reserve (a
+prior, not measured: its column says so).
 
 Geometries:
 
@@ -111,7 +112,7 @@ def rows() -> list[Row]:
 def markdown(table: list[Row]) -> str:
     cards = " | ".join(f"{c} GiB" for c in CARDS_GIB)
     lines = [
-        f"| model | GPUs (CFG) | UMT5 | CLIP | weights | KV, 1 session | activations | reserve | **GiB per GPU** | +session | {cards} |",
+        f"| model | GPUs (CFG) | UMT5 | CLIP | weights | KV, 1 session | activations | reserve (unmeasured) | **GiB per GPU** | +session | {cards} |",
         "|---|---|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(CARDS_GIB),
     ]
     for r in table:

@@ -38,6 +38,15 @@ def test_overrides_are_parsed_as_yaml_into_dotted_keys():
         (["server.api_keys=['']"], r"api_keys\[0\] is empty"),
         (["engine.devices=[cpu, cpu]"], r"devices lists 2 devices for cfg_parallel_size=1"),
         (["engine.cuda_graphs=true"], r"cuda_graphs needs a CUDA device"),
+        # Each of these reached a worker and printed its traceback (the attack run's config sweep).
+        (["policy.view_size=[0, 320]"], r"policy\.view_size\.0: Input should be greater than 0 \(got 0\)"),
+        (["policy.image_resolution=[180, -1]"], r"policy\.image_resolution\.1: Input should be greater than 0"),  # was served as is
+        (["engine.device=gpu"], r"engine\.device: Value error, expected cpu, cuda or cuda:<index> \(got 'gpu'\)"),
+        (["engine.cfg_parallel_size=2", "engine.devices=[cuda:0, gpu1]"], r"engine\.devices: .*got 'gpu1'"),
+        (["engine.replicas=2", "engine.replica_devices=[[cuda:0], [tpu]]"], r"engine\.replica_devices: .*got 'tpu'"),
+        (["plugins=my_lab"], r"plugins: expected a list of module names .*got 'my_lab'"),  # was imported letter by letter
+        (["engine.attention_backend=flash"], r"attention_backend flash .* needs CUDA devices, got cpu; use auto or sdpa"),
+        (["engine.dist_backend=nccl", "engine.cfg_parallel_size=2", "engine.devices=[cpu, cpu]"], r"dist_backend nccl needs CUDA devices"),
     ],
 )
 def test_a_bad_value_names_the_file_and_the_key(overrides, needle):
@@ -100,3 +109,13 @@ def test_cfg_parallel_ranks_get_a_gpu_each_or_the_config_is_refused():
     assert load_config("tiny", ["engine.device=cuda", "engine.cfg_parallel_size=2", "policy.cfg_scale=5"]).engine.replica_device_lists() == [["cuda:0", "cuda:1"]]
     with pytest.raises(ConfigError, match=r"engine.cfg_parallel_size=2 puts 2 CFG ranks on cuda:0 .*engine.devices=\[cuda:0,cuda:1\]"):
         preflight(load_config("tiny", ["engine.device=cuda:0", "engine.cfg_parallel_size=2", "policy.cfg_scale=5"]), local=False)
+
+
+def test_an_embodiment_a_checkpoint_lacks_is_refused_in_one_line_by_a_worker_too():
+    """Preflight turns it into a ConfigError (a ValueError); a worker, which sees it for built-in
+    checkpoints, logs a StartRefused as one line instead of a traceback."""
+    from policies.embodiment import EmbodimentError
+    from policies.errors import StartRefused
+
+    error = EmbodimentError("policy.embodiment: experiment_cfg/metadata.json has no 'nope'")
+    assert isinstance(error, ValueError) and isinstance(error, StartRefused)

@@ -9,7 +9,7 @@ episode         what a robot does from a fresh session id (or a reset) to the ne
 end             a session ends: ``reset`` on the wire, TTL expiry, eviction (LRU cap, pool
                 pressure), a failed step, shutdown. Every ending is ``end`` + a reason
                 (``End`` message, ``SessionEngine.end``, ``PagedKVCache.end_session``, the
-                ``ardiff_session_endings`` metric); its KV pages go back to the pool.
+                ``ardiff_session_endings_total`` metric); its KV pages go back to the pool.
 attached        a connection is on the session now (the last request of some open connection).
 detach          no connection is on it now: ``switched`` (its robot moved to another id) or
                 ``disconnected`` (its last connection closed). A detached (idle) session stays,

@@ -13,7 +13,7 @@ import os
 import torch
 
 from ardiff_server.engine.core import SessionEngine
-from kv import PagedKVCache
+from kv import PagedKVCache, kv_budget_bytes
 from kv.storage import device_free_bytes
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> Se
     spec = policy.kv_spec()
     cache = None
     if spec is not None:
-        budget = kv_budget_bytes(engine_config.kv_budget_gib, engine_config.kv_memory_fraction, device)
+        budget = kv_budget_bytes(engine_config.kv_budget_gib, engine_config.kv_memory_fraction, device_free_bytes(device))
         if world_size > 1:  # both ranks must make the same batching and admission decisions: agree on the budget
             agreed = torch.tensor([budget], dtype=torch.int64)
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control)
@@ -97,10 +97,3 @@ def set_threads(config, world_size: int) -> None:
     """torch intra-op threads for this engine: ``engine.threads``, else the cores split evenly."""
     processes = world_size * max(1, config.engine.replicas)
     torch.set_num_threads(config.engine.threads or max(1, (os.cpu_count() or 1) // processes))
-
-
-def kv_budget_bytes(engine_budget_gib: float | None, fraction: float, device: torch.device) -> int:
-    """Bytes for the KV cache: the configured budget, else a fraction of free device memory."""
-    if engine_budget_gib is not None:
-        return int(engine_budget_gib * 2**30)
-    return int(device_free_bytes(device) * fraction)

@@ -327,7 +327,7 @@ class SessionEngine:
             session.status = "attached"
             return session, False
         pool = self.cache.pool.capacity // self.cache.reservation_per_session if self.cache is not None else None
-        capacity = min(self.max_sessions, pool) if pool is not None else self.max_sessions
+        capacity = min(self.max_sessions, self.cache.session_capacity) if self.cache is not None else self.max_sessions
         needed = len(self.sessions) + 1 - capacity
         victims = choose_victims(self.sessions, needed, {session_id, *protect})
         if victims is None:

@@ -3,6 +3,11 @@
 A session stays on the replica that opened it; a new session goes to the least loaded replica
 (``placement.py``). A replica that dies restarts alone: only the sessions placed on it start over
 (their next reply says ``session.new``); the others never notice.
+
+Replicas start one after another. Once the first is up, what it holds in this machine's RAM (the
+encoders placed on the CPU: UMT5-XXL is 10.6 GiB per process) is measured, and the others start
+only if the host has that much for each of them: a shortfall is one line at start-up, not a replica
+killed by the kernel's OOM killer minutes later, or every replica checking the host alone.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import logging
 from typing import Any
 
 from ardiff_server.engine.client import EngineState, ReplicaStatus
-from ardiff_server.engine.messages import DetachReason, InferReply
+from ardiff_server.engine.messages import DetachReason, EngineError, ErrorKind, InferReply
 from ardiff_server.engine.placement import ReplicaLoad, SessionPlacement
 from ardiff_server.engine.process_client import ProcessClient
 from policies.info import PolicyInfo
@@ -57,8 +62,30 @@ class ReplicaSet:
 
     async def start(self) -> None:
         # One at a time: replicas loading a model at once would compete for the same disk and cores.
-        for client in self.clients:
+        for index, client in enumerate(self.clients):
             await client.start()
+            if index == 0:
+                self._check_host_room()
+
+    def _check_host_room(self) -> None:
+        """Before replicas 1.. load: the host RAM the first one holds (its processes' anonymous
+        memory), once for each of them. Only replicas on CUDA devices: a CPU replica's KV pool is sized
+        from what is free when it starts, so the first one's size says nothing about the next."""
+        first, rest = self.clients[0], self.clients[1:]
+        devices = [d for client in self.clients for d in getattr(client, "devices", None) or ["?"]]
+        if not rest or not all(d.startswith("cuda") for d in devices):
+            return
+        held = sum(process_anonymous_bytes(pid) for pid in getattr(first, "pids", []))
+        available = host_available_bytes()
+        if held == 0 or available is None or len(rest) * held <= available:
+            return
+        fit = 1 + available // held
+        raise EngineError(
+            ErrorKind.UNAVAILABLE,
+            f"host memory: replica 0 holds {held / 2**30:.1f} GiB of this machine's RAM (encoders on the CPU, the process itself); "
+            f"{len(rest)} more replica(s) need {len(rest) * held / 2**30:.1f} GiB and {available / 2**30:.1f} GiB is available: "
+            f"set engine.replicas={fit}, or run the encoders on the GPUs (policy.text_encoder_device / image_encoder_device: engine)",
+        )
 
     async def stop(self, grace_s: float = 3.0) -> None:
         await asyncio.gather(*(client.stop(grace_s) for client in self.clients))
@@ -100,3 +127,28 @@ class ReplicaSet:
         lost = self.placement.forget_replicas(lambda index: index == client.replica)
         if lost:
             logger.warning("replica %d restarted: %d session(s) start over", client.replica, len(lost))
+
+
+def process_anonymous_bytes(pid: int) -> int:
+    """Resident anonymous memory of a process (its tensors, heap; not shared libraries or page
+    cache, which further replicas share): ``RssAnon`` of /proc/<pid>/status; 0 where unreadable."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def host_available_bytes() -> int | None:
+    """The host's available RAM (/proc/meminfo MemAvailable), None where unknown (torch-free)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -16,6 +16,13 @@ from pathlib import Path
 
 ENV_VAR = "ARDIFF_API_KEYS"
 SCHEMES = ("api-key", "bearer")
+# Schemes that may be named in a refusal: IANA's HTTP authentication scheme registry and a few common
+# others. Anything else may be a key sent without a scheme (a short alphabetic key looks like a
+# scheme), so only its length is logged.
+KNOWN_SCHEMES = frozenset(
+    ("basic", "digest", "negotiate", "ntlm", "hoba", "mutual", "oauth", "scram-sha-1", "scram-sha-256", "vapid",
+     "privatetoken", "concealed", "dpop", "gnap", "token", "aws4-hmac-sha256")
+)  # fmt: skip
 
 
 class Unauthorized(Exception):
@@ -42,7 +49,7 @@ class ApiKeys:
         scheme, _, token = authorization[0].strip().partition(" ")
         if scheme.lower() not in SCHEMES:
             # A key sent without a scheme arrives here as the "scheme": never log it.
-            shown = repr(scheme) if scheme.isalpha() and len(scheme) <= 12 else f"of {len(scheme)} characters (not shown)"
+            shown = repr(scheme) if scheme.lower() in KNOWN_SCHEMES else f"of {len(scheme)} characters (not shown)"
             raise Unauthorized(f"unsupported scheme {shown} (expected Api-Key or Bearer)")
         token = token.strip()
         if not token:

@@ -17,6 +17,10 @@ old name (alias until 0.3)         name
 ``ardiff_kv_blocks_free``          ``ardiff_kv_pages_free``
 ``ardiff_kv_blocks_total``         ``ardiff_kv_pages_total``
 =================================  ======================================
+
+``ardiff_session_endings`` was a gauge; it is a counter (samples ``ardiff_session_endings_total``, so
+``rate()`` and ``increase()`` work on it). It has no alias: a gauge of the old name would be a second
+family of the same name.
 """
 
 from __future__ import annotations
@@ -109,7 +113,7 @@ class EngineCollector(Collector):
         steps = GaugeMetricFamily("ardiff_engine_steps", "Policy steps run by the replica's current engine", labels=["replica"])
         kv_free = GaugeMetricFamily("ardiff_kv_pages_free", "Free KV pages", labels=["replica", "rank"])
         kv_total = GaugeMetricFamily("ardiff_kv_pages_total", "KV pages in the pool", labels=["replica", "rank"])
-        endings = GaugeMetricFamily("ardiff_session_endings", "Sessions ended in the engine, by reason", labels=["replica", "reason"])
+        endings = CounterMetricFamily("ardiff_session_endings", "Sessions ended in the engine, by reason", labels=["replica", "reason"])
         batches = HistogramMetricFamily("ardiff_batch_size", "Sessions per engine step (a step runs the robots whose requests wait together)", labels=["replica"])
         for replica in replicas:
             label = str(replica.index)

@@ -168,7 +168,7 @@ class PolicyService:
                 }  # fmt: skip
                 for r in self.engine.replicas()
             ],
-            "limits": {"max_sessions_per_key": self.sessions.limits.sessions_per_key, "max_connections_per_key": self.connections_per_key},
+            "limits": {"max_sessions_per_key": self.sessions.sessions_per_key()[0], "max_connections_per_key": self.connections_per_key},
             "config": self.config.public(),
         }
 

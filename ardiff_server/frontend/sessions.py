@@ -41,6 +41,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from ardiff_server.config import fair_share
 from ardiff_server.engine.client import EngineClient
 from ardiff_server.engine.messages import DetachReason, EngineError, ErrorKind, InferReply
 from policies.observation import RobotObservation
@@ -212,15 +213,24 @@ class SessionTable:
                     logger.info("session %s ended to make room for %s's new session %s", victim.session_id, entry.owner, entry.session_id)
                     await self._end(victim, "quota")
 
+    def sessions_per_key(self) -> tuple[int | None, str]:
+        """The per-key session limit in force now and the setting it comes from (for messages and
+        ``/info``). A fair share is of what the ready replicas really hold when that is less than
+        the configured share (their KV pools may hold fewer than ``engine.max_sessions``)."""
+        limit = self.limits.sessions_per_key
+        capacity = self._engine_capacity() if self.limits.shared else None
+        if self.limits.fair_keys > 1 and capacity is not None:
+            share = fair_share(capacity, self.limits.fair_keys)
+            if limit is None or share < limit:
+                return share, f"server.max_sessions_per_key: fair, {share} of the engine's {capacity} for each of {self.limits.fair_keys} keys"
+        return limit, f"server.max_sessions_per_key: {limit}"
+
     def _over_limit(self, key: str | None) -> str | None:
         """Why a key cannot take one more session now (its reservation included), or None."""
         engine_sessions = self._engine_sessions()
         held = Counter(e.owner for e in self._entries.values() if self._counts(e, engine_sessions))
-        limit, capacity = self.limits.sessions_per_key, self._engine_capacity() if self.limits.shared else None
-        setting = f"server.max_sessions_per_key: {limit}"
-        if self.limits.fair_keys > 1 and capacity is not None and capacity // self.limits.fair_keys < (limit or capacity):
-            limit = max(1, capacity // self.limits.fair_keys)
-            setting = f"server.max_sessions_per_key: fair, {limit} of the engine's {capacity} for each of {self.limits.fair_keys} keys"
+        capacity = self._engine_capacity() if self.limits.shared else None
+        limit, setting = self.sessions_per_key()
         if limit is not None and held[key] > limit:
             return f"{key} holds {held[key] - 1} sessions ({setting}) and a robot is on each; end one (reset) or retry later"
         if capacity is not None and held.total() > capacity:

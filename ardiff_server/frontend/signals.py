@@ -1,5 +1,7 @@
 """Signals of a serving process: SIGINT / SIGTERM stop it (the first gracefully, a second at once);
-SIGHUP reloads the TLS certificate (``ardiff-serve --tls-cert``).
+SIGHUP reloads the TLS certificate (``ardiff-serve --tls-cert``); without TLS there is nothing to
+reload and SIGHUP is logged and ignored (its default action would end the server, and a certbot
+deploy hook or a closed terminal sends it to whatever runs).
 
 One rule for ``ardiff-serve`` and ``ardiff-serve --ray``: the first signal calls ``on_first``
 (answer in-flight requests, stop the engine, close connections); a second one, while that is
@@ -40,6 +42,10 @@ def exit_on_second_signal(
             signal.signal(sig, handler)
 
 
-def reload_on_hangup(reload: Callable[[], object], *, loop: asyncio.AbstractEventLoop) -> None:
-    """SIGHUP calls ``reload`` on ``loop`` (a renewed certificate; open connections stay)."""
-    loop.add_signal_handler(signal.SIGHUP, reload)
+SIGHUP_IGNORED = "SIGHUP ignored: nothing to reload without TLS (it reloads --tls-cert/--tls-key; docs/deploy.md)"
+
+
+def reload_on_hangup(reload: Callable[[], object] | None, *, loop: asyncio.AbstractEventLoop) -> None:
+    """SIGHUP calls ``reload`` on ``loop`` (a renewed certificate; open connections stay); with
+    ``reload`` None it is logged and ignored."""
+    loop.add_signal_handler(signal.SIGHUP, reload if reload is not None else lambda: logger.warning(SIGHUP_IGNORED))

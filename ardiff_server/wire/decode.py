@@ -25,6 +25,11 @@ vectors obey the rules below, other keys are ignored. The rules this module appl
 - State vectors are numeric arrays or msgpack lists, returned as finite float32 1-D arrays. A
   leading batch axis of one is accepted ((1, 7): DreamZero's sim_evals client forwards the
   simulator's per-environment arrays), a real batch ((2, 7)) is not.
+- A DROID inference request must carry ``observation/joint_position``: DROID's action space is
+  joint positions, which DreamZero predicts relative to the observed ones (read as zeros, a missing
+  vector gave actions near 0: the arm told to fold up). Every DROID client sends it.
+- The observation records the key each camera and state came under (``RobotObservation.wire_keys``),
+  so a policy's error about it names the client's own key (``_0_left`` or ``_1_left``).
 """
 
 from __future__ import annotations
@@ -199,17 +204,27 @@ def _decode_prompt(value: Any) -> str:
 def _decode_observation(request: dict[str, Any]) -> RobotObservation:
     left_key, right_key = _exterior_camera_keys(request)
     states = {field: _decode_state(key, request.get(key), length) for field, (key, length) in STATE_KEYS.items()}
+    wire_keys = {"exterior_left": left_key, "wrist": WRIST_IMAGE_KEY, **{field: key for field, (key, _) in STATE_KEYS.items()}}
+    if right_key is not None:
+        wire_keys["exterior_right"] = right_key
     observation = RobotObservation(
         exterior_left=_decode_image(left_key, request.get(left_key)),
         exterior_right=_decode_image(right_key, request.get(right_key)) if right_key else None,
         wrist=_decode_image(WRIST_IMAGE_KEY, request.get(WRIST_IMAGE_KEY)),
         prompt=_decode_prompt(request.get(PROMPT_KEY)),
+        wire_keys=wire_keys,
         **states,
     )
     if not observation.arrays():  # a map of unrelated keys (or garbage that happens to be a map)
         raise RequestError(
             f"no observation in the request: expected images ({exterior_image_key(0)}, {WRIST_IMAGE_KEY}, ...) "
             f"and/or state ({STATE_KEYS['joint_position'][0]}, ...), got keys {short_repr(sorted(request)[:8])}"
+        )
+    if observation.joint_position is None:
+        key, length = STATE_KEYS["joint_position"]
+        raise RequestError(
+            f"{key}: missing; expected {_state_expected(length)}, the arm's joint positions (DROID actions are joint "
+            f"positions relative to them)"
         )
     return observation
 
@@ -230,7 +245,8 @@ def _decode_embodiment_observation(request: dict[str, Any], schema: ObservationS
             raise RequestError(f"{key}: missing; expected {_state_expected(part.dim)}{_unknown_keys(request, schema)}")
         states[part.name] = _decode_state(key, value, part.dim)
     prompt = request.get(PROMPT_KEY)
-    return RobotObservation(cameras=cameras, states=states, prompt=None if prompt is None else _decode_prompt(prompt))
+    wire_keys = {name: schema.key(name) for name in (*cameras, *states)}
+    return RobotObservation(cameras=cameras, states=states, prompt=None if prompt is None else _decode_prompt(prompt), wire_keys=wire_keys)
 
 
 def _unknown_keys(request: dict[str, Any], schema: ObservationSchema) -> str:

@@ -58,11 +58,11 @@ class DreamZeroConfig(pydantic.BaseModel):
     # CLIP once per window: on "cpu" they free GPU memory for the DiT and the KV cache.
     text_encoder_device: str = pydantic.Field("engine", description="engine (the DiT's device), cpu, cuda or cuda:N")
     image_encoder_device: str = pydantic.Field("engine", description="engine (the DiT's device), cpu, cuda or cuda:N")
-    view_size: tuple[int, int] | None = pydantic.Field(
+    view_size: tuple[pydantic.PositiveInt, pydantic.PositiveInt] | None = pydantic.Field(
         None,
         description="per-view (height, width) fed to the model (default: the training run's resize, else the family's: 14B 176x320, 5B 160x320)",
     )
-    image_resolution: tuple[int, int] | None = pydantic.Field(
+    image_resolution: tuple[pydantic.PositiveInt, pydantic.PositiveInt] | None = pydantic.Field(
         None,
         description="camera size advertised to clients (default: 14B 180x320; 5B its target_video_height/width, 160x320, "
         "to which it first resizes every received frame, as upstream's 5B server)",

@@ -4,14 +4,15 @@ Per device the plan adds up:
 
 * weights: exact parameter counts of the four networks, built on the meta device from the
   checkpoint's configs (nothing is allocated), times the engine dtype's size;
-* the KV pool exactly as the engine sizes it (``kv.PagedKVCache.pages_for_budget`` on the
-  policy's ``KVSpec``): pages, scratch, the null page and the cross-attention slots of every
-  session the engine admits;
+* the KV pool exactly as the engine sizes it (``kv.kv_budget_bytes``, then
+  ``kv.PagedKVCache.pages_for_budget`` on the policy's ``KVSpec``): pages, scratch, the null page
+  and the cross-attention slots of every session the pool holds;
 * activations: an estimate of the largest phase that runs there (a DiT forward, a VAE encode or
   decode, a text / image encode; phases run one after another, so the largest counts), see
-  :func:`activation_bytes`;
+  :func:`activation_bytes`; a DiT forward holds every session of a batch x every CFG branch this
+  process runs, a VAE encode every session of a batch;
 * on CUDA a fixed reserve for what PyTorch does not account as tensors (cuBLAS / cuDNN
-  workspaces, NCCL buffers, allocator fragmentation).
+  workspaces, NCCL buffers, allocator fragmentation): a prior, not measured, and printed as such.
 
 :meth:`MemoryPlan.check` compares that with the free memory of each device (injected: the
 worker passes ``torch.cuda.mem_get_info``, tests pass numbers) and raises :class:`MemoryPlanError`
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kv import KVSpec, PagedKVCache
+from kv import KVSpec, PagedKVCache, kv_budget_bytes
 from kv.storage import device_free_bytes as free_bytes
 from kv.storage import host_available_bytes  # noqa: F401
 from policies.base import RuntimeOptions, StartRefused
@@ -165,6 +166,9 @@ class PlanSettings:
     kv_budget_gib: float | None = None  # None: kv_memory_fraction of what the weights leave free
     kv_memory_fraction: float = 0.5
     max_batch: int = 1  # sessions per forward (engine.max_batch): scratch pages and the DiT / VAE activations scale with it
+    # Engine processes on this machine that each place the same encoders on its CPU (the CFG ranks
+    # of a replica): a CUDA engine's host part is needed once per process, and checked for all at once.
+    host_processes: int = 1
 
     def device_of(self, component: str) -> str:
         wanted = {"text_encoder": self.text_encoder_device, "image_encoder": self.image_encoder_device}.get(component, "engine")
@@ -199,10 +203,10 @@ class KVPlan:
 
     @property
     def pool_bytes(self) -> int:
-        """What the engine allocates: pages + null page + scratch, and the cross slots of max_sessions."""
+        """What the engine allocates: pages + null page + scratch, and the cross slots of the sessions the pool holds."""
         spec = self.spec
         pages = self.pages + 1 + self.max_batch * self.branches * spec.scratch_pages_per_branch
-        return pages * spec.page_bytes + self.max_sessions * self.branches * spec.cross_slot_bytes
+        return pages * spec.page_bytes + self.sessions * self.branches * spec.cross_slot_bytes
 
     @property
     def sessions(self) -> int:
@@ -217,10 +221,11 @@ class DevicePlan:
     activations: int
     reserve: int
     kv: KVPlan | None = None
+    processes: int = 1  # engine processes holding this part on the device (the host's CPU encoders, once per CFG rank)
 
     @property
     def total(self) -> int:
-        return sum(self.weights.values()) + (self.kv.pool_bytes if self.kv else 0) + self.activations + self.reserve
+        return self.processes * (sum(self.weights.values()) + (self.kv.pool_bytes if self.kv else 0) + self.activations + self.reserve)
 
 
 @dataclass(frozen=True)
@@ -229,12 +234,13 @@ class MemoryPlan:
     settings: PlanSettings
     devices: tuple[DevicePlan, ...]
     free: Mapping[str, int] = field(default_factory=dict)  # bytes free per device when planned (the CPU's too: remedies move encoders there)
+    unchecked: frozenset[str] = frozenset()  # devices another process checks for this one (the host, for CFG rank 1)
 
     def device(self, name: str) -> DevicePlan:
         return next(d for d in self.devices if d.device == name)
 
     def shortfalls(self) -> list[DevicePlan]:
-        return [d for d in self.devices if d.device in self.free and d.total > self.free[d.device]]
+        return [d for d in self.devices if d.device in self.free and d.device not in self.unchecked and d.total > self.free[d.device]]
 
     def describe(self) -> str:
         """A table per device, for the start-up log."""
@@ -246,7 +252,10 @@ class MemoryPlan:
         for d in self.devices:
             free = f"{_size(self.free[d.device])} free" if d.device in self.free else "free unknown"
             fits = "" if d.device not in self.free else ("  fits" if d.total <= self.free[d.device] else "  DOES NOT FIT")
-            lines.append(f"  {d.device}: needs {_size(d.total)}, {free}{fits}")
+            if d.device in self.unchecked:
+                fits = "  (checked by rank 0 for every rank)"
+            each = f" ({d.processes} processes: every CFG rank holds its own)" if d.processes > 1 else ""
+            lines.append(f"  {d.device}: needs {_size(d.total)}{each}, {free}{fits}")
             for component, size in d.weights.items():
                 lines.append(f"    {LABELS[component] + ' weights':<24}{_size(size):>11}")
             if d.kv is not None:
@@ -258,7 +267,7 @@ class MemoryPlan:
                 )
             lines.append(f"    {'activations (estimate)':<24}{_size(d.activations):>11}")
             if d.reserve:
-                lines.append(f"    {'CUDA reserve':<24}{_size(d.reserve):>11}")
+                lines.append(f"    {'CUDA reserve':<24}{_size(d.reserve):>11}  (unmeasured: a fixed prior for workspaces and fragmentation)")
         return "\n".join(lines)
 
     def check(self) -> None:
@@ -286,23 +295,22 @@ def plan_memory(geometry: ModelGeometry, settings: PlanSettings, free: Mapping[s
         by_device.setdefault(settings.device_of(component), {})[component] = geometry.sizes[component].bytes(dtype)
     by_device.setdefault(engine, {})
     spec = dit_kv_spec(geometry.dit, dtype)
-    if settings.kv_budget_gib is not None:
-        budget = int(settings.kv_budget_gib * GiB)
-    else:
-        budget = int(max(0, free.get(engine, 0) - sum(by_device[engine].values())) * settings.kv_memory_fraction)
+    # The engine measures what is free once the weights are loaded; the plan predicts it.
+    budget = kv_budget_bytes(settings.kv_budget_gib, settings.kv_memory_fraction, free.get(engine, 0) - sum(by_device[engine].values()))
     sizing = {"max_sessions": settings.max_sessions, "num_branches": settings.branches}
     # The batch the engine will run: engine.max_batch, or fewer if the pool cannot hold that many sessions at once.
     batch = PagedKVCache.batch_for_budget(spec, budget, **sizing, max_batch=settings.max_batch)
     kv = KVPlan(spec, settings.branches, settings.max_sessions, pages_for_budget(spec, budget, **sizing, max_batch=batch), batch)
     phases = activation_bytes(geometry, dtype)
-    for batched in ("dit", "vae"):  # one forward / encode holds every session of a batch
-        phases[batched] *= batch
+    phases["dit"] *= batch * settings.branches  # one DiT forward: a sequence per session x local CFG branch
+    phases["vae"] *= batch  # one encode per session of a batch (both branches read its latents)
     devices = []
     for device, weights in by_device.items():
         here = [c for c in COMPONENTS if settings.device_of(c) == device]
         activations = max(phases[c] for c in here) if here else 0
         reserve = CUDA_RESERVE_BYTES if device.startswith("cuda") else 0
-        devices.append(DevicePlan(device, weights, activations, reserve, kv if device == engine else None))
+        processes = settings.host_processes if device == "cpu" and device != engine else 1
+        devices.append(DevicePlan(device, weights, activations, reserve, kv if device == engine else None, processes))
     devices.sort(key=lambda d: (d.device != engine, d.device))
     return MemoryPlan(geometry, settings, tuple(devices), free)
 
@@ -493,8 +501,9 @@ def _breakdown(d: DevicePlan) -> str:
         parts.append(f"KV {d.kv.pool_bytes / GiB:.1f}")
     parts.append(f"activations {d.activations / GiB:.1f}")
     if d.reserve:
-        parts.append(f"reserve {d.reserve / GiB:.1f}")
-    return " + ".join(parts) + " GiB"
+        parts.append(f"unmeasured reserve {d.reserve / GiB:.1f}")
+    each = f" for each of {d.processes} CFG ranks" if d.processes > 1 else ""
+    return " + ".join(parts) + " GiB" + each
 
 
 # ------------------------------------------------------------------------------ devices
@@ -537,10 +546,13 @@ def check_plan(geometry: ModelGeometry, config: Any, options: RuntimeOptions, de
         branches=len(options.guidance.local_branches) if config.cfg_scale != 1.0 else 1,
         cfg_parallel_size=2 if options.guidance.is_parallel else 1, max_sessions=options.max_sessions,
         kv_budget_gib=options.kv_budget_gib, kv_memory_fraction=options.kv_memory_fraction, max_batch=options.max_batch,
+        host_processes=2 if options.guidance.is_parallel else 1,
     )  # fmt: skip
     used = {settings.device_of(c) for c in COMPONENTS}
     check_devices_exist(sorted(used), torch.cuda.device_count() if any(d.startswith("cuda") for d in used) else 0)
     free = {d: free_bytes(d) for d in used | {"cpu"}}
     plan = plan_memory(geometry, settings, free)
+    if options.guidance.rank > 0:  # the ranks start at once: rank 0 checks the host for both (each seeing it all free would not)
+        plan = replace(plan, unchecked=frozenset({"cpu"}))
     logger.info("%s", plan.describe())
     plan.check()

@@ -279,17 +279,20 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             raise UnsupportedObservation(f"prompt: {exc}") from None
         lengths = {name: frames.shape[0] for name, frames in observation.cameras.items() if frames is not None}
         if len(set(lengths.values())) > 1:
-            by_key = {self._wire_key(name): n for name, n in lengths.items()}
+            by_key = {self._wire_key(name, observation): n for name, n in lengths.items()}
             raise UnsupportedObservation(f"camera frame stacks differ in length (frames per camera): {by_key}")
         for name, frames in observation.cameras.items():
             if frames is not None and min(frames.shape[1:3]) < MIN_IMAGE_SIDE:
                 raise UnsupportedObservation(
-                    f"{self._wire_key(name)}: images need at least {MIN_IMAGE_SIDE} pixels per side (DreamZero center-crops "
+                    f"{self._wire_key(name, observation)}: images need at least {MIN_IMAGE_SIDE} pixels per side (DreamZero center-crops "
                     f"to {CROP_SCALE:.0%}), got shape {frames.shape}"
                 )
 
-    def _wire_key(self, camera: str) -> str:
-        """The request key a camera arrives under (errors name what the client sent)."""
+    def _wire_key(self, camera: str, observation: RobotObservation | None = None) -> str:
+        """The request key a camera arrives under (errors name what the client sent): the one the
+        decoder recorded, else the convention's."""
+        if observation is not None and (sent := observation.wire_key(camera)) is not None:
+            return sent
         if self.embodiment.wire == "keys":
             return ObservationSchema.key(camera)
         droid = {name: key for key, name in DROID_CAMERAS.items()}

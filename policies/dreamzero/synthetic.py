@@ -58,6 +58,7 @@ from policies.dreamzero.encoders import (
     VideoVAE,
 )
 from policies.dreamzero.model import ActionHeadConfig, DreamZeroModel, check_dit_fits_vae
+from policies.errors import StartRefused
 
 logger = logging.getLogger(__name__)
 
@@ -141,13 +142,18 @@ def is_synthetic(checkpoint: str) -> bool:
     return checkpoint.startswith(SYNTHETIC_PREFIX)
 
 
+class SyntheticSpecError(StartRefused, ValueError):
+    """A ``synthetic:`` checkpoint string that names no preset or a bad key: a setting, so a worker
+    logs it in one line (StartRefused), and it is a ValueError for everyone else."""
+
+
 def parse_spec(checkpoint: str) -> SyntheticSpec:
-    """``synthetic:<preset>[,key=value...]`` -> :class:`SyntheticSpec`. Raises ValueError naming the problem."""
+    """``synthetic:<preset>[,key=value...]`` -> :class:`SyntheticSpec`. Raises SyntheticSpecError (a ValueError) naming the problem."""
     if not is_synthetic(checkpoint):
-        raise ValueError(f"not a synthetic checkpoint: {checkpoint!r} (expected {SYNTHETIC_PREFIX}<preset>)")
+        raise SyntheticSpecError(f"not a synthetic checkpoint: {checkpoint!r} (expected {SYNTHETIC_PREFIX}<preset>)")
     name, *items = checkpoint[len(SYNTHETIC_PREFIX) :].split(",")
     if name not in PRESETS:
-        raise ValueError(f"unknown synthetic preset {name!r} in {checkpoint!r}; known: {sorted(PRESETS)}")
+        raise SyntheticSpecError(f"unknown synthetic preset {name!r} in {checkpoint!r}; known: {sorted(PRESETS)}")
     spec = PRESETS[name]
     groups: dict[str, dict[str, Any]] = {"dit": {}, "text": dict(spec.text_encoder), "image": dict(spec.image_encoder), "vae": dict(spec.vae)}
     tables = {"dit": _DIT_KEYS, "text": _TEXT_KEYS, "image": _CLIP_KEYS, "vae": _VAE_KEYS}
@@ -161,7 +167,7 @@ def parse_spec(checkpoint: str) -> SyntheticSpec:
         except ValueError:
             value = None
         if not sep or value is None or value < 0:
-            raise ValueError(f"synthetic checkpoint {checkpoint!r}: expected key=<non-negative int>, got {item!r}")
+            raise SyntheticSpecError(f"synthetic checkpoint {checkpoint!r}: expected key=<non-negative int>, got {item!r}")
         given.add(key)
         if key == "seed":
             seed = value
@@ -169,7 +175,7 @@ def parse_spec(checkpoint: str) -> SyntheticSpec:
         group = next((g for g, table in tables.items() if key in table), None)
         if group is None:
             known = sorted([k for table in tables.values() for k in table] + ["seed"])
-            raise ValueError(f"synthetic checkpoint {checkpoint!r}: unknown key {key!r}; known: {known}")
+            raise SyntheticSpecError(f"synthetic checkpoint {checkpoint!r}: unknown key {key!r}; known: {known}")
         groups[group][tables[group][key]] = value
     dit, text = groups["dit"], groups["text"]
     if "dim" in given and "ffn" not in given:  # keep DROID's ffn / dim ratio
@@ -181,7 +187,7 @@ def parse_spec(checkpoint: str) -> SyntheticSpec:
     clip_dim = {**CLIP_VIT_H_14_CONFIG, **groups["image"]}["hidden_size"]
     dit_cfg = replace(spec.dit, **dit, text_dim=text_dim, clip_dim=clip_dim)
     if dit_cfg.dim % dit_cfg.num_heads or (dit_cfg.dim // dit_cfg.num_heads) % 2:
-        raise ValueError(f"synthetic checkpoint {checkpoint!r}: dim {dit_cfg.dim} must split into {dit_cfg.num_heads} heads of even width")
+        raise SyntheticSpecError(f"synthetic checkpoint {checkpoint!r}: dim {dit_cfg.dim} must split into {dit_cfg.num_heads} heads of even width")
     return replace(spec, dit=dit_cfg, text_encoder=text, image_encoder=groups["image"], vae=groups["vae"], seed=seed)
 
 

@@ -377,7 +377,7 @@ def test_soak_robots_sessions_resets_drops_and_a_worker_kill(tmp_path):
         assert tally.infer_ok <= ok <= tally.infer_ok + tally.drops_mid_request
         assert server.metric("ardiff_worker_restarts_total") == 1
         for reason in ("lru", "pressure"):  # the cap is sized so that no session is evicted
-            assert metric_or_zero(server, f'ardiff_session_endings{{reason="{reason}"}}') == 0
+            assert metric_or_zero(server, f'ardiff_session_endings_total{{reason="{reason}"}}') == 0
         assert tally.infer_ok > 0 and tally.drops_mid_request > 0 and tally.resets > 0 and tally.malformed > 0
         for name, before in rss_before.items():
             assert rss_after[name] - before < RSS_BOUND_MIB, f"{name} RSS grew {before:.1f} -> {rss_after[name]:.1f} MiB"

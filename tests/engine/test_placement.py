@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -103,3 +104,37 @@ def test_replica_set_places_by_the_rule_and_routes_every_later_request_to_the_sa
 def test_replica_set_needs_an_engine():
     with pytest.raises(ValueError, match="at least one"):
         ReplicaSet([])
+
+
+class GpuReplica:
+    """A replica on a GPU whose worker is this test process (what it holds in host RAM is measured)."""
+
+    def __init__(self, index: int, started: list[int]) -> None:
+        self.index, self.started, self.devices = index, started, [f"cuda:{index}"]
+        self.pids = [os.getpid()]
+
+    async def start(self) -> None:
+        self.started.append(self.index)
+
+
+def test_replicas_start_only_if_the_host_holds_what_the_first_one_holds_for_each(monkeypatch):
+    """Replica 0 holds its CPU encoders in host RAM; replicas 1-3 would each hold as much. The host is
+    checked once, for all of them, before any of them loads; one line says how many fit."""
+    from ardiff_server.engine import replicas as replicas_module
+    from ardiff_server.engine.messages import EngineError
+
+    held = replicas_module.process_anonymous_bytes(os.getpid())
+    assert held > 0  # this process's own tensors and heap
+
+    started: list[int] = []
+
+    def start(available: int) -> None:
+        monkeypatch.setattr(replicas_module, "host_available_bytes", lambda: available)
+        started.clear()
+        asyncio.run(ReplicaSet([GpuReplica(i, started) for i in range(4)]).start())
+
+    start(4 * held)
+    assert started == [0, 1, 2, 3]
+    with pytest.raises(EngineError, match=r"host memory: replica 0 holds .* GiB .* 3 more replica\(s\) need .*: set engine\.replicas=2,") as caught:
+        start(int(1.5 * held))
+    assert started == [0] and "\n" not in str(caught.value)  # refused before replicas 1-3 loaded anything

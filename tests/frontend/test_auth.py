@@ -40,8 +40,16 @@ def test_a_key_sent_without_a_scheme_never_reaches_the_log():
     with pytest.raises(Unauthorized) as caught:
         ApiKeys(["sk-live-0123456789abcdef"]).check(["sk-live-0123456789abcdef"])
     assert "unsupported scheme of 24 characters (not shown)" in str(caught.value) and "0123" not in str(caught.value)
-    with pytest.raises(Unauthorized, match="unsupported scheme 'Basic'"):  # a real scheme is worth naming
+    with pytest.raises(Unauthorized, match="unsupported scheme 'Basic'"):  # a registered scheme is worth naming
         ApiKeys(["k0"]).check(["Basic k0"])
+
+
+@pytest.mark.parametrize("key", ["Tulipsecret", "abc", "Token2", "hunter-two", "Z"])
+def test_a_short_alphabetic_key_without_a_scheme_is_not_logged_either(key):
+    """A key that looks like a scheme word (the attack run's 'Tulipsecret') is still a key."""
+    with pytest.raises(Unauthorized) as caught:
+        ApiKeys(["k0"]).check([key])
+    assert key not in str(caught.value) and f"unsupported scheme of {len(key)} characters (not shown)" in str(caught.value)
 
 
 def test_keys_come_from_the_command_line_a_file_and_the_environment(tmp_path):

@@ -203,6 +203,23 @@ def test_a_fair_share_follows_what_the_engine_really_holds():
     run(scenario)
 
 
+def test_info_reports_the_share_the_table_enforces():
+    """One fair-share rule (config.fair_share) for /info and for enforcement: with a KV pool that holds
+    4 of engine.max_sessions 8, /info says 2 per key, the number a key is refused past."""
+    config = load_config("tiny", ["server.api_keys=[a, b]", "engine.max_sessions=8"])
+    service = PolicyService(config, LruEngine(capacity=4))
+    assert config.sessions_per_key() == 4  # configured: 8 // 2
+    assert service.describe()["limits"]["max_sessions_per_key"] == 2
+
+    async def scenario():
+        for i in range(2):
+            await infer(service.sessions, service.sessions.connect(key="key0"), f"k0-{i}")
+        message = await refused(service.sessions, service.sessions.connect(key="key0"), "k0-2")
+        assert "key0 holds 2 sessions (server.max_sessions_per_key: fair, 2 of the engine's 4 for each of 2 keys)" in message
+
+    run(scenario)
+
+
 def test_concurrent_new_sessions_of_a_key_cannot_both_take_its_last_slot():
     async def scenario():
         engine = LruEngine(capacity=8)
@@ -310,7 +327,7 @@ def test_two_keys_share_the_engine_fairly_and_see_their_counts_per_key_id(server
         assert "alpha" not in text and "beta" not in text  # key ids only, never the keys
         for reason in ("lru", "pressure"):  # the engine never had to evict
             with pytest.raises(KeyError):
-                metric_value(text, f'ardiff_session_endings{{reason="{reason}"}}')
+                metric_value(text, f'ardiff_session_endings_total{{reason="{reason}"}}')
     finally:
         for ws in [*alpha, beta]:
             ws.close()

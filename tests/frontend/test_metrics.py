@@ -41,7 +41,7 @@ def test_engine_state_is_exported_per_replica_and_rank():
     assert got[("ardiff_sessions_placed", (("replica", "0"),))] == 2
     assert got[("ardiff_kv_pages_free", (("rank", "1"), ("replica", "0")))] == 20
     assert got[("ardiff_kv_pages_total", (("rank", "0"), ("replica", "0")))] == 64
-    assert got[("ardiff_session_endings", (("reason", "reset"), ("replica", "0")))] == 2
+    assert got[("ardiff_session_endings_total", (("reason", "reset"), ("replica", "0")))] == 2
     assert ("ardiff_sessions_open", (("replica", "1"),)) not in got  # no stats from a restarting replica
 
 
@@ -53,3 +53,12 @@ def test_the_old_metric_names_carry_the_same_samples():
         new_samples = {labels: v for (name, labels), v in got.items() if name == new}
         old_samples = {labels: v for (name, labels), v in got.items() if name == old}
         assert new_samples and old_samples == new_samples, old
+
+
+def test_session_endings_are_a_counter():
+    """Endings only grow (each replica's engine counts them since its start): a counter, so rate() and
+    increase() work on it; the old gauge name stays an alias until 0.3."""
+    families = {f.name: f for f in text_string_to_metric_families(Metrics(FakeEngine()).render().decode())}
+    assert families["ardiff_session_endings"].type == "counter"
+    assert families["ardiff_worker_restarts"].type == "counter"
+    assert [s.name for s in families["ardiff_session_endings"].samples] == ["ardiff_session_endings_total"] * 2

@@ -20,6 +20,7 @@ from websockets.sync.client import connect
 
 from tests.helpers.fake_policy import session_tag
 from tests.helpers.server_harness import ServerProcess, droid_observation, fake_config
+from tests.helpers.sockets import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +217,7 @@ def test_disconnected_session_resumes_within_the_ttl_and_expires_after(tmp_path)
         with connect(process.url, compression=None, max_size=None) as ws:
             ws.recv()
             assert infer(ws, droid_observation(session_id="robot-7"))["actions"][0, 0] == 1
-        assert process.metric('ardiff_session_endings{reason="ttl"}') == 1
+        assert process.metric('ardiff_session_endings_total{reason="ttl"}') == 1
 
 
 def test_sigterm_shuts_down_cleanly(tmp_path):
@@ -226,6 +227,18 @@ def test_sigterm_shuts_down_cleanly(tmp_path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_sighup_without_tls_is_logged_and_ignored(server):
+    """A certbot hook or a closed terminal sends SIGHUP; without TLS there is nothing to reload, and
+    its default action (terminate) would end every robot's episode."""
+    with connect(server.url, compression=None, max_size=None) as robot:
+        robot.recv()
+        assert "actions" in infer(robot, droid_observation(session_id="hup"))
+        os.kill(server.proc.pid, signal.SIGHUP)
+        assert wait_for(lambda: "SIGHUP ignored: nothing to reload without TLS" in server.log(), 10), server.log()
+        assert "actions" in infer(robot, droid_observation(session_id="hup"))  # same connection, same session
+    assert server.proc.poll() is None and server.http("/healthz") == (200, "OK\n")
 
 
 def test_bad_config_fails_fast_with_a_named_key(tmp_path):

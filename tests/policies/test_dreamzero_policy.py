@@ -199,6 +199,29 @@ def test_observations_dreamzero_cannot_take_are_refused_before_the_step(tiny_mod
     policy.check_observation(RobotObservation(wrist=np.zeros((4, 2, 2, 3), np.uint8)))  # the smallest that works
 
 
+@pytest.mark.parametrize(("first", "other"), [(0, 1), (1, 2)])
+def test_errors_name_the_camera_keys_the_client_sent(tiny_model, first, other):
+    """A client on the 0-indexed convention (_0_left, _1_left) is told about its own keys, never
+    _2_left, which it did not send; the decoded observation carries them through pickling (the
+    worker's seam) and the shared-memory copy (with_arrays)."""
+    import pickle
+
+    from ardiff_server.wire.decode import decode_request
+    from policies.observation import UnsupportedObservation
+    from tests.helpers.server_harness import droid_observation
+
+    request = droid_observation(4, one_indexed=first == 1)
+    request[f"observation/exterior_image_{other}_left"] = request[f"observation/exterior_image_{other}_left"][:1]
+    observation = decode_request(request).observation
+    observation = pickle.loads(pickle.dumps(observation)).with_arrays({"wrist": observation.wrist})
+    policy, _ = make_policy(tiny_model)
+    with pytest.raises(UnsupportedObservation) as caught:
+        policy.check_observation(observation)
+    message = str(caught.value)
+    sent = {"observation/wrist_image_left": 4, f"observation/exterior_image_{first}_left": 4, f"observation/exterior_image_{other}_left": 1}
+    assert message == f"camera frame stacks differ in length (frames per camera): {sent}"
+
+
 def test_a_view_size_that_does_not_fit_the_checkpoint_is_refused(tiny_model):
     with pytest.raises(ValueError, match="frame_seqlen=60"):
         DreamZeroPolicy(DreamZeroConfig(view_size=(176, 320)), RuntimeOptions(), model=tiny_model)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import re
 import resource
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -208,3 +210,57 @@ def test_a_hub_tokenizer_beside_a_built_in_checkpoint_resolves_the_same_without_
     config = DreamZeroConfig(checkpoint="builtin:tiny", tokenizer=TOKENIZER_ID)
     _, tokenizer = config.files()
     assert tokenizer == Path(config.preflight().tokenizer) == offline_hub / "models--test-org--tiny-umt5" / "snapshots" / COMMIT
+
+
+class FakeProxy:
+    """An HTTP proxy on 127.0.0.1 that reads one CONNECT request per connection and answers 403
+    (``refuse``) or closes the connection without a word (``hang_up``). Nothing leaves the machine."""
+
+    def __init__(self, behaviour: str) -> None:
+        self.behaviour = behaviour
+        self.requests: list[str] = []
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:  # closed
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data and (chunk := conn.recv(4096)):
+                    data += chunk
+                self.requests.append(data.split(b"\r\n", 1)[0].decode(errors="replace"))
+                if self.behaviour == "refuse":
+                    conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@pytest.mark.parametrize(("behaviour", "error"), [("refuse", "ProxyError: 403 Forbidden"), ("hang_up", "RemoteProtocolError|ConnectionError|ProxyError")])
+def test_a_proxy_that_refuses_or_hangs_up_is_one_line(tmp_path, behaviour, error):
+    """HTTPS_PROXY names a proxy that answers CONNECT with 403, or drops it: one line naming the proxy
+    (without its credentials) and the fix, as for an unreachable Hub, not a 90-line traceback.
+    HF_ENDPOINT is a host that never resolves, so a client that ignored the proxy could not go out either."""
+    proxy = FakeProxy(behaviour)
+    try:
+        env = {key: value for key, value in os.environ.items() if "proxy" not in key.lower() and not key.startswith("HF_")}
+        env.update({"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "https://hub.invalid", "HTTPS_PROXY": f"http://robot:s3cret@127.0.0.1:{proxy.port}",
+                    "HF_HUB_ETAG_TIMEOUT": "5", "HF_HUB_DOWNLOAD_TIMEOUT": "5", "PYTHONPATH": str(REPO)})  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "ardiff_server", "--config", "tiny", "--set", "policy.checkpoint=GEAR-Dreams/DreamZero-DROID"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        proxy.close()
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert proxy.requests and all(r.startswith("CONNECT hub.invalid:443") for r in proxy.requests), proxy.requests
+    assert f"policy.checkpoint: GEAR-Dreams/DreamZero-DROID cannot be fetched: the proxy http://127.0.0.1:{proxy.port} (HTTPS_PROXY)" in lines[0]
+    assert re.search(error, lines[0]) and "s3cret" not in lines[0] and "robot" not in lines[0], lines[0]
+    assert "--set policy.checkpoint=/path/to/DreamZero-DROID" in lines[0] and "hf download GEAR-Dreams/DreamZero-DROID" in lines[0]

@@ -88,6 +88,57 @@ def test_kv_pool_is_what_the_engine_allocates(tiny):
         assert kv.session_pages == cache.reservation_per_session
 
 
+def test_the_plans_pool_is_the_engines_allocation_when_the_pool_holds_fewer_than_max_sessions(tiny):
+    """The engine's path (kv.kv_budget_bytes from what the weights leave free, then
+    PagedKVCache.from_budget) against the plan: the same bytes of tensors, cross-attention slots
+    for the sessions the pool holds (3 of max_sessions 8), and no page that no session could use."""
+    from kv import Branch, kv_budget_bytes
+
+    free = {"cpu": 0}
+    for branches, batch in ((2, 1), (1, 1), (2, 2)):
+        settings = memory.PlanSettings(engine_device="cpu", dtype=torch.float32, branches=branches, max_sessions=8, max_batch=batch)
+        spec = memory.dit_kv_spec(tiny.dit, torch.float32)
+        weights = sum(size.bytes(torch.float32) for size in tiny.sizes.values())
+        session = branches * (spec.pages_per_branch * spec.page_bytes + spec.cross_slot_bytes)
+        scratch = batch * branches * spec.scratch_pages_per_branch * spec.page_bytes
+        free["cpu"] = weights + 2 * (scratch + 3 * session + session // 2)  # fraction 0.5: 3.5 sessions' worth
+        kv = memory.plan_memory(tiny, settings, free).device("cpu").kv
+        budget = kv_budget_bytes(None, settings.kv_memory_fraction, free["cpu"] - weights)
+        cache = PagedKVCache.from_budget(spec, budget, max_sessions=8, branches=(Branch.COND, Branch.UNCOND)[:branches], max_batch=batch)
+        assert cache.session_capacity == kv.sessions == 3 and cache.storage.max_batch == kv.max_batch == batch
+        assert cache.storage.cross.num_slots == 3 * branches  # not 8 x branches
+        assert cache.storage.nbytes == kv.pool_bytes <= budget
+        assert cache.pool.capacity == 3 * cache.reservation_per_session  # every page can back a session
+
+
+def test_14b_on_80_gib_buys_no_cross_slots_its_pool_cannot_use(droid):
+    """The issue's case: engine.max_sessions 8 on an 80 GiB card, where the pool holds 1 or 2 sessions.
+    The pool is its sessions' pages and cross slots plus scratch and the null page, nothing more."""
+    for fraction in (0.5, 0.9, 0.95):
+        kv = plan(droid, free_gib=79.5, max_sessions=8, kv_memory_fraction=fraction, text_encoder_device="cpu").device("cuda:0").kv
+        overhead = (1 + kv.spec.scratch_pages_per_branch * kv.branches) * kv.spec.page_bytes
+        assert kv.sessions < 8 and kv.pool_bytes == kv.sessions * kv.session_bytes + overhead
+
+
+def test_dit_activations_count_every_cfg_branch_of_every_session_in_a_batch(droid):
+    """One DiT forward holds a sequence per session x local CFG branch (2k on one GPU, k per rank
+    under CFG-parallel); a VAE encode holds each session once."""
+    small_canvas = dataclasses.replace(droid, canvas=(32, 64))  # a VAE phase smaller than the DiT's
+    phases = memory.activation_bytes(small_canvas, torch.bfloat16)
+    for branches, batch in ((2, 1), (1, 1), (2, 3), (1, 3)):
+        p = plan(small_canvas, max_sessions=4, max_batch=batch, kv_budget_gib=200.0, branches=branches,
+                 text_encoder_device="cpu", image_encoder_device="cpu")  # fmt: skip
+        assert phases["dit"] * branches * batch > phases["vae"] * batch
+        assert p.device("cuda:0").activations == phases["dit"] * branches * batch
+
+
+def test_the_cuda_reserve_is_printed_as_unmeasured(droid):
+    described = plan(droid, free_gib=48, max_sessions=1).describe()
+    assert re.search(r"CUDA reserve +1\.00 GiB +\(unmeasured", described), described
+    with pytest.raises(memory.MemoryPlanError, match=r"\+ unmeasured reserve 1\.0 GiB"):
+        plan(droid, free_gib=48, max_sessions=1).check()
+
+
 def test_14b_kv_numbers(droid):
     kv = plan(droid, max_sessions=1).device("cuda:0").kv
     assert kv.spec.page_bytes == 880 * 40 * 2 * 5120 * 2  # 687.5 MiB: one latent frame, K and V, every layer
@@ -135,7 +186,7 @@ def test_placement_moves_encoder_weights_and_activations_off_the_gpu(droid):
         (47, {"max_sessions": 1}, "set policy.text_encoder_device=cpu, policy.image_encoder_device=cpu and engine.cfg_parallel_size=2 with engine.devices=[cuda:0,cuda:1]"),
         (62, {"max_sessions": 1}, "set policy.text_encoder_device=cpu or engine.cfg_parallel_size=2 with engine.devices=[cuda:0,cuda:1]"),
         (24, {"max_sessions": 1}, "even with every placement option it needs 46.0 GiB on cuda:0: use a device with more memory"),
-        (80, {"kv_memory_fraction": 0.9, "max_sessions": 4}, "set engine.kv_memory_fraction=0.8"),
+        (80, {"kv_memory_fraction": 1.0, "max_sessions": 8}, "set engine.kv_memory_fraction=0.96"),
         (80, {"kv_budget_gib": 60.0}, "set engine.kv_budget_gib=3"),
     ],
 )
@@ -146,6 +197,29 @@ def test_a_plan_that_does_not_fit_is_refused_in_one_line_with_the_fix(droid, fre
     message = str(caught.value)
     assert needle in message and "\n" not in message, message
     assert "DOES NOT FIT" in p.describe()
+
+
+def test_the_host_holds_the_cpu_encoders_of_every_cfg_rank(droid, monkeypatch):
+    """CFG-parallel: both ranks put UMT5 on the CPU, and both start at once, so each seeing the host's
+    free memory alone would let two 10.6 GiB encoders into 16 GiB. Rank 0 checks the host for both;
+    rank 1 checks its own GPU only (it would count rank 0's encoder twice once rank 0 has loaded it)."""
+    from policies.guidance import Guidance
+
+    settings = {"max_sessions": 1, "branches": 1, "cfg_parallel_size": 2, "text_encoder_device": "cpu"}
+    one = plan(droid, free_gib=79.5, cpu_gib=256, **settings).device("cpu")
+    both = plan(droid, free_gib=79.5, cpu_gib=256, host_processes=2, **settings).device("cpu")
+    assert both.total == 2 * one.total and 1.2 * one.total < 16 * GiB < both.total
+    monkeypatch.setattr(memory, "check_devices_exist", lambda devices, count: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 16 * GiB if device == "cpu" else int(79.5 * GiB))
+    config = DreamZeroConfig(text_encoder_device="cpu")
+    for rank in (0, 1):
+        options = RuntimeOptions(device=f"cuda:{rank}", dtype="bfloat16", guidance=Guidance.parallel(rank), max_sessions=1, max_batch=1)
+        if rank == 0:
+            with pytest.raises(memory.MemoryPlanError, match=r"on cpu, has 16\.0 GiB free \(.* GiB for each of 2 CFG ranks\)"):
+                memory.check_plan(droid, config, options, torch.device("cuda", 0))
+        else:
+            memory.check_plan(droid, config, options, torch.device("cuda", 1))  # the host is rank 0's to check
 
 
 def test_the_suggested_fix_fits(droid):

@@ -70,8 +70,11 @@ def test_overrides_and_presets():
     ],
 )
 def test_bad_specs_are_named(checkpoint, needle):
-    with pytest.raises(ValueError, match=needle):
+    from policies.errors import StartRefused
+
+    with pytest.raises(ValueError, match=needle) as caught:
         parse_spec(checkpoint)
+    assert isinstance(caught.value, StartRefused)  # a setting: the worker logs it in one line, no traceback
 
 
 def test_preflight_accepts_a_synthetic_checkpoint_where_a_missing_directory_is_refused(tmp_path):

@@ -26,6 +26,7 @@ WRIST = "observation/wrist_image_left"
 JOINTS = "observation/joint_position"
 GRIPPER = "observation/gripper_position"
 CARTESIAN = "observation/cartesian_position"
+ARM = {JOINTS: np.zeros(7)}  # the one state a DROID inference request must carry
 
 
 def image(height: int = 18, width: int = 32, frames: int | None = None, fill: int = 0) -> np.ndarray:
@@ -70,14 +71,14 @@ def test_both_camera_index_conventions(first: int) -> None:
 
 
 def test_lone_index_1_camera_is_the_first_exterior_camera() -> None:
-    observation = decode_request({EXT.format(1): image(fill=7)}).observation
+    observation = decode_request({EXT.format(1): image(fill=7), **ARM}).observation
     assert observation is not None and observation.exterior_left is not None
     assert observation.exterior_left[0, 0, 0, 0] == 7 and observation.exterior_right is None
 
 
 def test_zero_indexed_wins_and_its_unread_keys_are_ignored() -> None:
     # With _0_left present, _2_left is no camera of ours (and a bad value there is ignored).
-    request = {EXT.format(0): image(fill=1), EXT.format(1): image(fill=2), EXT.format(2): "junk"}
+    request = {EXT.format(0): image(fill=1), EXT.format(1): image(fill=2), EXT.format(2): "junk", **ARM}
     observation = decode_request(request).observation
     assert observation is not None and observation.exterior_right is not None
     assert observation.exterior_right[0, 0, 0, 0] == 2
@@ -90,14 +91,28 @@ def test_a_request_without_any_observation_is_refused() -> None:
 
 
 def test_missing_cameras_and_state_are_none() -> None:
-    request = decode_request({GRIPPER: [0.5]})
+    request = decode_request({GRIPPER: [0.5], **ARM})
     assert request == PolicyRequest(endpoint="infer", session_id=None, observation=request.observation)
     observation = request.observation
     assert observation is not None
     assert observation.cameras == {"wrist": None, "exterior_left": None, "exterior_right": None}
-    assert observation.joint_position is None and observation.cartesian_position is None
+    assert observation.cartesian_position is None and observation.joint_position.tolist() == [0.0] * 7
     assert observation.gripper_position.tolist() == [0.5]
     assert observation.prompt == ""
+
+
+@pytest.mark.parametrize("joints", ["absent", None])
+def test_a_droid_request_without_joint_positions_is_a_bad_request_naming_the_key(joints: Any) -> None:
+    """DROID actions are joint positions relative to the observed ones: read as zeros, a missing
+    vector gave actions near 0. Every DROID client sends it."""
+    request = droid_request()
+    if joints == "absent":
+        del request[JOINTS]
+    else:
+        request[JOINTS] = joints
+    with pytest.raises(RequestError, match=r"^observation/joint_position: missing; expected 7 numbers"):
+        decode_request(request)
+    assert decode_request({"endpoint": "reset", "session_id": "a"}).endpoint == "reset"  # a reset carries no observation
 
 
 def test_none_values_count_as_absent() -> None:
@@ -106,7 +121,8 @@ def test_none_values_count_as_absent() -> None:
         EXT.format(0): None,
         EXT.format(1): image(fill=1),
         EXT.format(2): image(fill=2),
-        JOINTS: None,
+        CARTESIAN: None,
+        **ARM,
         "prompt": None,
         "session_id": None,
     }
@@ -114,7 +130,7 @@ def test_none_values_count_as_absent() -> None:
     assert decoded.session_id is None and decoded.observation is not None
     assert decoded.observation.exterior_left[0, 0, 0, 0] == 1  # type: ignore[index]
     assert decoded.observation.exterior_right[0, 0, 0, 0] == 2  # type: ignore[index]
-    assert decoded.observation.joint_position is None and decoded.observation.prompt == ""
+    assert decoded.observation.cartesian_position is None and decoded.observation.prompt == ""
 
 
 def test_stereo_right_and_unknown_keys_are_ignored() -> None:
@@ -126,7 +142,7 @@ def test_stereo_right_and_unknown_keys_are_ignored() -> None:
 
 def test_single_frames_and_stacks_become_t_h_w_3() -> None:
     observation = decode_request(
-        {EXT.format(0): image(5, 7), EXT.format(1): image(5, 7, frames=4), WRIST: image(5, 7, frames=1)}
+        {EXT.format(0): image(5, 7), EXT.format(1): image(5, 7, frames=4), WRIST: image(5, 7, frames=1), **ARM}
     ).observation
     assert observation is not None
     assert observation.exterior_left.shape == (1, 5, 7, 3)  # type: ignore[union-attr]
@@ -136,7 +152,7 @@ def test_single_frames_and_stacks_become_t_h_w_3() -> None:
 
 @pytest.mark.parametrize("height, width", [(1, 1), (180, 320), (288, 512), (3, MAX_IMAGE_SIDE)])
 def test_any_image_size_is_accepted(height: int, width: int) -> None:
-    observation = decode_request({WRIST: image(height, width)}).observation
+    observation = decode_request({WRIST: image(height, width), **ARM}).observation
     assert observation is not None and observation.wrist.shape == (1, height, width, 3)  # type: ignore[union-attr]
 
 
@@ -145,7 +161,7 @@ def test_images_are_c_contiguous_and_views_are_kept_when_they_already_are() -> N
     what is not C-contiguous, and read-only views of the frame stay views."""
     strided = np.zeros((4, 10, 3), np.uint8)[:, ::2]
     readonly = np.frombuffer(bytes(5 * 6 * 3), dtype=np.uint8).reshape(5, 6, 3)
-    observation = decode_request({EXT.format(0): strided, EXT.format(1): readonly}).observation
+    observation = decode_request({EXT.format(0): strided, EXT.format(1): readonly, **ARM}).observation
     assert observation is not None
     for frames in (observation.exterior_left, observation.exterior_right):
         assert frames is not None and frames.flags.c_contiguous
@@ -154,7 +170,7 @@ def test_images_are_c_contiguous_and_views_are_kept_when_they_already_are() -> N
 
 
 def test_decoded_wire_arrays_are_not_copied_twice() -> None:
-    wire = unpack(openpi.packb({WRIST: image(4, 4, frames=2)}))
+    wire = unpack(openpi.packb({WRIST: image(4, 4, frames=2), **ARM}))
     observation = decode_request(wire).observation
     assert observation is not None and np.shares_memory(observation.wrist, wire[WRIST])
 
@@ -179,7 +195,7 @@ def test_state_lists_and_arrays_become_float32() -> None:
     "gripper", [0.75, np.float32(0.75), np.float64(0.75), np.array(0.75), [0.75], np.array([0.75], dtype=np.float16)]
 )
 def test_gripper_accepts_a_scalar(gripper: Any) -> None:
-    observation = decode_request({GRIPPER: gripper}).observation
+    observation = decode_request({GRIPPER: gripper, **ARM}).observation
     assert observation is not None and observation.gripper_position is not None
     assert observation.gripper_position.shape == (1,) and observation.gripper_position[0] == np.float32(0.75)
 
@@ -226,14 +242,14 @@ def test_reset_forms() -> None:
      b"17", np.bytes_(b"17"), [17], [" 17 "], np.array([b"17"])],
 )  # fmt: skip
 def test_session_ids_of_every_type_clients_send_are_one_session(value: Any) -> None:
-    assert decode_request({"session_id": value, GRIPPER: [0.0]}).session_id == "17"
+    assert decode_request({"session_id": value, GRIPPER: [0.0], **ARM}).session_id == "17"
 
 
 def test_session_ids_in_string_arrays_survive_the_wire() -> None:
     """RoboArena's docs declare session_id: (1,); a client may send np.array(["<uuid>-A"])."""
-    frame = openpi.packb({"session_id": np.array(["c0ffee-A"]), GRIPPER: [0.0]})
+    frame = openpi.packb({"session_id": np.array(["c0ffee-A"]), GRIPPER: [0.0], **ARM})
     assert decode_request(unpack(frame)).session_id == "c0ffee-A"
-    scalar = openpi.packb({"session_id": np.str_("c0ffee-B"), GRIPPER: [0.0]})
+    scalar = openpi.packb({"session_id": np.str_("c0ffee-B"), GRIPPER: [0.0], **ARM})
     assert decode_request(unpack(scalar)).session_id == "c0ffee-B"
 
 
@@ -501,7 +517,7 @@ def valid_requests(draw: st.DrawFn) -> dict[str, Any]:
             frames = draw(st.sampled_from([None, 1, 2, 4]))
             request[key] = image(height, width, frames=frames, fill=draw(st.integers(0, 255)))
     for key, length in ((JOINTS, 7), (GRIPPER, 1), (CARTESIAN, 6)):
-        if draw(st.booleans()):
+        if key == JOINTS or draw(st.booleans()):  # joint positions: required
             request[key] = draw(state_values(length))
     if draw(st.booleans()):
         request["prompt"] = draw(st.text(max_size=40))

@@ -12,7 +12,7 @@ from ardiff_server.config import load_config
 from ardiff_server.engine.builder import build_engine
 from ardiff_server.engine.messages import ErrorKind, ErrorReply, Infer
 from policies.episode import EpisodeCall
-from policies.observation import RobotObservation
+from policies.observation import RobotObservation, UnsupportedObservation
 
 ATOL = 1e-5
 
@@ -115,11 +115,14 @@ def test_bad_requests_are_refused_before_the_session_changes(engine):
     engine.end("checked", "test")
 
 
-def test_a_prompt_change_mid_episode_ends_the_session(engine):
+def test_a_prompt_change_mid_episode_is_a_bad_request_and_the_episode_goes_on(engine):
     engine.infer("prompted", RobotObservation(cameras(engine, 1, 0), {}, "grab the mug"))
-    with pytest.raises(RuntimeError, match="prompt"):
+    with pytest.raises(UnsupportedObservation, match="prompt"):
         engine.infer("prompted", RobotObservation(cameras(engine, 4, 0), {}, "open the drawer"))
-    assert "prompted" not in engine.sessions  # ended, its KV returned; the next request starts a fresh episode
+    assert "prompted" in engine.sessions  # refused before the session changed: the robot's episode carries on
+    outcome = engine.infer("prompted", RobotObservation(cameras(engine, 4, 0), {}, "grab the mug"))
+    assert not outcome.new_session and outcome.calls == 2
+    engine.end("prompted", "test")
     assert engine.cache.pool.num_free == engine.cache.pool.capacity
 
 

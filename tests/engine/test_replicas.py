@@ -100,5 +100,5 @@ def test_replica_devices_default_and_validation():
     assert explicit.engine.replica_device_lists() == [["cuda:3"], ["cuda:1"]]
     with pytest.raises(ValueError, match="replica_devices lists 1 replicas for replicas=2"):
         config(replicas=2, replica_devices=[["cuda:0"]])
-    with pytest.raises(ValueError, match="give each replica its devices"):
+    with pytest.raises(ValueError, match="give each replica its own"):
         config(replicas=2, device="cuda:0").engine.replica_device_lists()

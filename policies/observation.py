@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from policies.continuation import Continuation
+
 # The DROID names (RoboArena's wire): cameras and state vectors, in this order.
 CAMERAS = ("wrist", "exterior_left", "exterior_right")
 STATES = ("joint_position", "gripper_position", "cartesian_position")
@@ -35,15 +37,19 @@ class RobotObservation:
     names also work as keywords and attributes (``RobotObservation(wrist=..., joint_position=...)``,
     ``observation.wrist``), so a DROID observation always carries all six names. Camera and state
     names never collide (an embodiment refuses that at start-up), so :meth:`arrays` is one flat map.
+
+    ``continuation`` (None unless the client sent one) says what the robot did with its last chunk
+    (``policies/continuation.py``); it travels with the observation so the engine needs no field of its own.
     """
 
-    __slots__ = ("cameras", "prompt", "states")
+    __slots__ = ("cameras", "continuation", "prompt", "states")
 
     def __init__(
         self,
         cameras: Mapping[str, Any] | None = None,
         states: Mapping[str, Any] | None = None,
         prompt: str | None = "",
+        continuation: Continuation | None = None,
         **droid: Any,
     ) -> None:
         unknown = set(droid) - set(CAMERAS) - set(STATES)
@@ -55,6 +61,7 @@ class RobotObservation:
         object.__setattr__(self, "cameras", dict(cameras or {}))
         object.__setattr__(self, "states", dict(states or {}))
         object.__setattr__(self, "prompt", prompt)
+        object.__setattr__(self, "continuation", continuation)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("RobotObservation is immutable; use with_arrays()")
@@ -70,12 +77,12 @@ class RobotObservation:
 
     @property
     def __dict__(self) -> dict[str, Any]:  # dataclass-like: RobotObservation(**obs.__dict__) copies
-        return {"cameras": self.cameras, "states": self.states, "prompt": self.prompt}
+        return {"cameras": self.cameras, "states": self.states, "prompt": self.prompt, "continuation": self.continuation}
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RobotObservation):
             return NotImplemented
-        return (self.cameras, self.states, self.prompt) == (other.cameras, other.states, other.prompt)
+        return (self.cameras, self.states, self.prompt, self.continuation) == (other.cameras, other.states, other.prompt, other.continuation)
 
     __hash__ = None  # holds arrays
 
@@ -85,10 +92,13 @@ class RobotObservation:
 
         cameras = {k: shape(v) for k, v in self.cameras.items()}
         states = {k: shape(v) for k, v in self.states.items()}
-        return f"RobotObservation(cameras={cameras}, states={states}, prompt={self.prompt!r})"
+        tail = f", continuation={self.continuation!r}" if self.continuation is not None else ""
+        return f"RobotObservation(cameras={cameras}, states={states}, prompt={self.prompt!r}{tail})"
 
     def __reduce__(self):  # pickles as its three fields (the engine's seam)
-        return (_restore, (self.cameras, self.states, self.prompt))
+        if self.continuation is None:  # the common case pickles as before
+            return (_restore, (self.cameras, self.states, self.prompt))
+        return (_restore, (self.cameras, self.states, self.prompt, self.continuation))
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every camera and state array that is set, by name."""
@@ -105,8 +115,8 @@ class RobotObservation:
         unknown = set(arrays) - set(cameras) - set(states)
         if unknown:
             raise KeyError(f"no camera or state named {sorted(unknown)}")
-        return RobotObservation(cameras=cameras, states=states, prompt=self.prompt)
+        return RobotObservation(cameras=cameras, states=states, prompt=self.prompt, continuation=self.continuation)
 
 
-def _restore(cameras: dict, states: dict, prompt: str | None) -> RobotObservation:
-    return RobotObservation(cameras=cameras, states=states, prompt=prompt)
+def _restore(cameras: dict, states: dict, prompt: str | None, continuation: Continuation | None = None) -> RobotObservation:
+    return RobotObservation(cameras=cameras, states=states, prompt=prompt, continuation=continuation)

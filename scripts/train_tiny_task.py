@@ -45,7 +45,7 @@ from policies.observation import RobotObservation  # noqa: E402
 
 VERSION = 1
 DEFAULT_STEPS = 600
-BATCH = 16
+BATCH = 8
 LR = 2e-3
 VIEW = (48, 80)
 SHIFT = 5.0
@@ -114,6 +114,17 @@ def batch(policy: DreamZeroPolicy, rng: np.random.Generator, size: int) -> tuple
 
 
 def train(checkpoint: Path, steps: int, log=print) -> None:
+    # One thread: the same floating-point reductions on every machine (bit-reproducible weights), and no
+    # OpenMP spin-waiting on a shared 2-core runner.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _train(checkpoint, steps, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(checkpoint: Path, steps: int, log=print) -> None:
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     model = DreamZeroModel.load(checkpoint)

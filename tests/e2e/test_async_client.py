@@ -92,3 +92,36 @@ def test_ardiff_client_async_runs_an_episode(server, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["mode"] == "continuation" and summary["steps"] == 40 and summary["chunks"] >= 1
     assert summary["idle_steps"] < 40 and summary["latency_p50_ms"] > 0
+
+
+def test_the_contract_on_the_wire_and_in_info(server):
+    from openpi_client import msgpack_numpy
+    from websockets.sync.client import connect
+
+    from ardiff_server.wire.jpeg import encode_jpeg
+
+    info = json.loads(server.http("/info")[1])
+    contract = info["policy"]["details"]["continuation"]
+    assert contract["mode"] == "inpaint" and set(contract["request"]["continuation"]) == {"executed", "delay", "chunk_id"}
+    assert {"chunk_id", "frozen", "continuation"} <= set(contract["reply"])
+    image = np.full((48, 80, 3), 90, np.uint8)
+    base = {"observation/exterior_image_0_left": image, "observation/joint_position": np.zeros(7), "prompt": "stack", "session_id": "wire"}
+    with connect(server.url, compression=None) as ws:
+        ws.recv()  # metadata
+
+        def call(request):
+            ws.send(msgpack_numpy.packb(request))
+            reply = ws.recv()
+            return reply if isinstance(reply, str) else msgpack_numpy.unpackb(reply)
+
+        plain = call(base)
+        assert (plain["chunk_id"], plain["frozen"]) == (1, 0) and "continuation" not in plain
+        too_far = call({**base, "continuation": {"executed": 20, "delay": 5}})
+        assert too_far.startswith("bad request: continuation.executed + continuation.delay = 20 + 5 is past the 24-action chunk")
+        corrupt = call({**base, "observation/wrist_image_left": encode_jpeg(image)[:100]})
+        assert corrupt.startswith("bad request: observation/wrist_image_left: expected ") and "corrupt JPEG" in corrupt
+        jpeg = {**base, "observation/exterior_image_0_left": encode_jpeg(image), "continuation": {"executed": 2, "delay": 3, "chunk_id": 1}}
+        continued = call(jpeg)  # the session was untouched by the bad requests: it continues chunk 1
+        assert (continued["chunk_id"], continued["frozen"], continued["continuation"]) == (2, 3, "applied")
+        assert np.array_equal(continued["actions"][:3], plain["actions"][2:5])
+        assert continued["session"]["frozen"] == 3

@@ -18,7 +18,16 @@ from ardiff_server.wire.jpeg import encode_jpeg
 from ardiff_server.wire.protocol import unpack
 from policies.continuation import Continuation
 from policies.embodiment import ObservationSchema, Part
-from tests.wire.test_decode import EXT, WRIST, droid_request
+
+EXT = "observation/exterior_image_{}_left"
+WRIST = "observation/wrist_image_left"
+
+
+def droid_request(**overrides: Any) -> dict[str, Any]:
+    image = np.full((18, 32, 3), 10, dtype=np.uint8)
+    request = {EXT.format(0): image, EXT.format(1): image, WRIST: image, "observation/joint_position": np.zeros(7),
+               "observation/gripper_position": np.array([0.5]), "prompt": "pick up the cup", "session_id": "c0ffee-A"}  # fmt: skip
+    return {**request, **overrides}
 
 
 def through_the_wire(request: dict[str, Any]):

@@ -30,7 +30,7 @@ WINDOW_RESTART = "window_restart"
 UNKNOWN_CHUNK_ID = "unknown_chunk_id"
 APPLIED = "applied"
 
-# What clients read in /info (policy.details.continuation) and the README.
+# What clients read in /info (policy.continuation) and the README.
 CONTRACT = {
     "request": {
         "continuation": {

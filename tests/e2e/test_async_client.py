@@ -101,7 +101,7 @@ def test_the_contract_on_the_wire_and_in_info(server):
     from ardiff_server.wire.jpeg import encode_jpeg
 
     info = json.loads(server.http("/info")[1])
-    contract = info["policy"]["details"]["continuation"]
+    contract = info["policy"]["continuation"]
     assert contract["mode"] == "inpaint" and set(contract["request"]["continuation"]) == {"executed", "delay", "chunk_id"}
     assert {"chunk_id", "frozen", "continuation"} <= set(contract["reply"])
     image = np.full((48, 80, 3), 90, np.uint8)

@@ -74,9 +74,6 @@ def episode(policy: DreamZeroPolicy, cache: PagedKVCache, mode: str, latency: fl
     cache.end_session(session.kv)
     summary = report.summary()
     summary["frozen_mean"] = float(np.mean(report.frozen[1:])) if len(report.frozen) > 1 else 0.0
-    # steady state: idle steps after the first chunk (which every mode waits for)
-    first = int(np.ceil(latency * hz - 1e-9))
-    summary["steady_idle_per_chunk"] = max(report.idle_steps - first, 0) / max(report.chunks - 1, 1)
     return summary
 
 

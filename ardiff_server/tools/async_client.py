@@ -129,6 +129,7 @@ class EpisodeReport:
     control_hz: float
     steps: int = 0  # control ticks
     idle_steps: int = 0  # ticks with no action to execute (the robot stood still)
+    idle_per_chunk: list[int] = field(default_factory=list)  # per reply: idle ticks since the previous one arrived
     latencies_s: list[float] = field(default_factory=list)
     chunks: int = 0
     frozen: list[int] = field(default_factory=list)  # per reply: leading actions the server froze
@@ -144,7 +145,9 @@ class EpisodeReport:
             "mode": self.mode,
             "steps": self.steps,
             "idle_steps": self.idle_steps,
-            "idle_steps_per_chunk": self.idle_steps / max(self.chunks, 1),
+            "idle_steps_per_chunk": float(np.mean(self.idle_per_chunk)) if self.idle_per_chunk else 0.0,
+            # steady state: after the first chunk, which every mode waits for
+            "steady_idle_per_chunk": float(np.mean(self.idle_per_chunk[1:])) if len(self.idle_per_chunk) > 1 else 0.0,
             "latency_p50_ms": float(np.percentile(lat, 50)) if lat.size else float("nan"),
             "latency_p99_ms": float(np.percentile(lat, 99)) if lat.size else float("nan"),
             "seam_jump": seam,
@@ -275,6 +278,7 @@ class AsyncChunkRunner:
         actions = np.asarray(reply["actions"] if isinstance(reply, Mapping) else reply, dtype=np.float64)
         chunk_id = reply.get("chunk_id") if isinstance(reply, Mapping) else None
         report.latencies_s.append(latency)
+        report.idle_per_chunk.append(report.idle_steps - sum(report.idle_per_chunk))
         report.chunks += 1
         report.frozen.append(int(reply.get("frozen", 0)) if isinstance(reply, Mapping) else 0)
         reason = reply.get("continuation") if isinstance(reply, Mapping) else None

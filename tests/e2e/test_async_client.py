@@ -80,8 +80,9 @@ def test_blocking_mode_stands_still_while_it_waits_and_async_modes_do_not():
         clock = SimulatedClock()
         runner = AsyncChunkRunner(DelayedRequester(lambda request: chunk, clock, 0.4), control_hz=15, mode=mode, clock=clock, sleep=clock.sleep)
         runs[mode] = runner.run(lambda: {}, lambda a: None, steps=150).summary()
-    assert runs["blocking"]["idle_steps_per_chunk"] == pytest.approx(6, abs=0.5)  # latency x rate per chunk
+    assert runs["blocking"]["idle_steps_per_chunk"] == runs["blocking"]["steady_idle_per_chunk"] == 6  # latency x rate per chunk
     assert runs["async"]["idle_steps"] == runs["continuation"]["idle_steps"] == 6  # only the first chunk
+    assert runs["async"]["steady_idle_per_chunk"] == runs["continuation"]["steady_idle_per_chunk"] == 0
     assert runs["async"]["chunks"] > runs["blocking"]["chunks"]
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from policies.continuation import Continuation
 from policies.episode import EpisodeCall
 
 # The DROID names (RoboArena's wire): cameras and state vectors, in this order.
@@ -41,13 +42,16 @@ class RobotObservation:
     ``episode`` (None unless the request was one of LingBot-VA's split calls) says whether it predicts a chunk or
     commits what the robot saw, with its options (``policies/episode.py``).
 
+    ``continuation`` (None unless the client sent one) says what the robot did with its last chunk
+    (``policies/continuation.py``); it travels with the observation so the engine needs no field of its own.
+
     ``wire_keys`` maps a camera or state name to the request key the client sent it under (the
     DROID wire has two camera index conventions: ``exterior_left`` is ``_0_left`` or ``_1_left``),
     so that a policy's error names the client's own keys (:meth:`wire_key`). It is not part of the
     observation's value (equality ignores it).
     """
 
-    __slots__ = ("cameras", "episode", "prompt", "states", "wire_keys")
+    __slots__ = ("cameras", "continuation", "episode", "prompt", "states", "wire_keys")
 
     def __init__(
         self,
@@ -55,6 +59,7 @@ class RobotObservation:
         states: Mapping[str, Any] | None = None,
         prompt: str | None = "",
         episode: EpisodeCall | None = None,
+        continuation: Continuation | None = None,
         wire_keys: Mapping[str, str] | None = None,
         **droid: Any,
     ) -> None:
@@ -68,6 +73,7 @@ class RobotObservation:
         object.__setattr__(self, "states", dict(states or {}))
         object.__setattr__(self, "prompt", prompt)
         object.__setattr__(self, "episode", episode)
+        object.__setattr__(self, "continuation", continuation)
         object.__setattr__(self, "wire_keys", dict(wire_keys or {}))
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -84,12 +90,14 @@ class RobotObservation:
 
     @property
     def __dict__(self) -> dict[str, Any]:  # dataclass-like: RobotObservation(**obs.__dict__) copies
-        return {"cameras": self.cameras, "states": self.states, "prompt": self.prompt, "episode": self.episode, "wire_keys": self.wire_keys}
+        return {"cameras": self.cameras, "states": self.states, "prompt": self.prompt, "episode": self.episode,
+                "continuation": self.continuation, "wire_keys": self.wire_keys}
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RobotObservation):
             return NotImplemented
-        return (self.cameras, self.states, self.prompt, self.episode) == (other.cameras, other.states, other.prompt, other.episode)
+        mine = (self.cameras, self.states, self.prompt, self.episode, self.continuation)
+        return mine == (other.cameras, other.states, other.prompt, other.episode, other.continuation)
 
     __hash__ = None  # holds arrays
 
@@ -100,10 +108,11 @@ class RobotObservation:
         cameras = {k: shape(v) for k, v in self.cameras.items()}
         states = {k: shape(v) for k, v in self.states.items()}
         tail = f", episode={self.episode.kind!r}" if self.episode is not None else ""
+        tail += f", continuation={self.continuation!r}" if self.continuation is not None else ""
         return f"RobotObservation(cameras={cameras}, states={states}, prompt={self.prompt!r}{tail})"
 
     def __reduce__(self):  # pickles as its fields (the engine's seam); optional ones only when set
-        extras = {name: getattr(self, name) for name in ("episode", "wire_keys") if getattr(self, name)}
+        extras = {name: getattr(self, name) for name in ("episode", "continuation", "wire_keys") if getattr(self, name)}
         return (_restore, (self.cameras, self.states, self.prompt, extras) if extras else (self.cameras, self.states, self.prompt))
 
     def wire_key(self, name: str) -> str | None:
@@ -125,7 +134,8 @@ class RobotObservation:
         unknown = set(arrays) - set(cameras) - set(states)
         if unknown:
             raise KeyError(f"no camera or state named {sorted(unknown)}")
-        return RobotObservation(cameras=cameras, states=states, prompt=self.prompt, episode=self.episode, wire_keys=self.wire_keys)
+        return RobotObservation(cameras=cameras, states=states, prompt=self.prompt, episode=self.episode, continuation=self.continuation, wire_keys=self.wire_keys
+        )
 
 
 def _restore(cameras: dict, states: dict, prompt: str | None, extras: dict | None = None) -> RobotObservation:

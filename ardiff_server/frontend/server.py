@@ -106,7 +106,8 @@ class PolicyServer:
             server_config.port,
             process_request=self._process_request,
             create_connection=connection_class,
-            compression=None,  # images are already dense; deflate would burn event-loop CPU
+            # images are dense (send JPEG to shrink them); deflate burns event-loop CPU unless asked for
+            compression="deflate" if server_config.compression == "deflate" else None,
             max_size=server_config.max_frame_bytes,
             # Clients send one request and wait for its reply: stop reading a connection that has
             # a second frame queued. The default (16) let one client that pipelines without

@@ -296,6 +296,7 @@ class PolicyService:
             "server_timing": server_timing,
             "policy_timing": reply.timing_ms,
             "session": _session_info(session_id, reply),
+            **_chunk_info(reply),
         })  # fmt: skip
 
     def _error_frame(self, exc: EngineError, session_id: str) -> str:
@@ -337,6 +338,14 @@ class IdleTimer:
 
 # Old names of the reply's ``session`` flags (before the glossary), still sent for one release.
 DEPRECATED_SESSION_KEYS = {"window_reset": "window_restart", "session_reset": "prompt_change"}
+
+
+CHUNK_KEYS = ("chunk_id", "frozen", "continuation")  # policies/continuation.py: also top-level keys of the dict reply
+
+
+def _chunk_info(reply: InferReply) -> dict[str, Any]:
+    """``chunk_id`` and ``frozen`` (and, when the request asked for a continuation, ``continuation``: applied or why not)."""
+    return {key: reply.info[key] for key in CHUNK_KEYS if key in reply.info}
 
 
 def _session_info(session_id: str, reply: InferReply) -> dict[str, Any]:

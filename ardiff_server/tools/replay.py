@@ -120,6 +120,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--plot", type=Path, metavar="actions.png", help="plot joint and gripper trajectories, one subplot per dimension")  # fmt: skip
     add("--json", action="store_true", help="print one JSON object (summary and per-call records) instead of the table")  # fmt: skip
     add("--quiet", action="store_true", help="no progress output")
+    add("--async", dest="async_mode", action="store_true", help="run a robot loop at --control-hz that asks for the next chunk while executing this one (ardiff_server/tools/async_client.py) and report idle steps, latency, seam jumps")  # fmt: skip
+    add("--mode", choices=("continuation", "async", "blocking"), default="continuation", help="with --async: send continuations (default), ask early without them, or block (the baseline)")  # fmt: skip
+    add("--control-hz", type=float, default=15.0, help="with --async: control rate (default 15, DROID)")
+    add("--steps", type=_positive_int, default=120, help="with --async: control steps (default 120)")
     add("--version", action="version", version=f"ardiff-client {__version__}")
     return parser.parse_args(argv)
 
@@ -396,6 +400,8 @@ def _run(client: PolicyClient, url: str, args: argparse.Namespace) -> int:
     if args.calls is None and args.video_dir is None:
         args.calls = DEFAULT_SYNTHETIC_CALLS
     episode = Episode(url, client.metadata, f"replay-{uuid.uuid4()}", args.prompt, size, list(cameras))
+    if args.async_mode:
+        return _run_async(client, cameras, episode, args)
     try:
         run_episode(client, cameras, episode, args, Progress(args.calls, enabled=not args.quiet))
     except media.MissingDependency as exc:
@@ -408,6 +414,53 @@ def _run(client: PolicyClient, url: str, args: argparse.Namespace) -> int:
     if episode.ended == "interrupted":
         return 130
     return status
+
+
+def _run_async(client: PolicyClient, cameras: Mapping[str, Camera], episode: Episode, args: argparse.Namespace) -> int:
+    """``--async``: a robot at ``--control-hz`` that follows the actions it executes (its state is the last action)."""
+    from ardiff_server.tools.async_client import AsyncChunkRunner, joint_columns
+
+    schema = embodiment_schema(episode.metadata)
+    robot = {"joints": READY_JOINTS.copy(), "gripper": np.zeros(1), "calls": 0}
+    robot["state"] = None if schema is None else {str(p["name"]): np.zeros(int(p["dim"])) for p in schema["state"]}
+
+    def observe() -> dict[str, Any]:
+        images = take_frames(cameras, 1 if robot["calls"] == 0 else args.frames_per_call)
+        if images is None:
+            raise ReplayError("the videos ended (use --loop with --async)")
+        robot["calls"] += 1
+        if schema is None:  # the runner sets prompt, session_id and continuation
+            return build_request(images, robot["joints"], robot["gripper"], args.prompt, episode.session_id)
+        return build_embodiment_request(schema, images, robot["state"], args.prompt, episode.session_id)
+
+    def act(action: np.ndarray) -> None:
+        if schema is None:
+            robot["joints"], robot["gripper"] = next_state(action[None], "end", robot["joints"], robot["gripper"])
+        else:
+            robot["state"] = next_embodiment_state(action[None], "end", robot["state"], episode.metadata)
+
+    def infer(request: dict[str, Any]) -> dict[str, Any]:
+        reply, _ = client.request(request)
+        decoded = decode_frame(reply, "infer")
+        return decoded if isinstance(decoded, dict) else {"actions": decoded}
+
+    runner = AsyncChunkRunner(infer, control_hz=args.control_hz, prompt=args.prompt, mode=args.mode, session_id=episode.session_id,
+                              joint_columns=joint_columns(episode.metadata))  # fmt: skip
+    try:
+        report = runner.run(observe, act, args.steps)
+    except (ReplayError, ConnectionClosed, TimeoutError) as exc:
+        print(f"ardiff-client: error: {exc}", file=sys.stderr)
+        return 1
+    episode.reset_reply = reset_session(client, episode.session_id)
+    summary = report.summary()
+    if args.json:
+        print(json.dumps(jsonable(summary)))
+    else:
+        print(f"{args.mode} at {args.control_hz:g} Hz, {summary['steps']} steps, {summary['chunks']} chunks")
+        for key in ("idle_steps", "idle_steps_per_chunk", "latency_p50_ms", "latency_p99_ms", "seam_jump", "median_inner_step", "seam_ratio", "chunks_per_s", "fresh"):
+            value = summary[key]
+            print(f"  {key:22s} {value:.3f}" if isinstance(value, float) else f"  {key:22s} {value}")
+    return 0
 
 
 def _write_outputs(episode: Episode, args: argparse.Namespace) -> int:

@@ -22,6 +22,11 @@ vectors obey the rules below, other keys are ignored. The rules this module appl
   C-contiguous (T, H, W, 3) (views of the frame where possible: the engine client copies them
   once, into shared memory). Any size within :data:`MAX_IMAGE_SIDE` / :data:`MAX_FRAMES` is
   accepted: policies resize, the declared resolution is a hint (docs/spec.md §4).
+- An image may also arrive JPEG-encoded: bytes (one frame) or a list of bytes (a frame stack),
+  decoded here with Pillow (``jpeg.py``: size checked from the header first, corrupt = the key named).
+- ``continuation`` (optional): ``{"executed": e, "delay": d, "chunk_id": c}``, integers >= 0
+  (``chunk_id`` optional), see ``policies/continuation.py``; absent or None = an ordinary request.
+  The policy checks ``e + d`` against its chunk.
 - State vectors are numeric arrays or msgpack lists, returned as finite float32 1-D arrays. A
   leading batch axis of one is accepted ((1, 7): DreamZero's sim_evals client forwards the
   simulator's per-environment arrays), a real batch ((2, 7)) is not.
@@ -40,7 +45,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ardiff_server.wire.jpeg import JpegError, decode_jpeg
 from ardiff_server.wire.protocol import ProtocolError, short_repr
+from policies.continuation import Continuation
 from policies.embodiment import ObservationSchema
 from policies.observation import RobotObservation
 
@@ -66,9 +73,12 @@ ENDPOINT_KEY = "endpoint"
 PROMPT_KEY = "prompt"
 SESSION_ID_KEY = "session_id"
 SESSION_IDS_KEY = "session_ids"
+CONTINUATION_KEY = "continuation"
+CONTINUATION_FIELDS = ("executed", "delay", "chunk_id")
+MAX_CHUNK_ID = 2**63 - 1
 MAX_RESET_IDS = 256
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
-IMAGE_EXPECTED = "a uint8 RGB image array (H, W, 3) or frame stack (T, H, W, 3)"
+IMAGE_EXPECTED = "a uint8 RGB image array (H, W, 3) or frame stack (T, H, W, 3), or JPEG bytes (a list of them for a stack)"
 WRIST_IMAGE_KEY = "observation/wrist_image_left"
 # (key, length) of the proprioceptive state vectors, in RobotObservation field order.
 STATE_KEYS = {
@@ -112,7 +122,38 @@ def decode_request(payload: Any, schema: ObservationSchema | None = None) -> Pol
             return PolicyRequest("reset", session_id, None, reset_scope="named", session_ids=ids)
         return PolicyRequest("reset", session_id, None, reset_scope="named" if named else "current", session_ids=named)
     observation = _decode_observation(request) if schema is None else _decode_embodiment_observation(request, schema)
+    continuation = decode_continuation(request.get(CONTINUATION_KEY))
+    if continuation is not None:
+        observation = RobotObservation(cameras=observation.cameras, states=observation.states, prompt=observation.prompt, continuation=continuation)
     return PolicyRequest(endpoint="infer", session_id=session_id, observation=observation)
+
+
+def decode_continuation(value: Any) -> Continuation | None:
+    """``{"executed": e, "delay": d[, "chunk_id": c]}`` -> :class:`Continuation`; None if absent."""
+    if value is None:
+        return None
+    expected = 'a map {"executed": int, "delay": int, "chunk_id": int (optional)}'
+    if not isinstance(value, dict):
+        raise RequestError(f"{CONTINUATION_KEY}: expected {expected}, got {_describe(value)}")
+    unknown = sorted(str(k) for k in value if k not in CONTINUATION_FIELDS)
+    if unknown:
+        raise RequestError(f"{CONTINUATION_KEY}: unknown field(s) {short_repr(unknown)}; expected {expected}")
+    numbers: dict[str, int | None] = {}
+    for name in CONTINUATION_FIELDS:
+        item = value.get(name)
+        if item is None:
+            if name != "chunk_id":
+                raise RequestError(f"{CONTINUATION_KEY}.{name}: missing; expected {expected}")
+            numbers[name] = None
+            continue
+        if isinstance(item, np.ndarray) and item.ndim == 0:
+            item = item.item()
+        if isinstance(item, bool | np.bool_) or not isinstance(item, int | np.integer):
+            raise RequestError(f"{CONTINUATION_KEY}.{name}: expected an integer >= 0, got {short_repr(item)}")
+        if not 0 <= int(item) <= MAX_CHUNK_ID:
+            raise RequestError(f"{CONTINUATION_KEY}.{name}: expected an integer >= 0, got {int(item)}")
+        numbers[name] = int(item)
+    return Continuation(executed=numbers["executed"], delay=numbers["delay"], chunk_id=numbers["chunk_id"])
 
 
 def _require_request_map(payload: Any) -> dict[str, Any]:
@@ -266,10 +307,33 @@ def _exterior_camera_keys(request: dict[str, Any]) -> tuple[str, str | None]:
     return exterior_image_key(1), None
 
 
+def _decode_jpeg_frames(key: str, value: Any) -> np.ndarray:
+    """JPEG bytes, or a list of them (a frame stack of one size) -> (T, H, W, 3) uint8."""
+    items = [value] if isinstance(value, bytes | bytearray | memoryview) else list(value)
+    if not 1 <= len(items) <= MAX_FRAMES:
+        raise RequestError(f"{key}: expected 1 to {MAX_FRAMES} JPEG frames, got {len(items)}")
+    frames = []
+    for i, item in enumerate(items):
+        where = key if len(items) == 1 and not isinstance(value, list | tuple) else f"{key}[{i}]"
+        if not isinstance(item, bytes | bytearray | memoryview):
+            raise RequestError(f"{where}: expected JPEG bytes, got {_describe(item)}")
+        try:
+            frames.append(decode_jpeg(item, MAX_IMAGE_SIDE))
+        except JpegError as exc:
+            raise RequestError(f"{where}: expected {IMAGE_EXPECTED}, got {exc}") from None
+        if frames[-1].shape != frames[0].shape:
+            raise RequestError(f"{where}: frames of a stack must share one size, got {frames[0].shape[:2]} and {frames[-1].shape[:2]}")
+    return np.stack(frames)
+
+
 def _decode_image(key: str, value: Any) -> np.ndarray | None:
-    """uint8 (H, W, 3) or (T, H, W, 3) -> owned C-contiguous (T, H, W, 3); None if absent."""
+    """uint8 (H, W, 3) or (T, H, W, 3), or JPEG bytes (a list for a stack) -> owned C-contiguous (T, H, W, 3); None if absent."""
     if value is None:
         return None
+    if isinstance(value, bytes | bytearray | memoryview) or (
+        isinstance(value, list | tuple) and value and all(isinstance(v, bytes | bytearray | memoryview) for v in value)
+    ):
+        return _decode_jpeg_frames(key, value)
     expected = IMAGE_EXPECTED
     if not isinstance(value, np.ndarray):
         raise RequestError(

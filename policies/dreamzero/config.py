@@ -80,12 +80,30 @@ class DreamZeroConfig(pydantic.BaseModel):
         None, description="'... {task} ...' for a tag upstream's collate has no template for (default: upstream's)"
     )
     negative_prompt: str = DEFAULT_NEGATIVE_PROMPT  # the unconditional CFG branch's text (upstream's Wan negative prompt)
+    # Requests with a ``continuation`` (policies/continuation.py): how the new chunk continues the last one.
+    continuation: Literal["inpaint", "clean_prefix", "guided"] = pydantic.Field(
+        "inpaint",
+        description="inpaint (any checkpoint: frozen actions re-noised to each step's level, RTC soft mask), clean_prefix (checkpoints "
+        "trained with per-token action noise: frozen tokens at timestep 0); guided (RTC's VJP guidance) is not implemented",
+    )
+    continuation_execution_horizon: int | None = pydantic.Field(
+        None, ge=0, description="RTC's s: the soft mask reaches 0 at horizon - s (default: each request's executed count, the whole overlap)"
+    )
 
     @pydantic.field_validator("text_encoder_device", "image_encoder_device")
     @classmethod
     def _check_device(cls, value: str) -> str:
         if not _COMPONENT_DEVICE.match(value):
             raise ValueError("expected engine, cpu, cuda or cuda:<index>")
+        return value
+
+    @pydantic.field_validator("continuation")
+    @classmethod
+    def _check_continuation(cls, value: str) -> str:
+        if value == "guided":
+            # RTC's guidance needs a vector-Jacobian product through the DiT at every step (a backward pass through
+            # paged attention); not built. Refused rather than silently served as inpaint.
+            raise ValueError("guided is not implemented; use inpaint (any checkpoint) or clean_prefix (per-token action noise)")
         return value
 
     @pydantic.model_validator(mode="after")

@@ -40,6 +40,8 @@ from kv import Branch, KVSpec, SessionKV, prepare_batch
 from kv.attention import allow_batch_shapes
 from policies import hub
 from policies.base import ChunkRecording, Policy, RuntimeOptions, StepResult
+from policies.continuation import APPLIED, CONTRACT
+from policies.dreamzero import continuation as chunking
 from policies.dreamzero import memory
 from policies.dreamzero.config import BUILTIN_PREFIX, SYNTHETIC_PREFIX, DreamZeroConfig
 from policies.dreamzero.embodiments import DROID_CAMERAS, embodiment_prompt, resolve
@@ -97,6 +99,8 @@ class _Prepared:
     prompt_embeds: torch.Tensor | None  # the prompt's text embeddings, if the call needs them
     image: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None  # (clip_feature, ys, first_latent) at a window start
     timing_ms: dict[str, float]
+    chunks: int = 0  # chunks served: the last one's chunk_id
+    last_chunk: chunking.LastChunk | None = None  # what a continuation continues
 
 
 class PhaseTimer:
@@ -266,6 +270,8 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 "backbone": "wan2.2-ti2v-5b" if self.model.vae.is_wan22 else "wan2.1-i2v-14b",
                 "embodiment": {**e.describe(resolution), **({"observation": schema.describe()} if schema is not None else {})},
                 "frames_per_call": FRAMES_CONTRACT,
+                "continuation": {**CONTRACT, "mode": self.config.continuation,
+                                 "execution_horizon": self.config.continuation_execution_horizon},
             },  # fmt: skip
             max_batch=64,  # step_batch runs any number of sessions in one forward; engine.max_batch caps it
             observation_schema=schema,
@@ -277,6 +283,11 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             embodiment_prompt(self.embodiment, observation.prompt)
         except ValueError as exc:
             raise UnsupportedObservation(f"prompt: {exc}") from None
+        if observation.continuation is not None:
+            try:
+                observation.continuation.check(self.action_head_config.action_horizon)
+            except ValueError as exc:
+                raise UnsupportedObservation(str(exc)) from None
         lengths = {name: frames.shape[0] for name, frames in observation.cameras.items() if frames is not None}
         if len(set(lengths.values())) > 1:
             by_key = {self._wire_key(name, observation): n for name, n in lengths.items()}
@@ -309,6 +320,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
     def end_session(self, session: DreamZeroSession) -> None:
         session.frames.clear()
         session.prompt_embeds = session.clip_feature = session.ys = session.first_latent = session.prepared = None
+        session.last_chunk = None
 
     def agree(self, failed: Sequence[bool]) -> list[bool]:
         return self.guidance.agree(list(failed), self.device)
@@ -481,6 +493,18 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             timer.mark("vision")
             call.video = video
         call.raw_state = self._raw_state(call.observation)
+        self._plan_continuation(call)
+
+    def _plan_continuation(self, call: _Call) -> None:
+        """Whether this call continues its session's last chunk, and how (``continuation.py``)."""
+        asked = call.observation.continuation
+        call.continuation = chunking.decide(asked, call.session.last_chunk, call.events)
+        if call.continuation == APPLIED:
+            call.plan = chunking.plan(
+                asked, call.session.last_chunk, call.raw_state, mode=self.config.continuation,
+                horizon=self.action_head_config.action_horizon, execution_horizon=self.config.continuation_execution_horizon,
+                stats=self.action_stats, relative=self._relative, device=self.device, dtype=self.dtype,
+            )  # fmt: skip
 
     def _encode_observed(self, group: list[_Call]) -> None:
         """Upstream's re-encode of the newly observed frames: one VAE encode for sessions whose frame stacks have one shape."""
@@ -532,7 +556,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 inputs["y"] = torch.cat([self._y(c.session, start, frames) for c, start in zip(calls, starts) for _ in range(per_branch)])
             if action is not None:
                 inputs["action"] = torch.cat([a for a in action for _ in range(per_branch)])
-                inputs["timestep_action"] = timestep_action.expand(len(sequences), -1)
+                if timestep_action.shape[0] == 1:
+                    inputs["timestep_action"] = timestep_action.expand(len(sequences), -1)
+                else:  # one row per call (clean_prefix continuations): repeated per branch like the actions
+                    inputs["timestep_action"] = timestep_action.repeat_interleave(per_branch, dim=0)
                 inputs["state"] = torch.cat([s for s in state for _ in range(per_branch)])
             per_layer = [call.session.kv.cross_kv(branch) for call, branch in sequences]
             cross_kv = [layer[0] for layer in zip(*per_layer)] if len(sequences) == 1 else [tuple(layer) for layer in zip(*per_layer)]
@@ -565,6 +592,8 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             call.latents = _seeded_noise((1, z, dit.num_frame_per_block, lh, lw), config.seed).to(self.device, self.dtype)
             call.actions = _seeded_noise((1, head.action_horizon, dit.action_dim), config.seed).to(self.device, self.dtype)
             call.state = torch.from_numpy(self._model_state(call.raw_state).reshape(1, 1, -1)).to(self.device, self.dtype)
+            if call.plan is not None:
+                call.plan.noise = call.actions.clone()
             call.video_scheduler = (
                 DecoupledVideoScheduler(head.video_inference_final_noise) if head.decouple_inference_noise else FlowUniPCScheduler()
             )
@@ -573,6 +602,9 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             call.action_scheduler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
         schedule = list(zip(calls[0].video_scheduler.timesteps, calls[0].action_scheduler.timesteps))
         for i, (t_video, t_action) in enumerate(schedule):
+            for call in calls:
+                if call.plan is not None:
+                    call.actions = chunking.before_step(call.plan, call.actions, float(call.action_scheduler.sigmas[i]))
             running = []
             for call in calls:
                 run, call.countdown = self._should_run(i, call.history, call.countdown)
@@ -581,6 +613,8 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             if running:
                 timestep = torch.full((1, dit.num_frame_per_block), int(t_video), dtype=torch.long, device=self.device)
                 timestep_action = torch.full((1, head.action_horizon), int(t_action), dtype=torch.long, device=self.device)
+                if any(c.plan is not None and c.plan.mode == "clean_prefix" for c in running):  # per-call token timesteps
+                    timestep_action = torch.cat([chunking.action_timesteps(c.plan, timestep_action) for c in running])
                 try:
                     predictions, error = self._forward(
                         running, [c.latents for c in running], timestep, starts=[c.session.current_start_frame for c in running],
@@ -596,6 +630,9 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             for call in calls:
                 call.latents = call.video_scheduler.step(call.velocity, call.latents, i)
                 call.actions = call.action_scheduler.step(call.action_velocity, call.actions, i)
+        for call in calls:
+            if call.plan is not None:
+                call.actions = chunking.after_denoising(call.plan, call.actions)
         elapsed = _elapsed_ms(self.device, started)
         for call in calls:
             call.session.current_start_frame += dit.num_frame_per_block
@@ -620,13 +657,23 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
     def _finish(self, call: _Call) -> None:
         started = time.perf_counter()
         session = call.session
+        actions = self._postprocess(call.actions, call.raw_state)
+        frozen = 0
+        if call.plan is not None:  # exactly what the robot executes, not its round trip through model space
+            frozen = call.plan.frozen
+            actions[:frozen] = call.plan.executed_actions
+        session.chunks += 1
+        session.last_chunk = chunking.LastChunk(session.chunks, call.actions.detach().clone(), actions.copy(), call.raw_state)
         call.result = StepResult(
-            actions=self._postprocess(call.actions, call.raw_state),
+            actions=actions,
             timing_ms=call.timing,
             info={
                 "dit_forwards": call.forwards,
                 "current_start_frame": session.current_start_frame,
                 **call.events,
+                "chunk_id": session.chunks,
+                "frozen": frozen,
+                **({"continuation": call.continuation} if call.continuation is not None else {}),
             },  # fmt: skip
         )
         if self.options.record:  # references for the recorder; it decodes the video between requests
@@ -843,6 +890,8 @@ class _Call:
     history: list[torch.Tensor] = field(default_factory=list)  # last video velocities (the dynamic step cache compares them)
     countdown: int = 0
     forwards: int = 0
+    continuation: str | None = None  # a requested continuation: "applied" or why not (policies/continuation.py)
+    plan: chunking.ContinuationPlan | None = None
 
     def add(self, phase: str, ms: float) -> None:
         self.timing[phase] = self.timing.get(phase, 0.0) + ms

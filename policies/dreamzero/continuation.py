@@ -1,0 +1,136 @@
+"""Continuing the chunk a robot is executing (real-time chunking) inside DreamZero's action denoising.
+
+Each session keeps its last chunk (:class:`LastChunk`): the model-space actions (normalized, relative
+keys relative to the state they were anchored to), the actions as the robot got them and that raw
+state. A request with a :class:`policies.continuation.Continuation` (``executed`` e, ``delay`` d) gets a
+:class:`ContinuationPlan`: the old chunk's remaining actions ``[e, H)`` re-anchored to the new state,
+and how strongly each of the new chunk's actions is pinned to them.
+
+Re-anchoring (relative keys): the robot executes absolute targets ``u = denorm(a) + s_old``. The new
+chunk is relative to ``s_new``, so the same targets are ``a' = norm(u - s_new)``: the absolute targets
+do not move, only their coordinates. Absolute keys keep their values. Dimensions the statistics do not
+cover (padding up to the DiT's action width, q01 == q99) keep their old model values.
+
+Modes (``policy.continuation``), per denoising step at noise level sigma (x = (1 - sigma) x0 + sigma eps):
+
+* ``inpaint``: before each step the actions become ``x + w (x_target - x)``, ``x_target = (1 - sigma) a' +
+  sigma eps`` with the call's own initial noise eps and RTC's soft mask ``w`` (1 on the first d actions,
+  decaying to 0 at ``H - s``); after the last step the first d are exactly ``a'``.
+* ``clean_prefix``: the first d action tokens are ``a'`` at timestep 0 in every forward (a checkpoint
+  trained with per-token action noise knows clean tokens); the rest denoise as usual.
+
+Either way the reply's first d rows are the old chunk's ``[e, e + d)`` exactly as the robot executes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from policies.continuation import APPLIED, NO_PREVIOUS_CHUNK, PROMPT_CHANGE, UNKNOWN_CHUNK_ID, WINDOW_RESTART, Continuation, soft_mask
+from policies.dreamzero.transforms import NormStats
+
+RelativeSlices = list[tuple[tuple[int, int], tuple[int, int]]]  # (action columns, state columns) per relative key
+
+
+@dataclass
+class LastChunk:
+    """A session's last chunk: what a continuation continues."""
+
+    chunk_id: int
+    model: torch.Tensor  # (1, H, model action dim) the denoised actions in model space
+    actions: np.ndarray  # (H, action dim) float32: the reply's actions, as the robot executes them
+    raw_state: np.ndarray  # the raw state its relative keys were anchored to
+
+
+@dataclass
+class ContinuationPlan:
+    """How one call continues its session's last chunk."""
+
+    frozen: int  # d: leading actions taken from the last chunk
+    mode: str
+    target: torch.Tensor  # (1, H, model action dim): re-anchored old actions [e, H) at rows [0, H - e), zeros after
+    weights: torch.Tensor  # (1, H, 1): the soft mask (inpaint) or 1 on the frozen rows (clean_prefix)
+    executed_actions: np.ndarray  # (d, action dim) float32: the frozen rows as the robot executes them
+    noise: torch.Tensor | None = None  # the call's initial action noise (set when denoising starts)
+
+
+def decide(continuation: Continuation | None, last: LastChunk | None, events: dict[str, bool]) -> str | None:
+    """Whether a requested continuation applies: :data:`APPLIED`, the reason it does not, or None (none asked)."""
+    if continuation is None:
+        return None
+    if last is None:
+        return NO_PREVIOUS_CHUNK
+    if events.get("prompt_change"):
+        return PROMPT_CHANGE
+    if events.get("window_restart"):
+        return WINDOW_RESTART
+    if continuation.chunk_id is not None and continuation.chunk_id != last.chunk_id:
+        return UNKNOWN_CHUNK_ID
+    return APPLIED
+
+
+def reanchor(last: LastChunk, executed: int, raw_state: np.ndarray, stats: NormStats, relative: RelativeSlices) -> np.ndarray:
+    """The last chunk's actions ``[executed, H)`` in the new chunk's model space (float64, (H - e, model dim))."""
+    old_model = last.model[0, executed:].double().cpu().numpy()
+    absolute = last.actions[executed:].astype(np.float64)
+    coords = absolute.copy()
+    for (a0, a1), (s0, s1) in relative:
+        coords[:, a0:a1] -= raw_state[s0:s1]
+    span = stats.q99 - stats.q01
+    valid = span != 0
+    out = old_model.copy()
+    dim = stats.dim
+    normalized = out[:, :dim]
+    normalized[:, valid] = 2.0 * (coords[:, :dim][:, valid] - stats.q01[valid]) / span[valid] - 1.0
+    return out
+
+
+def plan(
+    continuation: Continuation, last: LastChunk, raw_state: np.ndarray, *, mode: str, horizon: int, execution_horizon: int | None,
+    stats: NormStats, relative: RelativeSlices, device: torch.device, dtype: torch.dtype,
+) -> ContinuationPlan:  # fmt: skip
+    e, d = continuation.executed, continuation.delay
+    remaining = reanchor(last, e, raw_state, stats, relative)
+    target = np.zeros((horizon, remaining.shape[1]), dtype=np.float64)
+    target[: horizon - e] = remaining
+    if mode == "inpaint":
+        s = e if execution_horizon is None else max(execution_horizon, e)  # no old actions past H - e
+        weights = soft_mask(horizon, d, horizon - s)
+    else:
+        weights = np.zeros(horizon)
+        weights[:d] = 1.0
+    return ContinuationPlan(
+        frozen=d, mode=mode,
+        target=torch.from_numpy(target).reshape(1, horizon, -1).to(device, dtype),
+        weights=torch.from_numpy(weights).reshape(1, horizon, 1).to(device, dtype),
+        executed_actions=last.actions[e : e + d].copy(),
+    )  # fmt: skip
+
+
+def before_step(plan: ContinuationPlan, actions: torch.Tensor, sigma: float) -> torch.Tensor:
+    """The actions a denoising step starts from (see the module docstring)."""
+    if plan.mode == "clean_prefix":
+        out = actions.clone()
+        out[:, : plan.frozen] = plan.target[:, : plan.frozen]
+        return out
+    noisy_target = (1.0 - sigma) * plan.target + sigma * plan.noise
+    return actions + plan.weights * (noisy_target - actions)
+
+
+def after_denoising(plan: ContinuationPlan, actions: torch.Tensor) -> torch.Tensor:
+    """The final actions: the frozen rows are exactly their targets."""
+    out = actions.clone()
+    out[:, : plan.frozen] = plan.target[:, : plan.frozen]
+    return out
+
+
+def action_timesteps(plan: ContinuationPlan | None, timestep_action: torch.Tensor) -> torch.Tensor:
+    """Per-token action timesteps for one call: clean (0) on the frozen tokens under ``clean_prefix``."""
+    if plan is None or plan.mode != "clean_prefix" or plan.frozen == 0:
+        return timestep_action
+    out = timestep_action.clone()
+    out[:, : plan.frozen] = 0
+    return out

@@ -1,0 +1,109 @@
+#!/usr/bin/env python
+"""Asynchronous chunks on the trained tiny DreamZero: one table, one run.
+
+A simulated robot (scripts/tiny_task.py: it goes where its actions say, its cameras render its joints) runs
+``AsyncChunkRunner`` at ``--hz`` against the policy in this process. Every reply takes exactly the injected
+latency of the robot's simulated clock (``DelayedRequester``: a knob only a bench sets; the model's real CPU
+time does not matter), so the schedule is deterministic. Rows: blocking / async without continuation /
+``inpaint`` / ``clean_prefix`` x latency. Columns: control steps the robot stood still per chunk, the seam
+jump (median joint change across a splice), the median step inside a chunk, their ratio, chunks per second.
+
+    .venv/bin/python scripts/bench_async.py                   # trains the tiny task model on first use (cached)
+    .venv/bin/python scripts/bench_async.py --latencies 0.3,0.9 --steps 240
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny_task  # noqa: E402
+from train_tiny_task import DEFAULT_STEPS, VIEW, ensure_task_checkpoint  # noqa: E402
+
+from ardiff_server.tools.async_client import AsyncChunkRunner, DelayedRequester, SimulatedClock  # noqa: E402
+from ardiff_server.wire.decode import decode_request  # noqa: E402
+from kv import PagedKVCache  # noqa: E402
+from policies.base import RuntimeOptions  # noqa: E402
+from policies.dreamzero.config import DreamZeroConfig  # noqa: E402
+from policies.dreamzero.model import DreamZeroModel  # noqa: E402
+from policies.dreamzero.policy import DreamZeroPolicy  # noqa: E402
+
+ROWS = (("blocking", "blocking", None), ("async, no continuation", "async", None),
+        ("inpaint", "continuation", "inpaint"), ("clean_prefix", "continuation", "clean_prefix"))  # fmt: skip
+
+
+def make_policy(model: DreamZeroModel, checkpoint: Path, mode: str) -> tuple[DreamZeroPolicy, PagedKVCache]:
+    policy = DreamZeroPolicy(DreamZeroConfig(checkpoint=str(checkpoint), view_size=VIEW, continuation=mode), RuntimeOptions(), model=model)
+    spec = policy.kv_spec()
+    cache = PagedKVCache(spec, num_pages=len(policy.branches) * spec.pages_per_branch + 1, max_sessions=1, branches=policy.branches)
+    return policy, cache
+
+
+def episode(policy: DreamZeroPolicy, cache: PagedKVCache, mode: str, latency: float, hz: float, steps: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    robot = {"joints": tiny_task.random_state(rng), "gripper": 0.5}
+    session_id = f"{mode}-{latency}-{seed}"
+    session = policy.start_session(session_id, cache.open_session(session_id))
+
+    def infer(request: dict) -> dict:
+        observation = decode_request(request).observation
+        policy.check_observation(observation)
+        result = policy.step(session, observation)
+        return {"actions": result.actions, **{k: result.info[k] for k in ("chunk_id", "frozen", "continuation") if k in result.info}}
+
+    def observe() -> dict:
+        view = tiny_task.render(robot["joints"], VIEW)
+        return {
+            "observation/exterior_image_0_left": view, "observation/exterior_image_1_left": view, "observation/wrist_image_left": view,
+            "observation/joint_position": robot["joints"].astype(np.float32), "observation/gripper_position": np.array([robot["gripper"]], np.float32),
+        }  # fmt: skip
+
+    def act(action: np.ndarray) -> None:
+        robot["joints"], robot["gripper"] = action[:7].astype(np.float64), float(action[7])
+
+    clock = SimulatedClock()
+    runner = AsyncChunkRunner(DelayedRequester(infer, clock, latency), control_hz=hz, prompt=tiny_task.PROMPT, mode=mode,
+                              session_id=session_id, joint_columns=list(range(7)), clock=clock, sleep=clock.sleep)  # fmt: skip
+    report = runner.run(observe, act, steps)
+    policy.end_session(session)
+    cache.end_session(session.kv)
+    summary = report.summary()
+    summary["frozen_mean"] = float(np.mean(report.frozen[1:])) if len(report.frozen) > 1 else 0.0
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--latencies", default="0.3,0.8", help="injected per-call latency in seconds, comma separated (default 0.3,0.8)")
+    parser.add_argument("--hz", type=float, default=15.0, help="control rate (default 15: a 24-action chunk lasts 1.6 s)")
+    parser.add_argument("--steps", type=int, default=180, help="control steps per episode (default 180)")
+    parser.add_argument("--episodes", type=int, default=1, help="episodes per row (different start states)")
+    parser.add_argument("--train-steps", type=int, default=DEFAULT_STEPS, help="training steps of the task model (cached per value)")
+    parser.add_argument("--checkpoint", type=Path, help="a trained task checkpoint (default: train / use the cached one)")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    checkpoint = args.checkpoint or ensure_task_checkpoint(args.train_steps, log=lambda line: print(line, file=sys.stderr, flush=True))
+    model = DreamZeroModel.load(checkpoint)
+    policies = {mode: make_policy(model, checkpoint, mode) for mode in ("inpaint", "clean_prefix")}
+    latencies = [float(v) for v in args.latencies.split(",")]
+    print(f"checkpoint {checkpoint}; {args.hz:g} Hz, 24-action chunks ({24 / args.hz:.2f} s), {args.steps} steps x {args.episodes} episode(s)\n")
+    print("| mode | latency (s) | idle steps / chunk | steady idle / chunk | seam jump | inner step | seam / inner | chunks/s | frozen |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for latency in latencies:
+        for name, mode, policy_mode in ROWS:
+            policy, cache = policies[policy_mode or "inpaint"]
+            runs = [episode(policy, cache, mode, latency, args.hz, args.steps, seed) for seed in range(args.episodes)]
+            mean = {k: float(np.mean([r[k] for r in runs])) for k in ("idle_steps_per_chunk", "steady_idle_per_chunk", "seam_jump",
+                                                                       "median_inner_step", "seam_ratio", "chunks_per_s", "frozen_mean")}  # fmt: skip
+            print(f"| {name} | {latency:g} | {mean['idle_steps_per_chunk']:.1f} | {mean['steady_idle_per_chunk']:.1f} | {mean['seam_jump']:.4f} | "
+                  f"{mean['median_inner_step']:.4f} | {mean['seam_ratio']:.2f} | {mean['chunks_per_s']:.2f} | {mean['frozen_mean']:.1f} |", flush=True)  # fmt: skip
+    print(f"\n({time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

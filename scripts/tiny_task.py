@@ -1,0 +1,85 @@
+"""A synthetic robot task whose motion is smooth and depends on the observation (for the trained tiny DreamZero).
+
+DROID's action space (7 joints relative to the joint state, an absolute gripper). Joints (0, 1), (2, 3) and
+(4, 5) are three 2-D oscillators: each control step rotates the pair about the origin by its own angle and
+relaxes its radius towards ``RADIUS``; joint 6 follows pair 0's angle and the gripper opens and closes with
+it. The expert's chunk from a state is the next ``HORIZON`` states of that motion, so the right chunk is a
+function of the observed state, and consecutive chunks join smoothly only if the policy reads the state.
+
+Used by ``scripts/train_tiny_task.py`` (training data, statistics) and ``scripts/bench_async.py`` (the robot).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+HORIZON = 24
+SPEEDS = (0.06, -0.045, 0.035)  # radians per control step, per joint pair
+RADIUS = 0.8
+RELAX = 0.08
+PROMPT = "trace the circles"
+
+
+def step(joints: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One control step of the expert: next joint targets (..., 7) and the gripper (...) for states (..., 7)."""
+    joints = np.asarray(joints, dtype=np.float64)
+    nxt = joints.copy()
+    for pair, speed in enumerate(SPEEDS):
+        x, y = joints[..., 2 * pair], joints[..., 2 * pair + 1]
+        radius, angle = np.hypot(x, y), np.arctan2(y, x)
+        radius = radius + RELAX * (RADIUS - radius)
+        angle = angle + speed
+        nxt[..., 2 * pair], nxt[..., 2 * pair + 1] = radius * np.cos(angle), radius * np.sin(angle)
+    angle0 = np.arctan2(nxt[..., 1], nxt[..., 0])
+    nxt[..., 6] = 0.3 * np.sin(angle0)
+    return nxt, 0.5 + 0.4 * np.cos(angle0)
+
+
+def expert_chunk(joints: np.ndarray) -> np.ndarray:
+    """(..., HORIZON, 8) absolute targets, joints and gripper, from states (..., 7)."""
+    state = np.asarray(joints, dtype=np.float64)
+    out = np.zeros((*state.shape[:-1], HORIZON, 8))
+    for k in range(HORIZON):
+        state, gripper = step(state)
+        out[..., k, :7], out[..., k, 7] = state, gripper
+    return out
+
+
+def random_state(rng: np.random.Generator, size: int | None = None) -> np.ndarray:
+    """Joint states the robot may be in ((7,) or (size, 7)): pairs at any angle, radius around RADIUS; joint 6 on its range."""
+    n = 1 if size is None else size
+    radius, angle = rng.uniform(0.4, 1.1, (n, 3)), rng.uniform(-np.pi, np.pi, (n, 3))
+    joints = np.zeros((n, 7))
+    joints[:, 0:6:2], joints[:, 1:6:2] = radius * np.cos(angle), radius * np.sin(angle)
+    joints[:, 6] = rng.uniform(-0.35, 0.35, n)
+    return joints[0] if size is None else joints
+
+
+def statistics(samples: int = 4000, seed: int = 0) -> dict:
+    """metadata.json statistics (q01 / q99) of the task: state (absolute) and actions (joints relative)."""
+    rng = np.random.default_rng(seed)
+    states = random_state(rng, samples)
+    chunks = expert_chunk(states)
+    relative = (chunks[..., :7] - states[:, None]).reshape(-1, 7)
+    gripper = chunks[..., 7].reshape(-1)
+
+    def stats(values: np.ndarray) -> dict:
+        q01, q99 = np.quantile(values, 0.01, axis=0), np.quantile(values, 0.99, axis=0)
+        return {"q01": q01.tolist(), "q99": q99.tolist(), "mean": values.mean(0).tolist(), "std": values.std(0).tolist(),
+                "min": values.min(0).tolist(), "max": values.max(0).tolist()}  # fmt: skip
+
+    return {
+        "state": {"joint_position": stats(states), "gripper_position": stats(np.linspace(0.0, 1.0, 101)[:, None])},
+        "action": {"joint_position": stats(relative), "gripper_position": stats(gripper[:, None])},
+    }
+
+
+def render(joints: np.ndarray, size: tuple[int, int] = (48, 80)) -> np.ndarray:
+    """A camera view of the arm: one bright dot per joint pair at its (x, y) (the model may use it or the state)."""
+    h, w = size
+    image = np.full((h, w, 3), 40, dtype=np.uint8)
+    for pair, color in enumerate(((230, 60, 60), (60, 230, 60), (60, 60, 230))):
+        x, y = joints[2 * pair], joints[2 * pair + 1]
+        col, row = int((x + 1.2) / 2.4 * (w - 1)), int((y + 1.2) / 2.4 * (h - 1))
+        image[max(row - 2, 0) : row + 3, max(col - 2, 0) : col + 3] = color
+    return image

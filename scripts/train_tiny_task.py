@@ -1,0 +1,191 @@
+#!/usr/bin/env python
+"""Train the tiny DreamZero on a synthetic task (scripts/tiny_task.py), so continuations can be measured on a CPU.
+
+The random tiny checkpoint's actions mean nothing; this one's follow smooth, state-dependent trajectories.
+Starting from ``builtin:tiny``, its DiT is trained with DreamZero's flow-matching action loss (velocity
+``noise - actions``, shifted uniform noise levels). Half the batches use per-token action noise with a clean
+(timestep 0) prefix of random length, upstream's decoupled action noise, so ``policy.continuation=clean_prefix``
+has something to stand on. The video, text and image conditioning are the real ones of the tiny encoders for
+rendered views of the task (the actions do not depend on them); the training forward attends over the
+chunk without the KV window the server adds, so the model sees a little more context when served.
+
+Deterministic (fixed seeds, data from numpy), a few minutes on 2 CPU cores, cached like the tiny checkpoint
+(``~/.cache/ardiff-server/tiny-task-dreamzero-*``; ``ARDIFF_CACHE_DIR`` overrides), never committed::
+
+    .venv/bin/python scripts/train_tiny_task.py                # train once, print the cached directory
+    .venv/bin/python scripts/train_tiny_task.py --steps 200 --out /tmp/task   # a short run anywhere
+    ardiff-serve --set policy.checkpoint=<that directory> --set policy.view_size=[48,80]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny_task  # noqa: E402 (a sibling script module)
+
+from policies.base import RuntimeOptions  # noqa: E402
+from policies.dreamzero.config import DreamZeroConfig  # noqa: E402
+from policies.dreamzero.model import DreamZeroModel  # noqa: E402
+from policies.dreamzero.naming import DIT_PREFIX  # noqa: E402
+from policies.dreamzero.policy import DreamZeroPolicy  # noqa: E402
+from policies.dreamzero.tiny import default_cache_dir, droid_metadata, ensure_tiny_checkpoint  # noqa: E402
+from policies.observation import RobotObservation  # noqa: E402
+
+VERSION = 1
+DEFAULT_STEPS = 600
+BATCH = 8
+LR = 2e-3
+VIEW = (48, 80)
+SHIFT = 5.0
+
+
+def cache_dir(steps: int) -> Path:
+    spec = json.dumps([VERSION, steps, BATCH, LR, tiny_task.SPEEDS, tiny_task.RADIUS, tiny_task.RELAX, str(ensure_tiny_checkpoint().name)])
+    digest = hashlib.sha256(spec.encode()).hexdigest()[:10]
+    return default_cache_dir().parent / f"tiny-task-dreamzero-v{VERSION}-{digest}"
+
+
+def ensure_task_checkpoint(steps: int = DEFAULT_STEPS, out: Path | None = None, log=lambda line: print(line, flush=True)) -> Path:
+    target = out or cache_dir(steps)
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        shutil.copytree(ensure_tiny_checkpoint(), staging, dirs_exist_ok=True)
+        metadata = droid_metadata()
+        metadata["oxe_droid"]["statistics"] = tiny_task.statistics()
+        (staging / "experiment_cfg" / "metadata.json").write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+        train(staging, steps, log)
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def conditioning(policy: DreamZeroPolicy, rng: np.random.Generator, views: int = 2) -> list[dict[str, torch.Tensor]]:
+    """Text, CLIP and ``ys`` conditioning of real sessions on rendered views of the task (one per view)."""
+    out = []
+    for i in range(views):
+        image = tiny_task.render(tiny_task.random_state(rng), VIEW)[None]
+        obs = RobotObservation(exterior_left=image, exterior_right=image, wrist=image, joint_position=np.zeros(7, np.float32),
+                               gripper_position=np.zeros(1, np.float32), prompt=tiny_task.PROMPT)  # fmt: skip
+        session = policy.start_session(f"c{i}", _KV())
+        policy._advance_session(session, obs)
+        video = policy._video_tensor(session)
+        clip = policy.model.image_encoder(video[:, :, -1]).to(policy.dtype)
+        ys, _ = policy._image_conditioning(video[:, :, -1:])
+        out.append({"context": policy._encode_text(session.prompt), "clip": clip, "ys": ys})
+    return out
+
+
+class _KV:  # the conditioning pass never touches the KV cache
+    def restart_window(self, keep_cross_text: bool) -> None:
+        pass
+
+
+def batch(policy: DreamZeroPolicy, rng: np.random.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(normalized state (B, 1, 64), normalized relative actions (B, H, 32), clean-prefix length per sample)."""
+    head = policy.action_head_config
+    joints = tiny_task.random_state(rng, size)
+    grippers = rng.uniform(0.1, 0.9, size)
+    chunks = tiny_task.expert_chunk(joints)
+    chunks[..., :7] -= joints[:, None]  # relative joints
+    stats = policy.action_stats
+    actions = np.zeros((size, tiny_task.HORIZON, head.max_action_dim))
+    actions[..., :8] = 2.0 * (chunks - stats.q01) / (stats.q99 - stats.q01) - 1.0
+    states = np.stack([policy._model_state(np.concatenate([j, [g]])) for j, g in zip(joints, grippers, strict=True)])
+    prefix = np.where(rng.random(size) < 0.5, rng.integers(0, tiny_task.HORIZON, size), 0)
+    return (torch.tensor(np.array(states), dtype=torch.float32)[:, None], torch.tensor(np.array(actions), dtype=torch.float32),
+            torch.from_numpy(prefix))  # fmt: skip
+
+
+def train(checkpoint: Path, steps: int, log=print) -> None:
+    # One thread: the same floating-point reductions on every machine (bit-reproducible weights), and no
+    # OpenMP spin-waiting on a shared 2-core runner.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _train(checkpoint, steps, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(checkpoint: Path, steps: int, log=print) -> None:
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    model = DreamZeroModel.load(checkpoint)
+    policy = DreamZeroPolicy(DreamZeroConfig(checkpoint=str(checkpoint), view_size=VIEW), RuntimeOptions(), model=model)
+    dit, cfg = model.dit, model.dit.config
+    with torch.no_grad():
+        conds = conditioning(policy, rng)
+    dit.train().requires_grad_(True)
+    optimizer = torch.optim.AdamW(dit.parameters(), lr=LR, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=LR, total_steps=steps, pct_start=0.1)
+    z, (lh, lw) = model.vae.latent_channels, next(iter(conds))["ys"].shape[-2:]
+    nfpb = cfg.num_frame_per_block
+    started, recent = time.perf_counter(), []
+    for step in range(steps):
+        state, clean, prefix = batch(policy, rng, BATCH)
+        cond = conds[step % len(conds)]
+        start = int(rng.choice([1, 3, 5, 7]))  # the window positions a denoise call runs at
+        sigma = torch.rand(BATCH, 1)
+        sigma = SHIFT * sigma / (1 + (SHIFT - 1) * sigma)
+        sigma_tokens = sigma.expand(-1, tiny_task.HORIZON).clone()
+        sigma_tokens[torch.arange(tiny_task.HORIZON)[None] < prefix[:, None]] = 0.0  # clean prefix tokens
+        noise = torch.randn_like(clean)
+        noisy = (1 - sigma_tokens[..., None]) * clean + sigma_tokens[..., None] * noise
+        video_sigma = torch.rand(BATCH, 1)
+        latents = torch.randn(BATCH, z, nfpb, lh, lw)
+        ys = cond["ys"][:, :, start : start + nfpb].expand(BATCH, -1, -1, -1, -1)
+        _, pred = dit(
+            latents, (video_sigma * 1000).long().expand(-1, nfpb), current_start_frame=start, self_kv=None, y=ys,
+            context=cond["context"].expand(BATCH, -1, -1), clip_feature=cond["clip"].expand(BATCH, -1, -1),
+            action=noisy, timestep_action=(sigma_tokens * 1000).long(), state=state,
+        )  # fmt: skip
+        weight = (sigma_tokens > 0).float()[..., None]  # clean tokens carry no loss
+        loss = (((pred - (noise - clean)) ** 2) * weight).sum() / (weight.sum() * clean.shape[-1])
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        recent.append(loss.item())
+        if (step + 1) % 50 == 0 or step + 1 == steps:
+            log(f"step {step + 1}/{steps}: loss {np.mean(recent):.4f} ({time.perf_counter() - started:.0f} s)")
+            recent = []
+    dit.eval().requires_grad_(False)
+    shard = checkpoint / "model-00001-of-00002.safetensors"
+    tensors = load_file(shard)
+    trained = {DIT_PREFIX + name: value.detach().contiguous() for name, value in dit.state_dict().items()}
+    missing = [name for name in tensors if name not in trained]
+    if missing:
+        raise RuntimeError(f"the DiT has no tensor for {missing[:3]}")
+    save_file({name: trained[name].to(tensors[name].dtype) for name in tensors}, shard, metadata={"format": "pt"})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"optimizer steps (default {DEFAULT_STEPS})")
+    parser.add_argument("--out", type=Path, help="output directory (default: the cache)")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    out = ensure_task_checkpoint(args.steps, args.out)
+    print(f"{out} ({time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

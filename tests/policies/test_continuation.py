@@ -1,0 +1,200 @@
+"""Chunks that continue the one being executed: frozen prefix, re-anchoring, fresh-chunk reasons, batching.
+
+The reference for the frozen prefix is the previous reply itself (what the robot executes); for the
+soft mask, RTC's formula written out here; for batching, each session alone (fp32, <= 1e-5).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from policies.continuation import (
+    APPLIED,
+    NO_PREVIOUS_CHUNK,
+    PROMPT_CHANGE,
+    UNKNOWN_CHUNK_ID,
+    WINDOW_RESTART,
+    Continuation,
+    soft_mask,
+)
+from policies.dreamzero import continuation as chunking
+from policies.dreamzero.config import DreamZeroConfig
+from policies.dreamzero.model import DreamZeroModel
+from policies.dreamzero.tiny import ensure_tiny_checkpoint
+from policies.dreamzero.transforms import NormStats, denormalize_actions
+from policies.observation import RobotObservation
+from tests.helpers.dreamzero import make_policy, observations
+
+ATOL = 1e-5
+
+
+def continued(observation: RobotObservation, executed: int, delay: int, chunk_id: int | None = None) -> RobotObservation:
+    return RobotObservation(
+        cameras=observation.cameras, states=observation.states, prompt=observation.prompt,
+        continuation=Continuation(executed, delay, chunk_id),
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- torch-free parts
+
+
+def test_soft_mask_is_rtcs_exponential_prefix_weights():
+    horizon, d, end = 24, 4, 18
+    w = soft_mask(horizon, d, end)
+    assert (w[:d] == 1).all() and (w[end:] == 0).all()
+    for i in range(d, end):  # Black et al. 2025, eq. 5: c_i (e^c_i - 1) / (e - 1), c_i = (H - s - i) / (H - s - d + 1)
+        c = (end - i) / (end - d + 1)
+        assert w[i] == pytest.approx(c * (math.exp(c) - 1) / (math.e - 1), abs=1e-15)
+    assert (np.diff(w[d - 1 : end + 1]) < 0).all()  # strictly decaying from 1 to 0
+    assert (soft_mask(8, 3, 2) == np.array([1, 1, 1, 0, 0, 0, 0, 0])).all()  # end before d: only the frozen ones
+
+
+@pytest.mark.parametrize(
+    "continuation, message",
+    [
+        (Continuation(-1, 2), "continuation.executed: expected an integer >= 0"),
+        (Continuation(1, -2), "continuation.delay: expected an integer >= 0"),
+        (Continuation(1.5, 2), "continuation.executed: expected an integer >= 0"),  # type: ignore[arg-type]
+        (Continuation(20, 5), "continuation.executed + continuation.delay = 20 + 5 is past the 24-action chunk"),
+    ],
+)
+def test_bad_continuations_name_the_field(continuation, message):
+    with pytest.raises(ValueError, match="^" + message.replace("+", r"\+")):
+        continuation.check(24)
+    Continuation(20, 4).check(24)
+
+
+def test_reanchoring_keeps_absolute_targets_for_relative_keys_and_values_for_absolute_ones():
+    """DROID: joints (columns 0-6) relative to the joint state, the gripper (7) absolute; the DiT predicts 32 columns."""
+    rng = np.random.default_rng(0)
+    stats = NormStats(rng.uniform(-2, -1, 8), rng.uniform(1, 2, 8))
+    stats.q99[3] = stats.q01[3]  # a constant dimension: its model value is kept
+    relative = [((0, 7), (0, 7))]
+    model = torch.from_numpy(rng.uniform(-1, 1, (1, 24, 32)))
+    old_state, new_state = rng.uniform(-1, 1, 8), rng.uniform(-1, 1, 8)
+    absolute = denormalize_actions(model[0].numpy(), stats)
+    absolute[:, :7] += old_state[:7]
+    last = chunking.LastChunk(3, model, absolute.astype(np.float32), old_state)
+    out = chunking.reanchor(last, 5, new_state, stats, relative)
+    assert out.shape == (19, 32)
+    back = denormalize_actions(out, stats)
+    back[:, :7] += new_state[:7]
+    moving = [c for c in range(8) if c != 3]
+    np.testing.assert_allclose(back[:, moving], last.actions[5:, moving].astype(np.float64), atol=1e-12)  # targets do not move
+    np.testing.assert_allclose(out[:, 7], model[0, 5:, 7].numpy(), atol=1e-6)  # absolute gripper: same model value
+    assert (out[:, 8:] == model[0, 5:, 8:].numpy()).all()  # padding columns and the constant one keep their values
+    assert (out[:, 3] == model[0, 5:, 3].numpy()).all()
+    joints = [0, 1, 2, 4, 5, 6]  # relative joints move by the state change, in model units
+    shifted = out[:, joints] - model[0, 5:, joints].numpy()
+    expected = 2 * (old_state[joints] - new_state[joints]) / (stats.q99 - stats.q01)[joints]
+    np.testing.assert_allclose(shifted, np.broadcast_to(expected, shifted.shape), atol=1e-6)
+
+
+# ------------------------------------------------------------------------------- the policy
+
+
+@pytest.fixture(scope="module")
+def policies(tiny_model):
+    return {mode: make_policy(tiny_model, continuation=mode, dit_step_cache="off", num_inference_steps=4) for mode in ("inpaint", "clean_prefix")}
+
+
+@pytest.mark.parametrize("mode", ["inpaint", "clean_prefix"])
+def test_frozen_actions_come_back_as_the_robot_executes_them(policies, mode):
+    policy, cache = policies[mode]
+    obs = list(observations(3, seed=1))
+    session = policy.start_session(f"f-{mode}", cache.open_session(f"f-{mode}"))
+    first = policy.step(session, obs[0])
+    assert (first.info["chunk_id"], first.info["frozen"]) == (1, 0) and "continuation" not in first.info
+    second = policy.step(session, continued(obs[1], executed=5, delay=4, chunk_id=1))
+    assert (second.info["chunk_id"], second.info["frozen"], second.info["continuation"]) == (2, 4, APPLIED)
+    assert np.array_equal(second.actions[:4], first.actions[5:9])  # bit for bit
+    assert not np.allclose(second.actions[4:15], first.actions[9:20], atol=1e-3)  # the rest is the model's
+    third = policy.step(session, continued(obs[2], executed=0, delay=24))  # no chunk_id: the last chunk
+    assert third.info["frozen"] == 24 and np.array_equal(third.actions, second.actions)
+    policy.end_session(session)
+    cache.end_session(session.kv)
+    assert session.last_chunk is None
+
+
+def test_a_continuation_that_cannot_apply_is_a_fresh_chunk_and_says_why(policies, tiny_model):
+    policy, cache = policies["inpaint"]
+    obs = list(observations(8, seed=2))
+    plain = policy.start_session("plain", cache.open_session("plain"))
+    reference = [policy.step(plain, o) for o in obs[:2]]
+    session = policy.start_session("fresh", cache.open_session("fresh"))
+    first = policy.step(session, continued(obs[0], 2, 2))
+    assert (first.info["frozen"], first.info["continuation"]) == (0, NO_PREVIOUS_CHUNK)
+    assert np.array_equal(first.actions, reference[0].actions)  # served exactly as without the field
+    unknown = policy.step(session, continued(obs[1], 2, 2, chunk_id=7))
+    assert (unknown.info["frozen"], unknown.info["continuation"]) == (0, UNKNOWN_CHUNK_ID)
+    assert np.array_equal(unknown.actions, reference[1].actions)
+    changed = RobotObservation(cameras=obs[2].cameras, states=obs[2].states, prompt="wipe the table", continuation=Continuation(1, 1))
+    assert policy.step(session, changed).info["continuation"] == PROMPT_CHANGE
+    reasons = []
+    for o in obs[3:8]:  # the window fills, then restarts
+        result = policy.step(session, continued(RobotObservation(cameras=o.cameras, states=o.states, prompt="wipe the table"), 1, 1))
+        reasons.append(result.info["continuation"])
+    assert WINDOW_RESTART in reasons and reasons.count(APPLIED) == len(reasons) - 1
+    for s in (plain, session):
+        policy.end_session(s)
+        cache.end_session(s.kv)
+
+
+@pytest.mark.parametrize("mode", ["inpaint", "clean_prefix"])
+def test_continuations_batch_with_ordinary_calls_and_equal_their_unbatched_results(tiny_model, mode):
+    from kv import PagedKVCache
+    from policies.base import RuntimeOptions
+    from policies.dreamzero.policy import DreamZeroPolicy
+
+    policy = DreamZeroPolicy(DreamZeroConfig(view_size=(48, 80), continuation=mode, num_inference_steps=4, dit_step_mask=[True, False, True, True]),
+                             RuntimeOptions(max_batch=3), model=tiny_model)  # fmt: skip
+    spec = policy.kv_spec()
+    cache = PagedKVCache(spec, num_pages=6 * len(policy.branches) * spec.pages_per_branch + 1, max_sessions=6, branches=policy.branches, max_batch=3)
+    episodes = {name: list(observations(2, seed=seed)) for seed, name in enumerate("abc")}
+    requests = {  # a: continues, b: ordinary, c: asks for a continuation that cannot apply (unknown chunk)
+        "a": [episodes["a"][0], continued(episodes["a"][1], 3, 5)],
+        "b": episodes["b"],
+        "c": [episodes["c"][0], continued(episodes["c"][1], 3, 5, chunk_id=9)],
+    }
+    alone = {}
+    for name, episode in requests.items():
+        session = policy.start_session(f"alone-{name}", cache.open_session(f"alone-{name}"))
+        alone[name] = [policy.step(session, o) for o in episode]
+        policy.end_session(session)
+        cache.end_session(session.kv)
+    sessions = {name: policy.start_session(name, cache.open_session(name)) for name in requests}
+    for call in range(2):
+        results = policy.step_batch([(sessions[name], requests[name][call]) for name in requests])
+        for name, result in zip(requests, results, strict=True):
+            assert not isinstance(result, BaseException)
+            np.testing.assert_allclose(result.actions, alone[name][call].actions, atol=ATOL, rtol=0)
+            assert result.info["frozen"] == alone[name][call].info["frozen"]
+    assert alone["a"][1].info["frozen"] == 5 and alone["c"][1].info["frozen"] == 0
+
+
+@pytest.mark.parametrize("variant", ["tiny_agibot", "tiny_yam", "tiny_5b"])
+def test_every_embodiment_and_family_continues_exactly(variant):
+    from kv import PagedKVCache
+    from policies.base import RuntimeOptions
+    from policies.dreamzero.policy import DreamZeroPolicy
+
+    model = DreamZeroModel.load(ensure_tiny_checkpoint(variant=variant))
+    policy = DreamZeroPolicy(
+        DreamZeroConfig(checkpoint=f"builtin:{variant}", num_inference_steps=2, dit_step_cache="off"), RuntimeOptions(), model=model
+    )
+    spec = policy.kv_spec()
+    cache = PagedKVCache(spec, num_pages=len(policy.branches) * spec.pages_per_branch + 1, max_sessions=1, branches=policy.branches)
+    obs = list(policy.warmup_observations())[:2]
+    rng = np.random.default_rng(3)
+    states = [{k: rng.uniform(-1, 1, v.shape).astype(np.float32) for k, v in o.states.items()} for o in obs]
+    session = policy.start_session("e", cache.open_session("e"))
+    first = policy.step(session, RobotObservation(cameras=obs[0].cameras, states=states[0], prompt="fold the towel"))
+    second = policy.step(
+        session, RobotObservation(cameras=obs[1].cameras, states=states[1], prompt="fold the towel", continuation=Continuation(4, 6, 1))
+    )
+    assert second.info["frozen"] == 6 and np.array_equal(second.actions[:6], first.actions[4:10])
+    assert policy.embodiment.relative_action_keys or variant == "tiny_5b"  # relative keys exercised where the embodiment has them

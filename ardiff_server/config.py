@@ -25,8 +25,8 @@ from typing import Any, Literal
 import pydantic
 import yaml
 
+from ardiff_policies.registry import policy_entry
 from ardiff_server.net import TlsError, server_tls_context
-from policies.registry import policy_entry
 
 CONFIG_DIR = Path(os.environ.get("ARDIFF_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs"))
 

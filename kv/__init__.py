@@ -10,14 +10,14 @@
 ``dense``      upstream concat-and-slice semantics, the reference for tests and benchmarks
 """
 
-from kv.attention import PagedLayerInputs, paged_attention, paged_write_attend
-from kv.cache import PagedKVCache, kv_budget_bytes
-from kv.dense import DenseKVCache, DenseLayerKV
-from kv.pool import CapacityError, PagePool
-from kv.session import ForwardContext, SessionKV, prepare_batch
-from kv.spec import Branch, CrossKV, KVSpec
-from kv.storage import CrossAttentionSlots, PagedStorage
-from kv.window import pages_to_evict, pages_to_fit, visible_pages
+from ardiff_kv.attention import PagedLayerInputs, paged_attention, paged_write_attend
+from ardiff_kv.cache import PagedKVCache, kv_budget_bytes
+from ardiff_kv.dense import DenseKVCache, DenseLayerKV
+from ardiff_kv.pool import CapacityError, PagePool
+from ardiff_kv.session import ForwardContext, SessionKV, prepare_batch
+from ardiff_kv.spec import Branch, CrossKV, KVSpec
+from ardiff_kv.storage import CrossAttentionSlots, PagedStorage
+from ardiff_kv.window import pages_to_evict, pages_to_fit, visible_pages
 
 __all__ = [
     "Branch",

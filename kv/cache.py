@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kv.pool import CapacityError, PagePool
-from kv.session import SessionKV
-from kv.spec import Branch, KVSpec
-from kv.storage import PagedStorage
+from ardiff_kv.pool import CapacityError, PagePool
+from ardiff_kv.session import SessionKV
+from ardiff_kv.spec import Branch, KVSpec
+from ardiff_kv.storage import PagedStorage
 
 logger = logging.getLogger(__name__)
 

@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kv.attention import PagedLayerInputs
-from kv.pool import PagePool
-from kv.spec import Branch, CrossKV
-from kv.storage import PagedStorage
-from kv.window import pages_to_evict, pages_to_fit, visible_pages
+from ardiff_kv.attention import PagedLayerInputs
+from ardiff_kv.pool import PagePool
+from ardiff_kv.spec import Branch, CrossKV
+from ardiff_kv.storage import PagedStorage
+from ardiff_kv.window import pages_to_evict, pages_to_fit, visible_pages
 
 logger = logging.getLogger(__name__)
 

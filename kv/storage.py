@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kv.attention import allow_batch_shapes
-from kv.pool import CapacityError
-from kv.spec import Branch, CrossKV, KVSpec
+from ardiff_kv.attention import allow_batch_shapes
+from ardiff_kv.pool import CapacityError
+from ardiff_kv.spec import Branch, CrossKV, KVSpec
 
 
 class CrossAttentionSlots:

@@ -15,12 +15,12 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import pydantic
 
-from kv import Branch, KVSpec, SessionKV
-from policies import registry
-from policies.errors import StartRefused  # noqa: F401 - where policies and workers import it from
-from policies.guidance import Guidance
-from policies.info import PolicyInfo
-from policies.observation import RobotObservation
+from ardiff_kv import Branch, KVSpec, SessionKV
+from ardiff_policies import registry
+from ardiff_policies.errors import StartRefused  # noqa: F401 - where policies and workers import it from
+from ardiff_policies.guidance import Guidance
+from ardiff_policies.info import PolicyInfo
+from ardiff_policies.observation import RobotObservation
 
 
 @dataclass(frozen=True)

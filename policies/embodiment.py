@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from policies.errors import StartRefused
+from ardiff_policies.errors import StartRefused
 
 OBSERVATION_PREFIX = "observation/"
 Layout = Literal["droid", "grid", "single"]

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from kv import Branch
+from ardiff_kv import Branch
 
 
 class Transport(Protocol):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from policies.embodiment import ObservationSchema
+from ardiff_policies.embodiment import ObservationSchema
 
 # RoboArena's PolicyServerConfig fields, in its order.
 SERVER_CONFIG_KEYS = (

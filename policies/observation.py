@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from policies.continuation import Continuation
-from policies.episode import EpisodeCall
+from ardiff_policies.continuation import Continuation
+from ardiff_policies.episode import EpisodeCall
 
 # The DROID names (RoboArena's wire): cameras and state vectors, in this order.
 CAMERAS = ("wrist", "exterior_left", "exterior_right")

@@ -25,13 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_task  # noqa: E402
 from train_tiny_task import DEFAULT_STEPS, VIEW, ensure_task_checkpoint  # noqa: E402
 
+from ardiff_kv import PagedKVCache  # noqa: E402
+from ardiff_policies.base import RuntimeOptions  # noqa: E402
+from ardiff_policies.dreamzero.config import DreamZeroConfig  # noqa: E402
+from ardiff_policies.dreamzero.model import DreamZeroModel  # noqa: E402
+from ardiff_policies.dreamzero.policy import DreamZeroPolicy  # noqa: E402
 from ardiff_server.tools.async_client import AsyncChunkRunner, DelayedRequester, SimulatedClock  # noqa: E402
 from ardiff_server.wire.decode import decode_request  # noqa: E402
-from kv import PagedKVCache  # noqa: E402
-from policies.base import RuntimeOptions  # noqa: E402
-from policies.dreamzero.config import DreamZeroConfig  # noqa: E402
-from policies.dreamzero.model import DreamZeroModel  # noqa: E402
-from policies.dreamzero.policy import DreamZeroPolicy  # noqa: E402
 
 ROWS = (("blocking", "blocking", None), ("async, no continuation", "async", None),
         ("inpaint", "continuation", "inpaint"), ("clean_prefix", "continuation", "clean_prefix"))  # fmt: skip

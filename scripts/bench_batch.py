@@ -57,10 +57,10 @@ def engine_only(config: str, robot_counts: list[int], calls: int, threads: int) 
     import numpy as np
     import torch
 
+    from ardiff_kv import PagedKVCache
+    from ardiff_policies.base import RuntimeOptions, build_policy
+    from ardiff_policies.observation import RobotObservation
     from ardiff_server.config import load_config
-    from kv import PagedKVCache
-    from policies.base import RuntimeOptions, build_policy
-    from policies.observation import RobotObservation
 
     torch.set_num_threads(threads)
     app = load_config(config)

@@ -49,11 +49,9 @@ import torch
 from benchlib import ForeignLoad, contended
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from ardiff_server.config import validate_config
-from ardiff_server.engine.builder import build_engine
-from kv import CrossKV, DenseKVCache
-from policies.dreamzero.dit import CausalWanModel, DiTConfig
-from policies.dreamzero.tiny import (
+from ardiff_kv import CrossKV, DenseKVCache
+from ardiff_policies.dreamzero.dit import CausalWanModel, DiTConfig
+from ardiff_policies.dreamzero.tiny import (
     TINY_DIT,
     TINY_IMAGE_ENCODER,
     TINY_TEXT_ENCODER,
@@ -62,7 +60,9 @@ from policies.dreamzero.tiny import (
     ensure_tiny_checkpoint,
     write_checkpoint,
 )
-from policies.observation import RobotObservation
+from ardiff_policies.observation import RobotObservation
+from ardiff_server.config import validate_config
+from ardiff_server.engine.builder import build_engine
 
 PHASES = ("frames", "text", "vision", "vae", "prefill", "denoise", "decode")
 DROID_VIEW_SIZE = (176, 320)  # -> 352x640 canvas -> 44x80 latents -> 22x40 patches = 880 tokens

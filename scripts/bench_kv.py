@@ -59,8 +59,8 @@ import torch.nn.functional as F
 from benchlib import ForeignLoad, contended
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kv import Branch, DenseKVCache, KVSpec, PagedKVCache, PagedLayerInputs, paged_write_attend
-from kv.attention import sdpa_paged_attention, write_attend
+from ardiff_kv import Branch, DenseKVCache, KVSpec, PagedKVCache, PagedLayerInputs, paged_write_attend
+from ardiff_kv.attention import sdpa_paged_attention, write_attend
 
 # DreamZero-DROID geometry (docs/spec.md §6).
 PAGE = 880  # tokens per latent frame = one page

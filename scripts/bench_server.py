@@ -133,7 +133,7 @@ class _AnswerAtOnce:
     """An engine client that answers on the event loop: our front end without the process hop."""
 
     def __init__(self, compute_ms: float) -> None:
-        from policies.info import PolicyInfo, droid_server_config
+        from ardiff_policies.info import PolicyInfo, droid_server_config
 
         self.policy = TrivialPolicy(compute_ms)
         self.info = PolicyInfo(droid_server_config(), ACTION_SHAPE[0], ACTION_SHAPE[1], model="noop")

@@ -29,8 +29,8 @@ from typing import Any
 import pydantic
 from pydantic_core import PydanticUndefined
 
+from ardiff_policies.registry import policy_entry
 from ardiff_server.config import EngineConfig, RayConfig, ServerConfig
-from policies.registry import policy_entry
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "options.md"
 

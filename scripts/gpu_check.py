@@ -157,7 +157,7 @@ def observations(calls: int, seed: int = 0):
     """DROID-shaped observations: 1 frame first, then 4-frame stacks; the same for every variant."""
     import numpy as np
 
-    from policies.observation import RobotObservation
+    from ardiff_policies.observation import RobotObservation
 
     rng = np.random.default_rng(seed)
     out = []
@@ -176,8 +176,8 @@ def kv_spec_for(checkpoint: str, dtype: str):
     """The KV spec the policy will ask for (policy.kv_spec from the synthetic DiT config)."""
     import torch
 
-    from policies.dreamzero.policy import DreamZeroPolicy
-    from policies.dreamzero.synthetic import parse_spec
+    from ardiff_policies.dreamzero.policy import DreamZeroPolicy
+    from ardiff_policies.dreamzero.synthetic import parse_spec
 
     spec = parse_spec(checkpoint)
     stub = type("Stub", (), {"dit_config": spec.dit, "dtype": getattr(torch, dtype)})()
@@ -574,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from bench_chunk import call_flops, matmul_rate
     from benchlib import ForeignLoad, contended
 
-    from policies.dreamzero.synthetic import parameter_bytes, release_cached_model, synthetic_model
+    from ardiff_policies.dreamzero.synthetic import parameter_bytes, release_cached_model, synthetic_model
 
     _, spec = kv_spec_for(args.checkpoint, args.dtype)
     args.view_size = spec.view_size
@@ -615,7 +615,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     del model
     log(f"synthetic model: {report['params_b']:.2f} B parameters, {gib(sum(weights.values())):.2f} GiB in {report['materialize_s']:.1f} s")
     # The server's memory plan for this engine, to hold against the measured peaks (calibrates its estimates).
-    from policies.dreamzero import memory
+    from ardiff_policies.dreamzero import memory
 
     budget = kv_budget_gib(kv_spec_for(args.checkpoint, args.dtype)[0], args.max_sessions)
     settings = memory.PlanSettings(args.device, dtype, max_sessions=args.max_sessions, kv_budget_gib=budget)
@@ -705,14 +705,14 @@ def lingbot_va_check(args, cuda: bool, full: bool) -> dict[str, Any]:
     import numpy as np
     import torch
 
+    from ardiff_policies.lingbot_va import memory as lv_memory
+    from ardiff_policies.lingbot_va.policy import kv_spec
+    from ardiff_policies.lingbot_va.serving import embodiment_by_name
+    from ardiff_policies.lingbot_va.synthetic import parse_spec
+    from ardiff_policies.observation import RobotObservation
     from ardiff_server.config import validate_config
     from ardiff_server.engine.builder import build_engine
     from ardiff_server.engine.messages import ErrorReply, Infer
-    from policies.lingbot_va import memory as lv_memory
-    from policies.lingbot_va.policy import kv_spec
-    from policies.lingbot_va.serving import embodiment_by_name
-    from policies.lingbot_va.synthetic import parse_spec
-    from policies.observation import RobotObservation
 
     name = args.embodiment or ("robotwin" if full or "released" in args.checkpoint else "tiny_robotwin")
     sizes = [int(b) for b in args.batches.split(",") if b.strip()] or [1]

@@ -14,7 +14,7 @@ import hashlib
 import time
 from pathlib import Path
 
-from policies.dreamzero.tiny import TINY_VARIANTS, default_cache_dir, ensure_tiny_checkpoint, write_tiny_checkpoint
+from ardiff_policies.dreamzero.tiny import TINY_VARIANTS, default_cache_dir, ensure_tiny_checkpoint, write_tiny_checkpoint
 
 
 def main() -> None:

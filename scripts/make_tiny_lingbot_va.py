@@ -11,7 +11,7 @@ import argparse
 import time
 from pathlib import Path
 
-from policies.lingbot_va.tiny import TINY_SEED, default_cache_dir, ensure_tiny_checkpoint, tree_digest, write_tiny_checkpoint
+from ardiff_policies.lingbot_va.tiny import TINY_SEED, default_cache_dir, ensure_tiny_checkpoint, tree_digest, write_tiny_checkpoint
 
 
 def main() -> None:

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from policies.dreamzero import memory
-from policies.dreamzero.dit import DiTConfig
+from ardiff_policies.dreamzero import memory
+from ardiff_policies.dreamzero.dit import DiTConfig
 
 GiB = memory.GiB
 CARDS_GIB = (24, 48, 80, 141)
@@ -63,8 +63,8 @@ def geometry_14b() -> memory.ModelGeometry:
 def geometry_5b() -> memory.ModelGeometry:
     from diffusers import AutoencoderKLWan
 
-    from policies.dreamzero.dit import CausalWanModel
-    from policies.dreamzero.encoders import ImageEncoder, TextEncoder
+    from ardiff_policies.dreamzero.dit import CausalWanModel
+    from ardiff_policies.dreamzero.encoders import ImageEncoder, TextEncoder
 
     with torch.device("meta"):
         modules = (CausalWanModel(DIT_5B), TextEncoder.from_config(), ImageEncoder.from_config(), AutoencoderKLWan(**WAN22_VAE))
@@ -126,8 +126,8 @@ def markdown(table: list[Row]) -> str:
 
 
 def lingbot_va_table() -> tuple[str, list[dict]]:
-    from policies.lingbot_va import memory as lv_memory
-    from policies.lingbot_va.config import FRANKA, ROBOTWIN
+    from ardiff_policies.lingbot_va import memory as lv_memory
+    from ardiff_policies.lingbot_va.config import FRANKA, ROBOTWIN
 
     cards = " | ".join(f"{c} GiB" for c in CARDS_GIB)
     lines = [

@@ -370,9 +370,9 @@ def record_policy(head: torch.nn.Module, checkpoint: Path, out: dict[str, torch.
     from transformers import AutoTokenizer
     from transformers.feature_extraction_utils import BatchFeature
 
-    from policies.dreamzero.config import DEFAULT_NEGATIVE_PROMPT
-    from policies.dreamzero.tiny import TINY_5B_VIEW_SIZE
-    from policies.dreamzero.transforms import NormStats, clean_prompt, droid_prompt, normalize_state
+    from ardiff_policies.dreamzero.config import DEFAULT_NEGATIVE_PROMPT
+    from ardiff_policies.dreamzero.tiny import TINY_5B_VIEW_SIZE
+    from ardiff_policies.dreamzero.transforms import NormStats, clean_prompt, droid_prompt, normalize_state
 
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint / "tokenizer"), local_files_only=True)
 
@@ -412,7 +412,7 @@ def main() -> None:
     args = parser.parse_args()
     from safetensors.torch import load_file, save_file
 
-    from policies.dreamzero.tiny import write_tiny_checkpoint
+    from ardiff_policies.dreamzero.tiny import write_tiny_checkpoint
 
     torch.manual_seed(0)
     _UP = import_upstream(args.upstream.resolve())

@@ -254,7 +254,7 @@ def upstream_server(path: Path, checkpoint: Path, embodiment: Any, save_root: Pa
 
 def record_policy(path: Path, checkpoint: Path, save_root: Path, out: dict[str, torch.Tensor]) -> dict[str, Any]:
     """An episode through upstream's server, the way the RoboTwin client drives it."""
-    from policies.lingbot_va.tiny import TINY_EMBODIMENT as e
+    from ardiff_policies.lingbot_va.tiny import TINY_EMBODIMENT as e
 
     srv = upstream_server(path, checkpoint, e, save_root)
     srv.infer({"reset": True, "prompt": POLICY["prompt"]})
@@ -281,7 +281,7 @@ def main() -> None:
     import diffusers
     from safetensors.torch import save_file
 
-    from policies.lingbot_va.tiny import tree_digest, write_tiny_checkpoint
+    from ardiff_policies.lingbot_va.tiny import tree_digest, write_tiny_checkpoint
 
     up = import_upstream(args.upstream.resolve())
     out: dict[str, torch.Tensor] = {}

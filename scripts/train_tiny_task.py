@@ -35,13 +35,13 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_task  # noqa: E402 (a sibling script module)
 
-from policies.base import RuntimeOptions  # noqa: E402
-from policies.dreamzero.config import DreamZeroConfig  # noqa: E402
-from policies.dreamzero.model import DreamZeroModel  # noqa: E402
-from policies.dreamzero.naming import DIT_PREFIX  # noqa: E402
-from policies.dreamzero.policy import DreamZeroPolicy  # noqa: E402
-from policies.dreamzero.tiny import default_cache_dir, droid_metadata, ensure_tiny_checkpoint  # noqa: E402
-from policies.observation import RobotObservation  # noqa: E402
+from ardiff_policies.base import RuntimeOptions  # noqa: E402
+from ardiff_policies.dreamzero.config import DreamZeroConfig  # noqa: E402
+from ardiff_policies.dreamzero.model import DreamZeroModel  # noqa: E402
+from ardiff_policies.dreamzero.naming import DIT_PREFIX  # noqa: E402
+from ardiff_policies.dreamzero.policy import DreamZeroPolicy  # noqa: E402
+from ardiff_policies.dreamzero.tiny import default_cache_dir, droid_metadata, ensure_tiny_checkpoint  # noqa: E402
+from ardiff_policies.observation import RobotObservation  # noqa: E402
 
 VERSION = 1
 DEFAULT_STEPS = 600

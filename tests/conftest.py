@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from policies.dreamzero.tiny import ensure_tiny_checkpoint
+from ardiff_policies.dreamzero.tiny import ensure_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -16,6 +16,6 @@ def tiny_checkpoint() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_checkpoint):
-    from policies.dreamzero.model import DreamZeroModel
+    from ardiff_policies.dreamzero.model import DreamZeroModel
 
     return DreamZeroModel.load(tiny_checkpoint)

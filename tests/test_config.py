@@ -114,8 +114,8 @@ def test_cfg_parallel_ranks_get_a_gpu_each_or_the_config_is_refused():
 def test_an_embodiment_a_checkpoint_lacks_is_refused_in_one_line_by_a_worker_too():
     """Preflight turns it into a ConfigError (a ValueError); a worker, which sees it for built-in
     checkpoints, logs a StartRefused as one line instead of a traceback."""
-    from policies.embodiment import EmbodimentError
-    from policies.errors import StartRefused
+    from ardiff_policies.embodiment import EmbodimentError
+    from ardiff_policies.errors import StartRefused
 
     error = EmbodimentError("policy.embodiment: experiment_cfg/metadata.json has no 'nope'")
     assert isinstance(error, ValueError) and isinstance(error, StartRefused)

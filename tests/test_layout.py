@@ -18,6 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 FLOORS = {"config": 0, "net": 0, "wire": 1, "tools": 2, "engine": 3, "frontend": 4, "ray": 5, "cli": 6, "__main__": 6, "ray_serve": 6}
 
+NAMES = {"kv": "ardiff_kv", "policies": "ardiff_policies"}  # folders -> the names they install under (pyproject.toml)
+
 
 def _floor(module: str) -> int | None:
     """The floor of an ``ardiff_server.*`` module name (None for the package root itself)."""
@@ -41,6 +43,7 @@ def _modules(package: str) -> list[tuple[str, Path]]:
     out = []
     for path in sorted(root.rglob("*.py")):
         parts = path.relative_to(REPO).with_suffix("").parts
+        parts = (NAMES.get(parts[0], parts[0]), *parts[1:])  # the installed name (kv/ -> ardiff_kv)
         out.append((".".join(parts[:-1] if parts[-1] == "__init__" else parts), path))
     return out
 
@@ -62,14 +65,14 @@ def test_no_lower_floor_imports_a_higher_one():
     assert upward == []
 
 
-@pytest.mark.parametrize(("package", "forbidden"), [("kv", ("policies", "ardiff_server")), ("policies", ("ardiff_server",))])
+@pytest.mark.parametrize(("package", "forbidden"), [("kv", ("ardiff_policies", "ardiff_server")), ("policies", ("ardiff_server",))])
 def test_kv_and_policies_do_not_import_the_server(package, forbidden):
     bad = [f"{name} -> {imp}" for name, path in _modules(package) for imp in _imports(path) if imp.split(".")[0] in forbidden]
     assert bad == []
 
 
 def test_kv_has_no_import_cycle():
-    graph = {name: {i for i in _imports(path) if i.startswith("kv.")} for name, path in _modules("kv") if not name.endswith("__init__")}
+    graph = {name: {i for i in _imports(path) if i.startswith("ardiff_kv.")} for name, path in _modules("kv") if not name.endswith("__init__")}
     visiting, done = set(), set()
 
     def visit(node: str, trail: list[str]) -> None:
@@ -89,7 +92,7 @@ def test_kv_has_no_import_cycle():
 def test_front_end_modules_never_load_torch():
     front = [
         "ardiff_server.cli", "ardiff_server.frontend.server", "ardiff_server.engine.replicas", "ardiff_server.engine.inproc_client",
-        "ardiff_server.tools.replay", "ardiff_server.ray.run", "ardiff_server.ray.client", "policies.dreamzero.config",
+        "ardiff_server.tools.replay", "ardiff_server.ray.run", "ardiff_server.ray.client", "ardiff_policies.dreamzero.config",
     ]  # fmt: skip
     code = f"import sys; import {', '.join(front)}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)

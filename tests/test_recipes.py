@@ -10,8 +10,8 @@ import shlex
 import pytest
 import torch
 
+from ardiff_policies.dreamzero import memory
 from ardiff_server.config import ConfigError, load_config, preflight
-from policies.dreamzero import memory
 from tests.helpers.scripts import load_script
 from tests.helpers.server_harness import REPO
 

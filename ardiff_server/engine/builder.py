@@ -12,9 +12,9 @@ import os
 
 import torch
 
+from ardiff_kv import PagedKVCache, kv_budget_bytes
+from ardiff_kv.storage import device_free_bytes
 from ardiff_server.engine.core import SessionEngine
-from kv import PagedKVCache, kv_budget_bytes
-from kv.storage import device_free_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +37,8 @@ def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> Se
     """
     import torch.distributed as dist
 
-    from policies.base import RuntimeOptions, build_policy
-    from policies.guidance import Guidance
+    from ardiff_policies.base import RuntimeOptions, build_policy
+    from ardiff_policies.guidance import Guidance
 
     engine_config = config.engine
     device = torch.device(engine_config.rank_device(rank))

@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from ardiff_policies.info import PolicyInfo
+from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine.messages import DetachReason, EngineError, EngineStats, InferReply
-from policies.info import PolicyInfo
-from policies.observation import RobotObservation
 
 EngineState = Literal["starting", "ready", "restarting", "stuck", "unresponsive", "stopped"]
 

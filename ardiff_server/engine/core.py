@@ -31,6 +31,10 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ardiff_kv import CapacityError, PagedKVCache, SessionKV
+from ardiff_policies.base import Policy, StepResult
+from ardiff_policies.observation import RobotObservation, UnsupportedObservation
+from ardiff_policies.progress import StepProgress, frames_label
 from ardiff_server.engine.messages import (
     ControlReply,
     Detach,
@@ -45,10 +49,6 @@ from ardiff_server.engine.messages import (
     Request,
 )
 from ardiff_server.engine.scheduler import Round, Scheduler, capacity_message, choose_victims
-from kv import CapacityError, PagedKVCache, SessionKV
-from policies.base import Policy, StepResult
-from policies.observation import RobotObservation, UnsupportedObservation
-from policies.progress import StepProgress, frames_label
 
 logger = logging.getLogger(__name__)
 

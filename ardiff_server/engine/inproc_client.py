@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any
 
+from ardiff_policies.info import PolicyInfo
+from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine.client import EngineState, ReplicaStatus
 from ardiff_server.engine.loop import serve
 from ardiff_server.engine.messages import (
@@ -31,8 +33,6 @@ from ardiff_server.engine.messages import (
     Request,
     Shutdown,
 )
-from policies.info import PolicyInfo
-from policies.observation import RobotObservation
 
 
 class InprocClient:

@@ -24,8 +24,8 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 
-from policies.info import PolicyInfo
-from policies.observation import RobotObservation
+from ardiff_policies.info import PolicyInfo
+from ardiff_policies.observation import RobotObservation
 
 _T = TypeVar("_T")
 

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ardiff_policies.info import PolicyInfo
+from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine.channel import read_message
 from ardiff_server.engine.client import EngineState, ReplicaStatus, done_if_sessions_gone
 from ardiff_server.engine.messages import (
@@ -44,8 +46,6 @@ from ardiff_server.engine.messages import (
 )
 from ardiff_server.engine.shm import Allocation, SharedArena, create_arena
 from ardiff_server.engine.worker_group import WorkerGroup
-from policies.info import PolicyInfo
-from policies.observation import RobotObservation
 
 logger = logging.getLogger(__name__)
 

@@ -16,12 +16,12 @@ import asyncio
 import logging
 from typing import Any
 
+from ardiff_policies.info import PolicyInfo
+from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine.client import EngineState, ReplicaStatus
 from ardiff_server.engine.messages import DetachReason, EngineError, ErrorKind, InferReply
 from ardiff_server.engine.placement import ReplicaLoad, SessionPlacement
 from ardiff_server.engine.process_client import ProcessClient
-from policies.info import PolicyInfo
-from policies.observation import RobotObservation
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine.messages import pickled_by_fields
-from policies.observation import RobotObservation
 
 logger = logging.getLogger(__name__)
 

@@ -70,7 +70,7 @@ def worker_main(
         engine = start_engine(config, rank, world_size, control, warmup=warmup)
         arena = SharedArena.attach(arena_name) if arena_name else None
     except BaseException as exc:
-        from policies.base import StartRefused
+        from ardiff_policies.base import StartRefused
 
         if isinstance(exc, StartRefused):  # the policy explains itself in one line (e.g. its memory plan)
             logger.error("%s", exc)

@@ -14,11 +14,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine.messages import EngineError
 from ardiff_server.frontend.sessions import Connection
 from ardiff_server.wire.lingbot_va import LingBotVARequest, action_reply
 from ardiff_server.wire.protocol import pack
-from policies.observation import RobotObservation
 
 if TYPE_CHECKING:
     from ardiff_server.frontend.service import PolicyService

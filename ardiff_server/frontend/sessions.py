@@ -41,10 +41,10 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from ardiff_policies.observation import RobotObservation
 from ardiff_server.config import fair_share
 from ardiff_server.engine.client import EngineClient
 from ardiff_server.engine.messages import DetachReason, EngineError, ErrorKind, InferReply
-from policies.observation import RobotObservation
 
 logger = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ardiff_policies.info import PolicyInfo
+from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine.client import EngineState, ReplicaStatus, done_if_sessions_gone
 from ardiff_server.engine.messages import DetachReason, EngineError, EngineStats, ErrorKind, ErrorReply, InferReply
 from ardiff_server.ray.plan import MODEL_DEPLOYMENT
-from policies.info import PolicyInfo
-from policies.observation import RobotObservation
 
 logger = logging.getLogger(__name__)
 

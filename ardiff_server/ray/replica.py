@@ -19,14 +19,14 @@ import time
 import uuid
 from typing import Any
 
+from ardiff_policies.observation import RobotObservation
 from ardiff_server.config import AppConfig, validate_config
 from ardiff_server.engine.messages import ControlReply, DetachReason, EngineError, EngineStats, ErrorReply
 from ardiff_server.ray.plan import plan_deployment, replica_config, uses_cuda
-from policies.observation import RobotObservation
 
 logger = logging.getLogger(__name__)
 
-_LOGGERS = ("ardiff_server", "policies", "kv")
+_LOGGERS = ("ardiff_server", "ardiff_policies", "ardiff_kv")
 
 
 class EngineReplica:

@@ -45,11 +45,11 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ardiff_policies.continuation import Continuation
+from ardiff_policies.embodiment import ObservationSchema
+from ardiff_policies.observation import RobotObservation
 from ardiff_server.wire.jpeg import JpegError, decode_jpeg
 from ardiff_server.wire.protocol import ProtocolError, short_repr
-from policies.continuation import Continuation
-from policies.embodiment import ObservationSchema
-from policies.observation import RobotObservation
 
 __all__ = [
     "MAX_FRAMES",

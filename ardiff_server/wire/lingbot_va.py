@@ -24,10 +24,10 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ardiff_policies.episode import EpisodeCall
+from ardiff_policies.observation import RobotObservation
 from ardiff_server.wire.decode import MAX_FRAMES, MAX_IMAGE_SIDE, MAX_PROMPT_CHARS, RequestError
 from ardiff_server.wire.protocol import short_repr
-from policies.episode import EpisodeCall
-from policies.observation import RobotObservation
 
 CAMERA_PREFIX = "observation.images."  # upstream's camera keys: observation.images.<camera>
 MARKER_KEYS = ("reset", "compute_kv_cache", "obs")

@@ -26,8 +26,8 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-from policies.dreamzero.naming import COMPONENT_PREFIXES, Target
-from policies.progress import LoadProgress
+from ardiff_policies.dreamzero.naming import COMPONENT_PREFIXES, Target
+from ardiff_policies.progress import LoadProgress
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Literal
 
 import pydantic
 
-from policies import hub
+from ardiff_policies import hub
 
 # Upstream's default (NUM_DIT_STEPS=8): which of the 16 denoise steps run the DiT.
 UPSTREAM_STEP_MASK = [True, True, True, False, False, False, True, False, False, False, True, False, False, True, True, True]
@@ -134,7 +134,7 @@ class DreamZeroConfig(pydantic.BaseModel):
         generated on first use; hub ids were made local by :meth:`preflight`, and an engine started
         without it (Ray replicas, in-process tests) fetches them here."""
         if self.checkpoint.startswith(BUILTIN_PREFIX):  # builtin:tiny, builtin:tiny_agibot, ...
-            from policies.dreamzero.tiny import ensure_tiny_checkpoint
+            from ardiff_policies.dreamzero.tiny import ensure_tiny_checkpoint
 
             checkpoint = ensure_tiny_checkpoint(variant=self.checkpoint.removeprefix(BUILTIN_PREFIX))
             # a tokenizer given beside it resolves as in preflight (a Hub id is fetched, never read as a relative path):
@@ -173,7 +173,7 @@ class DreamZeroConfig(pydantic.BaseModel):
         experiment_cfg/conf.yaml). Raises ValueError naming what the checkpoint lacks."""
         import json
 
-        from policies.dreamzero.embodiments import read_experiment_config, resolve
+        from ardiff_policies.dreamzero.embodiments import read_experiment_config, resolve
 
         path = checkpoint / "experiment_cfg" / "metadata.json"
         try:

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from policies.continuation import APPLIED, NO_PREVIOUS_CHUNK, PROMPT_CHANGE, UNKNOWN_CHUNK_ID, WINDOW_RESTART, Continuation, soft_mask
-from policies.dreamzero.transforms import NormStats
+from ardiff_policies.continuation import APPLIED, NO_PREVIOUS_CHUNK, PROMPT_CHANGE, UNKNOWN_CHUNK_ID, WINDOW_RESTART, Continuation, soft_mask
+from ardiff_policies.dreamzero.transforms import NormStats
 
 RelativeSlices = list[tuple[tuple[int, int], tuple[int, int]]]  # (action columns, state columns) per relative key
 

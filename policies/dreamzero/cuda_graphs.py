@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kv import PagedLayerInputs
+from ardiff_kv import PagedLayerInputs
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kv import CrossKV, DenseLayerKV, PagedLayerInputs, paged_write_attend
+from ardiff_kv import CrossKV, DenseLayerKV, PagedLayerInputs, paged_write_attend
 
 LayerKV = PagedLayerInputs | DenseLayerKV | None
 

@@ -36,8 +36,8 @@ from typing import Any
 import ftfy
 import regex
 
-from policies.embodiment import Embodiment, EmbodimentError, Part, camera_resolutions, choose_tag, read_statistics
-from policies.observation import STATES
+from ardiff_policies.embodiment import Embodiment, EmbodimentError, Part, camera_resolutions, choose_tag, read_statistics
+from ardiff_policies.observation import STATES
 
 # ------------------------------------------------------------------------------ prompts
 

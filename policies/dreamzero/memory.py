@@ -33,12 +33,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from kv import KVSpec, PagedKVCache, kv_budget_bytes
-from kv.storage import device_free_bytes as free_bytes
-from kv.storage import host_available_bytes  # noqa: F401
-from policies.base import RuntimeOptions, StartRefused
-from policies.dreamzero.dit import DiTConfig
-from policies.dreamzero.transforms import video_size
+from ardiff_kv import KVSpec, PagedKVCache, kv_budget_bytes
+from ardiff_kv.storage import device_free_bytes as free_bytes
+from ardiff_kv.storage import host_available_bytes  # noqa: F401
+from ardiff_policies.base import RuntimeOptions, StartRefused
+from ardiff_policies.dreamzero.dit import DiTConfig
+from ardiff_policies.dreamzero.transforms import video_size
 
 GiB = 2**30
 # What CUDA needs beyond the tensors PyTorch accounts: cuBLAS / cuDNN workspaces (the VAE's 3-D
@@ -129,9 +129,9 @@ def checkpoint_geometry(checkpoint: str | Path, view_size: Sequence[int] | None)
     """A checkpoint directory's geometry: its config.json read and its networks built on the meta device. The
     canvas the VAE sees is the checkpoint's resize target (the 5B), else the stitched views (``view_size``;
     None: the 14B's 176x320)."""
-    from policies.dreamzero.checkpoint import CheckpointDir
-    from policies.dreamzero.model import meta_modules
-    from policies.hub import snapshot_label
+    from ardiff_policies.dreamzero.checkpoint import CheckpointDir
+    from ardiff_policies.dreamzero.model import meta_modules
+    from ardiff_policies.hub import snapshot_label
 
     ckpt = CheckpointDir(checkpoint)
     head, _, modules = meta_modules(ckpt)
@@ -142,7 +142,7 @@ def checkpoint_geometry(checkpoint: str | Path, view_size: Sequence[int] | None)
 
 def synthetic_geometry(checkpoint: str) -> ModelGeometry:
     """A ``synthetic:`` checkpoint's geometry: the canvas its VAE sees, the resize target (the 5B) or its stitched views."""
-    from policies.dreamzero.synthetic import meta_modules, parse_spec
+    from ardiff_policies.dreamzero.synthetic import meta_modules, parse_spec
 
     spec = parse_spec(checkpoint)
     canvas = video_size("droid", spec.view_size, spec.head.target_video_size)
@@ -320,7 +320,7 @@ def pages_for_budget(spec: KVSpec, budget: int, *, max_sessions: int, num_branch
     may try budgets that the engine would never be given."""
     import logging
 
-    cache_logger = logging.getLogger("kv.cache")
+    cache_logger = logging.getLogger("ardiff_kv.cache")
     level = cache_logger.level
     cache_logger.setLevel(logging.ERROR)
     try:

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from policies.dreamzero.checkpoint import CheckpointDir, CheckpointError, load_component
-from policies.dreamzero.dit import CausalWanModel, DiTConfig
-from policies.dreamzero.embodiments import read_experiment_config
-from policies.dreamzero.encoders import WAN21_VAE_CONFIG, WAN22_VAE_CONFIG, ImageEncoder, TextEncoder, VideoVAE
-from policies.dreamzero.naming import (
+from ardiff_policies.dreamzero.checkpoint import CheckpointDir, CheckpointError, load_component
+from ardiff_policies.dreamzero.dit import CausalWanModel, DiTConfig
+from ardiff_policies.dreamzero.embodiments import read_experiment_config
+from ardiff_policies.dreamzero.encoders import WAN21_VAE_CONFIG, WAN22_VAE_CONFIG, ImageEncoder, TextEncoder, VideoVAE
+from ardiff_policies.dreamzero.naming import (
     DIT_PREFIX,
     IMAGE_ENCODER_PREFIX,
     TEXT_ENCODER_PREFIX,
@@ -29,7 +29,7 @@ from policies.dreamzero.naming import (
     text_encoder_targets,
     vae_targets,
 )
-from policies.dreamzero.upstream_layout import UPSTREAM_TARGETS, UPSTREAM_VAE38_TARGET
+from ardiff_policies.dreamzero.upstream_layout import UPSTREAM_TARGETS, UPSTREAM_VAE38_TARGET
 
 logger = logging.getLogger(__name__)
 

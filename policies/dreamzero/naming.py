@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import Tensor
 
-from policies.dreamzero.encoders import check_vae_config
+from ardiff_policies.dreamzero.encoders import check_vae_config
 
 DIT_PREFIX = "action_head.model."
 TEXT_ENCODER_PREFIX = "action_head.text_encoder."

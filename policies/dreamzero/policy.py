@@ -36,18 +36,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kv import Branch, KVSpec, SessionKV, prepare_batch
-from kv.attention import allow_batch_shapes
-from policies import hub
-from policies.base import ChunkRecording, Policy, RuntimeOptions, StepResult
-from policies.continuation import APPLIED, CONTRACT
-from policies.dreamzero import continuation as chunking
-from policies.dreamzero import memory
-from policies.dreamzero.config import BUILTIN_PREFIX, SYNTHETIC_PREFIX, DreamZeroConfig
-from policies.dreamzero.embodiments import DROID_CAMERAS, embodiment_prompt, resolve
-from policies.dreamzero.model import DreamZeroModel
-from policies.dreamzero.scheduler import DecoupledVideoScheduler, FlowUniPCScheduler
-from policies.dreamzero.transforms import (
+from ardiff_kv import Branch, KVSpec, SessionKV, prepare_batch
+from ardiff_kv.attention import allow_batch_shapes
+from ardiff_policies import hub
+from ardiff_policies.base import ChunkRecording, Policy, RuntimeOptions, StepResult
+from ardiff_policies.continuation import APPLIED, CONTRACT
+from ardiff_policies.dreamzero import continuation as chunking
+from ardiff_policies.dreamzero import memory
+from ardiff_policies.dreamzero.config import BUILTIN_PREFIX, SYNTHETIC_PREFIX, DreamZeroConfig
+from ardiff_policies.dreamzero.embodiments import DROID_CAMERAS, embodiment_prompt, resolve
+from ardiff_policies.dreamzero.model import DreamZeroModel
+from ardiff_policies.dreamzero.scheduler import DecoupledVideoScheduler, FlowUniPCScheduler
+from ardiff_policies.dreamzero.transforms import (
     CROP_SCALE,
     NormStats,
     clean_prompt,
@@ -61,9 +61,9 @@ from policies.dreamzero.transforms import (
     to_absolute,
     video_size,
 )
-from policies.embodiment import Embodiment, ObservationSchema, metadata_frame
-from policies.info import PolicyInfo, droid_server_config
-from policies.observation import RobotObservation, UnsupportedObservation
+from ardiff_policies.embodiment import Embodiment, ObservationSchema, metadata_frame
+from ardiff_policies.info import PolicyInfo, droid_server_config
+from ardiff_policies.observation import RobotObservation, UnsupportedObservation
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         self._side_stream = None  # the encoder thread's CUDA stream (prepare)
         self.graphs = None
         if options.cuda_graphs:
-            from policies.dreamzero.cuda_graphs import DenoiseGraphs
+            from ardiff_policies.dreamzero.cuda_graphs import DenoiseGraphs
 
             self.graphs = DenoiseGraphs(self.dit)
         if options.compile:
@@ -167,11 +167,11 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         if self.embodiment.trained_view_size is not None:
             return tuple(self.embodiment.trained_view_size)
         if self.config.checkpoint.startswith(BUILTIN_PREFIX):
-            from policies.dreamzero.tiny import TINY_5B_VIEW_SIZE, TINY_VARIANTS, TINY_VIEW_SIZE
+            from ardiff_policies.dreamzero.tiny import TINY_5B_VIEW_SIZE, TINY_VARIANTS, TINY_VIEW_SIZE
 
             return TINY_5B_VIEW_SIZE if TINY_VARIANTS[self.config.checkpoint.removeprefix(BUILTIN_PREFIX)].wan22 else TINY_VIEW_SIZE
         if self.config.checkpoint.startswith(SYNTHETIC_PREFIX):
-            from policies.dreamzero.synthetic import parse_spec
+            from ardiff_policies.dreamzero.synthetic import parse_spec
 
             return parse_spec(self.config.checkpoint).view_size
         return (160, 320) if self.model.vae.is_wan22 else (176, 320)
@@ -206,7 +206,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         """The model from its checkpoint (or a synthetic one), after its memory plan was printed and checked."""
         devices = {"device": self.device, "text_encoder_device": self.text_device, "image_encoder_device": self.image_device}
         if config.checkpoint.startswith(SYNTHETIC_PREFIX):
-            from policies.dreamzero.synthetic import is_resident, synthetic_model
+            from ardiff_policies.dreamzero.synthetic import is_resident, synthetic_model
 
             if not is_resident(config.checkpoint, dtype=self.dtype, **devices):  # else its weights are already there (gpu_check)
                 memory.check_plan(memory.synthetic_geometry(config.checkpoint), config, options, self.device)

@@ -46,9 +46,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from policies.dreamzero.config import SYNTHETIC_PREFIX
-from policies.dreamzero.dit import CausalWanModel, DiTConfig
-from policies.dreamzero.encoders import (
+from ardiff_policies.dreamzero.config import SYNTHETIC_PREFIX
+from ardiff_policies.dreamzero.dit import CausalWanModel, DiTConfig
+from ardiff_policies.dreamzero.encoders import (
     CLIP_VIT_H_14_CONFIG,
     UMT5_XXL_ENCODER_CONFIG,
     WAN21_VAE_CONFIG,
@@ -57,8 +57,8 @@ from policies.dreamzero.encoders import (
     TextEncoder,
     VideoVAE,
 )
-from policies.dreamzero.model import ActionHeadConfig, DreamZeroModel, check_dit_fits_vae
-from policies.errors import StartRefused
+from ardiff_policies.dreamzero.model import ActionHeadConfig, DreamZeroModel, check_dit_fits_vae
+from ardiff_policies.errors import StartRefused
 
 logger = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ def build_model(
 ) -> DreamZeroModel:
     """The synthetic DreamZero on ``device`` in ``dtype`` (see the module docstring); the text /
     image encoders on their own devices if given."""
-    from policies.dreamzero.tiny import droid_metadata, tiny_tokenizer
+    from ardiff_policies.dreamzero.tiny import droid_metadata, tiny_tokenizer
 
     device = torch.device(device)
     start = time.perf_counter()

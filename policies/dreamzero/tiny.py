@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from policies.dreamzero.dit import DiTConfig
-from policies.dreamzero.upstream_layout import checkpoint_config, checkpoint_layout
+from ardiff_policies.dreamzero.dit import DiTConfig
+from ardiff_policies.dreamzero.upstream_layout import checkpoint_config, checkpoint_layout
 
 TINY_VERSION = 2  # 2: config.json carries every key of the released one
 TINY_VIEW_SIZE = (48, 80)
@@ -219,7 +219,7 @@ def run_config(tag: str, language_key: str, view_size: tuple[int, int] = TINY_VI
     (``groot/vla/configs/data/dreamzero/<tag>_relative.yaml`` over ``base_48_wan_fine_aug_relative.yaml``, the
     DreamZero transform config, the training script's 176x320 resize replaced by the tiny view size). It is part
     of the tiny checkpoints' cache key (``_definition_digest``): a change here regenerates them."""
-    from policies.dreamzero.embodiments import BUILTIN_MODALITIES, DEFAULT_INSTRUCTION, PROJECTOR_INDEX
+    from ardiff_policies.dreamzero.embodiments import BUILTIN_MODALITIES, DEFAULT_INSTRUCTION, PROJECTOR_INDEX
 
     mod = BUILTIN_MODALITIES[tag]
     video = [f"video.{c}" for c in mod.cameras]
@@ -268,7 +268,7 @@ class TinyVariant:
 
 
 def _template_words() -> str:
-    from policies.dreamzero.embodiments import DEFAULT_INSTRUCTION, HEAD_HANDS_TEMPLATE, YAM_TEMPLATE
+    from ardiff_policies.dreamzero.embodiments import DEFAULT_INSTRUCTION, HEAD_HANDS_TEMPLATE, YAM_TEMPLATE
 
     return " ".join(t.replace("{task}", "") for t in (HEAD_HANDS_TEMPLATE, YAM_TEMPLATE, DEFAULT_INSTRUCTION)) + " fold the towel shirt"
 

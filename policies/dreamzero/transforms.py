@@ -28,8 +28,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from policies.dreamzero.embodiments import DROID_TEMPLATE, clean_prompt, instruction, render_prompt
-from policies.embodiment import Layout, QuantileStats
+from ardiff_policies.dreamzero.embodiments import DROID_TEMPLATE, clean_prompt, instruction, render_prompt
+from ardiff_policies.embodiment import Layout, QuantileStats
 
 __all__ = [
     "CROP_SCALE", "DROID_TEMPLATE", "NormStats", "canvas_size", "clean_prompt", "crop_and_resize", "denormalize_actions",

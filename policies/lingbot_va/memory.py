@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from policies.dreamzero import memory as dz_memory
-from policies.lingbot_va.config import Embodiment, TransformerConfig
-from policies.lingbot_va.policy import TEXT_LENGTH, kv_spec
+from ardiff_policies.dreamzero import memory as dz_memory
+from ardiff_policies.lingbot_va.config import Embodiment, TransformerConfig
+from ardiff_policies.lingbot_va.policy import TEXT_LENGTH, kv_spec
 
 GiB = dz_memory.GiB
 RELEASED = TransformerConfig()  # the released 5B's sizes (the class defaults)
@@ -53,8 +53,8 @@ def weight_counts(cfg: TransformerConfig = RELEASED) -> dict[str, int]:
     """Floating-point parameters and buffers per component (meta device)."""
     from diffusers import AutoencoderKLWan
 
-    from policies.dreamzero.encoders import WAN22_VAE_CONFIG, TextEncoder
-    from policies.lingbot_va.model import LingBotVATransformer
+    from ardiff_policies.dreamzero.encoders import WAN22_VAE_CONFIG, TextEncoder
+    from ardiff_policies.lingbot_va.model import LingBotVATransformer
 
     with torch.device("meta"):
         modules = {"transformer": LingBotVATransformer(cfg), "text_encoder": TextEncoder.from_config(), "vae": AutoencoderKLWan(**WAN22_VAE_CONFIG)}
@@ -66,7 +66,7 @@ def weight_counts(cfg: TransformerConfig = RELEASED) -> dict[str, int]:
 
 def plan(name: str, embodiment: Embodiment, *, dtype: torch.dtype = torch.bfloat16, max_batch: int = 1,
          cfg: TransformerConfig = RELEASED) -> LingBotVAPlan:  # fmt: skip
-    from policies.dreamzero.encoders import UMT5_XXL_ENCODER_CONFIG, WAN22_VAE_CONFIG
+    from ardiff_policies.dreamzero.encoders import UMT5_XXL_ENCODER_CONFIG, WAN22_VAE_CONFIG
 
     b = torch.empty((), dtype=dtype).element_size()
     branches = 2 if (embodiment.guidance_scale > 1 or embodiment.action_guidance_scale > 1) else 1

@@ -38,9 +38,9 @@ from diffusers.models.attention import FeedForward
 from diffusers.models.embeddings import PixArtAlphaTextProjection, TimestepEmbedding, Timesteps
 from diffusers.models.normalization import FP32LayerNorm
 
-from kv import PagedLayerInputs, paged_write_attend
-from policies.dreamzero.dit import apply_rope
-from policies.lingbot_va.config import TransformerConfig
+from ardiff_kv import PagedLayerInputs, paged_write_attend
+from ardiff_policies.dreamzero.dit import apply_rope
+from ardiff_policies.lingbot_va.config import TransformerConfig
 
 LayerKV = PagedLayerInputs | None
 # Cross-attention K/V of one layer, projected once per prompt: (B, text tokens, heads, head_dim) each.

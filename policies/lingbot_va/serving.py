@@ -27,15 +27,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kv import Branch, KVSpec, SessionKV
-from policies.base import Policy, RuntimeOptions, StartRefused, StepResult
-from policies.embodiment import ObservationSchema
-from policies.info import PolicyInfo
-from policies.lingbot_va import config as lv_config
-from policies.lingbot_va.model import TextKV
-from policies.lingbot_va.policy import MAX_GUIDANCE, CommitRequest, EpisodeError, InferRequest, LingBotVAPolicy, LingBotVASession
-from policies.lingbot_va.settings import BUILTIN_TINY, SYNTHETIC_PREFIX, LingBotVAConfig
-from policies.observation import RobotObservation, UnsupportedObservation
+from ardiff_kv import Branch, KVSpec, SessionKV
+from ardiff_policies.base import Policy, RuntimeOptions, StartRefused, StepResult
+from ardiff_policies.embodiment import ObservationSchema
+from ardiff_policies.info import PolicyInfo
+from ardiff_policies.lingbot_va import config as lv_config
+from ardiff_policies.lingbot_va.model import TextKV
+from ardiff_policies.lingbot_va.policy import MAX_GUIDANCE, CommitRequest, EpisodeError, InferRequest, LingBotVAPolicy, LingBotVASession
+from ardiff_policies.lingbot_va.settings import BUILTIN_TINY, SYNTHETIC_PREFIX, LingBotVAConfig
+from ardiff_policies.observation import RobotObservation, UnsupportedObservation
 
 CAMERA_PREFIX = "observation.images."  # upstream's camera keys; the OpenPI wire uses the names after it
 MAX_BATCH = 64  # sessions per forward: any number works, the engine's max_batch and the KV pool bound it
@@ -43,7 +43,7 @@ FRAMES_PER_LATENT = 4  # key frames per latent frame (the VAE's temporal stride)
 
 
 def embodiment_by_name(name: str) -> lv_config.Embodiment:
-    from policies.lingbot_va.tiny import TINY_EMBODIMENT
+    from ardiff_policies.lingbot_va.tiny import TINY_EMBODIMENT
 
     return {"robotwin": lv_config.ROBOTWIN, "franka": lv_config.FRANKA, "tiny_robotwin": TINY_EMBODIMENT}[name]
 
@@ -296,11 +296,11 @@ def build_lingbot_va(config: LingBotVAConfig, options: RuntimeOptions) -> LingBo
         raise StartRefused("engine.cfg_parallel_size: lingbot_va runs both CFG branches in one process; set it to 1")
     embodiment, dtype = embodiment_by_name(config.embodiment_name), getattr(torch, options.dtype)
     if config.checkpoint.startswith(SYNTHETIC_PREFIX):
-        from policies.lingbot_va.synthetic import synthetic_policy
+        from ardiff_policies.lingbot_va.synthetic import synthetic_policy
 
         return LingBotVAServing(synthetic_policy(config.checkpoint, embodiment, device=options.device, dtype=dtype), config, config.checkpoint)
     if config.checkpoint == BUILTIN_TINY:
-        from policies.lingbot_va.tiny import ensure_tiny_checkpoint
+        from ardiff_policies.lingbot_va.tiny import ensure_tiny_checkpoint
 
         checkpoint = ensure_tiny_checkpoint()
     else:

@@ -13,7 +13,7 @@ from typing import Literal
 
 import pydantic
 
-from policies import hub
+from ardiff_policies import hub
 
 BUILTIN_TINY = "builtin:tiny"
 SYNTHETIC_PREFIX = "synthetic:"

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from policies.dreamzero.encoders import WAN22_VAE_CONFIG, TextEncoder, VideoVAE
-from policies.dreamzero.tiny import TINY_TEXT_ENCODER, _init, tiny_tokenizer
-from policies.lingbot_va.config import ROBOTWIN, TransformerConfig
-from policies.lingbot_va.model import LingBotVATransformer
+from ardiff_policies.dreamzero.encoders import WAN22_VAE_CONFIG, TextEncoder, VideoVAE
+from ardiff_policies.dreamzero.tiny import TINY_TEXT_ENCODER, _init, tiny_tokenizer
+from ardiff_policies.lingbot_va.config import ROBOTWIN, TransformerConfig
+from ardiff_policies.lingbot_va.model import LingBotVATransformer
 
 TINY_VERSION = 1
 TINY_SEED = 27

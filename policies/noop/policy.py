@@ -10,10 +10,10 @@ import time
 
 import numpy as np
 
-from policies.base import Policy, RuntimeOptions, StepResult
-from policies.info import PolicyInfo, droid_server_config
-from policies.noop.config import NoopConfig
-from policies.observation import RobotObservation
+from ardiff_policies.base import Policy, RuntimeOptions, StepResult
+from ardiff_policies.info import PolicyInfo, droid_server_config
+from ardiff_policies.noop.config import NoopConfig
+from ardiff_policies.observation import RobotObservation
 
 
 class NoopPolicy(Policy[int]):

@@ -13,13 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ardiff_kv import PagedKVCache
+from ardiff_policies.base import RuntimeOptions
+from ardiff_policies.dreamzero.config import DreamZeroConfig
+from ardiff_policies.dreamzero.policy import DreamZeroPolicy
+from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine.core import SessionEngine
 from ardiff_server.engine.messages import ErrorKind, ErrorReply, Infer, InferReply
-from kv import PagedKVCache
-from policies.base import RuntimeOptions
-from policies.dreamzero.config import DreamZeroConfig
-from policies.dreamzero.policy import DreamZeroPolicy
-from policies.observation import RobotObservation
 
 TINY = {"view_size": (48, 80), "image_resolution": (48, 80)}
 ATOL = 1e-5

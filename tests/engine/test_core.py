@@ -8,10 +8,10 @@ import random
 import numpy as np
 import pytest
 
+from ardiff_kv import CapacityError, PagedKVCache
+from ardiff_policies.base import RuntimeOptions
+from ardiff_policies.observation import RobotObservation, UnsupportedObservation
 from ardiff_server.engine.core import SessionEngine
-from kv import CapacityError, PagedKVCache
-from policies.base import RuntimeOptions
-from policies.observation import RobotObservation, UnsupportedObservation
 from tests.helpers.fake_policy import FakeConfig, FakePolicy
 
 
@@ -165,7 +165,7 @@ def test_warmup_walks_a_session_and_restores_the_pool():
 
 
 def test_dreamzero_warmup_walks_a_full_window_and_a_restart(tiny_model):
-    from policies.dreamzero.policy import DreamZeroConfig, DreamZeroPolicy
+    from ardiff_policies.dreamzero.policy import DreamZeroConfig, DreamZeroPolicy
 
     policy = DreamZeroPolicy(DreamZeroConfig(view_size=(48, 80)), RuntimeOptions(), model=tiny_model)
     spec = policy.kv_spec()

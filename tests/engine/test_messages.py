@@ -9,6 +9,7 @@ import pickle
 import numpy as np
 import pytest
 
+from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine import messages
 from ardiff_server.engine.messages import (
     ControlReply,
@@ -24,7 +25,6 @@ from ardiff_server.engine.messages import (
     Shutdown,
 )
 from ardiff_server.engine.shm import INLINE_BYTES, InlineArray, SharedArena, SharedArray
-from policies.observation import RobotObservation
 
 STATS = (EngineStats(rank=0, session_ids=("ep-1", "ep-2"), steps=7, endings={"reset": 1}, kv_pages_total=64, kv_pages_free=60), EngineStats(rank=1))
 

@@ -14,10 +14,10 @@ import time
 import numpy as np
 import pytest
 
+from ardiff_policies.observation import RobotObservation
 from ardiff_server.config import validate_config
 from ardiff_server.engine.messages import EngineError, ErrorKind
 from ardiff_server.engine.process_client import ProcessClient
-from policies.observation import RobotObservation
 from tests.helpers.server_harness import fake_config
 
 

@@ -14,14 +14,14 @@ import time
 import numpy as np
 import pytest
 
+from ardiff_kv import Branch, PagedKVCache
+from ardiff_policies.base import RuntimeOptions
+from ardiff_policies.guidance import Guidance
+from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine.core import SessionEngine
 from ardiff_server.engine.inproc_client import InprocClient
 from ardiff_server.engine.messages import Detach, End, ErrorKind, ErrorReply, Infer, InferReply
 from ardiff_server.engine.scheduler import Scheduler, choose_victims
-from kv import Branch, PagedKVCache
-from policies.base import RuntimeOptions
-from policies.guidance import Guidance
-from policies.observation import RobotObservation
 from tests.helpers.dreamzero import ThreadPair, make_policy, observations
 from tests.helpers.fake_policy import FakeConfig, FakePolicy
 
@@ -198,7 +198,7 @@ def test_dreamzero_prepares_window_starts_off_the_batch_and_gives_the_same_actio
 
 
 def test_frames_past_what_the_policy_keeps_are_dropped_before_any_pixel_work(tiny_model, monkeypatch):
-    import policies.dreamzero.policy as dz
+    import ardiff_policies.dreamzero.policy as dz
 
     policy, _ = make_policy(tiny_model)
     seen: list[int] = []
@@ -313,7 +313,7 @@ def test_compiled_batches_are_compiled_at_warm_up_not_while_robots_wait(tiny_mod
     import torch._dynamo
     from torch._dynamo.testing import CompileCounter
 
-    from policies.dreamzero.policy import DreamZeroConfig, DreamZeroPolicy
+    from ardiff_policies.dreamzero.policy import DreamZeroConfig, DreamZeroPolicy
     from tests.helpers.dreamzero import TINY
 
     counter = CompileCounter()

@@ -17,13 +17,13 @@ from openpi_client import msgpack_numpy
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
+from ardiff_policies.observation import RobotObservation
 from ardiff_server.config import ConfigError, load_config, preflight
 from ardiff_server.engine.client import ReplicaStatus
 from ardiff_server.engine.messages import EngineError, EngineStats, ErrorKind, InferReply
 from ardiff_server.frontend.service import PolicyService
 from ardiff_server.frontend.sessions import KeyLimits, SessionTable
 from ardiff_server.ray.plan import plan_deployment
-from policies.observation import RobotObservation
 from tests.helpers.inproc_server import InprocServer
 from tests.helpers.server_harness import droid_observation, fake_config, metric_value
 

@@ -9,9 +9,9 @@ from typing import Literal
 
 import pytest
 
+from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine.messages import EngineError, ErrorKind, InferReply
 from ardiff_server.frontend.sessions import SessionForbidden, SessionTable
-from policies.observation import RobotObservation
 
 OBS = RobotObservation(prompt="p")
 

@@ -7,11 +7,11 @@ import threading
 import numpy as np
 import torch
 
-from kv import PagedKVCache
-from policies.base import RuntimeOptions
-from policies.dreamzero.policy import DreamZeroConfig, DreamZeroPolicy
-from policies.guidance import Guidance
-from policies.observation import RobotObservation
+from ardiff_kv import PagedKVCache
+from ardiff_policies.base import RuntimeOptions
+from ardiff_policies.dreamzero.policy import DreamZeroConfig, DreamZeroPolicy
+from ardiff_policies.guidance import Guidance
+from ardiff_policies.observation import RobotObservation
 
 TINY = {"view_size": (48, 80)}
 

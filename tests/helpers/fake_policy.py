@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 import pydantic
 
-from kv import Branch, KVSpec, SessionKV
-from policies.base import Policy, RuntimeOptions, StepResult
-from policies.info import PolicyInfo, droid_server_config
-from policies.observation import RobotObservation, UnsupportedObservation
-from policies.registry import register_policy
+from ardiff_kv import Branch, KVSpec, SessionKV
+from ardiff_policies.base import Policy, RuntimeOptions, StepResult
+from ardiff_policies.info import PolicyInfo, droid_server_config
+from ardiff_policies.observation import RobotObservation, UnsupportedObservation
+from ardiff_policies.registry import register_policy
 
 
 class FakeConfig(pydantic.BaseModel):

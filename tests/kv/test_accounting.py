@@ -6,7 +6,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kv import Branch, CapacityError, KVSpec, PagedKVCache
+from ardiff_kv import Branch, CapacityError, KVSpec, PagedKVCache
 
 SPEC = KVSpec(num_layers=1, num_heads=1, head_dim=8, page_size=2, window_pages=4, max_new_pages=2,
               max_extra_tokens=3, chunk_pages=2, cross_text_tokens=2, cross_image_tokens=1)  # fmt: skip

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv import Branch, KVSpec, PagedKVCache, paged_write_attend, prepare_batch
+from ardiff_kv import Branch, KVSpec, PagedKVCache, paged_write_attend, prepare_batch
 
 PAGE, HEADS, DIM = 4, 2, 8
 SCALE = DIM**-0.5

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv import Branch, CapacityError, KVSpec, PagedKVCache
+from ardiff_kv import Branch, CapacityError, KVSpec, PagedKVCache
 
 SPEC = KVSpec(
     num_layers=2, num_heads=4, head_dim=16, page_size=8, window_pages=9, max_new_pages=2,

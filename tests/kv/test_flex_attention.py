@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kv.attention as attention
-from kv import Branch, DenseKVCache, KVSpec, PagedKVCache, paged_attention, paged_write_attend
+import ardiff_kv.attention as attention
+from ardiff_kv import Branch, DenseKVCache, KVSpec, PagedKVCache, paged_attention, paged_write_attend
 
 HEADS, DIM = 2, 8
 SCALE = DIM**-0.5

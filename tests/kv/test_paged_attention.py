@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from kv import Branch, DenseKVCache, KVSpec, PagedKVCache, paged_attention, paged_write_attend
+from ardiff_kv import Branch, DenseKVCache, KVSpec, PagedKVCache, paged_attention, paged_write_attend
 
 PAGE, HEADS, DIM = 4, 2, 8
 SCALE = DIM**-0.5
@@ -101,11 +101,11 @@ def test_rollout_matches_upstream_concat_and_slice_across_window_restarts():
 
 def test_custom_op_registration_is_idempotent():
     assert hasattr(torch.ops.ardiff, "paged_write_attend")
-    saved = sys.modules.pop("kv.attention")
+    saved = sys.modules.pop("ardiff_kv.attention")
     try:
-        importlib.import_module("kv.attention")  # re-registration must not raise
+        importlib.import_module("ardiff_kv.attention")  # re-registration must not raise
     finally:
-        sys.modules["kv.attention"] = saved
+        sys.modules["ardiff_kv.attention"] = saved
     assert hasattr(torch.ops.ardiff, "paged_write_attend")
 
 

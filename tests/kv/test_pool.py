@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv.pool import CapacityError, PagePool
+from ardiff_kv.pool import CapacityError, PagePool
 
 
 def test_null_page_is_never_handed_out():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv import Branch, KVSpec, PagedKVCache, pages_to_fit, prepare_batch
+from ardiff_kv import Branch, KVSpec, PagedKVCache, pages_to_fit, prepare_batch
 
 PAGE = 4
 # LingBot-VA-like: a chunk is 2 video pages + 1 action page; the window holds two chunks

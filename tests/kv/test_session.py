@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv import Branch, KVSpec, PagedKVCache
+from ardiff_kv import Branch, KVSpec, PagedKVCache
 
 PAGE = 4
 SPEC = KVSpec(
@@ -217,7 +217,7 @@ def test_every_ending_returns_every_page(ending):
 
 
 def test_slot_mapping_is_page_times_page_size_plus_offset():
-    from kv.session import _slots
+    from ardiff_kv.session import _slots
 
     assert _slots([5, 2, 9], 10, page_size=4).tolist() == [20, 21, 22, 23, 8, 9, 10, 11, 36, 37]
     assert _slots([7], 0, page_size=4).shape == (0,)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv.window import pages_to_evict, visible_pages
+from ardiff_kv.window import pages_to_evict, visible_pages
 
 
 def evict(resident, *, window=4, chunk=2, sink=0, reset=False):

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
 
-from policies.dreamzero.dit import MultiEmbodimentActionEncoder
-from policies.dreamzero.encoders import TextEncoder, UpstreamRMSNorm, VideoVAE
-from policies.dreamzero.transforms import pixels_to_model_range
+from ardiff_policies.dreamzero.dit import MultiEmbodimentActionEncoder
+from ardiff_policies.dreamzero.encoders import TextEncoder, UpstreamRMSNorm, VideoVAE
+from ardiff_policies.dreamzero.transforms import pixels_to_model_range
 
 BF16 = torch.bfloat16
 
@@ -212,7 +212,7 @@ def test_action_encoder_swish_rounds_twice_like_upstream():
     with torch.no_grad():
         ours = encoder(actions, timesteps, category)
         # upstream: a = W1(actions); tau = pos_encoding(t).to(a.dtype); x = W2(cat); swish(x) = x * sigmoid(x); W3
-        from policies.dreamzero.dit import action_timestep_encoding
+        from ardiff_policies.dreamzero.dit import action_timestep_encoding
 
         a = encoder.W1(actions, category)
         x = encoder.W2(torch.cat([a, action_timestep_encoding(timesteps, 128).to(a.dtype)], dim=-1), category)

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from policies.dreamzero.checkpoint import CheckpointDir, CheckpointError
-from policies.dreamzero.dit import DiTConfig
-from policies.dreamzero.model import DreamZeroModel
-from policies.dreamzero.tiny import TINY_DIT, write_tiny_checkpoint
-from policies.dreamzero.upstream_layout import checkpoint_layout
+from ardiff_policies.dreamzero.checkpoint import CheckpointDir, CheckpointError
+from ardiff_policies.dreamzero.dit import DiTConfig
+from ardiff_policies.dreamzero.model import DreamZeroModel
+from ardiff_policies.dreamzero.tiny import TINY_DIT, write_tiny_checkpoint
+from ardiff_policies.dreamzero.upstream_layout import checkpoint_layout
 from tests.helpers.reference import REFERENCE_DIR
 
 REFERENCE_TENSORS = REFERENCE_DIR / "dreamzero_droid_tensors.json"
@@ -127,14 +127,14 @@ def _read(config: dict):
     """read_config on an in-memory config.json (what CheckpointDir exposes of it)."""
     from types import SimpleNamespace
 
-    from policies.dreamzero.model import read_config
+    from ardiff_policies.dreamzero.model import read_config
 
     head = config["action_head_cfg"]["config"]
     return read_config(SimpleNamespace(root_config=config, action_head=head, diffusion_model_cfg=head["diffusion_model_cfg"]))
 
 
 def test_tiny_config_carries_every_released_key_in_its_section(tiny_dir):
-    from policies.dreamzero.upstream_layout import (
+    from ardiff_policies.dreamzero.upstream_layout import (
         RELEASED_ACTION_HEAD_KEYS,
         RELEASED_DIT_KEYS,
         RELEASED_ENCODER_KEYS,
@@ -157,13 +157,13 @@ def test_tiny_config_carries_every_released_key_in_its_section(tiny_dir):
 
 
 def test_every_released_action_head_key_is_read_refused_or_listed_as_ignored(tiny_dir, caplog):
-    from policies.dreamzero.model import (
+    from ardiff_policies.dreamzero.model import (
         FIXED_ACTION_HEAD_KEYS,
         IGNORED_ACTION_HEAD_KEYS,
         READ_ACTION_HEAD_KEYS,
         SECTIONS,
     )
-    from policies.dreamzero.upstream_layout import RELEASED_ACTION_HEAD_KEYS
+    from ardiff_policies.dreamzero.upstream_layout import RELEASED_ACTION_HEAD_KEYS
 
     handled = [READ_ACTION_HEAD_KEYS, set(FIXED_ACTION_HEAD_KEYS), IGNORED_ACTION_HEAD_KEYS, set(SECTIONS)]
     assert set().union(*handled) >= RELEASED_ACTION_HEAD_KEYS
@@ -175,8 +175,8 @@ def test_every_released_action_head_key_is_read_refused_or_listed_as_ignored(tin
 
 
 def test_dit_keys_come_from_the_dit_section_with_upstreams_defaults(tiny_dir):
-    from policies.dreamzero.model import UPSTREAM_DIT_DEFAULTS
-    from policies.dreamzero.upstream_layout import RELEASED_DIT_KEYS
+    from ardiff_policies.dreamzero.model import UPSTREAM_DIT_DEFAULTS
+    from ardiff_policies.dreamzero.upstream_layout import RELEASED_DIT_KEYS
 
     config = _config(tiny_dir)
     head = config["action_head_cfg"]["config"]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from policies.continuation import (
+from ardiff_policies.continuation import (
     APPLIED,
     NO_PREVIOUS_CHUNK,
     PROMPT_CHANGE,
@@ -21,12 +21,12 @@ from policies.continuation import (
     Continuation,
     soft_mask,
 )
-from policies.dreamzero import continuation as chunking
-from policies.dreamzero.config import DreamZeroConfig
-from policies.dreamzero.model import DreamZeroModel
-from policies.dreamzero.tiny import ensure_tiny_checkpoint
-from policies.dreamzero.transforms import NormStats, denormalize_actions
-from policies.observation import RobotObservation
+from ardiff_policies.dreamzero import continuation as chunking
+from ardiff_policies.dreamzero.config import DreamZeroConfig
+from ardiff_policies.dreamzero.model import DreamZeroModel
+from ardiff_policies.dreamzero.tiny import ensure_tiny_checkpoint
+from ardiff_policies.dreamzero.transforms import NormStats, denormalize_actions
+from ardiff_policies.observation import RobotObservation
 from tests.helpers.dreamzero import make_policy, observations
 
 ATOL = 1e-5
@@ -146,9 +146,9 @@ def test_a_continuation_that_cannot_apply_is_a_fresh_chunk_and_says_why(policies
 
 @pytest.mark.parametrize("mode", ["inpaint", "clean_prefix"])
 def test_continuations_batch_with_ordinary_calls_and_equal_their_unbatched_results(tiny_model, mode):
-    from kv import PagedKVCache
-    from policies.base import RuntimeOptions
-    from policies.dreamzero.policy import DreamZeroPolicy
+    from ardiff_kv import PagedKVCache
+    from ardiff_policies.base import RuntimeOptions
+    from ardiff_policies.dreamzero.policy import DreamZeroPolicy
 
     policy = DreamZeroPolicy(DreamZeroConfig(view_size=(48, 80), continuation=mode, num_inference_steps=4, dit_step_mask=[True, False, True, True]),
                              RuntimeOptions(max_batch=3), model=tiny_model)  # fmt: skip
@@ -178,9 +178,9 @@ def test_continuations_batch_with_ordinary_calls_and_equal_their_unbatched_resul
 
 @pytest.mark.parametrize("variant", ["tiny_agibot", "tiny_yam", "tiny_5b"])
 def test_every_embodiment_and_family_continues_exactly(variant):
-    from kv import PagedKVCache
-    from policies.base import RuntimeOptions
-    from policies.dreamzero.policy import DreamZeroPolicy
+    from ardiff_kv import PagedKVCache
+    from ardiff_policies.base import RuntimeOptions
+    from ardiff_policies.dreamzero.policy import DreamZeroPolicy
 
     model = DreamZeroModel.load(ensure_tiny_checkpoint(variant=variant))
     policy = DreamZeroPolicy(

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from kv import Branch, DenseKVCache, KVSpec, PagedKVCache
-from policies.dreamzero.checkpoint import CheckpointError, WeightFiles, load_component
-from policies.dreamzero.dit import CausalWanModel, DiTConfig
-from policies.dreamzero.naming import DIT_PREFIX, identity_targets
+from ardiff_kv import Branch, DenseKVCache, KVSpec, PagedKVCache
+from ardiff_policies.dreamzero.checkpoint import CheckpointError, WeightFiles, load_component
+from ardiff_policies.dreamzero.dit import CausalWanModel, DiTConfig
+from ardiff_policies.dreamzero.naming import DIT_PREFIX, identity_targets
 from tests.helpers.reference import REFERENCE_DIR
 
 REFERENCE = REFERENCE_DIR / "upstream_dit_tiny"

@@ -8,11 +8,11 @@ import threading
 import numpy as np
 import pytest
 
-from kv import Branch, PagedKVCache
-from policies.base import RuntimeOptions
-from policies.dreamzero.policy import DreamZeroConfig, DreamZeroPolicy
-from policies.guidance import Guidance
-from policies.observation import RobotObservation
+from ardiff_kv import Branch, PagedKVCache
+from ardiff_policies.base import RuntimeOptions
+from ardiff_policies.dreamzero.policy import DreamZeroConfig, DreamZeroPolicy
+from ardiff_policies.guidance import Guidance
+from ardiff_policies.observation import RobotObservation
 from tests.helpers.dreamzero import TINY, ThreadPair, make_policy, observations, rollout
 
 
@@ -97,7 +97,7 @@ def test_dynamic_step_cache_runs_at_least_two_steps_and_stays_finite(tiny_model)
 def test_decoupled_inference_noise_schedule_is_upstreams():
     """Upstream (WANPolicyHead.lazy_joint_video_action): video sigmas * (sigma_max - f) / sigma_max + f in float32 on
     the GPU, where / by a Python scalar is * by its float32 reciprocal; timesteps = int64(sigmas[:-1] * 1000)."""
-    from policies.dreamzero.scheduler import DecoupledVideoScheduler, FlowUniPCScheduler
+    from ardiff_policies.dreamzero.scheduler import DecoupledVideoScheduler, FlowUniPCScheduler
 
     plain, video = FlowUniPCScheduler(), DecoupledVideoScheduler(0.8)
     plain.set_timesteps(16, 5.0)
@@ -190,7 +190,7 @@ def test_metadata_is_exactly_roboarenas_policy_server_config(tiny_model):
     ],
 )
 def test_observations_dreamzero_cannot_take_are_refused_before_the_step(tiny_model, cameras, match):
-    from policies.observation import UnsupportedObservation
+    from ardiff_policies.observation import UnsupportedObservation
 
     policy, _ = make_policy(tiny_model)
     observation = RobotObservation(**{name: np.zeros(shape, np.uint8) for name, shape in cameras.items()})
@@ -206,8 +206,8 @@ def test_errors_name_the_camera_keys_the_client_sent(tiny_model, first, other):
     worker's seam) and the shared-memory copy (with_arrays)."""
     import pickle
 
+    from ardiff_policies.observation import UnsupportedObservation
     from ardiff_server.wire.decode import decode_request
-    from policies.observation import UnsupportedObservation
     from tests.helpers.server_harness import droid_observation
 
     request = droid_observation(4, one_indexed=first == 1)

@@ -19,9 +19,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from ardiff_server.wire.decode import decode_request
-from policies.dreamzero.config import DEFAULT_NEGATIVE_PROMPT
-from policies.dreamzero.embodiments import (
+from ardiff_policies.dreamzero.config import DEFAULT_NEGATIVE_PROMPT
+from ardiff_policies.dreamzero.embodiments import (
     BUILTIN_MODALITIES,
     DROID_CAMERAS,
     PROJECTOR_INDEX,
@@ -33,10 +32,11 @@ from policies.dreamzero.embodiments import (
     resolve,
     upstream_template,
 )
-from policies.dreamzero.policy import DreamZeroPolicy
-from policies.dreamzero.tiny import ensure_tiny_checkpoint
-from policies.dreamzero.transforms import NormStats
-from policies.observation import RobotObservation
+from ardiff_policies.dreamzero.policy import DreamZeroPolicy
+from ardiff_policies.dreamzero.tiny import ensure_tiny_checkpoint
+from ardiff_policies.dreamzero.transforms import NormStats
+from ardiff_policies.observation import RobotObservation
+from ardiff_server.wire.decode import decode_request
 from tests.helpers.scripts import load_script
 
 REFERENCE = Path(__file__).parents[1] / "reference_data" / "upstream_embodiments.npz"

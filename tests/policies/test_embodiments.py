@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import yaml
 
+from ardiff_policies.dreamzero.config import DreamZeroConfig
+from ardiff_policies.dreamzero.embodiments import HUMAN_TEMPLATE, YAM_TEMPLATE, embodiment_prompt, resolve
+from ardiff_policies.dreamzero.tiny import agibot_metadata, ensure_tiny_checkpoint, run_config, yam_metadata
+from ardiff_policies.dreamzero.transforms import stitch_canvas
+from ardiff_policies.embodiment import EmbodimentError, ObservationSchema, Part, choose_tag
+from ardiff_policies.info import PolicyInfo, droid_server_config
+from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine.shm import InlineArray, SharedArena, SharedArray
 from ardiff_server.wire.decode import RequestError, decode_request
-from policies.dreamzero.config import DreamZeroConfig
-from policies.dreamzero.embodiments import HUMAN_TEMPLATE, YAM_TEMPLATE, embodiment_prompt, resolve
-from policies.dreamzero.tiny import agibot_metadata, ensure_tiny_checkpoint, run_config, yam_metadata
-from policies.dreamzero.transforms import stitch_canvas
-from policies.embodiment import EmbodimentError, ObservationSchema, Part, choose_tag
-from policies.info import PolicyInfo, droid_server_config
-from policies.observation import RobotObservation
 from tests.helpers.server_harness import REPO
 
 MY_TEMPLATE = "A two-view video shows that a robot arm {task} The left view is the wrist camera. The robot {task}"
@@ -137,9 +137,9 @@ def test_a_user_run_without_a_template_fails_at_start_up_in_one_line(user_checkp
 
 
 def test_a_user_run_with_its_template_is_served(user_checkpoint):
-    from kv import PagedKVCache
-    from policies.base import RuntimeOptions
-    from policies.dreamzero.policy import DreamZeroPolicy
+    from ardiff_kv import PagedKVCache
+    from ardiff_policies.base import RuntimeOptions
+    from ardiff_policies.dreamzero.policy import DreamZeroPolicy
 
     config = DreamZeroConfig(checkpoint=str(user_checkpoint), view_size=(48, 80), prompt_template=MY_TEMPLATE)
     config.preflight()
@@ -278,7 +278,7 @@ def test_tiny_run_configs_carry_upstreams_video_eval_delta_indices(tmp_path):
     one; the tiny checkpoints' cache key follows the run config, so a cache written before the fix is not reused."""
     import yaml
 
-    from policies.dreamzero import tiny
+    from ardiff_policies.dreamzero import tiny
 
     for variant, expected in (("tiny_agibot", [-3, -2, -1, 0]), ("tiny_yam", [0])):
         conf = yaml.safe_load((ensure_tiny_checkpoint(variant=variant) / "experiment_cfg" / "conf.yaml").read_text())

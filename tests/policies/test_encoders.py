@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKLWan
 from torch import Tensor
 
-from policies.dreamzero.encoders import CLIP_MEAN, CLIP_STD, WAN21_VAE_CONFIG, ImageEncoder, TextEncoder, VideoVAE
-from policies.dreamzero.naming import (
+from ardiff_policies.dreamzero.encoders import CLIP_MEAN, CLIP_STD, WAN21_VAE_CONFIG, ImageEncoder, TextEncoder, VideoVAE
+from ardiff_policies.dreamzero.naming import (
     IMAGE_ENCODER_PREFIX,
     TEXT_ENCODER_PREFIX,
     VAE_PREFIX,
@@ -23,7 +23,7 @@ from policies.dreamzero.naming import (
     text_encoder_targets,
     vae_targets,
 )
-from policies.dreamzero.upstream_layout import image_encoder_layout, text_encoder_layout, vae_layout
+from ardiff_policies.dreamzero.upstream_layout import image_encoder_layout, text_encoder_layout, vae_layout
 from tests.helpers.reference import REFERENCE_DIR
 
 REFERENCE_TENSORS = REFERENCE_DIR / "dreamzero_droid_tensors.json"

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
-from policies import hub
-from policies.dreamzero.config import CHECKPOINT_FILES, DreamZeroConfig
+from ardiff_policies import hub
+from ardiff_policies.dreamzero.config import CHECKPOINT_FILES, DreamZeroConfig
 from tests.helpers.hub_cache import populate_hub_cache
 from tests.helpers.server_harness import REPO, ServerProcess, droid_observation
 
@@ -30,7 +30,7 @@ OLD_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
 def hf_home(tmp_path_factory) -> Path:
     """HF_HOME with the tiny checkpoint cached as REPO_ID (main and tag v1 at COMMIT; an older
     commit holding only its metadata) and its tokenizer alone as TOKENIZER_ID."""
-    from policies.dreamzero.tiny import ensure_tiny_checkpoint
+    from ardiff_policies.dreamzero.tiny import ensure_tiny_checkpoint
 
     home = tmp_path_factory.mktemp("hf_home")
     tiny = ensure_tiny_checkpoint()
@@ -154,7 +154,7 @@ def test_the_download_hint_includes_only_the_files_the_server_reads_and_the_hf_c
     from click.testing import CliRunner
     from huggingface_hub.cli.hf import app
 
-    from policies.dreamzero.config import CHECKPOINT_FILES, CHECKPOINT_TOKENIZER_FILES
+    from ardiff_policies.dreamzero.config import CHECKPOINT_FILES, CHECKPOINT_TOKENIZER_FILES
 
     command = hub.download_command(hub.HubId("GEAR-Dreams/DreamZero-DROID", "v2"), CHECKPOINT_FILES + CHECKPOINT_TOKENIZER_FILES)
     assert command.startswith("hf download GEAR-Dreams/DreamZero-DROID --revision v2 --include config.json ")

@@ -14,9 +14,9 @@ from math import gcd
 import pytest
 import torch
 
-from kv import Branch, KVSpec, PagedKVCache, prepare_batch
-from policies.lingbot_va.model import action_grid, load_transformer, video_grid
-from policies.lingbot_va.tiny import ensure_tiny_checkpoint
+from ardiff_kv import Branch, KVSpec, PagedKVCache, prepare_batch
+from ardiff_policies.lingbot_va.model import action_grid, load_transformer, video_grid
+from ardiff_policies.lingbot_va.tiny import ensure_tiny_checkpoint
 from tests.helpers.lingbot_va import ATOL, load_reference, randn, sha, text_embeddings
 
 BRANCHES = (Branch.COND, Branch.UNCOND)  # the CFG batch's rows: prompt, negative prompt

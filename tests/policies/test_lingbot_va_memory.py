@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from policies.lingbot_va import memory
-from policies.lingbot_va.config import FRANKA, ROBOTWIN
+from ardiff_policies.lingbot_va import memory
+from ardiff_policies.lingbot_va.config import FRANKA, ROBOTWIN
 
 GiB = 2**30
 

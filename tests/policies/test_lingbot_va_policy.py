@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from kv import PagedKVCache
-from policies.lingbot_va.policy import CommitRequest, EpisodeError, InferRequest, LingBotVAPolicy
-from policies.lingbot_va.tiny import TINY_EMBODIMENT, ensure_tiny_checkpoint
+from ardiff_kv import PagedKVCache
+from ardiff_policies.lingbot_va.policy import CommitRequest, EpisodeError, InferRequest, LingBotVAPolicy
+from ardiff_policies.lingbot_va.tiny import TINY_EMBODIMENT, ensure_tiny_checkpoint
 from tests.helpers.lingbot_va import ATOL, load_reference
 from tests.helpers.scripts import load_script
 
@@ -140,8 +140,8 @@ def test_bad_requests_are_refused_by_key_and_leave_the_episode_intact(reference,
 
 
 def test_the_kv_geometry_of_the_shipped_embodiments():
-    from policies.lingbot_va.config import FRANKA, ROBOTWIN, TransformerConfig
-    from policies.lingbot_va.policy import kv_spec
+    from ardiff_policies.lingbot_va.config import FRANKA, ROBOTWIN, TransformerConfig
+    from ardiff_policies.lingbot_va.policy import kv_spec
 
     full = TransformerConfig()
     robotwin = kv_spec(ROBOTWIN, full, torch.bfloat16)

@@ -8,11 +8,11 @@ import pickle
 import numpy as np
 import pytest
 
+from ardiff_policies.episode import EpisodeCall
+from ardiff_policies.observation import RobotObservation, UnsupportedObservation
 from ardiff_server.config import load_config
 from ardiff_server.engine.builder import build_engine
 from ardiff_server.engine.messages import ErrorKind, ErrorReply, Infer
-from policies.episode import EpisodeCall
-from policies.observation import RobotObservation, UnsupportedObservation
 
 ATOL = 1e-5
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pydantic
 import pytest
 
+from ardiff_policies.lingbot_va.settings import LingBotVAConfig
 from ardiff_server.config import ConfigError, load_config, validate_config
-from policies.lingbot_va.settings import LingBotVAConfig
 
 
 def test_shipped_configs_validate_and_name_their_checkpoints():

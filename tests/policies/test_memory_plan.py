@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kv import PagedKVCache
-from policies.base import RuntimeOptions
-from policies.dreamzero import memory
-from policies.dreamzero.config import DreamZeroConfig
-from policies.dreamzero.naming import DIT_PREFIX, IMAGE_ENCODER_PREFIX, TEXT_ENCODER_PREFIX, VAE_PREFIX
-from policies.dreamzero.tiny import TINY_VIEW_SIZE, ensure_tiny_checkpoint
+from ardiff_kv import PagedKVCache
+from ardiff_policies.base import RuntimeOptions
+from ardiff_policies.dreamzero import memory
+from ardiff_policies.dreamzero.config import DreamZeroConfig
+from ardiff_policies.dreamzero.naming import DIT_PREFIX, IMAGE_ENCODER_PREFIX, TEXT_ENCODER_PREFIX, VAE_PREFIX
+from ardiff_policies.dreamzero.tiny import TINY_VIEW_SIZE, ensure_tiny_checkpoint
 from tests.helpers.reference import REFERENCE_DIR
 from tests.helpers.scripts import load_script
 
@@ -73,7 +73,7 @@ def test_14b_weights_are_the_released_tensors(droid):
 def test_kv_pool_is_what_the_engine_allocates(tiny):
     """The plan's pool bytes == a real PagedKVCache's storage, sized the engine's way, for a few budgets
     and batch sizes (each session of a batch has its own scratch pages)."""
-    from kv import Branch
+    from ardiff_kv import Branch
 
     for branches, budget_gib, sessions, batch in ((2, 0.25, 8, 1), (1, 0.05, 3, 1), (2, 0.0, 1, 1), (2, 0.25, 8, 4)):
         p = plan(tiny, engine_device="cpu", dtype=torch.float32, branches=branches, max_sessions=sessions, kv_budget_gib=budget_gib or None,
@@ -92,7 +92,7 @@ def test_the_plans_pool_is_the_engines_allocation_when_the_pool_holds_fewer_than
     """The engine's path (kv.kv_budget_bytes from what the weights leave free, then
     PagedKVCache.from_budget) against the plan: the same bytes of tensors, cross-attention slots
     for the sessions the pool holds (3 of max_sessions 8), and no page that no session could use."""
-    from kv import Branch, kv_budget_bytes
+    from ardiff_kv import Branch, kv_budget_bytes
 
     free = {"cpu": 0}
     for branches, batch in ((2, 1), (1, 1), (2, 2)):
@@ -203,7 +203,7 @@ def test_the_host_holds_the_cpu_encoders_of_every_cfg_rank(droid, monkeypatch):
     """CFG-parallel: both ranks put UMT5 on the CPU, and both start at once, so each seeing the host's
     free memory alone would let two 10.6 GiB encoders into 16 GiB. Rank 0 checks the host for both;
     rank 1 checks its own GPU only (it would count rank 0's encoder twice once rank 0 has loaded it)."""
-    from policies.guidance import Guidance
+    from ardiff_policies.guidance import Guidance
 
     settings = {"max_sessions": 1, "branches": 1, "cfg_parallel_size": 2, "text_encoder_device": "cpu"}
     one = plan(droid, free_gib=79.5, cpu_gib=256, **settings).device("cpu")
@@ -278,8 +278,8 @@ def test_free_memory_is_read_per_device():
 
 def test_the_policy_refuses_before_loading_a_weight(monkeypatch):
     """A plan that does not fit stops the policy before the checkpoint is read (free memory injected)."""
-    from policies.dreamzero import policy as policy_module
-    from policies.dreamzero.model import DreamZeroModel
+    from ardiff_policies.dreamzero import policy as policy_module
+    from ardiff_policies.dreamzero.model import DreamZeroModel
 
     loads = []
     monkeypatch.setattr(DreamZeroModel, "load", classmethod(lambda cls, *a, **k: loads.append(a) or pytest.fail("loaded weights")))
@@ -321,11 +321,11 @@ def test_encoder_outputs_are_moved_to_the_dits_device_and_dtype(tiny_model):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the encoders on the CPU, the DiT on the GPU")
 def test_encoders_on_the_cpu_serve_a_cuda_engine(tiny_checkpoint):
-    from policies.dreamzero.model import DreamZeroModel
+    from ardiff_policies.dreamzero.model import DreamZeroModel
     from tests.helpers.dreamzero import observations
 
     def actions(**placement):
-        from policies.dreamzero.policy import DreamZeroPolicy
+        from ardiff_policies.dreamzero.policy import DreamZeroPolicy
 
         model = DreamZeroModel.load(tiny_checkpoint, device="cuda:0", **placement)
         policy = DreamZeroPolicy(DreamZeroConfig(view_size=TINY_VIEW_SIZE), RuntimeOptions(device="cuda:0"), model=model)

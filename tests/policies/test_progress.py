@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from policies.progress import LoadProgress, StepProgress, frames_label
+from ardiff_policies.progress import LoadProgress, StepProgress, frames_label
 
 GiB = 2**30
 
@@ -24,7 +24,7 @@ def test_weights_are_reported_shard_by_shard_with_rates_and_time_left(caplog):
     clock = Clock()
     shards = {Path("model-00001-of-00002.safetensors"): 3 * GiB, Path("model-00002-of-00002.safetensors"): 1 * GiB}
     progress = LoadProgress("weights", shards, clock=clock)
-    with caplog.at_level(logging.INFO, logger="policies.progress"):
+    with caplog.at_level(logging.INFO, logger="ardiff_policies.progress"):
         progress.read(Path("model-00001-of-00002.safetensors"), 1 * GiB)
         clock.now = 1.0
         progress.read(Path("model-00001-of-00002.safetensors"), 2 * GiB)
@@ -43,7 +43,7 @@ def test_weights_are_reported_shard_by_shard_with_rates_and_time_left(caplog):
 def test_warm_up_calls_say_their_shapes_and_the_time_left_to_listening(caplog):
     clock = Clock()
     progress = StepProgress("warm-up", 3, clock=clock)
-    with caplog.at_level(logging.INFO, logger="policies.progress"):
+    with caplog.at_level(logging.INFO, logger="ardiff_policies.progress"):
         clock.now = 4.0  # the first call compiles
         progress.step(frames_label({"a": np.zeros((1, 180, 320, 3)), "b": None}))
         clock.now = 5.0
@@ -67,12 +67,12 @@ def test_quiet_under_log_level_warning(caplog):
 
 
 def test_loading_a_checkpoint_reports_its_shards(caplog):
-    from policies.dreamzero.model import DreamZeroModel
-    from policies.dreamzero.tiny import ensure_tiny_checkpoint
+    from ardiff_policies.dreamzero.model import DreamZeroModel
+    from ardiff_policies.dreamzero.tiny import ensure_tiny_checkpoint
 
-    with caplog.at_level(logging.INFO, logger="policies.progress"):
+    with caplog.at_level(logging.INFO, logger="ardiff_policies.progress"):
         DreamZeroModel.load(ensure_tiny_checkpoint())
-    lines = [r.getMessage() for r in caplog.records if r.name == "policies.progress"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "ardiff_policies.progress"]
     assert [line.split(" (")[0] for line in lines[:2]] == [
         "weights: shard 1/2 model-00001-of-00002.safetensors", "weights: shard 2/2 model-00002-of-00002.safetensors",
     ]  # fmt: skip

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import regex
 
-from policies.dreamzero.config import DEFAULT_NEGATIVE_PROMPT
-from policies.dreamzero.transforms import clean_prompt, droid_instruction, droid_prompt
+from ardiff_policies.dreamzero.config import DEFAULT_NEGATIVE_PROMPT
+from ardiff_policies.dreamzero.transforms import clean_prompt, droid_instruction, droid_prompt
 
 MIDDLE = (
     " The video is split into three views: The top view shows the camera view from the robot's wrist, the bottom-left "
@@ -126,10 +126,10 @@ def test_the_negative_prompt_is_cleaned_and_the_default_is_already_clean() -> No
 
 
 def test_policy_refuses_an_empty_list_prompt_before_the_step(tiny_model) -> None:
-    from policies.base import RuntimeOptions
-    from policies.dreamzero.config import DreamZeroConfig
-    from policies.dreamzero.policy import DreamZeroPolicy
-    from policies.observation import RobotObservation, UnsupportedObservation
+    from ardiff_policies.base import RuntimeOptions
+    from ardiff_policies.dreamzero.config import DreamZeroConfig
+    from ardiff_policies.dreamzero.policy import DreamZeroPolicy
+    from ardiff_policies.observation import RobotObservation, UnsupportedObservation
 
     policy = DreamZeroPolicy(DreamZeroConfig(view_size=(48, 80)), RuntimeOptions(), model=tiny_model)
     with pytest.raises(UnsupportedObservation, match="prompt"):
@@ -140,10 +140,10 @@ def test_policy_refuses_an_empty_list_prompt_before_the_step(tiny_model) -> None
 def test_policy_encodes_the_cleaned_negative_prompt(tiny_model) -> None:
     import torch
 
-    from kv import Branch
-    from policies.base import RuntimeOptions
-    from policies.dreamzero.config import DreamZeroConfig
-    from policies.dreamzero.policy import DreamZeroPolicy
+    from ardiff_kv import Branch
+    from ardiff_policies.base import RuntimeOptions
+    from ardiff_policies.dreamzero.config import DreamZeroConfig
+    from ardiff_policies.dreamzero.policy import DreamZeroPolicy
 
     def negative(text: str) -> torch.Tensor:
         policy = DreamZeroPolicy(DreamZeroConfig(view_size=(48, 80), negative_prompt=text), RuntimeOptions(), model=tiny_model)

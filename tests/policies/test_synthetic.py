@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from policies.dreamzero.config import DreamZeroConfig
-from policies.dreamzero.dit import CausalWanModel, DiTConfig
-from policies.dreamzero.synthetic import (
+from ardiff_policies.dreamzero.config import DreamZeroConfig
+from ardiff_policies.dreamzero.dit import CausalWanModel, DiTConfig
+from ardiff_policies.dreamzero.synthetic import (
     build_model,
     materialize,
     meta_modules,
@@ -19,7 +19,7 @@ from policies.dreamzero.synthetic import (
     release_cached_model,
     synthetic_model,
 )
-from policies.dreamzero.upstream_layout import checkpoint_layout
+from ardiff_policies.dreamzero.upstream_layout import checkpoint_layout
 from tests.helpers.reference import REFERENCE_DIR
 
 REFERENCE_TENSORS = REFERENCE_DIR / "dreamzero_droid_tensors.json"
@@ -70,7 +70,7 @@ def test_overrides_and_presets():
     ],
 )
 def test_bad_specs_are_named(checkpoint, needle):
-    from policies.errors import StartRefused
+    from ardiff_policies.errors import StartRefused
 
     with pytest.raises(ValueError, match=needle) as caught:
         parse_spec(checkpoint)
@@ -131,10 +131,10 @@ def test_forty_layers_keep_activations_finite_and_bounded():
 
 
 def test_policy_builds_from_a_synthetic_checkpoint_and_shares_the_model():
-    from kv import PagedKVCache
-    from policies.base import RuntimeOptions
-    from policies.dreamzero.policy import DreamZeroPolicy
-    from policies.observation import RobotObservation
+    from ardiff_kv import PagedKVCache
+    from ardiff_policies.base import RuntimeOptions
+    from ardiff_policies.dreamzero.policy import DreamZeroPolicy
+    from ardiff_policies.observation import RobotObservation
 
     release_cached_model()
     config = DreamZeroConfig(checkpoint="synthetic:tiny,layers=2", view_size=(48, 80))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies.dreamzero.transforms import (
+from ardiff_policies.dreamzero.transforms import (
     NormStats,
     crop_and_resize,
     denormalize_actions,
@@ -109,7 +109,7 @@ def test_resize_like_opencv_is_bit_exact_to_cv2_inter_linear(source, target):
     """Upstream's 5B server resizes received frames with cv2.resize(INTER_LINEAR); ours must give the same bytes
     (downscale, an exact 2x (OpenCV's area fast path), upscale, odd sizes, saturated pixels)."""
     cv2 = pytest.importorskip("cv2", reason="opencv-python-headless (the dev extra) is the independent reference")
-    from policies.dreamzero.transforms import resize_like_opencv
+    from ardiff_policies.dreamzero.transforms import resize_like_opencv
 
     rng = np.random.default_rng(sum(source) + sum(target))
     frames = rng.integers(0, 256, (3, *source, 3), dtype=np.uint8)
@@ -120,7 +120,7 @@ def test_resize_like_opencv_is_bit_exact_to_cv2_inter_linear(source, target):
 
 
 def test_resize_like_opencv_keeps_frames_already_at_the_size():
-    from policies.dreamzero.transforms import resize_like_opencv
+    from ardiff_policies.dreamzero.transforms import resize_like_opencv
 
     frames = np.random.default_rng(0).integers(0, 256, (2, 16, 24, 3), dtype=np.uint8)
     assert resize_like_opencv(frames, (16, 24)) is frames

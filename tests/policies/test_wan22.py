@@ -16,16 +16,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kv import Branch, KVSpec, PagedKVCache
-from policies.base import RuntimeOptions
-from policies.dreamzero.checkpoint import CheckpointDir, CheckpointError, load_component
-from policies.dreamzero.dit import CausalWanModel, DiTConfig
-from policies.dreamzero.model import DreamZeroModel, read_config
-from policies.dreamzero.naming import DIT_PREFIX, identity_targets
-from policies.dreamzero.policy import DreamZeroConfig, DreamZeroPolicy
-from policies.dreamzero.tiny import TINY_5B_DIT, ensure_tiny_checkpoint
-from policies.guidance import Guidance
-from policies.observation import RobotObservation
+from ardiff_kv import Branch, KVSpec, PagedKVCache
+from ardiff_policies.base import RuntimeOptions
+from ardiff_policies.dreamzero.checkpoint import CheckpointDir, CheckpointError, load_component
+from ardiff_policies.dreamzero.dit import CausalWanModel, DiTConfig
+from ardiff_policies.dreamzero.model import DreamZeroModel, read_config
+from ardiff_policies.dreamzero.naming import DIT_PREFIX, identity_targets
+from ardiff_policies.dreamzero.policy import DreamZeroConfig, DreamZeroPolicy
+from ardiff_policies.dreamzero.tiny import TINY_5B_DIT, ensure_tiny_checkpoint
+from ardiff_policies.guidance import Guidance
+from ardiff_policies.observation import RobotObservation
 
 REFERENCE = Path(__file__).parents[1] / "reference_data" / "upstream_5b_tiny"
 ATOL = 1e-5
@@ -179,7 +179,7 @@ def test_config_json_mismatches_are_refused_by_name(tiny_5b_dir, tmp_path):
 
 
 def test_a_5b_without_target_keys_gets_upstreams_fallback_size():
-    from policies.dreamzero.model import ActionHeadConfig
+    from ardiff_policies.dreamzero.model import ActionHeadConfig
 
     raw = {"num_frames": 33, "num_frame_per_block": 2, "action_horizon": 24, "tiled": False, "train_architecture": "full"}
     five_b = DiTConfig(model_type="ti2v", in_dim=48, out_dim=48, frame_seqlen=50, concat_first_frame_latent=False)
@@ -207,9 +207,9 @@ def test_tiny_5b_served_end_to_end_to_an_openpi_client(tmp_path):
 def test_full_size_5b_checkpoint_layout_has_a_home_in_the_synthetic_5b():
     """Every tensor a full-size 5B checkpoint holds (upstream names: the Wan2.2 DiT with the action register, UMT5-XXL,
     ViT-H/14, VideoVAE38_ at dim 160 / dec_dim 256) maps onto ``synthetic:droid_5b``'s modules, shape for shape."""
-    from policies.dreamzero.naming import COMPONENT_PREFIXES, image_encoder_targets, text_encoder_targets, vae_targets
-    from policies.dreamzero.synthetic import meta_modules, parse_spec
-    from policies.dreamzero.upstream_layout import checkpoint_layout
+    from ardiff_policies.dreamzero.naming import COMPONENT_PREFIXES, image_encoder_targets, text_encoder_targets, vae_targets
+    from ardiff_policies.dreamzero.synthetic import meta_modules, parse_spec
+    from ardiff_policies.dreamzero.upstream_layout import checkpoint_layout
 
     spec = parse_spec("synthetic:droid_5b")
     dit, text, image, vae = meta_modules(spec)
@@ -230,7 +230,7 @@ def test_full_size_5b_checkpoint_layout_has_a_home_in_the_synthetic_5b():
 
 
 def test_synthetic_5b_policy_steps_and_gpu_check_knows_the_family():
-    from policies.dreamzero.synthetic import release_cached_model
+    from ardiff_policies.dreamzero.synthetic import release_cached_model
     from tests.helpers.scripts import load_script
 
     gpu_check = load_script("gpu_check")
@@ -261,7 +261,7 @@ def _opencv_canvas(policy: DreamZeroPolicy, cameras: list[np.ndarray], size: tup
     then the transform's 95 % crop + per-view resize, stitched."""
     import cv2
 
-    from policies.dreamzero.transforms import crop_and_resize, stitch_canvas
+    from ardiff_policies.dreamzero.transforms import crop_and_resize, stitch_canvas
 
     resized = [np.stack([cv2.resize(f, (size[1], size[0]), interpolation=cv2.INTER_LINEAR) for f in frames]) for frames in cameras]
     views = [crop_and_resize(frames, policy.view_size, policy.embodiment.crop_scale) for frames in resized]
@@ -284,7 +284,7 @@ def test_the_5b_resizes_received_frames_to_the_advertised_size_as_upstreams_open
     ours = policy._canvas(observation)  # noqa: SLF001
     np.testing.assert_array_equal(ours, _opencv_canvas(policy, cameras, size))
     # without the pre-resize (the 14B's path) the canvas differs: the test would catch its removal
-    from policies.dreamzero.transforms import crop_and_resize, stitch_canvas
+    from ardiff_policies.dreamzero.transforms import crop_and_resize, stitch_canvas
 
     direct = stitch_canvas(policy.embodiment.layout, [crop_and_resize(c, policy.view_size, policy.embodiment.crop_scale) for c in cameras],
                            view_size=policy.view_size)  # fmt: skip
@@ -292,7 +292,7 @@ def test_the_5b_resizes_received_frames_to_the_advertised_size_as_upstreams_open
 
 
 def test_frames_at_the_advertised_size_are_not_resampled_first(tiny_5b):
-    from policies.dreamzero.transforms import crop_and_resize, stitch_canvas
+    from ardiff_policies.dreamzero.transforms import crop_and_resize, stitch_canvas
 
     policy = DreamZeroPolicy(DreamZeroConfig(checkpoint="builtin:tiny_5b", image_resolution=(90, 160)), RuntimeOptions(), model=tiny_5b)
     frames = np.random.default_rng(3).integers(0, 256, (1, 90, 160, 3), dtype=np.uint8)

@@ -20,8 +20,8 @@ def test_options_doc_matches_the_code(gen_options):
 
 
 def test_every_option_has_a_row(gen_options):
+    from ardiff_policies.dreamzero.config import DreamZeroConfig
     from ardiff_server.config import EngineConfig, RayConfig, ServerConfig
-    from policies.dreamzero.config import DreamZeroConfig
 
     text = gen_options.render()
     for prefix, model in (("server", ServerConfig), ("engine", EngineConfig), ("ray", RayConfig), ("policy", DreamZeroConfig)):

@@ -138,7 +138,7 @@ def test_lingbot_va_family_runs_episodes_and_batches_at_reduced_size(gpu_check):
 
 
 def test_lingbot_va_synthetic_released_spec_is_the_5b():
-    from policies.lingbot_va.synthetic import parse_spec
+    from ardiff_policies.lingbot_va.synthetic import parse_spec
 
     spec = parse_spec("synthetic:released,layers=2")
     assert (spec.transformer.num_layers, spec.transformer.dim, spec.transformer.ffn_dim, spec.text["d_model"]) == (2, 3072, 14336, 4096)

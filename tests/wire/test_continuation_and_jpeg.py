@@ -13,11 +13,11 @@ import pytest
 from openpi_client import msgpack_numpy as openpi
 from PIL import Image
 
+from ardiff_policies.continuation import Continuation
+from ardiff_policies.embodiment import ObservationSchema, Part
 from ardiff_server.wire.decode import MAX_IMAGE_SIDE, RequestError, decode_request
 from ardiff_server.wire.jpeg import encode_jpeg
 from ardiff_server.wire.protocol import unpack
-from policies.continuation import Continuation
-from policies.embodiment import ObservationSchema, Part
 
 EXT = "observation/exterior_image_{}_left"
 WRIST = "observation/wrist_image_left"

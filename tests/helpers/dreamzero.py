@@ -70,3 +70,24 @@ class ThreadPair:
                 return out
 
         return Endpoint()
+
+    def run(self, rank_fn, timeout_s: float = 240.0) -> None:
+        """``rank_fn(rank)`` on two threads, as two processes would run; a failure on one aborts the other's waits.
+        Raises the first failure, or if a rank is still waiting for the other after ``timeout_s``."""
+        errors: list[BaseException] = []
+
+        def guarded(rank: int) -> None:
+            try:
+                rank_fn(rank)
+            except BaseException as exc:  # surface thread failures in the test
+                errors.append(exc)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=guarded, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=timeout_s)
+        assert not any(t.is_alive() for t in threads), "a rank is stuck waiting for the other"
+        if errors:
+            raise errors[0]

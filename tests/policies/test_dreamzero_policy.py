@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import threading
 
 import numpy as np
 import pytest
@@ -146,27 +145,17 @@ def test_branches_computed_apart_and_combined_equal_one_process_cfg(tiny_model):
 
     pair = ThreadPair()
     results: dict[int, list] = {}
-    errors: list[BaseException] = []
 
     def rank(r: int) -> None:
-        try:
-            # Each rank owns its model, as separate processes do (diffusers' VAE keeps encode
-            # caches on the module, so one module must not be shared between threads).
-            model = copy.deepcopy(tiny_model)
-            policy, rank_cache = make_policy(model, branches=(Branch(r),), guidance=Guidance.parallel(r, pair.endpoint(r)))
-            assert policy.branches == (Branch(r),) and rank_cache.branches == (Branch(r),)
-            results[r] = rollout(policy, rank_cache, observations(5))[1]
-            assert rank_cache.storage.cross.num_slots == 3  # one branch per session on this rank
-        except BaseException as exc:  # surface thread failures in the test
-            errors.append(exc)
-            pair.barrier.abort()
+        # Each rank owns its model, as separate processes do (diffusers' VAE keeps encode
+        # caches on the module, so one module must not be shared between threads).
+        model = copy.deepcopy(tiny_model)
+        policy, rank_cache = make_policy(model, branches=(Branch(r),), guidance=Guidance.parallel(r, pair.endpoint(r)))
+        assert policy.branches == (Branch(r),) and rank_cache.branches == (Branch(r),)
+        results[r] = rollout(policy, rank_cache, observations(5))[1]
+        assert rank_cache.storage.cross.num_slots == 3  # one branch per session on this rank
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    pair.run(rank)
     for e, a, b in zip(expected, results[0], results[1]):
         np.testing.assert_allclose(a.actions, e.actions, atol=1e-5, rtol=0)
         assert np.array_equal(a.actions, b.actions)  # both ranks hold the same chunk

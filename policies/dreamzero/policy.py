@@ -87,6 +87,8 @@ class DreamZeroSession:
     ys: torch.Tensor | None = None  # (1, 4 + z, latent frames, h, w) image conditioning (14B only)
     first_latent: torch.Tensor | None = None  # (1, z, 1, h, w) the window's first frame
     prepared: _Prepared | None = None  # what the encoder thread made for the next call (DreamZeroPolicy.prepare)
+    chunks: int = 0  # chunks served: the last one's chunk_id
+    last_chunk: chunking.LastChunk | None = None  # what a continuation continues
 
 
 @dataclass
@@ -99,8 +101,6 @@ class _Prepared:
     prompt_embeds: torch.Tensor | None  # the prompt's text embeddings, if the call needs them
     image: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None  # (clip_feature, ys, first_latent) at a window start
     timing_ms: dict[str, float]
-    chunks: int = 0  # chunks served: the last one's chunk_id
-    last_chunk: chunking.LastChunk | None = None  # what a continuation continues
 
 
 class PhaseTimer:

@@ -29,7 +29,7 @@ the CUDA-graph variants skipped and torch.compile's ``eager`` backend (dynamo tr
 fullgraph, no code generation), and prints the same tables.
 
     python scripts/gpu_check.py --json                      # CPU: reduced size (about a minute)
-    PYTHONPATH=. python3 scripts/gpu_check.py --full-size --json --budget-s 480 --out "$OUT"   # the device run
+    python3 scripts/gpu_check.py --full-size --json --budget-s 480 --out "$OUT"   # the device run (tree not installed: fine)
     python scripts/gpu_check.py --family 5b ...             # the same for the Wan2.2-5B DreamZero (synthetic:droid_5b)
     python scripts/gpu_check.py --family lingbot_va ...     # LingBot-VA (synthetic:released; reduced: synthetic:tiny): an
                                                             # episode per session, batches of sessions, peak vs its memory plan
@@ -120,6 +120,24 @@ def ensure_wheels(folder: Path) -> list[str]:
     importlib.invalidate_caches()
     log(f"installed {len(wheels)} carried wheels for {missing} into {target}")
     return [w.name for w in wheels]
+
+
+def ensure_project() -> None:
+    """A bare device image runs this tree uninstalled: kv/ and policies/ install as ardiff_kv / ardiff_policies
+    (pyproject's package-dir), so name them so through symlinks in a temp dir on the path (no build needed)."""
+    if importlib.util.find_spec("ardiff_kv") is not None:
+        return
+    names = Path(tempfile.gettempdir()) / "ardiff-device-names"
+    names.mkdir(exist_ok=True)
+    for installed, folder in (("ardiff_kv", "kv"), ("ardiff_policies", "policies")):
+        link = names / installed
+        if not link.exists():
+            link.symlink_to(ROOT / folder, target_is_directory=True)
+    sys.path.insert(0, str(names))
+    sys.path.insert(0, str(ROOT))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(names), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    importlib.invalidate_caches()
+    log(f"this tree is not installed: ardiff_kv / ardiff_policies from {names}")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -546,6 +564,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     START = time.monotonic()
     args = parse_args(argv)
     installed = ensure_wheels(args.wheels)
+    ensure_project()
     import torch
 
     cuda_available = torch.cuda.is_available()

@@ -380,6 +380,9 @@ def preflight(config: AppConfig, *, local: bool = True) -> None:
                 on_cpu = "--set engine.device=cpu" + "".join(
                     f" --set engine.{key}=null" for key in ("devices", "replica_devices") if getattr(config.engine, key) is not None
                 )
+                # what only CUDA has goes too (each is refused on the CPU with its own line otherwise)
+                on_cpu += " --set engine.dist_backend=auto" if config.engine.dist_backend == "nccl" else ""
+                on_cpu += " --set engine.attention_backend=auto" if config.engine.attention_backend == "flash" else ""
                 raise ConfigError(
                     f"{config.source}: engine device {device}: this machine has {have}; serve the CPU default (--config tiny) or {on_cpu}"
                 )

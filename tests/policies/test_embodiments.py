@@ -188,8 +188,8 @@ def test_an_embodiments_keys_decode_by_its_schema():
     [
         ({"observation/grip": None}, "observation/grip: missing; expected 1 number (float, float array or list)"),
         ({"observation/top": None, "observation/tpo": np.zeros((2, 2, 3), np.uint8)},
-         "observation/top: missing; expected a uint8 RGB image array (H, W, 3) or frame stack (T, H, W, 3) "
-         "(this server serves embodiment arm; unknown keys ['observation/tpo'])"),
+         "observation/top: missing; expected a uint8 RGB image array (H, W, 3) or frame stack (T, H, W, 3), or JPEG bytes "
+         "(a list of them for a stack) (this server serves embodiment arm; unknown keys ['observation/tpo'])"),
         ({"observation/joints": np.zeros((2, 6))}, "observation/joints: expected 6 numbers (float array or list), got shape (2, 6)"),
         ({"observation/joints": [[0] * 6, [0] * 6]}, "observation/joints: expected 6 numbers (float array or list), got a list of 2"),
         ({"observation/wrist": np.zeros((50, 60), np.uint8)}, "observation/wrist: expected a uint8 RGB image array"),

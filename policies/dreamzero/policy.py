@@ -350,7 +350,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 timer.mark("text")
                 image = None
                 if window_start:
-                    clip_feature = self.model.image_encoder(newest[:, :, 0].to(self.image_device)).to(self.device, self.dtype)
+                    clip_feature = self._clip_feature(newest)
                     timer.mark("vision")
                     image = (clip_feature, *self._image_conditioning(newest))
                     timer.mark("vae")
@@ -483,7 +483,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 session.clip_feature, session.ys, session.first_latent = prepared.image
             else:
                 newest = video[:, :, -1:]
-                session.clip_feature = self.model.image_encoder(newest[:, :, 0].to(self.image_device)).to(self.device, self.dtype)
+                session.clip_feature = self._clip_feature(newest)
                 timer.mark("vision")
                 session.ys, session.first_latent = self._image_conditioning(newest)  # ys: None for the 5B
             self._populate_cross(session, prompt_embeds)
@@ -771,6 +771,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             # Upstream's tokenizer cleans the negative prompt too (no template, no lower-casing).
             self._negative_embeds = self._encode_text(clean_prompt(self.config.negative_prompt))
         return self._negative_embeds
+
+    def _clip_feature(self, newest: torch.Tensor) -> torch.Tensor:
+        """CLIP tokens of a window's first frame ((1, 3, 1, H, W) in [-1, 1]), on the engine's device."""
+        return self.model.image_encoder(newest[:, :, 0].to(self.image_device)).to(self.device, self.dtype)
 
     def _image_conditioning(self, image: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(``ys``, the first frame's latent). ``ys``: VAE latents of [image, zeros x (num_frames - 1)] with a mask on

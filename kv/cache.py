@@ -22,14 +22,17 @@ from ardiff_kv.storage import PagedStorage
 logger = logging.getLogger(__name__)
 
 
-def kv_budget_bytes(budget_gib: float | None, fraction: float, free_bytes: int) -> int:
+def kv_budget_bytes(budget_gib: float | None, fraction: float, free_bytes: int, *, most: int | None = None) -> int:
     """Bytes for one rank's KV cache (``engine.kv_budget_gib`` / ``kv_memory_fraction``): the
     configured budget, else ``fraction`` of ``free_bytes``, the memory the device has free once the
-    weights are loaded. The one rule for the engine (``engine/builder.py``, which measures it) and
-    a policy's memory plan (which predicts it before loading anything)."""
+    weights are loaded, but no more than ``most`` (what ``engine.max_sessions`` sessions can fill,
+    :meth:`PagedKVCache.bytes_for_sessions`): a fraction of a big device never buys pages no session
+    could use. The one rule for the engine (``engine/builder.py``, which measures it) and a
+    policy's memory plan (which predicts it before loading anything)."""
     if budget_gib is not None:
         return int(budget_gib * 2**30)
-    return int(max(0, free_bytes) * fraction)
+    budget = int(max(0, free_bytes) * fraction)
+    return budget if most is None else min(budget, most)
 
 
 class PagedKVCache:
@@ -85,6 +88,13 @@ class PagedKVCache:
                 budget_bytes / 2**20, pages, floor,
             )  # fmt: skip
         return max(pages, floor)
+
+    @staticmethod
+    def bytes_for_sessions(spec: KVSpec, *, max_sessions: int, num_branches: int, max_batch: int = 1) -> int:
+        """What ``max_sessions`` sessions at their worst case and ``max_batch`` slots of scratch take:
+        the most a budget can usefully be."""
+        per_session = num_branches * (spec.pages_per_branch * spec.page_bytes + spec.cross_slot_bytes)
+        return max_sessions * per_session + max_batch * num_branches * spec.scratch_pages_per_branch * spec.page_bytes
 
     @staticmethod
     def sessions_for_budget(spec: KVSpec, budget_bytes: int, *, max_sessions: int, num_branches: int, max_batch: int = 1) -> int:

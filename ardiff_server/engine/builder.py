@@ -59,7 +59,8 @@ def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> Se
     spec = policy.kv_spec()
     cache = None
     if spec is not None:
-        budget = kv_budget_bytes(engine_config.kv_budget_gib, engine_config.kv_memory_fraction, device_free_bytes(device))
+        most = PagedKVCache.bytes_for_sessions(spec, max_sessions=engine_config.max_sessions, num_branches=len(policy.branches), max_batch=wanted_batch)
+        budget = kv_budget_bytes(engine_config.kv_budget_gib, engine_config.kv_memory_fraction, device_free_bytes(device), most=most)
         if world_size > 1:  # both ranks must make the same batching and admission decisions: agree on the budget
             agreed = torch.tensor([budget], dtype=torch.int64)
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control)

@@ -296,8 +296,9 @@ def plan_memory(geometry: ModelGeometry, settings: PlanSettings, free: Mapping[s
     by_device.setdefault(engine, {})
     spec = dit_kv_spec(geometry.dit, dtype)
     # The engine measures what is free once the weights are loaded; the plan predicts it.
-    budget = kv_budget_bytes(settings.kv_budget_gib, settings.kv_memory_fraction, free.get(engine, 0) - sum(by_device[engine].values()))
     sizing = {"max_sessions": settings.max_sessions, "num_branches": settings.branches}
+    most = PagedKVCache.bytes_for_sessions(spec, **sizing, max_batch=settings.max_batch)
+    budget = kv_budget_bytes(settings.kv_budget_gib, settings.kv_memory_fraction, free.get(engine, 0) - sum(by_device[engine].values()), most=most)
     # The batch the engine will run: engine.max_batch, or fewer if the pool cannot hold that many sessions at once.
     batch = PagedKVCache.batch_for_budget(spec, budget, **sizing, max_batch=settings.max_batch)
     kv = KVPlan(spec, settings.branches, settings.max_sessions, pages_for_budget(spec, budget, **sizing, max_batch=batch), batch)

@@ -111,6 +111,26 @@ def test_the_plans_pool_is_the_engines_allocation_when_the_pool_holds_fewer_than
         assert cache.pool.capacity == 3 * cache.reservation_per_session  # every page can back a session
 
 
+def test_a_fraction_of_a_big_device_buys_only_what_max_sessions_can_fill(tiny):
+    """kv_memory_fraction of a device far bigger than max_sessions need: the engine's pool and the
+    plan's are those sessions' pages, cross slots and scratch (not 4140 pages where 176 are used);
+    an explicit engine.kv_budget_gib is still bought as asked."""
+    from ardiff_kv import Branch, kv_budget_bytes
+
+    spec = memory.dit_kv_spec(tiny.dit, torch.float32)
+    settings = memory.PlanSettings(engine_device="cpu", dtype=torch.float32, branches=2, max_sessions=4, max_batch=2)
+    weights = sum(size.bytes(torch.float32) for size in tiny.sizes.values())
+    free = {"cpu": weights + 64 * 2**30}
+    kv = memory.plan_memory(tiny, settings, free).device("cpu").kv
+    most = PagedKVCache.bytes_for_sessions(spec, max_sessions=4, num_branches=2, max_batch=2)
+    budget = kv_budget_bytes(None, settings.kv_memory_fraction, free["cpu"] - weights, most=most)
+    assert budget == most
+    cache = PagedKVCache.from_budget(spec, budget, max_sessions=4, branches=(Branch.COND, Branch.UNCOND), max_batch=2)
+    assert cache.pool.capacity == 4 * cache.reservation_per_session == kv.sessions * cache.reservation_per_session
+    assert cache.storage.nbytes == kv.pool_bytes and cache.storage.max_batch == kv.max_batch == 2
+    assert kv_budget_bytes(3.0, settings.kv_memory_fraction, 0, most=most) == 3 * 2**30
+
+
 def test_14b_on_80_gib_buys_no_cross_slots_its_pool_cannot_use(droid):
     """The issue's case: engine.max_sessions 8 on an 80 GiB card, where the pool holds 1 or 2 sessions.
     The pool is its sessions' pages and cross slots plus scratch and the null page, nothing more."""

@@ -85,10 +85,10 @@ def conditioning(policy: DreamZeroPolicy, rng: np.random.Generator, views: int =
                                gripper_position=np.zeros(1, np.float32), prompt=tiny_task.PROMPT)  # fmt: skip
         session = policy.start_session(f"c{i}", _KV())
         policy._advance_session(session, obs)
-        video = policy._video_tensor(session)
+        video = policy.inputs.video_tensor(session)
         clip = policy.model.image_encoder(video[:, :, -1]).to(policy.dtype)
-        ys, _ = policy._image_conditioning(video[:, :, -1:])
-        out.append({"context": policy._encode_text(session.prompt), "clip": clip, "ys": ys})
+        ys, _ = policy.inputs.image_conditioning(video[:, :, -1:])
+        out.append({"context": policy.inputs.encode_text(session.prompt), "clip": clip, "ys": ys})
     return out
 
 

@@ -25,7 +25,6 @@ template) is the served :class:`policies.embodiment.Embodiment`, read from the c
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import deque
@@ -34,40 +33,28 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ardiff_kv import Branch, KVSpec, SessionKV, prepare_batch
 from ardiff_kv.attention import allow_batch_shapes
 from ardiff_policies import hub
-from ardiff_policies.base import ChunkRecording, Policy, RuntimeOptions, StepResult
+from ardiff_policies.base import ChunkRecording, Policy, RuntimeOptions, StartRefused, StepResult
 from ardiff_policies.continuation import APPLIED, CONTRACT
 from ardiff_policies.dreamzero import continuation as chunking
-from ardiff_policies.dreamzero import memory
-from ardiff_policies.dreamzero.config import BUILTIN_PREFIX, SYNTHETIC_PREFIX, DreamZeroConfig
+from ardiff_policies.dreamzero import geometry, memory
+from ardiff_policies.dreamzero.batch import Call, OtherRankFailed, PhaseTimer, elapsed_ms, live, run_each, run_phase
+from ardiff_policies.dreamzero.config import SYNTHETIC_PREFIX, DreamZeroConfig
 from ardiff_policies.dreamzero.embodiments import DROID_CAMERAS, embodiment_prompt, resolve
+from ardiff_policies.dreamzero.inputs import FRAMES_PER_CALL, InputEncoder, Prepared
 from ardiff_policies.dreamzero.model import DreamZeroModel
 from ardiff_policies.dreamzero.scheduler import DecoupledVideoScheduler, FlowUniPCScheduler
-from ardiff_policies.dreamzero.transforms import (
-    CROP_SCALE,
-    NormStats,
-    clean_prompt,
-    crop_and_resize,
-    denormalize_actions,
-    normalize_state,
-    pixels_to_model_range,
-    resize_like_opencv,
-    resize_video,
-    stitch_canvas,
-    to_absolute,
-    video_size,
-)
+from ardiff_policies.dreamzero.step_cache import should_run
+from ardiff_policies.dreamzero.transforms import CROP_SCALE, NormStats, denormalize_actions, normalize_state, to_absolute, video_size
 from ardiff_policies.embodiment import Embodiment, ObservationSchema, metadata_frame
 from ardiff_policies.info import PolicyInfo, droid_server_config
 from ardiff_policies.observation import RobotObservation, UnsupportedObservation
 
 logger = logging.getLogger(__name__)
 
-FRAMES_PER_CALL = 4  # frames a robot sends per call after the first (DreamZero's client contract)
 # The contract as clients read it (metadata frame, /info): fewer frames are padded, more keep the newest.
 FRAMES_CONTRACT = {"first": 1, "later": FRAMES_PER_CALL, "fewer": "padded by repeating the oldest frame sent", "more": "the newest are used"}
 # The 95 % center crop must keep at least one pixel: int(side * 0.95) >= 1.
@@ -86,37 +73,9 @@ class DreamZeroSession:
     clip_feature: torch.Tensor | None = None
     ys: torch.Tensor | None = None  # (1, 4 + z, latent frames, h, w) image conditioning (14B only)
     first_latent: torch.Tensor | None = None  # (1, z, 1, h, w) the window's first frame
-    prepared: _Prepared | None = None  # what the encoder thread made for the next call (DreamZeroPolicy.prepare)
+    prepared: Prepared | None = None  # what the encoder thread made for the next call (DreamZeroPolicy.prepare)
     chunks: int = 0  # chunks served: the last one's chunk_id
     last_chunk: chunking.LastChunk | None = None  # what a continuation continues
-
-
-@dataclass
-class _Prepared:
-    """A call's session-own work, done before its batch on the engine's encoder thread."""
-
-    observation: RobotObservation  # the call it was made for
-    prompt: str
-    canvas: np.ndarray  # (T, H, W, 3) uint8: the call's stitched frames
-    prompt_embeds: torch.Tensor | None  # the prompt's text embeddings, if the call needs them
-    image: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None  # (clip_feature, ys, first_latent) at a window start
-    timing_ms: dict[str, float]
-
-
-class PhaseTimer:
-    """Wall time per phase in ms, added into ``ms`` (synchronizing CUDA so phases are not smeared)."""
-
-    def __init__(self, device: torch.device, ms: dict[str, float] | None = None) -> None:
-        self.device = device
-        self.ms: dict[str, float] = {} if ms is None else ms
-        self._last = time.perf_counter()
-
-    def mark(self, phase: str) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        self.ms[phase] = self.ms.get(phase, 0.0) + (now - self._last) * 1000.0
-        self._last = now
 
 
 class DreamZeroPolicy(Policy[DreamZeroSession]):
@@ -135,10 +94,22 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         self.action_head_config = model.action_head_config
         self.guidance = options.guidance
         self.embodiment: Embodiment = resolve(model.metadata, model.experiment_config, tag=config.embodiment, prompt_template=config.prompt_template)
-        self.view_size = tuple(config.view_size) if config.view_size is not None else self._default_view_size()
-        self.image_resolution = tuple(config.image_resolution) if config.image_resolution is not None else self._family_image_resolution()
-        self._check_geometry()
-        self._check_embodiment()
+        wan22 = model.vae.is_wan22
+        self.view_size = tuple(config.view_size or geometry.default_view_size(self.embodiment, config.checkpoint, wan22=wan22))
+        self.image_resolution = tuple(
+            config.image_resolution or geometry.family_image_resolution(self.embodiment, self.action_head_config.target_video_size, wan22=wan22)
+        )
+        head = self.action_head_config
+        target = head.target_video_size
+        geometry.check_canvas(
+            self.canvas_size, what=f"target_video_height/width {target[0]}x{target[1]}" if target else f"view_size {list(self.view_size)} ({self.embodiment.layout} layout)",
+            spatial_compression=model.vae.spatial_compression, patch_size=self.dit_config.patch_size, frame_seqlen=self.dit_config.frame_seqlen,
+        )  # fmt: skip
+        geometry.check_embodiment(self.embodiment, max_action_dim=head.max_action_dim, max_state_dim=head.max_state_dim, view_size=config.view_size)
+        self.inputs = InputEncoder(
+            model, self.embodiment, view_size=self.view_size, camera_sizes=self.camera_sizes, negative_prompt=config.negative_prompt,
+            device=self.device, dtype=self.dtype, text_device=self.text_device, image_device=self.image_device,
+        )  # fmt: skip
         self.action_stats = NormStats.from_quantiles(self.embodiment.action_stats)
         self.state_stats = NormStats.from_quantiles(self.embodiment.state_stats)
         state_slices = self.embodiment.state_slices
@@ -146,48 +117,24 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         self.use_guidance = config.cfg_scale != 1.0
         if self.guidance.is_parallel and not self.use_guidance:
             raise ValueError("CFG-parallel needs cfg_scale != 1 (there is no second branch to run)")
-        self._negative_embeds: torch.Tensor | None = None  # a model constant: encoded once per process
-        self._side_stream = None  # the encoder thread's CUDA stream (prepare)
         self.graphs = None
         if options.cuda_graphs:
             from ardiff_policies.dreamzero.cuda_graphs import DenoiseGraphs
 
             self.graphs = DenoiseGraphs(self.dit)
         if options.compile:
+            from torch._dynamo import list_backends
+
+            if isinstance(options.compile_backend, str) and options.compile_backend not in list_backends(exclude_tags=()):
+                raise StartRefused(
+                    f"engine.compile_backend: {options.compile_backend!r} is not a torch.compile backend in this torch; "
+                    f"use one of {', '.join(list_backends())} (or aot_eager / eager to debug)"
+                )
             # Per block, fullgraph: the paged write + attend is one custom op, so a block is one
             # graph; all blocks share the code object and slot/table/layer changes are values.
             allow_batch_shapes(options.max_batch, len(self.branches))  # a graph per batch shape
             for block in self.dit.blocks:
                 block.compile(fullgraph=True, dynamic=False, backend=options.compile_backend)
-
-    def _default_view_size(self) -> tuple[int, int]:
-        """Per-view size the checkpoint was trained at: the training run's own resize where its experiment_cfg/conf.yaml
-        says (a post-trained run), else the family's (upstream's data config ``image_resolution_height/width``):
-        DreamZero-DROID 176x320 (droid_relative + the wan21 training script), the 5B 160x320 (droid_relative_wan22)."""
-        if self.embodiment.trained_view_size is not None:
-            return tuple(self.embodiment.trained_view_size)
-        if self.config.checkpoint.startswith(BUILTIN_PREFIX):
-            from ardiff_policies.dreamzero.tiny import TINY_5B_VIEW_SIZE, TINY_VARIANTS, TINY_VIEW_SIZE
-
-            return TINY_5B_VIEW_SIZE if TINY_VARIANTS[self.config.checkpoint.removeprefix(BUILTIN_PREFIX)].wan22 else TINY_VIEW_SIZE
-        if self.config.checkpoint.startswith(SYNTHETIC_PREFIX):
-            from ardiff_policies.dreamzero.synthetic import parse_spec
-
-            return parse_spec(self.config.checkpoint).view_size
-        return (160, 320) if self.model.vae.is_wan22 else (176, 320)
-
-    def _family_image_resolution(self) -> tuple[int, int]:
-        """The camera size upstream's server for this family advertises: the 14B's (socket_test_optimized_AR.py) a fixed
-        180x320; the 5B's (eval_utils/serve_dreamzero_wan22.py) the size its eval transform expects, which sim_policy.py
-        sets to the checkpoint's ``target_video_height/width`` (overwriting metadata.json's camera resolutions), else
-        metadata.json's first camera (width x height), else 160x320. (A 5B config.json without both target keys gets
-        upstream's 176x320 fallback, which this server refuses: its latent has an odd row.)"""
-        if not self.model.vae.is_wan22:
-            return (180, 320)
-        if self.action_head_config.target_video_size is not None:
-            return tuple(self.action_head_config.target_video_size)
-        first = self.embodiment.camera_resolutions[0] if self.embodiment.camera_resolutions else None
-        return tuple(first) if first is not None else (160, 320)
 
     @property
     def camera_sizes(self) -> list[tuple[int, int]]:
@@ -216,38 +163,6 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         geometry = memory.checkpoint_geometry(checkpoint, config.view_size or config.embodiment_of(checkpoint).trained_view_size)
         memory.check_plan(geometry, config, options, self.device)
         return DreamZeroModel.load(checkpoint, tokenizer=tokenizer, dtype=self.dtype, **devices)
-
-    def _check_geometry(self) -> None:
-        h, w = self.canvas_size
-        s = self.model.vae.spatial_compression
-        _, ph, pw = self.dit_config.patch_size
-        target = self.action_head_config.target_video_size
-        what = f"target_video_height/width {h}x{w}" if target else f"view_size {list(self.view_size)} ({self.embodiment.layout} layout)"
-        if h % (s * ph) or w % (s * pw):
-            # The DiT's strided patch embedding would drop a latent row or column, and the sampler could not step the
-            # smaller prediction against the full latent (upstream fails there too; its training crops instead).
-            raise ValueError(f"{what} gives a {h / s:g}x{w / s:g} latent; the DiT needs it divisible by its {ph}x{pw} patch")
-        tokens = (h // s // ph) * (w // s // pw)
-        if tokens != self.dit_config.frame_seqlen:
-            raise ValueError(
-                f"{what} gives {tokens} tokens per latent frame; the checkpoint's DiT expects frame_seqlen={self.dit_config.frame_seqlen}"
-            )
-
-    def _check_embodiment(self) -> None:
-        """The embodiment fits the checkpoint's DiT and the run's image size (one line naming the mismatch)."""
-        e, head = self.embodiment, self.action_head_config
-        if e.action_dim > head.max_action_dim:
-            raise ValueError(f"embodiment {e.tag}: {e.action_dim} action dims, the DiT predicts {head.max_action_dim}")
-        if e.state_dim > head.max_state_dim:
-            raise ValueError(f"embodiment {e.tag}: {e.state_dim} state dims, the DiT's state encoder takes {head.max_state_dim}")
-        chosen = self.config.view_size
-        if e.trained_view_size is not None and chosen is not None and tuple(e.trained_view_size) != tuple(chosen):
-            raise ValueError(
-                f"policy.view_size {list(chosen)} differs from the training run's per-view resize "
-                f"{list(e.trained_view_size)} (experiment_cfg/conf.yaml VideoResize); --set policy.view_size={list(e.trained_view_size)}"
-            )
-
-    # -- interface ----------------------------------------------------------------------
 
     @property
     def branches(self) -> tuple[Branch, ...]:
@@ -333,38 +248,14 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         prompt = embodiment_prompt(self.embodiment, observation.prompt)
         window_start = session.prompt is None or prompt != session.prompt or session.current_start_frame >= self.dit_config.local_attn_size
         need_text = Branch.COND in self.branches and (prompt != session.prompt or session.prompt_embeds is None)
-        need_negative = Branch.UNCOND in self.branches and self._negative_embeds is None
+        need_negative = Branch.UNCOND in self.branches and not self.inputs.has_negative_embeds
         if not (window_start or need_text or need_negative):
             return None
 
-        @torch.no_grad()
         def job() -> None:
-            with self._encoder_stream():
-                timer = PhaseTimer(self.device)
-                canvas = self._canvas(observation)
-                newest = self._model_video([canvas[-1]])
-                timer.mark("frames")
-                text = self._encode_text(prompt) if need_text else None
-                if need_negative:
-                    self._prompt_embeds_negative()
-                timer.mark("text")
-                image = None
-                if window_start:
-                    clip_feature = self._clip_feature(newest)
-                    timer.mark("vision")
-                    image = (clip_feature, *self._image_conditioning(newest))
-                    timer.mark("vae")
-            session.prepared = _Prepared(observation, prompt, canvas, text, image, timer.ms)
+            session.prepared = self.inputs.prepare(observation, prompt, text=need_text, negative=need_negative, window_start=window_start)
 
         return job
-
-    def _encoder_stream(self):
-        """The encoder thread's own CUDA stream (it overlaps the batched step's), synchronized when the job ends."""
-        if self.device.type != "cuda":
-            return contextlib.nullcontext()
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(self.device)
-        return _synchronized(self._side_stream)
 
     def warmup_observations(self) -> Iterator[RobotObservation]:
         """A session that fills one window and restarts it once: every shape a session meets."""
@@ -398,69 +289,19 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         that decided to run, so every session's result is its unbatched result (up to float
         summation order). A failure in a session's own part fails that session; a failure in a
         batched forward fails every session in it (the engine tears each down)."""
-        calls = [_Call(session, observation, slot) for slot, (session, observation) in enumerate(items)]
-        self._each(calls, self._begin)
-        pending = [c for c in self._live(calls) if c.video is not None]  # later calls: their observed frames
+        calls = [Call(session, observation, slot) for slot, (session, observation) in enumerate(items)]
+        agree = self.agree
+        run_each(calls, self._begin, agree)
+        pending = [c for c in live(calls) if c.video is not None]  # later calls: their observed frames
         for shape in dict.fromkeys(tuple(c.video.shape) for c in pending):  # one VAE encode per frame-stack shape
-            self._phase([c for c in pending if tuple(c.video.shape) == shape], self._encode_observed)
-        for frames in sorted({call.prefill_latents.shape[2] for call in self._live(calls)}):
-            self._phase([c for c in self._live(calls) if c.prefill_latents.shape[2] == frames], self._prefill)
-        self._phase(self._live(calls), self._denoise)
-        self._each(self._live(calls), self._finish)
+            run_phase([c for c in pending if tuple(c.video.shape) == shape], self._encode_observed, agree)
+        for frames in sorted({call.prefill_latents.shape[2] for call in live(calls)}):
+            run_phase([c for c in live(calls) if c.prefill_latents.shape[2] == frames], self._prefill, agree)
+        run_phase(live(calls), self._denoise, agree)
+        run_each(live(calls), self._finish, agree)
         return [call.error if call.error is not None else call.result for call in calls]
 
-    @staticmethod
-    def _live(calls: list[_Call]) -> list[_Call]:
-        return [call for call in calls if call.error is None]
-
-    def _each(self, calls: list[_Call], phase) -> None:
-        """A per-session phase for each call; a call whose phase raised (on any CFG rank) fails."""
-        errors: list[BaseException | None] = []
-        for call in calls:
-            try:
-                phase(call)
-                errors.append(None)
-            except Exception as exc:
-                errors.append(exc)
-        for call, error, failed in zip(calls, errors, self.agree([e is not None for e in errors])):
-            if failed:
-                call.error = error or OtherRankFailed(f"session {call.session.session_id} failed on the other CFG-parallel rank")
-
-    def _phase(self, calls: list[_Call], phase) -> None:
-        """A batched phase. If it raises, each member is retried alone before anything fails: a
-        batch-size OOM or one member's bad input never costs the others their call. A phase changes
-        a session only once it has succeeded (KV writes abort on error), so a retry starts clean.
-
-        Under CFG-parallel the ranks agree after every attempt. A rank whose batched attempt
-        succeeded (the other's failed) has done its part: it only takes part in the agreements of
-        the retries, so nothing is written twice. The denoise's collectives agree every step, so
-        the ranks never disagree on it."""
-        if not calls:
-            return
-        error, done_here = self._attempt(calls, phase)
-        if error is None:
-            return
-        if len(calls) == 1:
-            calls[0].error = error
-            return
-        logger.warning("a batched %s of %d sessions failed (%s); retrying each alone", phase.__name__.strip("_"), len(calls), error)
-        for call in calls:
-            call.error, _ = self._attempt([call], phase, run=not done_here)
-
-    def _attempt(self, calls: list[_Call], phase, *, run: bool = True) -> tuple[BaseException | None, bool]:
-        """Run a batched phase (``run``: else only agree). Returns its error if it failed on any CFG
-        rank, and whether it completed on this one."""
-        error = None
-        if run:
-            try:
-                phase(calls)
-            except Exception as exc:
-                error = exc
-        if self.agree([error is not None])[0]:
-            return error or OtherRankFailed(f"a batched {phase.__name__.strip('_')} failed on the other CFG-parallel rank"), error is None
-        return None, True
-
-    def _begin(self, call: _Call) -> None:
+    def _begin(self, call: Call) -> None:
         """The session's own part: frames, resets, text, and at a window start its image conditioning
         (made beforehand by :meth:`prepare`'s job when it ran for this call)."""
         session = call.session
@@ -469,23 +310,23 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             prepared = None  # made for another call of this session: not this one's
         timer = PhaseTimer(self.device, call.timing)
         call.events = self._advance_session(session, call.observation, None if prepared is None else prepared.canvas)
-        video = self._video_tensor(session)  # (1, 3, T, H, W) in [-1, 1] (H, W: canvas_size)
+        video = self.inputs.video_tensor(session)  # (1, 3, T, H, W) in [-1, 1] (H, W: canvas_size)
         timer.mark("frames")
         if prepared is not None:
             for phase, ms in prepared.timing_ms.items():  # the encoder thread's time counts as this call's
                 call.add(phase, ms)
             if prepared.prompt_embeds is not None and prepared.prompt == session.prompt and session.prompt_embeds is None:
                 session.prompt_embeds = prepared.prompt_embeds
-        prompt_embeds = self._prompt_embeds(session)
+        prompt_embeds = self.inputs.prompt_embeds(session, self.branches)
         timer.mark("text")
         if session.current_start_frame == 0:
             if prepared is not None and prepared.image is not None:
                 session.clip_feature, session.ys, session.first_latent = prepared.image
             else:
                 newest = video[:, :, -1:]
-                session.clip_feature = self._clip_feature(newest)
+                session.clip_feature = self.inputs.clip_feature(newest)
                 timer.mark("vision")
-                session.ys, session.first_latent = self._image_conditioning(newest)  # ys: None for the 5B
+                session.ys, session.first_latent = self.inputs.image_conditioning(newest)  # ys: None for the 5B
             self._populate_cross(session, prompt_embeds)
             timer.mark("vae")
             call.prefill_latents, call.prefill_start = session.first_latent, 0
@@ -495,7 +336,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         call.raw_state = self._raw_state(call.observation)
         self._plan_continuation(call)
 
-    def _plan_continuation(self, call: _Call) -> None:
+    def _plan_continuation(self, call: Call) -> None:
         """Whether this call continues its session's last chunk, and how (``continuation.py``)."""
         asked = call.observation.continuation
         call.continuation = chunking.decide(asked, call.session.last_chunk, call.events)
@@ -506,30 +347,30 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 stats=self.action_stats, relative=self._relative, device=self.device, dtype=self.dtype,
             )  # fmt: skip
 
-    def _encode_observed(self, group: list[_Call]) -> None:
+    def _encode_observed(self, group: list[Call]) -> None:
         """Upstream's re-encode of the newly observed frames: one VAE encode for sessions whose frame stacks have one shape."""
         nfpb = self.dit_config.num_frame_per_block
         started = time.perf_counter()
-        latents = self._observation_latents(torch.cat([c.video for c in group]))  # (B, z, nfpb, h, w)
-        elapsed = _elapsed_ms(self.device, started)
+        latents = self.inputs.observation_latents(torch.cat([c.video for c in group]))  # (B, z, nfpb, h, w)
+        elapsed = elapsed_ms(self.device, started)
         for call, latent in zip(group, latents.split(1)):
             call.prefill_latents, call.prefill_start = latent, call.session.current_start_frame - nfpb
             call.video = None
             call.add("vae", elapsed)
 
-    def _prefill(self, calls: list[_Call]) -> None:
+    def _prefill(self, calls: list[Call]) -> None:
         """KV prefill of what each session observed, committed only if the forward succeeds."""
         started = time.perf_counter()
         frames = calls[0].prefill_latents.shape[2]
         timestep = torch.zeros(1, frames, dtype=torch.long, device=self.device)
         self._forward(calls, [c.prefill_latents for c in calls], timestep, starts=[c.prefill_start for c in calls], commit=True)
-        elapsed = _elapsed_ms(self.device, started)
+        elapsed = elapsed_ms(self.device, started)
         for call in calls:
             if call.session.current_start_frame == 0:
                 call.session.current_start_frame = 1
             call.add("prefill", elapsed)
 
-    def _forward(self, calls: list[_Call], latents: list[torch.Tensor], timestep: torch.Tensor, *, starts: list[int], commit: bool,
+    def _forward(self, calls: list[Call], latents: list[torch.Tensor], timestep: torch.Tensor, *, starts: list[int], commit: bool,
                  action: list[torch.Tensor] | None = None, timestep_action: torch.Tensor | None = None,
                  state: list[torch.Tensor] | None = None) -> list[dict[Branch, tuple[torch.Tensor, torch.Tensor | None]]]:  # fmt: skip
         """One DiT forward over every call x local branch (a sequence each, own pages, own scratch).
@@ -581,7 +422,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             results[call_index][branch] = (video[index : index + 1], None if action_pred is None else action_pred[index : index + 1])
         return results
 
-    def _denoise(self, calls: list[_Call]) -> None:
+    def _denoise(self, calls: list[Call]) -> None:
         """Denoise every session's next chunk + actions in lockstep on one schedule (two flow-matching
         UniPC samplers per session: video and actions); CFG on video, actions from the conditional branch."""
         started = time.perf_counter()
@@ -607,7 +448,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                     call.actions = chunking.before_step(call.plan, call.actions, float(call.action_scheduler.sigmas[i]))
             running = []
             for call in calls:
-                run, call.countdown = self._should_run(i, call.history, call.countdown)
+                run, call.countdown = should_run(config.dit_step_cache, config.dit_step_mask, i, call.history, call.countdown)
                 if run:
                     running.append(call)
             if running:
@@ -633,12 +474,12 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         for call in calls:
             if call.plan is not None:
                 call.actions = chunking.after_denoising(call.plan, call.actions)
-        elapsed = _elapsed_ms(self.device, started)
+        elapsed = elapsed_ms(self.device, started)
         for call in calls:
             call.session.current_start_frame += dit.num_frame_per_block
             call.add("denoise", elapsed)
 
-    def _guide(self, calls: list[_Call], predictions: list[dict[Branch, tuple[torch.Tensor, torch.Tensor | None]]]) -> None:
+    def _guide(self, calls: list[Call], predictions: list[dict[Branch, tuple[torch.Tensor, torch.Tensor | None]]]) -> None:
         """Each call's new video velocity (CFG) and action velocity (conditional branch) from one step's forward."""
         local_video = {branch: torch.cat([p[branch][0] for p in predictions]) for branch in self.branches}
         cond_action = torch.cat([p[Branch.COND][1] for p in predictions]) if Branch.COND in self.branches else None
@@ -654,7 +495,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             call.history = [*call.history, v][-2:]
             call.forwards += 1
 
-    def _finish(self, call: _Call) -> None:
+    def _finish(self, call: Call) -> None:
         started = time.perf_counter()
         session = call.session
         actions = self._postprocess(call.actions, call.raw_state)
@@ -709,105 +550,9 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             session.current_start_frame = 0
             events["window_restart"] = True
         session.prompt = prompt
-        session.frames.extend(self._canvas(observation) if canvas is None else canvas)
+        session.frames.extend(self.inputs.canvas(observation) if canvas is None else canvas)
         session.calls += 1
         return events
-
-    def _canvas(self, observation: RobotObservation) -> np.ndarray:
-        """The call's stitched frames. Only the newest FRAMES_PER_CALL are kept (a client may send up to 64): older ones are
-        dropped before any pixel work."""
-        size, e = self.view_size, self.embodiment
-        frames = [observation.cameras.get(name) for name in e.cameras]
-        frames = [None if v is None else v[-FRAMES_PER_CALL:] for v in frames]
-        if self.model.vae.is_wan22:
-            # Upstream's 5B server first brings every received frame to the advertised size with OpenCV's bilinear
-            # resize (serve_dreamzero_wan22.py _resize_frames_to_resolution), then runs the transform on it.
-            frames = [None if v is None else resize_like_opencv(v, s) for v, s in zip(frames, self.camera_sizes, strict=True)]
-        views = [None if v is None else crop_and_resize(v, size, e.crop_scale) for v in frames]
-        return stitch_canvas(e.layout, views, view_size=size)
-
-    def _video_tensor(self, session: DreamZeroSession) -> torch.Tensor:
-        frames = list(session.frames)
-        wanted = 1 if session.calls == 1 else FRAMES_PER_CALL
-        frames = frames[-wanted:]
-        frames = [frames[0]] * (wanted - len(frames)) + frames  # pad by repeating the oldest
-        return self._model_video(frames)
-
-    def _model_video(self, frames: list[np.ndarray]) -> torch.Tensor:
-        """Stitched uint8 frames -> (1, 3, T, H, W) in [-1, 1] on the engine's device, at the checkpoint's target size.
-        Frame by frame: a frame comes out the same whichever frames it is stacked with."""
-        video = torch.from_numpy(np.stack(frames)).to(self.device)
-        video = pixels_to_model_range(video.permute(3, 0, 1, 2).unsqueeze(0), self.dtype)
-        target = self.action_head_config.target_video_size
-        if target is not None and tuple(video.shape[-2:]) != target:
-            video = resize_video(video, target)
-        return video
-
-    def _tokenize(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input ids, attention mask) padded to the DiT's text length, on the text encoder's device."""
-        tokens = self.model.tokenizer(
-            text, max_length=self.dit_config.text_len, padding="max_length", truncation=True,
-            return_tensors="pt", add_special_tokens=True,
-        )  # fmt: skip
-        return tokens["input_ids"].to(self.text_device), tokens["attention_mask"].to(self.text_device)
-
-    def _encode_text(self, text: str) -> torch.Tensor:
-        """Text embeddings on the engine's device, whichever device the text encoder runs on."""
-        return self.model.text_encoder(*self._tokenize(text)).to(self.device, self.dtype)
-
-    def _prompt_embeds(self, session: DreamZeroSession) -> dict[Branch, torch.Tensor]:
-        """Text embeddings of the branches this process runs (the prompt's are cached per session)."""
-        embeds = {}
-        if Branch.COND in self.branches:
-            if session.prompt_embeds is None:
-                session.prompt_embeds = self._encode_text(session.prompt)
-            embeds[Branch.COND] = session.prompt_embeds
-        if Branch.UNCOND in self.branches:
-            embeds[Branch.UNCOND] = self._prompt_embeds_negative()
-        return embeds
-
-    def _prompt_embeds_negative(self) -> torch.Tensor:
-        if self._negative_embeds is None:
-            # Upstream's tokenizer cleans the negative prompt too (no template, no lower-casing).
-            self._negative_embeds = self._encode_text(clean_prompt(self.config.negative_prompt))
-        return self._negative_embeds
-
-    def _clip_feature(self, newest: torch.Tensor) -> torch.Tensor:
-        """CLIP tokens of a window's first frame ((1, 3, 1, H, W) in [-1, 1]), on the engine's device."""
-        return self.model.image_encoder(newest[:, :, 0].to(self.image_device)).to(self.device, self.dtype)
-
-    def _image_conditioning(self, image: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(``ys``, the first frame's latent). ``ys``: VAE latents of [image, zeros x (num_frames - 1)] with a mask on
-        latent 0 (14B). A DiT that does not concatenate ``ys`` (5B) needs only latent 0, which the causal VAE computes
-        from frame 0 alone: only that frame is encoded."""
-        b, c, _, h, w = image.shape
-        concat = self.dit_config.concat_first_frame_latent
-        frames = [image]
-        if concat:
-            frames.append(torch.zeros(b, c, self.action_head_config.num_frames - 1, h, w, dtype=image.dtype, device=image.device))
-        # Upstream runs this encode under CUDA bf16 autocast (WANPolicyHead.encode_image) and the per-call re-encode
-        # without it. A bf16 model on a GPU does the same here: the VAE's RMS norms (upstream's formula, see
-        # encoders.UpstreamRMSNorm) then yield float32 up to the next convolution. CPU autocast keeps norms in bf16
-        # unlike CUDA's, so elsewhere this encode runs plainly in the model dtype, like upstream's re-encode.
-        autocast = self.device.type == "cuda" and self.dtype == torch.bfloat16
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
-            latents = self.model.vae.encode(torch.cat(frames, dim=2))
-        latents = latents.to(self.dtype)
-        if not concat:
-            return None, latents[:, :, :1]
-        mask = torch.zeros_like(latents[:, :4])
-        mask[:, :, 0] = 1
-        return torch.cat([mask, latents], dim=1), latents[:, :, :1]
-
-    def _observation_latents(self, video: torch.Tensor) -> torch.Tensor:
-        """Upstream's re-encode: repeat each frame x2, prepend the first, keep the last latents."""
-        nfpb = self.dit_config.num_frame_per_block
-        t = video.shape[2]
-        if (t - 1) // 4 != nfpb:
-            if t // 4 != nfpb:
-                video = torch.repeat_interleave(video, nfpb // (t // 4), dim=2)
-            video = torch.cat([video[:, :, :1], video], dim=2)
-        return self.model.vae.encode(video)[:, :, -nfpb:]
 
     def _populate_cross(self, session: DreamZeroSession, prompt_embeds: dict[Branch, torch.Tensor]) -> None:
         for branch in self.branches:
@@ -826,27 +571,6 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             return None
         return ys[:, :, start : start + frames] if start + frames <= ys.shape[2] else ys[:, :, -frames:]
 
-    def _should_run(self, index: int, history: list[torch.Tensor], countdown: int) -> tuple[bool, int]:
-        """DiT step cache: (run the DiT this step?, new skip countdown)."""
-        mode = self.config.dit_step_cache
-        if mode == "off":
-            return True, 0
-        if mode == "fixed":
-            return self.config.dit_step_mask[index], 0
-        # dynamic (upstream's): after two real steps, skip 4 / 2 steps while the last two video
-        # velocities stay closer than cosine 0.95 / 0.93.
-        if len(history) < 2:
-            return True, countdown
-        if countdown > 1:
-            return False, countdown - 1
-        if countdown == 1:
-            return True, 0
-        similarity = F.cosine_similarity(history[-1].flatten(1).float(), history[-2].flatten(1).float(), dim=1).mean()
-        for threshold, skips in ((0.95, 4), (0.93, 2)):
-            if similarity > threshold:
-                return False, skips
-        return True, 0
-
     def _raw_state(self, observation: RobotObservation) -> np.ndarray:
         """The embodiment's state keys concatenated (float64; a key not sent is zeros)."""
         return self.embodiment.raw_state(observation.states)
@@ -860,57 +584,6 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         real = denormalize_actions(chunk, self.action_stats)
         real = to_absolute(real, raw_state, self._relative)
         return real.astype(np.float32)
-
-
-def _elapsed_ms(device: torch.device, started: float) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - started) * 1000.0
-
-
-@dataclass
-class _Call:
-    """One session's call inside :meth:`DreamZeroPolicy.step_batch`: its inputs and what its phases made."""
-
-    session: DreamZeroSession
-    observation: RobotObservation
-    slot: int  # its index in the batch: which scratch region its forwards write
-    timing: dict[str, float] = field(default_factory=dict)
-    events: dict[str, bool] = field(default_factory=dict)
-    error: BaseException | None = None
-    result: StepResult | None = None
-    raw_state: np.ndarray | None = None
-    video: torch.Tensor | None = None  # observed frames to encode (later calls)
-    prefill_latents: torch.Tensor | None = None
-    prefill_start: int = 0
-    # denoise state: the chunk's latents and actions, samplers, the step cache's history
-    latents: torch.Tensor | None = None
-    actions: torch.Tensor | None = None
-    state: torch.Tensor | None = None
-    video_scheduler: FlowUniPCScheduler | None = None
-    action_scheduler: FlowUniPCScheduler | None = None
-    velocity: torch.Tensor | None = None
-    action_velocity: torch.Tensor | None = None
-    history: list[torch.Tensor] = field(default_factory=list)  # last video velocities (the dynamic step cache compares them)
-    countdown: int = 0
-    forwards: int = 0
-    continuation: str | None = None  # a requested continuation: "applied" or why not (policies/continuation.py)
-    plan: chunking.ContinuationPlan | None = None
-
-    def add(self, phase: str, ms: float) -> None:
-        self.timing[phase] = self.timing.get(phase, 0.0) + ms
-
-
-class OtherRankFailed(RuntimeError):
-    """This rank's part succeeded, the other CFG-parallel rank's failed (its log has the error)."""
-
-
-@contextlib.contextmanager
-def _synchronized(stream):
-    """Run on ``stream``; wait for it before leaving, so what ran there is ready on every stream."""
-    with torch.cuda.stream(stream):
-        yield
-    stream.synchronize()
 
 
 def _seeded_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:

@@ -243,7 +243,7 @@ def test_a_failed_vae_encode_fails_only_the_sessions_it_encoded(tiny_model, monk
     def out_of_memory(video):
         raise RuntimeError("CUDA out of memory in the batched VAE encode")
 
-    monkeypatch.setattr(engine.policy, "_observation_latents", out_of_memory)
+    monkeypatch.setattr(engine.policy.inputs, "observation_latents", out_of_memory)
     replies = serve(engine, [Infer(1, "old", observation(rng, False)), Infer(2, "new", observation(rng, True))])
     assert isinstance(replies["old"], ErrorReply) and "out of memory" in replies["old"].message and "old" not in engine.sessions
     assert isinstance(replies["new"], InferReply) and replies["new"].new_session and "new" in engine.sessions

@@ -198,14 +198,14 @@ def test_dreamzero_prepares_window_starts_off_the_batch_and_gives_the_same_actio
 
 
 def test_frames_past_what_the_policy_keeps_are_dropped_before_any_pixel_work(tiny_model, monkeypatch):
-    import ardiff_policies.dreamzero.policy as dz
+    import ardiff_policies.dreamzero.inputs as dz
 
     policy, _ = make_policy(tiny_model)
     seen: list[int] = []
     real = dz.crop_and_resize
     monkeypatch.setattr(dz, "crop_and_resize", lambda frames, *a, **k: (seen.append(frames.shape[0]), real(frames, *a, **k))[1])
     frames = np.zeros((64, 90, 160, 3), np.uint8)
-    canvas = policy._canvas(RobotObservation(exterior_left=frames, exterior_right=frames, wrist=frames, prompt="x"))
+    canvas = policy.inputs.canvas(RobotObservation(exterior_left=frames, exterior_right=frames, wrist=frames, prompt="x"))
     assert canvas.shape[0] == dz.FRAMES_PER_CALL and seen == [dz.FRAMES_PER_CALL] * 3
 
 

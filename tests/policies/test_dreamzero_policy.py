@@ -212,8 +212,18 @@ def test_errors_name_the_camera_keys_the_client_sent(tiny_model, first, other):
 
 
 def test_a_view_size_that_does_not_fit_the_checkpoint_is_refused(tiny_model):
-    with pytest.raises(ValueError, match="frame_seqlen=60"):
+    from ardiff_policies.base import StartRefused
+
+    # a StartRefused: the worker prints this one line, not a traceback
+    with pytest.raises(StartRefused, match="frame_seqlen=60"):
         DreamZeroPolicy(DreamZeroConfig(view_size=(176, 320)), RuntimeOptions(), model=tiny_model)
+
+
+def test_an_unknown_compile_backend_is_refused_in_one_line(tiny_model):
+    from ardiff_policies.base import StartRefused
+
+    with pytest.raises(StartRefused, match=r"engine.compile_backend: 'inductr' is not a torch.compile backend.*inductor"):
+        DreamZeroPolicy(DreamZeroConfig(**TINY), RuntimeOptions(compile=True, compile_backend="inductr"), model=tiny_model)
 
 
 def test_config_validation():

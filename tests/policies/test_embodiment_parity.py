@@ -32,6 +32,7 @@ from ardiff_policies.dreamzero.embodiments import (
     resolve,
     upstream_template,
 )
+from ardiff_policies.dreamzero.inputs import InputEncoder
 from ardiff_policies.dreamzero.policy import DreamZeroPolicy
 from ardiff_policies.dreamzero.tiny import ensure_tiny_checkpoint
 from ardiff_policies.dreamzero.transforms import NormStats
@@ -64,7 +65,7 @@ def served(tag: str):
 
 
 def policy_stub(embodiment) -> SimpleNamespace:
-    """What DreamZeroPolicy's per-call methods read, at the reference's view size (the DiT is not involved)."""
+    """What InputEncoder's and DreamZeroPolicy's per-call methods read, at the reference's view size (the DiT is not involved)."""
     stub = SimpleNamespace(
         embodiment=embodiment, view_size=VIEW_SIZE, action_head_config=SimpleNamespace(max_state_dim=64),
         model=SimpleNamespace(vae=SimpleNamespace(is_wan22=False)),  # the 14B's camera path (the 5B resizes to its target first)
@@ -126,7 +127,7 @@ def test_canvas_pixels_and_normalized_state_are_upstreams_exactly(ref, tag, fram
     name = f"{tag}/f{frames}/p0"
     observation = observe(tag, embodiment, frames, PROMPTS[0], arrays, name)
     stub = policy_stub(embodiment)
-    canvas = DreamZeroPolicy._canvas(stub, observation)
+    canvas = InputEncoder.canvas(stub, observation)
     expected = arrays[f"{name}/canvas"]
     assert canvas.shape == expected.shape and canvas.dtype == np.uint8
     np.testing.assert_array_equal(canvas, expected)
@@ -149,9 +150,9 @@ def test_prompt_text_and_token_ids_are_upstreams_exactly(ref, tag):
             text = embodiment_prompt(embodiment, observation.prompt)
             assert text == str(arrays[f"{name}/text"]), name
             assert clean_prompt(DEFAULT_NEGATIVE_PROMPT) == str(arrays[f"{name}/negative_text"])
-            # what DreamZeroPolicy._tokenize hands the text encoder
-            stub = SimpleNamespace(model=SimpleNamespace(tokenizer=tokenizer), dit_config=SimpleNamespace(text_len=512), text_device="cpu")
-            ids, mask = DreamZeroPolicy._tokenize(stub, text)
+            # what InputEncoder.tokenize hands the text encoder
+            stub = SimpleNamespace(model=SimpleNamespace(tokenizer=tokenizer), text_len=512, text_device="cpu")
+            ids, mask = InputEncoder.tokenize(stub, text)
             np.testing.assert_array_equal(ids[0].numpy(), arrays[f"{name}/input_ids"])
             np.testing.assert_array_equal(mask[0].numpy(), arrays[f"{name}/attention_mask"])
 

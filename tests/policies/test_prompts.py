@@ -152,7 +152,7 @@ def test_policy_encodes_the_cleaned_negative_prompt(tiny_model) -> None:
             prompt = "pick up"
             prompt_embeds = None
 
-        return policy._prompt_embeds(Session())[Branch.UNCOND]
+        return policy.inputs.prompt_embeds(Session(), policy.branches)[Branch.UNCOND]
 
     messy, clean = negative("  ugly &amp;   blurry\n"), negative("ugly & blurry")
     assert torch.equal(messy, clean)

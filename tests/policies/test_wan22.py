@@ -133,7 +133,7 @@ def test_two_policy_calls_match_upstreams_action_head(reference, tiny_5b, monkey
     for call, frames in zip(meta["policy"]["calls"], canvases):
         assert hashlib.sha256(frames.tobytes()).hexdigest() == call["canvas_sha256"]
     served = iter(canvases)
-    monkeypatch.setattr(policy, "_canvas", lambda observation: next(served))  # the stitched views upstream was given
+    monkeypatch.setattr(policy.inputs, "canvas", lambda observation: next(served))  # the stitched views upstream was given
     for i, call in enumerate(meta["policy"]["calls"]):
         blank = np.zeros((call["frames"], 8, 8, 3), np.uint8)
         observation = RobotObservation(
@@ -142,7 +142,7 @@ def test_two_policy_calls_match_upstreams_action_head(reference, tiny_5b, monkey
         )  # fmt: skip
         result = policy.step(session, observation)
         if i == 0:
-            ids, _ = policy._tokenize(session.prompt)  # noqa: SLF001
+            ids, _ = policy.inputs.tokenize(session.prompt)
             assert torch.equal(ids.to(torch.int32), ref["policy.text_ids"])
             _close(session.clip_feature, ref["policy.clip_feature"], "CLIP tokens")
             _close(session.first_latent, ref["policy.first_latent"], "first-frame latent")
@@ -161,7 +161,7 @@ def test_the_5b_needs_no_ys_and_advertises_its_target_video_size(tiny_5b):
     assert policy.info.server_config["image_resolution"] == [96, 192]
     assert policy.info.details["backbone"] == "wan2.2-ti2v-5b"
     image = torch.zeros(1, 3, 1, 96, 192)
-    ys, first = policy._image_conditioning(image)  # noqa: SLF001
+    ys, first = policy.inputs.image_conditioning(image)
     assert ys is None and first.shape == (1, 48, 1, 6, 12)
     explicit = DreamZeroPolicy(DreamZeroConfig(checkpoint="builtin:tiny_5b", image_resolution=(90, 160)), RuntimeOptions(), model=tiny_5b)
     assert explicit.info.server_config["image_resolution"] == [90, 160]
@@ -281,7 +281,7 @@ def test_the_5b_resizes_received_frames_to_the_advertised_size_as_upstreams_open
     cameras = [rng.integers(0, 256, (2, *camera, 3), dtype=np.uint8) for _ in range(3)]
     observation = RobotObservation(exterior_left=cameras[0], exterior_right=cameras[1], wrist=cameras[2], prompt="pick up the cup",
                                    joint_position=np.zeros(7), gripper_position=np.zeros(1))  # fmt: skip
-    ours = policy._canvas(observation)  # noqa: SLF001
+    ours = policy.inputs.canvas(observation)
     np.testing.assert_array_equal(ours, _opencv_canvas(policy, cameras, size))
     # without the pre-resize (the 14B's path) the canvas differs: the test would catch its removal
     from ardiff_policies.dreamzero.transforms import crop_and_resize, stitch_canvas
@@ -299,4 +299,4 @@ def test_frames_at_the_advertised_size_are_not_resampled_first(tiny_5b):
     observation = RobotObservation(exterior_left=frames, exterior_right=frames, wrist=frames, prompt="pick up the cup",
                                    joint_position=np.zeros(7), gripper_position=np.zeros(1))  # fmt: skip
     view = crop_and_resize(frames, policy.view_size, policy.embodiment.crop_scale)
-    np.testing.assert_array_equal(policy._canvas(observation), stitch_canvas(policy.embodiment.layout, [view] * 3, view_size=policy.view_size))  # noqa: SLF001
+    np.testing.assert_array_equal(policy.inputs.canvas(observation), stitch_canvas(policy.embodiment.layout, [view] * 3, view_size=policy.view_size))

@@ -1,0 +1,151 @@
+"""How one batched DreamZero step runs its phases: per-call state, failure isolation, CFG-rank agreement.
+
+A step (:meth:`DreamZeroPolicy.step_batch`) is a sequence of phases over the batch's calls.
+Per-session phases run call by call (:func:`run_each`); batched phases run over many calls at
+once (:func:`run_phase`) and, if one raises, are retried member by member so only the members
+that fail alone lose their call. Under CFG-parallel both ranks agree on every outcome, one byte
+per call (``agree``: the policy's ``Guidance.agree``), so a failure on one rank never leaves the
+other waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ardiff_policies.base import StepResult
+from ardiff_policies.observation import RobotObservation
+
+if TYPE_CHECKING:
+    from ardiff_policies.dreamzero.continuation import ContinuationPlan
+    from ardiff_policies.dreamzero.policy import DreamZeroSession
+    from ardiff_policies.dreamzero.scheduler import FlowUniPCScheduler
+
+logger = logging.getLogger(__name__)
+
+Agree = Callable[[Sequence[bool]], list[bool]]  # failed flags of this rank -> failed on any rank
+
+
+@dataclass
+class Call:
+    """One session's call inside a batched step: its inputs and what its phases made."""
+
+    session: DreamZeroSession
+    observation: RobotObservation
+    slot: int  # its index in the batch: which scratch region its forwards write
+    timing: dict[str, float] = field(default_factory=dict)
+    events: dict[str, bool] = field(default_factory=dict)
+    error: BaseException | None = None
+    result: StepResult | None = None
+    raw_state: np.ndarray | None = None
+    video: torch.Tensor | None = None  # observed frames to encode (later calls)
+    prefill_latents: torch.Tensor | None = None
+    prefill_start: int = 0
+    # denoise state: the chunk's latents and actions, samplers, the step cache's history
+    latents: torch.Tensor | None = None
+    actions: torch.Tensor | None = None
+    state: torch.Tensor | None = None
+    video_scheduler: FlowUniPCScheduler | None = None
+    action_scheduler: FlowUniPCScheduler | None = None
+    velocity: torch.Tensor | None = None
+    action_velocity: torch.Tensor | None = None
+    history: list[torch.Tensor] = field(default_factory=list)  # last video velocities (the dynamic step cache compares them)
+    countdown: int = 0
+    forwards: int = 0
+    continuation: str | None = None  # a requested continuation: "applied" or why not (policies/continuation.py)
+    plan: ContinuationPlan | None = None
+
+    def add(self, phase: str, ms: float) -> None:
+        self.timing[phase] = self.timing.get(phase, 0.0) + ms
+
+
+class OtherRankFailed(RuntimeError):
+    """This rank's part succeeded, the other CFG-parallel rank's failed (its log has the error)."""
+
+
+def live(calls: list[Call]) -> list[Call]:
+    """The calls no phase has failed yet."""
+    return [call for call in calls if call.error is None]
+
+
+def run_each(calls: list[Call], phase: Callable[[Call], None], agree: Agree) -> None:
+    """A per-session phase for each call; a call whose phase raised (on any CFG rank) fails."""
+    errors: list[BaseException | None] = []
+    for call in calls:
+        try:
+            phase(call)
+            errors.append(None)
+        except Exception as exc:
+            errors.append(exc)
+    for call, error, failed in zip(calls, errors, agree([e is not None for e in errors])):
+        if failed:
+            call.error = error or OtherRankFailed(f"session {call.session.session_id} failed on the other CFG-parallel rank")
+
+
+def run_phase(calls: list[Call], phase: Callable[[list[Call]], None], agree: Agree) -> None:
+    """A batched phase. If it raises, each member is retried alone before anything fails: a
+    batch-size OOM or one member's bad input never costs the others their call. A phase changes
+    a session only once it has succeeded (KV writes abort on error), so a retry starts clean.
+
+    Under CFG-parallel the ranks agree after every attempt. A rank whose batched attempt
+    succeeded (the other's failed) has done its part: it only takes part in the agreements of
+    the retries, so nothing is written twice. The denoise's collectives agree every step, so
+    the ranks never disagree on it."""
+    if not calls:
+        return
+    error, done_here = _attempt(calls, phase, agree)
+    if error is None:
+        return
+    if len(calls) == 1:
+        calls[0].error = error
+        return
+    logger.warning("a batched %s of %d sessions failed (%s); retrying each alone", _name(phase), len(calls), error)
+    for call in calls:
+        call.error, _ = _attempt([call], phase, agree, run=not done_here)
+
+
+def _attempt(calls: list[Call], phase, agree: Agree, *, run: bool = True) -> tuple[BaseException | None, bool]:
+    """Run a batched phase (``run``: else only agree). Returns its error if it failed on any CFG
+    rank, and whether it completed on this one."""
+    error = None
+    if run:
+        try:
+            phase(calls)
+        except Exception as exc:
+            error = exc
+    if agree([error is not None])[0]:
+        return error or OtherRankFailed(f"a batched {_name(phase)} failed on the other CFG-parallel rank"), error is None
+    return None, True
+
+
+def _name(phase) -> str:
+    return getattr(phase, "__name__", "phase").strip("_")
+
+
+class PhaseTimer:
+    """Wall time per phase in ms, added into ``ms`` (synchronizing CUDA so phases are not smeared)."""
+
+    def __init__(self, device: torch.device, ms: dict[str, float] | None = None) -> None:
+        self.device = device
+        self.ms: dict[str, float] = {} if ms is None else ms
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.ms[phase] = self.ms.get(phase, 0.0) + (now - self._last) * 1000.0
+        self._last = now
+
+
+def elapsed_ms(device: torch.device, started: float) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - started) * 1000.0
+

@@ -19,10 +19,6 @@ from torch import Tensor, nn
 from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 from transformers.models.clip.modeling_clip import CLIPEncoderLayer
 
-# moved to ardiff_policies.wan; importers are rewritten in the next commit
-from ardiff_policies.wan.text import UMT5_XXL_ENCODER_CONFIG, TextEncoder  # noqa: F401
-from ardiff_policies.wan.vae import WAN21_VAE_CONFIG, WAN22_VAE_CONFIG, UpstreamRMSNorm, VideoVAE, check_vae_config  # noqa: F401
-
 # open-CLIP `xlm-roberta-large-vit-huge-14` visual tower: pre-norm ViT, exact (erf) GELU,
 # LayerNorm eps 1e-5, class token, no patch-embedding bias, (1280 -> 1024) projection `head`.
 CLIP_VIT_H_14_CONFIG: dict[str, Any] = {

@@ -39,13 +39,8 @@ from ardiff_kv.storage import host_available_bytes  # noqa: F401
 from ardiff_policies.base import RuntimeOptions, StartRefused
 from ardiff_policies.dreamzero.dit import DiTConfig
 from ardiff_policies.dreamzero.transforms import video_size
-
-# moved to ardiff_policies.wan.memory; importers are rewritten in the next commit
-from ardiff_policies.wan.memory import (  # noqa: E402, F401, I001
+from ardiff_policies.wan.memory import (
     CUDA_RESERVE_BYTES,
-    RESIDUAL_VAE_LIVE_TENSORS,
-    VAE_CHUNK_FRAMES,
-    VAE_LIVE_TENSORS,
     ComponentSize,
     GiB,
     encoder_bytes,

@@ -46,11 +46,10 @@ from ardiff_policies.dreamzero import memory
 from ardiff_policies.dreamzero.config import BUILTIN_PREFIX, SYNTHETIC_PREFIX, DreamZeroConfig
 from ardiff_policies.dreamzero.embodiments import DROID_CAMERAS, embodiment_prompt, resolve
 from ardiff_policies.dreamzero.model import DreamZeroModel
-from ardiff_policies.dreamzero.scheduler import DecoupledVideoScheduler, FlowUniPCScheduler
+from ardiff_policies.dreamzero.scheduler import DecoupledVideoScheduler
 from ardiff_policies.dreamzero.transforms import (
     CROP_SCALE,
     NormStats,
-    clean_prompt,
     crop_and_resize,
     denormalize_actions,
     normalize_state,
@@ -64,6 +63,8 @@ from ardiff_policies.dreamzero.transforms import (
 from ardiff_policies.embodiment import Embodiment, ObservationSchema, metadata_frame
 from ardiff_policies.info import PolicyInfo, droid_server_config
 from ardiff_policies.observation import RobotObservation, UnsupportedObservation
+from ardiff_policies.wan.prompt import clean_prompt
+from ardiff_policies.wan.schedulers import FlowUniPCScheduler
 
 logger = logging.getLogger(__name__)
 

@@ -42,18 +42,12 @@ import torch
 
 from ardiff_policies.dreamzero.config import SYNTHETIC_PREFIX
 from ardiff_policies.dreamzero.dit import CausalWanModel, DiTConfig
-from ardiff_policies.dreamzero.encoders import (
-    CLIP_VIT_H_14_CONFIG,
-    UMT5_XXL_ENCODER_CONFIG,
-    WAN21_VAE_CONFIG,
-    WAN22_VAE_CONFIG,
-    ImageEncoder,
-    TextEncoder,
-    VideoVAE,
-)
+from ardiff_policies.dreamzero.encoders import CLIP_VIT_H_14_CONFIG, ImageEncoder
 from ardiff_policies.dreamzero.model import ActionHeadConfig, DreamZeroModel, check_dit_fits_vae
 from ardiff_policies.errors import StartRefused
 from ardiff_policies.wan.synthetic import materialize
+from ardiff_policies.wan.text import UMT5_XXL_ENCODER_CONFIG, TextEncoder
+from ardiff_policies.wan.vae import WAN21_VAE_CONFIG, WAN22_VAE_CONFIG, VideoVAE
 
 logger = logging.getLogger(__name__)
 

@@ -20,6 +20,8 @@ import torch
 from ardiff_policies.lingbot_va.config import Embodiment, TransformerConfig
 from ardiff_policies.lingbot_va.policy import TEXT_LENGTH, kv_spec
 from ardiff_policies.wan.memory import CUDA_RESERVE_BYTES, encoder_bytes, itemsize, module_size, transformer_forward_bytes, vae_chunk_bytes
+from ardiff_policies.wan.text import UMT5_XXL_ENCODER_CONFIG, TextEncoder
+from ardiff_policies.wan.vae import WAN22_VAE_CONFIG
 
 RELEASED = TransformerConfig()  # the released 5B's sizes (the class defaults)
 
@@ -52,7 +54,6 @@ def weight_counts(cfg: TransformerConfig = RELEASED) -> dict[str, int]:
     """Floating-point parameters and buffers per component (meta device)."""
     from diffusers import AutoencoderKLWan
 
-    from ardiff_policies.dreamzero.encoders import WAN22_VAE_CONFIG, TextEncoder
     from ardiff_policies.lingbot_va.model import LingBotVATransformer
 
     with torch.device("meta"):
@@ -65,8 +66,6 @@ def weight_counts(cfg: TransformerConfig = RELEASED) -> dict[str, int]:
 
 def plan(name: str, embodiment: Embodiment, *, dtype: torch.dtype = torch.bfloat16, max_batch: int = 1,
          cfg: TransformerConfig = RELEASED) -> LingBotVAPlan:  # fmt: skip
-    from ardiff_policies.dreamzero.encoders import UMT5_XXL_ENCODER_CONFIG, WAN22_VAE_CONFIG
-
     b = itemsize(dtype)
     branches = 2 if (embodiment.guidance_scale > 1 or embodiment.action_guidance_scale > 1) else 1
     spec = kv_spec(embodiment, cfg, dtype)

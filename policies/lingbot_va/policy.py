@@ -31,12 +31,12 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKLWan
 
 from ardiff_kv import Branch, KVSpec, SessionKV, prepare_batch
-from ardiff_policies.dreamzero.embodiments import clean_prompt
-from ardiff_policies.dreamzero.encoders import TextEncoder
 from ardiff_policies.lingbot_va.config import Embodiment
 from ardiff_policies.lingbot_va.model import LingBotVATransformer, TextKV, action_grid, load_transformer, video_grid
 from ardiff_policies.observation import UnsupportedObservation
+from ardiff_policies.wan.prompt import clean_prompt
 from ardiff_policies.wan.schedulers import flow_match_sigmas
+from ardiff_policies.wan.text import TextEncoder
 from ardiff_policies.wan.vae import StreamingEncoder
 
 TEXT_LENGTH = 512  # upstream's max_sequence_length: the cross-attention sees all 512 positions

@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ardiff_policies.dreamzero.encoders import WAN22_VAE_CONFIG, TextEncoder, VideoVAE
 from ardiff_policies.lingbot_va.config import ROBOTWIN, TransformerConfig
 from ardiff_policies.lingbot_va.model import LingBotVATransformer
+from ardiff_policies.wan.text import TextEncoder
 from ardiff_policies.wan.tiny import TINY_TEXT_ENCODER, cache_root, ensure_generated, init_tensor, tiny_tokenizer, write_json
+from ardiff_policies.wan.vae import WAN22_VAE_CONFIG, VideoVAE
 
 TINY_VERSION = 1
 TINY_SEED = 27

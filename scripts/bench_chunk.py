@@ -54,13 +54,13 @@ from ardiff_policies.dreamzero.dit import CausalWanModel, DiTConfig
 from ardiff_policies.dreamzero.tiny import (
     TINY_DIT,
     TINY_IMAGE_ENCODER,
-    TINY_TEXT_ENCODER,
     TINY_VAE,
     TINY_VIEW_SIZE,
     ensure_tiny_checkpoint,
     write_checkpoint,
 )
 from ardiff_policies.observation import RobotObservation
+from ardiff_policies.wan.tiny import TINY_TEXT_ENCODER
 from ardiff_server.config import validate_config
 from ardiff_server.engine.builder import build_engine
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GiB per GPU for DreamZero's two families, by placement, and for LingBot-VA, against common cards (docs/performance.md).
 
-Everything comes from ``policies/dreamzero/memory.py``, the plan the server prints and checks at
+Everything comes from ``policies/dreamzero/memory.py`` (its shared arithmetic: ``policies/wan/memory.py``), the plan the server prints and checks at
 start-up: weights from the networks built on the meta device (exact parameter counts), the KV
 pool from ``kv.PagedKVCache.pages_for_budget``, the activation estimate and the CUDA reserve (a
 prior, not measured: its column says so).
@@ -41,8 +41,8 @@ import torch
 
 from ardiff_policies.dreamzero import memory
 from ardiff_policies.dreamzero.dit import DiTConfig
+from ardiff_policies.wan.memory import RESIDUAL_VAE_LIVE_TENSORS, VAE_CHUNK_FRAMES, VAE_LIVE_TENSORS, GiB
 
-GiB = memory.GiB
 CARDS_GIB = (24, 48, 80, 141)
 CONTEXT_GIB = 0.5  # the CUDA context, before anything is allocated
 
@@ -64,7 +64,8 @@ def geometry_5b() -> memory.ModelGeometry:
     from diffusers import AutoencoderKLWan
 
     from ardiff_policies.dreamzero.dit import CausalWanModel
-    from ardiff_policies.dreamzero.encoders import ImageEncoder, TextEncoder
+    from ardiff_policies.dreamzero.encoders import ImageEncoder
+    from ardiff_policies.wan.text import TextEncoder
 
     with torch.device("meta"):
         modules = (CausalWanModel(DIT_5B), TextEncoder.from_config(), ImageEncoder.from_config(), AutoencoderKLWan(**WAN22_VAE))
@@ -179,7 +180,7 @@ def vae_peak(height: int, width: int, config: dict, frames: int = 9) -> tuple[in
         vae.encode(video[:, :, :5])  # first-call allocations out of the way
         peak = peak_tensor_bytes(lambda: vae.encode(video))
     patch = config.get("patch_size") or 1
-    return peak, config["base_dim"] * memory.VAE_CHUNK_FRAMES * (height // patch) * (width // patch) * 4
+    return peak, config["base_dim"] * VAE_CHUNK_FRAMES * (height // patch) * (width // patch) * 4
 
 
 VAE_CASES = (
@@ -191,7 +192,7 @@ VAE_CASES = (
 
 
 def measure_vae() -> list[dict]:
-    """The VAE activation constants (``memory.VAE_LIVE_TENSORS``, ``RESIDUAL_VAE_LIVE_TENSORS``) measured: peak / unit per case."""
+    """The VAE activation constants (``wan.memory.VAE_LIVE_TENSORS``, ``RESIDUAL_VAE_LIVE_TENSORS``) measured: peak / unit per case."""
     out = []
     for name, h, w, config in VAE_CASES:
         peak, unit = vae_peak(h, w, config)
@@ -208,7 +209,7 @@ def main() -> None:
     if args.measure_vae:
         torch.set_num_threads(2)
         measure_vae()
-        print(f"memory.VAE_LIVE_TENSORS = {memory.VAE_LIVE_TENSORS}, RESIDUAL_VAE_LIVE_TENSORS = {memory.RESIDUAL_VAE_LIVE_TENSORS}")
+        print(f"VAE_LIVE_TENSORS = {VAE_LIVE_TENSORS}, RESIDUAL_VAE_LIVE_TENSORS = {RESIDUAL_VAE_LIVE_TENSORS} (policies/wan/memory.py)")
         return
     table = rows()
     counts = parameters()

@@ -372,7 +372,8 @@ def record_policy(head: torch.nn.Module, checkpoint: Path, out: dict[str, torch.
 
     from ardiff_policies.dreamzero.config import DEFAULT_NEGATIVE_PROMPT
     from ardiff_policies.dreamzero.tiny import TINY_5B_VIEW_SIZE
-    from ardiff_policies.dreamzero.transforms import NormStats, clean_prompt, droid_prompt, normalize_state
+    from ardiff_policies.dreamzero.transforms import NormStats, droid_prompt, normalize_state
+    from ardiff_policies.wan.prompt import clean_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint / "tokenizer"), local_files_only=True)
 

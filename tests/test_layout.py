@@ -2,7 +2,8 @@
 
 Floors of ``ardiff_server`` (a module may import its own floor and any lower one):
 config/net < wire < tools < engine < frontend < ray < cli. Across packages: kv imports neither
-policies nor ardiff_server; policies never imports ardiff_server.
+policies nor ardiff_server; policies never imports ardiff_server. Inside policies, the two model families
+(dreamzero, lingbot_va) share Wan parts only through ``policies/wan/``, which imports neither family.
 """
 
 from __future__ import annotations
@@ -68,6 +69,22 @@ def test_no_lower_floor_imports_a_higher_one():
 @pytest.mark.parametrize(("package", "forbidden"), [("kv", ("ardiff_policies", "ardiff_server")), ("policies", ("ardiff_server",))])
 def test_kv_and_policies_do_not_import_the_server(package, forbidden):
     bad = [f"{name} -> {imp}" for name, path in _modules(package) for imp in _imports(path) if imp.split(".")[0] in forbidden]
+    assert bad == []
+
+
+FAMILIES = ("ardiff_policies.dreamzero", "ardiff_policies.lingbot_va")
+
+
+@pytest.mark.parametrize("package", ["dreamzero", "lingbot_va", "wan"])
+def test_model_families_share_code_only_through_the_wan_package(package):
+    """A family importing the other's modules would make a change to one silently change the other."""
+    own = f"ardiff_policies.{package}"
+    bad = [
+        f"{name} -> {imp}"
+        for name, path in _modules(f"policies/{package}")
+        for imp in _imports(path)
+        if any(imp == family or imp.startswith(family + ".") for family in FAMILIES if family != own)
+    ]
     assert bad == []
 
 

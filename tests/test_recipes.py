@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from ardiff_policies.dreamzero import memory
+from ardiff_policies.wan.memory import GiB
 from ardiff_server.config import ConfigError, load_config, preflight
 from tests.helpers.scripts import load_script
 from tests.helpers.server_harness import REPO
 
-GiB = memory.GiB
 CONTEXT_GIB = 0.5  # the CUDA context (scripts/memory_plan.py)
 README = (REPO / "README.md").read_text()
 

@@ -25,7 +25,7 @@ from ardiff_policies.observation import RobotObservation
 if TYPE_CHECKING:
     from ardiff_policies.dreamzero.continuation import ContinuationPlan
     from ardiff_policies.dreamzero.policy import DreamZeroSession
-    from ardiff_policies.dreamzero.scheduler import FlowUniPCScheduler
+    from ardiff_policies.wan.schedulers import FlowUniPCScheduler
 
 logger = logging.getLogger(__name__)
 

@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ardiff_kv import CrossKV, DenseLayerKV, PagedLayerInputs, paged_write_attend
+from ardiff_policies.wan.rope import apply_rope, rope_angles, rope_axis_dims
 
 LayerKV = PagedLayerInputs | DenseLayerKV | None
 
@@ -125,24 +126,6 @@ def sinusoidal_embedding_1d(dim: int, position: torch.Tensor) -> torch.Tensor:
     position = position.to(torch.float64)
     angles = torch.outer(position, torch.pow(10000, -torch.arange(half, dtype=torch.float64, device=position.device) / half))
     return torch.cat([torch.cos(angles), torch.sin(angles)], dim=1)
-
-
-def rope_angles(max_len: int, dim: int) -> torch.Tensor:
-    """RoPE angles (max_len, dim // 2) in float64, theta 10000."""
-    inv_freq = 1.0 / torch.pow(10000, torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    return torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved (real, imag) pairs of x (B, L, H, D) by per-token angles (L, 1, D/2).
-
-    Real-valued form of upstream's complex multiply (no complex tensors: compile-friendly);
-    computed in float32, which is what upstream's float64 result is cast down to anyway.
-    """
-    x_pairs = x.float().unflatten(-1, (-1, 2))
-    real, imag = x_pairs[..., 0], x_pairs[..., 1]
-    rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
-    return rotated.flatten(-2).type_as(x)
 
 
 class WanRMSNorm(nn.Module):
@@ -386,8 +369,7 @@ class CausalWanModel(nn.Module):
         """Angle tables: frame, height, width axes (1024 positions) and action (10240) / state (1024)."""
         if device not in self._rope_tables:
             d = self.config.head_dim
-            axis_dims = (d - 4 * (d // 6), 2 * (d // 6), 2 * (d // 6))
-            tables = [rope_angles(1024, a) for a in axis_dims] + [rope_angles(1024 * 10, d), rope_angles(1024, d)]
+            tables = [rope_angles(1024, a) for a in rope_axis_dims(d)] + [rope_angles(1024 * 10, d), rope_angles(1024, d)]
             self._rope_tables[device] = tuple(t.to(device) for t in tables)
         return self._rope_tables[device]
 

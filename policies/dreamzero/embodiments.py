@@ -27,17 +27,14 @@ encoder slot, exactly as upstream.
 from __future__ import annotations
 
 import ast
-import html
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ftfy
-import regex
-
 from ardiff_policies.embodiment import Embodiment, EmbodimentError, Part, camera_resolutions, choose_tag, read_statistics
 from ardiff_policies.observation import STATES
+from ardiff_policies.wan.prompt import clean_prompt
 
 # ------------------------------------------------------------------------------ prompts
 
@@ -90,14 +87,6 @@ PROJECTOR_INDEX: dict[str, int] = {
     "gr1_unified_segmentation": 14, "language_table_sim": 7, "gr1_isaac": 0, "sim_behavior_r1_pro": 31,
     "mecka_hands": 27, "real_r1_pro_sharpa": 28,
 }  # fmt: skip
-
-
-def clean_prompt(text: str) -> str:
-    """Upstream's tokenizer-side cleaning (``whitespace_clean(basic_clean(text))``), applied to every text it encodes."""
-    text = ftfy.fix_text(text)
-    text = html.unescape(html.unescape(text)).strip()
-    # Upstream's `re` is the `regex` module (\s = Unicode White_Space); `regex` comes with transformers.
-    return regex.sub(r"\s+", " ", text).strip()
 
 
 def instruction(prompt: str | None) -> str:

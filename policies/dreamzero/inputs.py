@@ -21,9 +21,10 @@ import torch
 
 from ardiff_kv import Branch
 from ardiff_policies.dreamzero.batch import PhaseTimer
-from ardiff_policies.dreamzero.transforms import clean_prompt, crop_and_resize, pixels_to_model_range, resize_like_opencv, resize_video, stitch_canvas
+from ardiff_policies.dreamzero.transforms import crop_and_resize, pixels_to_model_range, resize_like_opencv, resize_video, stitch_canvas
 from ardiff_policies.embodiment import Embodiment
 from ardiff_policies.observation import RobotObservation
+from ardiff_policies.wan.prompt import clean_prompt
 
 if TYPE_CHECKING:
     from ardiff_policies.dreamzero.model import DreamZeroModel
@@ -151,7 +152,7 @@ class InputEncoder:
             frames.append(torch.zeros(b, c, self.num_frames - 1, h, w, dtype=image.dtype, device=image.device))
         # Upstream runs this encode under CUDA bf16 autocast (WANPolicyHead.encode_image) and the per-call re-encode
         # without it. A bf16 model on a GPU does the same here: the VAE's RMS norms (upstream's formula, see
-        # encoders.UpstreamRMSNorm) then yield float32 up to the next convolution. CPU autocast keeps norms in bf16
+        # wan.vae.UpstreamRMSNorm) then yield float32 up to the next convolution. CPU autocast keeps norms in bf16
         # unlike CUDA's, so elsewhere this encode runs plainly in the model dtype, like upstream's re-encode.
         autocast = self.device.type == "cuda" and self.dtype == torch.bfloat16
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):

@@ -39,21 +39,17 @@ from ardiff_kv.storage import host_available_bytes  # noqa: F401
 from ardiff_policies.base import RuntimeOptions, StartRefused
 from ardiff_policies.dreamzero.dit import DiTConfig
 from ardiff_policies.dreamzero.transforms import video_size
+from ardiff_policies.wan.memory import (
+    CUDA_RESERVE_BYTES,
+    ComponentSize,
+    GiB,
+    encoder_bytes,
+    itemsize,
+    module_size,
+    transformer_forward_bytes,
+    vae_chunk_bytes,
+)
 
-GiB = 2**30
-# What CUDA needs beyond the tensors PyTorch accounts: cuBLAS / cuDNN workspaces (the VAE's 3-D
-# convolutions), NCCL buffers under CFG-parallel, caching-allocator fragmentation. A prior, to be
-# calibrated against scripts/gpu_check.py's measured peak on a real GPU.
-CUDA_RESERVE_BYTES = 1 * GiB
-# A causal-conv VAE chunk: 4 new frames plus the 2 cached ones its convolutions concatenate.
-VAE_CHUNK_FRAMES = 6
-# Tensors of (first-level channels x 6 frames x H x W) x 4 bytes alive at a VAE encode's peak: the
-# exact peak of live tensor bytes of a 9-frame float32 encode on a CPU over that unit, rounded up
-# (scripts/memory_plan.py --measure-vae): Wan2.1 VAE 6.88 / 6.82 / 6.79 at 88x160 / 176x320 /
-# 352x640; Wan2.2 VAE (is_residual: its first level at half resolution after the 2x2 patchify, plus
-# the residual down-sampling's shortcut copies) 8.37 at 160x320.
-VAE_LIVE_TENSORS = 7
-RESIDUAL_VAE_LIVE_TENSORS = 9
 COMPONENTS = ("dit", "text_encoder", "image_encoder", "vae")
 LABELS = {"dit": "DiT", "text_encoder": "text encoder", "image_encoder": "image encoder", "vae": "VAE"}
 
@@ -65,15 +61,6 @@ class MemoryPlanError(StartRefused):
 
 
 # ------------------------------------------------------------------------------ geometry
-
-
-@dataclass(frozen=True)
-class ComponentSize:
-    floating: int  # floating-point parameters and persistent buffers: stored in the engine dtype
-    other_bytes: int = 0  # integer buffers (CLIP's position ids)
-
-    def bytes(self, dtype: torch.dtype) -> int:
-        return self.floating * _itemsize(dtype) + self.other_bytes
 
 
 @dataclass(frozen=True)
@@ -109,20 +96,6 @@ def geometry_from_modules(
         canvas=canvas,
         num_frames=num_frames,
     )
-
-
-def module_size(module: nn.Module) -> ComponentSize:
-    floating = other = 0
-    seen: set[int] = set()
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        if tensor.is_floating_point():
-            floating += tensor.numel()
-        else:
-            other += tensor.numel() * tensor.element_size()
-    return ComponentSize(floating, other)
 
 
 def checkpoint_geometry(checkpoint: str | Path, view_size: Sequence[int] | None) -> ModelGeometry:
@@ -365,31 +338,23 @@ def activation_bytes(geometry: ModelGeometry, dtype: torch.dtype) -> dict[str, i
       attention's float32 scores and probabilities (2 x heads x text_len^2).
     * Image encoder: the same for CLIP's tokens, plus the image resized to its input size.
     """
-    b = _itemsize(dtype)
+    b = itemsize(dtype)
     dit = geometry.dit
     spec = dit_kv_spec(dit, dtype)
     tokens = dit.num_frame_per_block * dit.frame_seqlen + dit.action_register_length
-    dim, ffn = dit.dim, dit.ffn_dim
-    window = spec.block_table_width * spec.page_size
-    attention = 8 * tokens * dim * b + 3 * tokens * dim * 4 + 2 * window * dim * b
-    feed_forward = (2 * tokens * ffn + 2 * tokens * dim) * b
-    dit_bytes = (8 + 6) * tokens * dim * b + max(attention, feed_forward)
+    dit_bytes = transformer_forward_bytes(tokens, dit.dim, dit.ffn_dim, spec.block_table_width * spec.page_size, b)
 
     vae = geometry.vae
     h, w = geometry.canvas
-    patch = vae.get("patch_size") or 1
     channels = max(vae.get("base_dim", 96), vae.get("decoder_base_dim") or 0)
-    live = RESIDUAL_VAE_LIVE_TENSORS if vae.get("is_residual") else VAE_LIVE_TENSORS
-    chunk = live * channels * VAE_CHUNK_FRAMES * (h // patch) * (w // patch) * 4
-    vae_bytes = chunk + 3 * geometry.num_frames * h * w * b
+    vae_bytes = vae_chunk_bytes(vae, h, w, channels) + 3 * geometry.num_frames * h * w * b
 
     text = geometry.text
-    n = dit.text_len
-    text_bytes = n * (6 * text["d_model"] + 3 * text["d_ff"]) * b + 2 * text["num_heads"] * n * n * 4
+    text_bytes = encoder_bytes(dit.text_len, text["d_model"], text["d_ff"], text["num_heads"], b)
 
     image = geometry.image
     m = 1 + (image["image_size"] // image["patch_size"]) ** 2
-    image_bytes = m * (6 * image["hidden_size"] + 3 * image["intermediate_size"]) * b + 2 * image["num_attention_heads"] * m * m * 4
+    image_bytes = encoder_bytes(m, image["hidden_size"], image["intermediate_size"], image["num_attention_heads"], b)
     image_bytes += 3 * image["image_size"] ** 2 * 4 + 3 * h * w * b  # the resized image; the newest frame
     return {"dit": dit_bytes, "vae": vae_bytes, "text_encoder": text_bytes, "image_encoder": image_bytes}
 
@@ -517,10 +482,6 @@ def check_devices_exist(devices: Sequence[str], cuda_count: int) -> None:
         if match and int(match[1]) >= cuda_count:
             have = f"{cuda_count} CUDA device(s)" if cuda_count else "no CUDA device"
             raise MemoryPlanError(f"{device}: this machine has {have}; set policy.text_encoder_device / image_encoder_device to cpu or engine")
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _config_of(module: nn.Module) -> Any:

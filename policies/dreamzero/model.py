@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from ardiff_policies.dreamzero.checkpoint import CheckpointDir, CheckpointError, load_component
 from ardiff_policies.dreamzero.dit import CausalWanModel, DiTConfig
 from ardiff_policies.dreamzero.embodiments import read_experiment_config
-from ardiff_policies.dreamzero.encoders import WAN21_VAE_CONFIG, WAN22_VAE_CONFIG, ImageEncoder, TextEncoder, VideoVAE
+from ardiff_policies.dreamzero.encoders import ImageEncoder
 from ardiff_policies.dreamzero.naming import (
     DIT_PREFIX,
     IMAGE_ENCODER_PREFIX,
@@ -30,6 +30,8 @@ from ardiff_policies.dreamzero.naming import (
     vae_targets,
 )
 from ardiff_policies.dreamzero.upstream_layout import UPSTREAM_TARGETS, UPSTREAM_VAE38_TARGET
+from ardiff_policies.wan.text import TextEncoder
+from ardiff_policies.wan.vae import WAN21_VAE_CONFIG, WAN22_VAE_CONFIG, VideoVAE
 
 logger = logging.getLogger(__name__)
 

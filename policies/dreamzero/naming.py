@@ -5,7 +5,7 @@ The released checkpoint stores every component under its upstream module's names
 (``action_head.model.*``, kept unchanged by ``dit.py``), the Wan-T5 text encoder, the open-CLIP
 visual tower and the original Wan VAE (Wan2.1 ``VideoVAE_`` or Wan2.2 ``VideoVAE38_``). `text_encoder_targets`, `image_encoder_targets` and
 `vae_targets` map one upstream key (component prefix stripped) onto the library modules' own
-`state_dict()` keys (transformers / diffusers naming, see ``encoders.py``), each with the tensor
+`state_dict()` keys (transformers / diffusers naming, see ``encoders.py`` and ``policies/wan/``), each with the tensor
 transform it needs. The maps are pure functions of names, so the same code streams real tensors
 (``checkpoint.py``), checks shapes on the meta device, and lays out the tiny checkpoint
 (``upstream_layout.py``).
@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ardiff_policies.dreamzero.encoders import check_vae_config
+from ardiff_policies.wan.vae import check_vae_config
 
 DIT_PREFIX = "action_head.model."
 TEXT_ENCODER_PREFIX = "action_head.text_encoder."

@@ -46,12 +46,13 @@ from ardiff_policies.dreamzero.config import SYNTHETIC_PREFIX, DreamZeroConfig
 from ardiff_policies.dreamzero.embodiments import DROID_CAMERAS, embodiment_prompt, resolve
 from ardiff_policies.dreamzero.inputs import FRAMES_PER_CALL, InputEncoder, Prepared
 from ardiff_policies.dreamzero.model import DreamZeroModel
-from ardiff_policies.dreamzero.scheduler import DecoupledVideoScheduler, FlowUniPCScheduler
+from ardiff_policies.dreamzero.scheduler import DecoupledVideoScheduler
 from ardiff_policies.dreamzero.step_cache import should_run
 from ardiff_policies.dreamzero.transforms import CROP_SCALE, NormStats, denormalize_actions, normalize_state, to_absolute, video_size
 from ardiff_policies.embodiment import Embodiment, ObservationSchema, metadata_frame
 from ardiff_policies.info import PolicyInfo, droid_server_config
 from ardiff_policies.observation import RobotObservation, UnsupportedObservation
+from ardiff_policies.wan.schedulers import FlowUniPCScheduler
 
 logger = logging.getLogger(__name__)
 

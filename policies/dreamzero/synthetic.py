@@ -7,12 +7,9 @@ register) with no checkpoint and nothing downloaded. It exists to measure the re
 speed and memory on a GPU (``scripts/gpu_check.py``); its actions are meaningless.
 
 Construction: every module is built on the meta device (as :meth:`DreamZeroModel.load` does),
-then each distinct tensor is allocated directly on the target device in the target dtype and
-filled by a seeded device-side generator (no CPU copy, no float32 detour: the 14B DiT and the
-5.7B UMT5 go straight to ~46 GB of bf16 on the GPU in a second or so). The fill keeps
-activations finite through every layer: weight matrices ~ N(0, 1/fan_in), residual-branch
-output projections further scaled by 1/sqrt(2 x depth), norm gains 1, small biases,
-modulations ~ N(0, 1/dim) like the DiT's own init.
+then filled on the target device by :func:`ardiff_policies.wan.synthetic.materialize` (seeded,
+device-side, in the target dtype: the 14B DiT and the 5.7B UMT5 go straight to ~46 GB of bf16 on
+the GPU in a second or so).
 
 Spec string: ``synthetic:<preset>[,key=value...]``. Presets:
 
@@ -37,28 +34,20 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch import nn
 
 from ardiff_policies.dreamzero.config import SYNTHETIC_PREFIX
 from ardiff_policies.dreamzero.dit import CausalWanModel, DiTConfig
-from ardiff_policies.dreamzero.encoders import (
-    CLIP_VIT_H_14_CONFIG,
-    UMT5_XXL_ENCODER_CONFIG,
-    WAN21_VAE_CONFIG,
-    WAN22_VAE_CONFIG,
-    ImageEncoder,
-    TextEncoder,
-    VideoVAE,
-)
+from ardiff_policies.dreamzero.encoders import CLIP_VIT_H_14_CONFIG, ImageEncoder
 from ardiff_policies.dreamzero.model import ActionHeadConfig, DreamZeroModel, check_dit_fits_vae
 from ardiff_policies.errors import StartRefused
+from ardiff_policies.wan.synthetic import materialize
+from ardiff_policies.wan.text import UMT5_XXL_ENCODER_CONFIG, TextEncoder
+from ardiff_policies.wan.vae import WAN21_VAE_CONFIG, WAN22_VAE_CONFIG, VideoVAE
 
 logger = logging.getLogger(__name__)
 
@@ -194,70 +183,6 @@ def parse_spec(checkpoint: str) -> SyntheticSpec:
 # ------------------------------------------------------------------------------ building
 
 
-def _residual_outputs(name: str) -> bool:
-    """Projections that write into a residual stream (scaled down with depth)."""
-    return name.endswith(
-        (
-            "self_attn.o.weight", "cross_attn.o.weight", "ffn.2.weight",  # DiT
-            "SelfAttention.o.weight", "DenseReluDense.wo.weight",  # UMT5
-            "self_attn.out_proj.weight", "mlp.fc2.weight",  # CLIP
-        )
-    )  # fmt: skip
-
-
-@torch.no_grad()
-def _fill(name: str, owner: nn.Module, tensor: torch.Tensor, generator: torch.Generator, depth: int) -> None:
-    leaf = name.rsplit(".", 1)[-1]
-    if not tensor.is_floating_point():
-        tensor.zero_()
-    elif "norm" in type(owner).__name__.lower():  # LayerNorm, RMSNorm, UMT5's and the VAE's norms
-        tensor.fill_(0.0 if leaf == "bias" else 1.0)
-    elif leaf == "logit_scale":
-        tensor.fill_(math.log(1 / 0.07))
-    elif leaf == "modulation":
-        tensor.normal_(0.0, 1.0 / math.sqrt(tensor.shape[-1]), generator=generator)
-    elif leaf in ("bias", "b") or tensor.ndim == 1:
-        tensor.normal_(0.0, 0.02, generator=generator)
-    elif isinstance(owner, nn.Embedding):
-        # UMT5's token embeddings are unit scale (RMS-normed later); position / bucket tables small.
-        vocab_table = "shared" in name or "embed_tokens" in name
-        tensor.normal_(0.0, 1.0 if vocab_table else 0.02, generator=generator)
-    else:
-        fan_in = tensor.shape[-2] if leaf == "W" else math.prod(tensor.shape[1:])
-        std = 1.0 / math.sqrt(max(fan_in, 1))
-        if _residual_outputs(name):
-            std /= math.sqrt(2 * max(depth, 1))
-        tensor.normal_(0.0, std, generator=generator)
-
-
-def materialize(module: nn.Module, *, device: torch.device, dtype: torch.dtype, generator: torch.Generator, depth: int) -> None:
-    """Replace every meta tensor of ``module`` by a filled tensor on ``device`` (tied tensors stay tied)."""
-    replaced: dict[int, torch.Tensor] = {}
-    entries: Iterable[tuple[str, torch.Tensor, bool]] = [
-        *((n, t, True) for n, t in module.named_parameters(remove_duplicate=False)),
-        *((n, t, False) for n, t in module.named_buffers(remove_duplicate=False)),
-    ]
-    for name, tensor, is_param in entries:
-        owner_name, _, leaf = name.rpartition(".")
-        owner = module.get_submodule(owner_name) if owner_name else module
-        new = replaced.get(id(tensor))
-        if new is None:
-            target_dtype = dtype if tensor.is_floating_point() else tensor.dtype
-            new = torch.empty(tensor.shape, dtype=target_dtype, device=device)
-            _fill(name, owner, new, generator, depth)
-            if is_param:
-                new = nn.Parameter(new, requires_grad=False)
-            replaced[id(tensor)] = new
-        (owner._parameters if is_param else owner._buffers)[leaf] = new
-    rebuild = getattr(module, "rebuild_buffers", None)
-    if rebuild is not None:
-        rebuild(device)
-    left_on_meta = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
-    if left_on_meta:
-        raise RuntimeError(f"synthetic model: tensors left on the meta device: {left_on_meta[:10]}")
-    module.eval().requires_grad_(False)
-
-
 def meta_modules(spec: SyntheticSpec) -> tuple[CausalWanModel, TextEncoder, ImageEncoder, VideoVAE]:
     """The four networks on the meta device (no memory): DiT, text encoder, image encoder, VAE."""
     with torch.device("meta"):
@@ -279,7 +204,8 @@ def build_model(
 ) -> DreamZeroModel:
     """The synthetic DreamZero on ``device`` in ``dtype`` (see the module docstring); the text /
     image encoders on their own devices if given."""
-    from ardiff_policies.dreamzero.tiny import droid_metadata, tiny_tokenizer
+    from ardiff_policies.dreamzero.tiny import CORPUS, droid_metadata
+    from ardiff_policies.wan.tiny import tiny_tokenizer
 
     device = torch.device(device)
     start = time.perf_counter()
@@ -291,7 +217,7 @@ def build_model(
         if module_device not in generators:  # one seeded stream per device (a generator lives on one)
             generators[module_device] = torch.Generator(device=module_device).manual_seed(spec.seed)
         materialize(module, device=module_device, dtype=dtype, generator=generators[module_device], depth=depth)
-    tokenizer = tiny_tokenizer()  # the tiny word-level tokenizer: its ids are a subset of any vocab here
+    tokenizer = tiny_tokenizer(CORPUS)  # the tiny word-level tokenizer: its ids are a subset of any vocab here
     if len(tokenizer) > spec.text_config["vocab_size"]:
         raise ValueError(f"text_vocab {spec.text_config['vocab_size']} is smaller than the tokenizer's {len(tokenizer)} ids")
     if image_encoder.dim != spec.dit.clip_dim or image_encoder.num_tokens != spec.dit.num_image_tokens:

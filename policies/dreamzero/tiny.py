@@ -27,13 +27,9 @@ reads, as a training run writes them. :data:`TINY_VARIANTS` lists every embedded
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import math
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +39,7 @@ from safetensors.torch import save_file
 
 from ardiff_policies.dreamzero.dit import DiTConfig
 from ardiff_policies.dreamzero.upstream_layout import checkpoint_config, checkpoint_layout
+from ardiff_policies.wan.tiny import TINY_TEXT_ENCODER, cache_root, ensure_generated, init_tensor, tiny_tokenizer, write_json
 
 TINY_VERSION = 2  # 2: config.json carries every key of the released one
 TINY_VIEW_SIZE = (48, 80)
@@ -54,7 +51,6 @@ TINY_DIT = DiTConfig(
     frame_seqlen=60, dim=64, ffn_dim=128, text_dim=32, num_heads=4, num_layers=2, hidden_size=32,
     clip_dim=32, max_chunk_size=4, num_frame_per_block=2,
 )  # fmt: skip
-TINY_TEXT_ENCODER = {"d_model": 32, "d_kv": 8, "num_heads": 4, "d_ff": 64, "num_layers": 2}  # + vocab_size
 TINY_IMAGE_ENCODER = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "projection_dim": 32}
 TINY_VAE = {"base_dim": 4, "num_res_blocks": 1}
 
@@ -67,7 +63,7 @@ TINY_5B_DIT = DiTConfig(
 TINY_5B_VAE = {"is_residual": True, "base_dim": 4, "decoder_base_dim": 8, "num_res_blocks": 1}
 
 # Words the tiny tokenizer knows: the DROID prompt template, the negative prompt, common tasks.
-_CORPUS = """
+CORPUS = """
 a multi-view video shows that robot the is split into three views: top view shows camera from
 robot's wrist, bottom-left left exterior and bottom-right right during training one of two
 bottom views may be black screen (dropped view). perform default behavior.
@@ -80,43 +76,6 @@ cup mug bowl plate spoon fork block cube marker pen towel cloth drawer door lid 
 red green blue yellow white orange purple table shelf basket sink counter to into onto in on
 of with and it warm up
 """
-
-
-def tiny_tokenizer(corpus: str = _CORPUS):
-    """A word-level tokenizer over the corpus (T5 specials: <pad> 0, </s> 1, <unk> 2)."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    words = sorted({w for w in pre_tokenizers.WhitespaceSplit().pre_tokenize_str(corpus.lower()) for w in [w[0]]})
-    pieces: list[str] = []
-    for word in words:
-        for piece, _ in pre_tokenizers.Whitespace().pre_tokenize_str(word):
-            if piece not in pieces:
-                pieces.append(piece)
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2} | {p: i + 3 for i, p in enumerate(sorted(pieces))}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
-
-
-def _init(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    """Plausible random values per kind of tensor, so every path carries real signal."""
-    leaf = name.rsplit(".", 1)[-1]
-    noise = torch.randn(shape, generator=generator, dtype=torch.float32)
-    if leaf == "log_scale":
-        return torch.tensor(math.log(1 / 0.07))
-    if leaf == "gamma" or (leaf == "weight" and len(shape) == 1 and "norm" in name):
-        return 1.0 + 0.1 * noise
-    if leaf in ("bias", "b") or len(shape) == 1:
-        return 0.02 * noise
-    if leaf == "modulation":
-        return noise / math.sqrt(shape[-1])
-    if ("embedding" in name and leaf != "weight") or "pos_embedding" in name or "cls_embedding" in name:
-        return 0.02 * noise
-    fan_in = shape[-2] if leaf == "W" else math.prod(shape[1:])
-    return noise / math.sqrt(max(fan_in, 1))
 
 
 def _stats(q01: list[float], q99: list[float]) -> dict:
@@ -284,7 +243,7 @@ TINY_VARIANTS: dict[str, TinyVariant] = {
 def write_tiny_checkpoint(out: str | Path, seed: int | None = None, variant: str = "tiny") -> Path:
     """Write a tiny checkpoint to ``out`` (created). Same bytes for the same variant and seed, every time."""
     spec = TINY_VARIANTS[variant]
-    corpus = _CORPUS + (_template_words() if spec.extra_words else "")
+    corpus = CORPUS + (_template_words() if spec.extra_words else "")
     if spec.wan22:
         dit, vae, target, version = TINY_5B_DIT, TINY_5B_VAE, TINY_5B_TARGET_VIDEO, ("ardiff_tiny_5b_version", TINY_5B_VERSION)
     else:
@@ -308,7 +267,7 @@ def write_checkpoint(
     version: tuple[str, int] = ("ardiff_tiny_version", TINY_VERSION),
     metadata: dict | None = None,
     run_config: dict | None = None,
-    corpus: str = _CORPUS,
+    corpus: str = CORPUS,
 ) -> Path:
     """Write a random-weight checkpoint of any geometry in the released layout (the tiny
     tokenizer and DROID-like statistics included, unless ``metadata`` is given; ``run_config``
@@ -324,7 +283,7 @@ def write_checkpoint(
 
     layout = checkpoint_layout(dit_cfg, text_encoder, image_encoder_cfg, vae_cfg)
     generator = torch.Generator().manual_seed(seed)
-    tensors = {name: _init(name, shape, generator).contiguous() for name, shape in sorted(layout.items())}
+    tensors = {name: init_tensor(name, shape, generator).contiguous() for name, shape in sorted(layout.items())}
     # Two shards, like the released checkpoint: the DiT, and the frozen encoders.
     shards = {
         "model-00001-of-00002.safetensors": {k: v for k, v in tensors.items() if k.startswith("action_head.model.")},
@@ -335,15 +294,15 @@ def write_checkpoint(
         save_file(part, out / shard, metadata={"format": "pt"})
         weight_map |= {name: shard for name in part}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+    write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
 
     # Every key of the released config.json, in its sections (upstream_layout.RELEASED_*_KEYS).
     config = {
         **checkpoint_config(dit_cfg, text_encoder, image_encoder_cfg, vae_cfg, target_video_size=target_video_size),
         version[0]: version[1],
     }
-    _write_json(out / "config.json", config)
-    _write_json(out / "experiment_cfg" / "metadata.json", droid_metadata() if metadata is None else metadata)
+    write_json(out / "config.json", config)
+    write_json(out / "experiment_cfg" / "metadata.json", droid_metadata() if metadata is None else metadata)
     if run_config is not None:
         import yaml
 
@@ -351,17 +310,13 @@ def write_checkpoint(
     return out
 
 
-def _write_json(path: Path, obj: object) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
 def _definition_digest(variant: str = "tiny") -> str:
     """Changes whenever anything that shapes the checkpoint's bytes changes (cache key)."""
     if TINY_VARIANTS[variant].wan22:
         spec = [TINY_5B_VERSION, TINY_5B_DIT.to_dict(), TINY_TEXT_ENCODER, TINY_IMAGE_ENCODER, TINY_5B_VAE,
-                TINY_5B_TARGET_VIDEO, _CORPUS, droid_metadata((320, 180))]  # fmt: skip
+                TINY_5B_TARGET_VIDEO, CORPUS, droid_metadata((320, 180))]  # fmt: skip
         return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
-    spec = [TINY_VERSION, TINY_DIT.to_dict(), TINY_TEXT_ENCODER, TINY_IMAGE_ENCODER, TINY_VAE, _CORPUS, droid_metadata()]
+    spec = [TINY_VERSION, TINY_DIT.to_dict(), TINY_TEXT_ENCODER, TINY_IMAGE_ENCODER, TINY_VAE, CORPUS, droid_metadata()]
     if variant != "tiny":  # (the DROID checkpoint keeps the digest it always had)
         v = TINY_VARIANTS[variant]
         spec += [v.name, v.seed, v.metadata(), v.run_config() if v.run_config else None, _template_words()]
@@ -369,11 +324,10 @@ def _definition_digest(variant: str = "tiny") -> str:
 
 
 def default_cache_dir(variant: str = "tiny") -> Path:
-    root = os.environ.get("ARDIFF_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ardiff-server"
     if variant == "tiny_5b":
-        return Path(root) / f"tiny-dreamzero-5b-v{TINY_5B_VERSION}-{_definition_digest(variant)}"
+        return cache_root() / f"tiny-dreamzero-5b-v{TINY_5B_VERSION}-{_definition_digest(variant)}"
     name = "tiny-dreamzero" if variant == "tiny" else f"{variant.replace('_', '-')}-dreamzero"
-    return Path(root) / f"{name}-v{TINY_VERSION}-{_definition_digest(variant)}"
+    return cache_root() / f"{name}-v{TINY_VERSION}-{_definition_digest(variant)}"
 
 
 def ensure_tiny_checkpoint(path: str | Path | None = None, variant: str = "tiny") -> Path:
@@ -382,17 +336,4 @@ def ensure_tiny_checkpoint(path: str | Path | None = None, variant: str = "tiny"
     if variant not in TINY_VARIANTS:
         raise ValueError(f"unknown tiny checkpoint {variant!r}; built in: {sorted(TINY_VARIANTS)}")
     target = Path(path) if path is not None else default_cache_dir(variant)
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be writing it right now
-        if not (target / "config.json").exists():
-            staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-            try:
-                write_tiny_checkpoint(staging, variant=variant)
-                shutil.rmtree(target, ignore_errors=True)
-                staging.rename(target)  # atomic: readers never see a half-written checkpoint
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return ensure_generated(target, "config.json", lambda out: write_tiny_checkpoint(out, variant=variant))

@@ -28,11 +28,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ardiff_policies.dreamzero.embodiments import DROID_TEMPLATE, clean_prompt, instruction, render_prompt
+from ardiff_policies.dreamzero.embodiments import DROID_TEMPLATE, instruction, render_prompt
 from ardiff_policies.embodiment import Layout, QuantileStats
 
 __all__ = [
-    "CROP_SCALE", "DROID_TEMPLATE", "NormStats", "canvas_size", "clean_prompt", "crop_and_resize", "denormalize_actions",
+    "CROP_SCALE", "DROID_TEMPLATE", "NormStats", "canvas_size", "crop_and_resize", "denormalize_actions",
     "droid_instruction", "droid_prompt", "normalize_state", "resize_like_opencv", "stitch_canvas", "stitch_views", "to_absolute",
     "to_absolute_joints",
 ]  # fmt: skip

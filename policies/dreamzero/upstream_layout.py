@@ -16,8 +16,10 @@ from typing import Any
 import torch
 
 from ardiff_policies.dreamzero.dit import CausalWanModel, DiTConfig
-from ardiff_policies.dreamzero.encoders import CLIP_VIT_H_14_CONFIG, UMT5_XXL_ENCODER_CONFIG, WAN21_VAE_CONFIG, WAN22_VAE_CONFIG
+from ardiff_policies.dreamzero.encoders import CLIP_VIT_H_14_CONFIG
 from ardiff_policies.dreamzero.naming import DIT_PREFIX, IMAGE_ENCODER_PREFIX, TEXT_ENCODER_PREFIX, VAE_PREFIX
+from ardiff_policies.wan.text import UMT5_XXL_ENCODER_CONFIG
+from ardiff_policies.wan.vae import WAN21_VAE_CONFIG, WAN22_VAE_CONFIG
 
 Shapes = dict[str, tuple[int, ...]]
 

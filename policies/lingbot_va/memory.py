@@ -6,7 +6,7 @@
   action tokens) and its prompt's cross-attention K/V (every layer, [prompt, negative] x 512 positions), which the
   session keeps beside its pages;
 * activations: the largest forward (a video chunk of both CFG rows over the full window), by the rule of
-  ``policies/dreamzero/memory.py`` (its per-token tensor counts and the measured VAE constant), for ``max_batch``
+  ``policies/wan/memory.py`` (its per-token tensor counts and the measured VAE constant), for ``max_batch``
   sessions per forward; the streaming VAE encode of a chunk's key frames; UMT5 over 512 tokens;
 * the CUDA reserve (workspaces, fragmentation), as DreamZero's plan.
 """
@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ardiff_policies.dreamzero import memory as dz_memory
 from ardiff_policies.lingbot_va.config import Embodiment, TransformerConfig
 from ardiff_policies.lingbot_va.policy import TEXT_LENGTH, kv_spec
+from ardiff_policies.wan.memory import CUDA_RESERVE_BYTES, encoder_bytes, itemsize, module_size, transformer_forward_bytes, vae_chunk_bytes
+from ardiff_policies.wan.text import UMT5_XXL_ENCODER_CONFIG, TextEncoder
+from ardiff_policies.wan.vae import WAN22_VAE_CONFIG
 
-GiB = dz_memory.GiB
 RELEASED = TransformerConfig()  # the released 5B's sizes (the class defaults)
 
 
@@ -53,12 +54,11 @@ def weight_counts(cfg: TransformerConfig = RELEASED) -> dict[str, int]:
     """Floating-point parameters and buffers per component (meta device)."""
     from diffusers import AutoencoderKLWan
 
-    from ardiff_policies.dreamzero.encoders import WAN22_VAE_CONFIG, TextEncoder
     from ardiff_policies.lingbot_va.model import LingBotVATransformer
 
     with torch.device("meta"):
         modules = {"transformer": LingBotVATransformer(cfg), "text_encoder": TextEncoder.from_config(), "vae": AutoencoderKLWan(**WAN22_VAE_CONFIG)}
-    counts = {name: dz_memory.module_size(module).floating for name, module in modules.items()}
+    counts = {name: module_size(module).floating for name, module in modules.items()}
     # upstream's checkpoint also holds the action embedder's unused copy of the text projection (loaded, never run)
     counts["transformer"] += 2 * cfg.text_dim * cfg.dim + cfg.dim * cfg.dim + 2 * cfg.dim
     return counts
@@ -66,35 +66,27 @@ def weight_counts(cfg: TransformerConfig = RELEASED) -> dict[str, int]:
 
 def plan(name: str, embodiment: Embodiment, *, dtype: torch.dtype = torch.bfloat16, max_batch: int = 1,
          cfg: TransformerConfig = RELEASED) -> LingBotVAPlan:  # fmt: skip
-    from ardiff_policies.dreamzero.encoders import UMT5_XXL_ENCODER_CONFIG, WAN22_VAE_CONFIG
-
-    b = torch.empty((), dtype=dtype).element_size()
+    b = itemsize(dtype)
     branches = 2 if (embodiment.guidance_scale > 1 or embodiment.action_guidance_scale > 1) else 1
     spec = kv_spec(embodiment, cfg, dtype)
     kv_session = branches * spec.pages_per_branch * spec.page_bytes
     text_session = cfg.num_layers * 2 * branches * TEXT_LENGTH * cfg.dim * b
 
     rows = 2 * max_batch  # CFG rows per forward
-    tokens = embodiment.video_tokens_per_chunk
-    dim, ffn = cfg.dim, cfg.ffn_dim
     window = spec.block_table_width * spec.page_size
-    attention = 8 * tokens * dim * b + 3 * tokens * dim * 4 + 2 * window * dim * b
-    feed_forward = (2 * tokens * ffn + 2 * tokens * dim) * b
-    transformer = rows * ((8 + 6) * tokens * dim * b + max(attention, feed_forward))
+    transformer = rows * transformer_forward_bytes(embodiment.video_tokens_per_chunk, cfg.dim, cfg.ffn_dim, window, b)
 
     vae = WAN22_VAE_CONFIG
-    patch = vae.get("patch_size") or 1
     frames = 4 * embodiment.frame_chunk_size  # a later chunk's key frames, per camera
     h, w = embodiment.height, embodiment.width
     cameras = 1 if embodiment.layout == "robotwin_tshape" else len(embodiment.cameras)  # Franka: one batch of three
-    unit = vae["base_dim"] * dz_memory.VAE_CHUNK_FRAMES * (h // patch) * (w // patch) * 4
-    vae_bytes = max_batch * (cameras * dz_memory.RESIDUAL_VAE_LIVE_TENSORS * unit + len(embodiment.cameras) * 3 * frames * h * w * 4)
+    vae_bytes = max_batch * (cameras * vae_chunk_bytes(vae, h, w, vae["base_dim"]) + len(embodiment.cameras) * 3 * frames * h * w * 4)
 
-    text = UMT5_XXL_ENCODER_CONFIG
-    text_bytes = 2 * TEXT_LENGTH * (6 * text["d_model"] + 3 * text["d_ff"]) * b + 2 * 2 * text["num_heads"] * TEXT_LENGTH**2 * 4
+    text = UMT5_XXL_ENCODER_CONFIG  # the prompt and the negative ""
+    text_bytes = 2 * encoder_bytes(TEXT_LENGTH, text["d_model"], text["d_ff"], text["num_heads"], b)
 
     counts = weight_counts(cfg)
     return LingBotVAPlan(
         name, {k: v * b for k, v in counts.items()}, kv_session, text_session, max(transformer, vae_bytes, text_bytes),
-        dz_memory.CUDA_RESERVE_BYTES,
+        CUDA_RESERVE_BYTES,
     )  # fmt: skip

@@ -39,8 +39,8 @@ from diffusers.models.embeddings import PixArtAlphaTextProjection, TimestepEmbed
 from diffusers.models.normalization import FP32LayerNorm
 
 from ardiff_kv import PagedLayerInputs, paged_write_attend
-from ardiff_policies.dreamzero.dit import apply_rope
 from ardiff_policies.lingbot_va.config import TransformerConfig
+from ardiff_policies.wan.rope import apply_rope, rope_axis_dims, rope_frequencies
 
 LayerKV = PagedLayerInputs | None
 # Cross-attention K/V of one layer, projected once per prompt: (B, text tokens, heads, head_dim) each.
@@ -72,22 +72,21 @@ def action_grid(frames: int, actions_per_frame: int, start_frame: int) -> torch.
 
 
 class RotaryPositions(nn.Module):
-    """3-D RoPE angles for float positions. The head dimension splits into frame / height / width parts of
-    d - 2 (d // 3), d // 3 and d // 3; frequencies 1 / 10000^(2k / part) per part, angles in float64 then
-    float32 (upstream's ``WanRotaryPosEmbed``). The frequencies are made per call (a few dozen numbers) rather
-    than held as buffers, which ``model.to(bfloat16)`` would round."""
+    """3-D RoPE angles for float positions. The head dimension splits into frame / height / width parts
+    (:func:`rope_axis_dims`: upstream's d - 2 (d // 3), d // 3 and d // 3); frequencies 1 / 10000^(2k / part) per
+    part, angles in float64 then float32 (upstream's ``WanRotaryPosEmbed``). The frequencies are made per call (a
+    few dozen numbers) rather than held as buffers, which ``model.to(bfloat16)`` would round."""
 
     def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
         super().__init__()
-        self.parts = (head_dim - 2 * (head_dim // 3), head_dim // 3, head_dim // 3)
+        self.parts = rope_axis_dims(head_dim)
         self.theta = theta
 
     def forward(self, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``grid`` (B, 3, L) -> cos, sin (B, L, 1, head_dim / 2) for :func:`apply_rope`."""
         angles = []
         for axis, part in enumerate(self.parts):
-            freqs = 1.0 / self.theta ** (torch.arange(0, part, 2, device=grid.device)[: part // 2].double() / part)
-            angles.append(grid[:, axis, :, None].double() * freqs)
+            angles.append(grid[:, axis, :, None].double() * rope_frequencies(part, self.theta, grid.device))
         angles = torch.cat(angles, dim=-1).float()
         return torch.cos(angles)[:, :, None], torch.sin(angles)[:, :, None]
 

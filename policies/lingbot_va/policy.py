@@ -29,14 +29,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKLWan
-from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, patchify
 
 from ardiff_kv import Branch, KVSpec, SessionKV, prepare_batch
-from ardiff_policies.dreamzero.embodiments import clean_prompt
-from ardiff_policies.dreamzero.encoders import TextEncoder
 from ardiff_policies.lingbot_va.config import Embodiment
 from ardiff_policies.lingbot_va.model import LingBotVATransformer, TextKV, action_grid, load_transformer, video_grid
 from ardiff_policies.observation import UnsupportedObservation
+from ardiff_policies.wan.prompt import clean_prompt
+from ardiff_policies.wan.schedulers import flow_match_sigmas
+from ardiff_policies.wan.text import TextEncoder
+from ardiff_policies.wan.vae import StreamingEncoder
 
 TEXT_LENGTH = 512  # upstream's max_sequence_length: the cross-attention sees all 512 positions
 LATENT_CHANNELS = 48
@@ -58,30 +59,6 @@ def kv_spec(embodiment: Embodiment, model_cfg, dtype: torch.dtype) -> KVSpec:
         page_size=page, window_pages=(embodiment.attn_window // 2) * (video + action) // page,
         max_new_pages=max(video, action) // page, evict_to_fit=True, dtype=dtype,
     )  # fmt: skip
-
-
-def flow_match_sigmas(steps: int, shift: float) -> torch.Tensor:
-    """Upstream's ``FlowMatchScheduler(shift, sigma_min=0, extra_one_step=True).set_timesteps(steps)`` sigmas."""
-    sigmas = torch.linspace(1.0, 0.0, steps + 1)[:-1]
-    return shift * sigmas / (1 + (shift - 1) * sigmas)
-
-
-@dataclass
-class StreamingEncoder:
-    """The VAE encoder with its causal-conv feature cache carried across calls (upstream ``WanVAEStreamingWrapper``)."""
-
-    vae: AutoencoderKLWan
-    feat_cache: list = field(default_factory=list)
-
-    def clear(self) -> None:
-        self.feat_cache = [None] * sum(isinstance(m, WanCausalConv3d) for m in self.vae.encoder.modules())
-
-    def encode(self, video: torch.Tensor) -> torch.Tensor:
-        if not self.feat_cache:
-            self.clear()
-        if self.vae.config.patch_size is not None:
-            video = patchify(video, self.vae.config.patch_size)
-        return self.vae.quant_conv(self.vae.encoder(video, feat_cache=self.feat_cache, feat_idx=[0]))
 
 
 @dataclass(frozen=True)

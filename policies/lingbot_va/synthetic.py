@@ -21,14 +21,15 @@ import math
 
 import torch
 
-from ardiff_policies.dreamzero.encoders import UMT5_XXL_ENCODER_CONFIG, WAN22_VAE_CONFIG, TextEncoder
-from ardiff_policies.dreamzero.synthetic import materialize
-from ardiff_policies.dreamzero.tiny import TINY_TEXT_ENCODER, tiny_tokenizer
 from ardiff_policies.lingbot_va.config import Embodiment, TransformerConfig
 from ardiff_policies.lingbot_va.model import LingBotVATransformer
 from ardiff_policies.lingbot_va.policy import LingBotVAPolicy
 from ardiff_policies.lingbot_va.settings import SYNTHETIC_PREFIX, SYNTHETIC_PRESETS
 from ardiff_policies.lingbot_va.tiny import CORPUS, TINY_TRANSFORMER, TINY_VAE
+from ardiff_policies.wan.synthetic import materialize
+from ardiff_policies.wan.text import UMT5_XXL_ENCODER_CONFIG, TextEncoder
+from ardiff_policies.wan.tiny import TINY_TEXT_ENCODER, tiny_tokenizer
+from ardiff_policies.wan.vae import WAN22_VAE_CONFIG
 
 
 @dataclasses.dataclass(frozen=True)

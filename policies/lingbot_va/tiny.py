@@ -15,22 +15,19 @@ and 30 action channels; UMT5 at width 32 (``text_dim``); the Wan2.2 VAE at toy w
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import json
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from ardiff_policies.dreamzero.encoders import WAN22_VAE_CONFIG, TextEncoder, VideoVAE
-from ardiff_policies.dreamzero.tiny import TINY_TEXT_ENCODER, _init, tiny_tokenizer
 from ardiff_policies.lingbot_va.config import ROBOTWIN, TransformerConfig
 from ardiff_policies.lingbot_va.model import LingBotVATransformer
+from ardiff_policies.wan.text import TextEncoder
+from ardiff_policies.wan.tiny import TINY_TEXT_ENCODER, cache_root, ensure_generated, init_tensor, tiny_tokenizer, write_json
+from ardiff_policies.wan.vae import WAN22_VAE_CONFIG, VideoVAE
 
 TINY_VERSION = 1
 TINY_SEED = 27
@@ -59,14 +56,14 @@ def _fill(module: torch.nn.Module, generator: torch.Generator) -> None:
     """Replace every parameter by a seeded draw of its kind (sorted names: the same bytes every time)."""
     with torch.no_grad():
         for name, param in sorted(module.named_parameters()):
-            param.copy_(_init(name, tuple(param.shape), generator))
+            param.copy_(init_tensor(name, tuple(param.shape), generator))
 
 
 def _transformer_state(cfg: TransformerConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
     model = LingBotVATransformer(cfg)
     state = {}
     for name, param in sorted(model.state_dict().items()):
-        state[name] = _init(name.replace("scale_shift_table", "modulation"), tuple(param.shape), generator).contiguous()
+        state[name] = init_tensor(name.replace("scale_shift_table", "modulation"), tuple(param.shape), generator).contiguous()
     # upstream's state dict also holds the action embedder's never-used copy of the text projection
     for name in ("linear_1.weight", "linear_1.bias", "linear_2.weight", "linear_2.bias"):
         src = state[f"condition_embedder.text_embedder.{name}"]
@@ -80,7 +77,7 @@ def write_tiny_checkpoint(out: str | Path, cfg: TransformerConfig = TINY_TRANSFO
     generator = torch.Generator().manual_seed(seed)
 
     (out / "transformer").mkdir(parents=True, exist_ok=True)
-    _write_json(out / "transformer" / "config.json", cfg.to_dict())
+    write_json(out / "transformer" / "config.json", cfg.to_dict())
     save_file(_transformer_state(cfg, generator), out / "transformer" / "diffusion_pytorch_model.safetensors",
               metadata={"format": "pt"})  # fmt: skip
 
@@ -97,10 +94,6 @@ def write_tiny_checkpoint(out: str | Path, cfg: TransformerConfig = TINY_TRANSFO
     _fill(vae, generator)
     vae.save_pretrained(out / "vae")
     return out
-
-
-def _write_json(path: Path, obj: object) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def definition_digest() -> str:
@@ -124,25 +117,10 @@ def tree_digest(directory: str | Path) -> str:
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("ARDIFF_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ardiff-server"
-    return Path(root) / f"tiny-lingbot-va-v{TINY_VERSION}-{definition_digest()}"
+    return cache_root() / f"tiny-lingbot-va-v{TINY_VERSION}-{definition_digest()}"
 
 
 def ensure_tiny_checkpoint(path: str | Path | None = None) -> Path:
-    """The tiny checkpoint's directory, generated on first use (safe across processes: written to a staging
-    directory under a lock, then renamed into place)."""
+    """The tiny checkpoint's directory, generated on first use (safe across processes)."""
     target = Path(path) if path is not None else default_cache_dir()
-    if (target / "transformer" / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "transformer" / "config.json").exists():
-            staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-            try:
-                write_tiny_checkpoint(staging)
-                shutil.rmtree(target, ignore_errors=True)
-                staging.rename(target)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return ensure_generated(target, "transformer/config.json", write_tiny_checkpoint)

@@ -15,8 +15,9 @@ from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
 
 from ardiff_policies.dreamzero.dit import MultiEmbodimentActionEncoder
-from ardiff_policies.dreamzero.encoders import TextEncoder, UpstreamRMSNorm, VideoVAE
 from ardiff_policies.dreamzero.transforms import pixels_to_model_range
+from ardiff_policies.wan.text import TextEncoder
+from ardiff_policies.wan.vae import UpstreamRMSNorm, VideoVAE
 
 BF16 = torch.bfloat16
 

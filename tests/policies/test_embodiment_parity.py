@@ -25,7 +25,6 @@ from ardiff_policies.dreamzero.embodiments import (
     DROID_CAMERAS,
     PROJECTOR_INDEX,
     UPSTREAM_TEMPLATES,
-    clean_prompt,
     embodiment_prompt,
     read_experiment_config,
     render_prompt,
@@ -37,6 +36,7 @@ from ardiff_policies.dreamzero.policy import DreamZeroPolicy
 from ardiff_policies.dreamzero.tiny import ensure_tiny_checkpoint
 from ardiff_policies.dreamzero.transforms import NormStats
 from ardiff_policies.observation import RobotObservation
+from ardiff_policies.wan.prompt import clean_prompt
 from ardiff_server.wire.decode import decode_request
 from tests.helpers.scripts import load_script
 

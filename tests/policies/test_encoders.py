@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKLWan
 from torch import Tensor
 
-from ardiff_policies.dreamzero.encoders import CLIP_MEAN, CLIP_STD, WAN21_VAE_CONFIG, ImageEncoder, TextEncoder, VideoVAE
+from ardiff_policies.dreamzero.encoders import CLIP_MEAN, CLIP_STD, ImageEncoder
 from ardiff_policies.dreamzero.naming import (
     IMAGE_ENCODER_PREFIX,
     TEXT_ENCODER_PREFIX,
@@ -24,6 +24,8 @@ from ardiff_policies.dreamzero.naming import (
     vae_targets,
 )
 from ardiff_policies.dreamzero.upstream_layout import image_encoder_layout, text_encoder_layout, vae_layout
+from ardiff_policies.wan.text import TextEncoder
+from ardiff_policies.wan.vae import WAN21_VAE_CONFIG, VideoVAE
 from tests.helpers.reference import REFERENCE_DIR
 
 REFERENCE_TENSORS = REFERENCE_DIR / "dreamzero_droid_tensors.json"

@@ -20,10 +20,10 @@ from ardiff_policies.dreamzero import memory
 from ardiff_policies.dreamzero.config import DreamZeroConfig
 from ardiff_policies.dreamzero.naming import DIT_PREFIX, IMAGE_ENCODER_PREFIX, TEXT_ENCODER_PREFIX, VAE_PREFIX
 from ardiff_policies.dreamzero.tiny import TINY_VIEW_SIZE, ensure_tiny_checkpoint
+from ardiff_policies.wan.memory import GiB
 from tests.helpers.reference import REFERENCE_DIR
 from tests.helpers.scripts import load_script
 
-GiB = memory.GiB
 REFERENCE_TENSORS = REFERENCE_DIR / "dreamzero_droid_tensors.json"
 PREFIXES = {"dit": DIT_PREFIX, "text_encoder": TEXT_ENCODER_PREFIX, "image_encoder": IMAGE_ENCODER_PREFIX, "vae": VAE_PREFIX}
 

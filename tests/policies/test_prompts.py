@@ -22,7 +22,8 @@ import pytest
 import regex
 
 from ardiff_policies.dreamzero.config import DEFAULT_NEGATIVE_PROMPT
-from ardiff_policies.dreamzero.transforms import clean_prompt, droid_instruction, droid_prompt
+from ardiff_policies.dreamzero.transforms import droid_instruction, droid_prompt
+from ardiff_policies.wan.prompt import clean_prompt
 
 MIDDLE = (
     " The video is split into three views: The top view shows the camera view from the robot's wrist, the bottom-left "

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from ardiff_policies.dreamzero.scheduler import FlowUniPCScheduler
+from ardiff_policies.wan.schedulers import FlowUniPCScheduler
 from tests.helpers.reference import REFERENCE_DIR
 
 REFERENCE_PATH = REFERENCE_DIR / "flow_unipc_reference.json"

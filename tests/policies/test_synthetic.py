@@ -13,13 +13,13 @@ from ardiff_policies.dreamzero.config import DreamZeroConfig
 from ardiff_policies.dreamzero.dit import CausalWanModel, DiTConfig
 from ardiff_policies.dreamzero.synthetic import (
     build_model,
-    materialize,
     meta_modules,
     parse_spec,
     release_cached_model,
     synthetic_model,
 )
 from ardiff_policies.dreamzero.upstream_layout import checkpoint_layout
+from ardiff_policies.wan.synthetic import materialize
 from tests.helpers.reference import REFERENCE_DIR
 
 REFERENCE_TENSORS = REFERENCE_DIR / "dreamzero_droid_tensors.json"

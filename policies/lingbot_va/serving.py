@@ -8,7 +8,8 @@ The engine opens a session per robot and hands it its KV; this adapter maps its 
   when :meth:`prepare` ran) and seeds the session's generator with ``policy.seed``;
 * a request with an :class:`~policies.episode.EpisodeCall` is one of LingBot-VA's own calls: ``infer`` (predict the next
   chunk) or ``compute_kv_cache`` (commit the key frames in the observation's camera stacks and the executed actions);
-* a request without one (OpenPI / RoboArena, with ``session_id``) is a whole chunk: on a session that has a chunk
+* a request without one, or with a ``chunk`` call (OpenPI / RoboArena, with ``session_id``; the call carries the
+  request's guidance scales) is a whole chunk: on a session that has a chunk
   out, its frames (4 per latent frame) commit that chunk with the actions the server sent, then the next chunk is
   predicted; the first request of a session carries one frame per camera (of a stack, the newest is used: a robot
   whose session was evicted starts a new episode instead of failing).
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 from ardiff_kv import Branch, KVSpec, SessionKV
 from ardiff_policies.base import ChunkRecording, Policy, RuntimeOptions, StartRefused, StepResult
 from ardiff_policies.embodiment import ObservationSchema
+from ardiff_policies.episode import EpisodeCall
 from ardiff_policies.info import PolicyInfo
 from ardiff_policies.lingbot_va import config as lv_config
 from ardiff_policies.lingbot_va.model import TextKV
@@ -139,11 +141,11 @@ class LingBotVAServing(Policy[ServedSession]):
             raise UnsupportedObservation(f"obs: every camera needs the same number of frames, got {sorted(counts)}")
         (count,) = counts
         commit_counts = {FRAMES_PER_LATENT * (self.frames - 1), FRAMES_PER_LATENT * self.frames}
-        if call is None:  # OpenPI: a session's first call (one frame) or the key frames of the chunk out
-            if count not in {1, *commit_counts}:
-                raise UnsupportedObservation(f"observation: {count} frames per camera; send 1 on a session's first call, then {sorted(commit_counts)} (4 per latent frame)")
+        if _openpi(call) and count not in {1, *commit_counts}:  # a session's first call (one frame), or the chunk out's key frames
+            raise UnsupportedObservation(f"observation: {count} frames per camera; send 1 on a session's first call, then {sorted(commit_counts)} (4 per latent frame)")
+        if call is None:
             return
-        if call.kind == "infer":
+        if call.kind in ("infer", "chunk"):
             for key in ("video_guidance_scale", "action_guidance_scale"):
                 self._check_guidance(key, getattr(call, key))
             return
@@ -207,7 +209,7 @@ class LingBotVAServing(Policy[ServedSession]):
             call, frames = observation.episode, self._frames(observation)
             if call is not None and call.kind == "compute_kv_cache":
                 commits.append((i, CommitRequest(session.episode, frames, call.executed_actions)))
-            elif call is None and session.last_actions is not None:  # OpenPI: these frames close the chunk out
+            elif _openpi(call) and session.last_actions is not None:  # OpenPI: these frames close the chunk out
                 commits.append((i, CommitRequest(session.episode, frames, session.last_actions)))
                 infers.append(i)
             else:
@@ -231,7 +233,7 @@ class LingBotVAServing(Policy[ServedSession]):
             video_g = call.video_guidance_scale if call is not None else None
             action_g = call.action_guidance_scale if call is not None else None
             frames = self._frames(observation)
-            if call is None and session.episode.frame_start == 0:
+            if _openpi(call) and session.episode.frame_start == 0:
                 # OpenPI: an episode starts from one observation; a stack (a robot whose session was evicted, or a
                 # client that always sends its key frames) starts it from its newest frame
                 frames = frames[-1:]
@@ -338,6 +340,12 @@ class LingBotVAServing(Policy[ServedSession]):
         for count in (1, FRAMES_PER_LATENT * (self.frames - 1), FRAMES_PER_LATENT * self.frames):
             cameras = {name: np.zeros((count, h, w, 3), np.uint8) for name, (h, w) in zip(self.cameras, self.schema.resolutions)}
             yield RobotObservation(cameras=cameras, states={}, prompt="warm up")
+
+
+def _openpi(call: EpisodeCall | None) -> bool:
+    """An OpenPI request (one whole chunk: its frames commit the chunk out, then the next is predicted), with or
+    without per-request guidance."""
+    return call is None or call.kind == "chunk"
 
 
 def _batched(run, requests):

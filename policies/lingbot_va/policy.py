@@ -447,8 +447,10 @@ class LingBotVAPolicy:
             return [self._alone(run, items[0])]
         if not self._undo_fits(sessions):  # no room to keep what a failed call would have to restore: one by one
             return [self._alone(run, item) for item in items]
-        saved = [_Saved.take(session) for session in sessions]
+        saved: list[_Saved] = []
         try:
+            for session in sessions:
+                saved.append(_Saved.take(session))
             out = run(items)
         except Exception as exc:
             for entry in saved:

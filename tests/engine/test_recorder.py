@@ -151,7 +151,7 @@ def test_a_lingbot_va_episode_is_recorded_with_its_calls_resets_and_predicted_vi
 
     episode(5)
     episode(1)  # the same robot's next episode: its own folder
-    for frames in (1, 4, 8):
+    for frames in (1, 4):
         engine.infer("openpi", observe(frames, None))
     while engine.idle_work():
         pass
@@ -178,7 +178,7 @@ def test_a_lingbot_va_episode_is_recorded_with_its_calls_resets_and_predicted_vi
     second = json.loads((tmp_path / "robot.2" / "timings.json").read_text())
     assert len(second["calls"]) == 1 and second["ended"] == "reset"
     openpi = json.loads((tmp_path / "openpi" / "timings.json").read_text())
-    assert [t["info"]["call"] for t in openpi["calls"]] == ["infer", "commit+infer", "commit+infer"] and openpi["ended"] == "shutdown"
+    assert [t["info"]["call"] for t in openpi["calls"]] == ["infer", "commit+infer"] and openpi["ended"] == "shutdown"
     assert np.isfinite(np.load(tmp_path / "openpi" / "actions.npz")["actions"]).all()
     predicted = policy.decode_prediction(torch.zeros(1, 48, 2, *policy.embodiment.latent_size))
     assert predicted.shape == (5, 96, 96, 3) and predicted.dtype == np.uint8

@@ -4,7 +4,7 @@
 ``window``     the chunk-window eviction policy (pure)
 ``pool``       the page allocator: where a page is allocated and freed
 ``storage``    the page tensors, scratch region and cross-attention slots of one rank
-``session``    one session's two CFG branches, forward contexts, commit / abort / window restart
+``session``    one session's two CFG branches, forward contexts, commit / abort / window restart, snapshot / rollback
 ``cache``      the rank's cache: storage + pool, admission, where a session's KV opens and ends
 ``attention``  paged attention backends and the fused write + attend custom op
 ``dense``      upstream concat-and-slice semantics, the reference for tests and benchmarks
@@ -14,7 +14,7 @@ from ardiff_kv.attention import PagedLayerInputs, paged_attention, paged_write_a
 from ardiff_kv.cache import PagedKVCache, kv_budget_bytes
 from ardiff_kv.dense import DenseKVCache, DenseLayerKV
 from ardiff_kv.pool import CapacityError, PagePool
-from ardiff_kv.session import ForwardContext, SessionKV, prepare_batch
+from ardiff_kv.session import ForwardContext, KVSnapshot, SessionKV, prepare_batch
 from ardiff_kv.spec import Branch, CrossKV, KVSpec
 from ardiff_kv.storage import CrossAttentionSlots, PagedStorage
 from ardiff_kv.window import pages_to_evict, pages_to_fit, visible_pages
@@ -27,6 +27,7 @@ __all__ = [
     "DenseKVCache",
     "DenseLayerKV",
     "ForwardContext",
+    "KVSnapshot",
     "KVSpec",
     "PagePool",
     "PagedKVCache",

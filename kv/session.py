@@ -20,6 +20,12 @@ after the committed pages: later forwards see them, a committing forward discard
 (``drop_provisional``: the pages go back to the pool), and the committed pages are never copied
 or moved. Upstream's ``update_cache`` 0 / 1 / 2 are ``commit=False`` / provisional / ``commit=True``.
 
+A call that may have to be undone (a batched call retried member by member): ``snapshot()`` before it,
+then ``rollback()`` (back to the snapshot's pages, lengths and provisional tail; pages allocated since go back to
+the pool) or ``release()`` (keep what the call did). While a snapshot is held, a page it holds is never handed
+back to the pool, only set aside (eviction, a dropped prediction), so a rollback finds its K/V intact; the call
+can hold up to the pages it writes more than the window (:meth:`SessionKV.snapshot`).
+
 Several sequences (sessions x branches) in one forward: :func:`prepare_batch` lays their block
 table rows, slots and lengths side by side; each sequence attends only to its own pages and
 its own new tokens. The ``slot``-th session of a batch writes into its own scratch region
@@ -209,6 +215,18 @@ class BranchKV:
     cross_image_ready: bool = False
 
 
+@dataclass(frozen=True)
+class KVSnapshot:
+    """A session's page bookkeeping at one moment (:meth:`SessionKV.snapshot`): per branch its committed pages,
+    provisional tail, committed tokens and evicted-page count. Page ids only: no K/V is copied."""
+
+    branches: dict[Branch, tuple[tuple[int, ...], tuple[int, ...], int, int]]
+
+    @property
+    def pages(self) -> set[int]:
+        return {page for resident, provisional, _, _ in self.branches.values() for page in (*resident, *provisional)}
+
+
 class SessionKV:
     """Everything one robot session holds in the cache, for both CFG branches. Opened and ended
     by :class:`~kv.cache.PagedKVCache` (``open_session`` / ``end_session``)."""
@@ -219,6 +237,9 @@ class SessionKV:
         self.session_id = session_id
         self._branches = {branch: BranchKV() for branch in Branch}
         self.ended = False
+        self._snapshot: KVSnapshot | None = None
+        self._snapshot_pages: set[int] = set()
+        self._set_aside: list[int] = []  # the snapshot's pages the call freed: back to the pool on release()
 
     def branch(self, branch: Branch) -> BranchKV:
         return self._branches[branch]
@@ -226,12 +247,74 @@ class SessionKV:
     @property
     def pages_held(self) -> int:
         """Managed pages this session owns right now (resident plus an in-flight chunk)."""
-        total = 0
+        total = len(self._set_aside)
         for state in self._branches.values():
             total += len(state.resident) + len(state.provisional)
             if state.pending is not None:
                 total += len(state.pending.new_pages)
         return total
+
+    # -- snapshot / rollback --------------------------------------------------------
+
+    def snapshot(self) -> KVSnapshot:
+        """Remember the page bookkeeping of every branch before a call that may be undone (no forward in
+        flight). Until :meth:`rollback` or :meth:`release`, the snapshot's pages stay out of the pool even when the
+        call evicts or drops them, so the session may hold up to the pages the call writes beyond its window: the
+        caller makes sure the pool has them free."""
+        self._check_open()
+        if self._snapshot is not None:
+            raise RuntimeError(f"session {self.session_id!r}: a snapshot is already held; rollback() or release() it first")
+        if any(state.pending is not None and state.pending.prepared for state in self._branches.values()):
+            raise RuntimeError(f"session {self.session_id!r}: snapshot() during a forward")
+        self._snapshot = KVSnapshot({
+            branch: (tuple(state.resident), tuple(state.provisional), state.committed_tokens, state.evicted_pages)
+            for branch, state in self._branches.items()
+        })  # fmt: skip
+        self._snapshot_pages = self._snapshot.pages
+        self._set_aside = []
+        return self._snapshot
+
+    def rollback(self) -> None:
+        """Undo everything since :meth:`snapshot`: an in-flight forward is aborted, pages allocated since go back
+        to the pool, and every branch holds exactly the snapshot's pages again (their K/V untouched)."""
+        snap = self._require_snapshot()
+        for branch in self._branches:
+            self.abort(branch)
+        held = [page for state in self._branches.values() for page in (*state.resident, *state.provisional)]
+        newer = [page for page in held if page not in self._snapshot_pages]
+        for branch, (resident, provisional, committed_tokens, evicted_pages) in snap.branches.items():
+            state = self._branches[branch]
+            state.resident, state.provisional = list(resident), list(provisional)
+            state.committed_tokens, state.evicted_pages = committed_tokens, evicted_pages
+        self._end_snapshot()
+        self.pool.free(newer)
+
+    def release(self) -> None:
+        """Keep what the call did: the snapshot's pages it evicted or dropped go back to the pool now."""
+        self._require_snapshot()
+        set_aside = self._set_aside
+        self._end_snapshot()
+        self.pool.free(set_aside)
+
+    @property
+    def has_snapshot(self) -> bool:
+        return self._snapshot is not None
+
+    def _require_snapshot(self) -> KVSnapshot:
+        if self._snapshot is None:
+            raise RuntimeError(f"session {self.session_id!r}: no snapshot held")
+        return self._snapshot
+
+    def _end_snapshot(self) -> None:
+        self._snapshot, self._snapshot_pages, self._set_aside = None, set(), []
+
+    def _free(self, pages: list[int]) -> None:
+        """Pages this session stops holding: to the pool, or set aside while a snapshot holds them."""
+        if self._snapshot is None:
+            self.pool.free(pages)
+            return
+        self._set_aside.extend(p for p in pages if p in self._snapshot_pages)
+        self.pool.free([p for p in pages if p not in self._snapshot_pages])
 
     # -- self-attention ---------------------------------------------------------------
 
@@ -290,7 +373,7 @@ class SessionKV:
             victims = state.resident[sink : sink + evict]
             del state.resident[sink : sink + evict]
             state.evicted_pages += evict
-            self.pool.free(victims)
+            self._free(victims)
 
     def drop_provisional(self, branch: Branch | None = None) -> int:
         """Discard the provisional tail (one branch, or both): its pages go back to the pool; the
@@ -301,7 +384,7 @@ class SessionKV:
             state = self._branches[b]
             if state.provisional:
                 pages, state.provisional = state.provisional, []
-                self.pool.free(pages)
+                self._free(pages)
                 freed += len(pages)
         return freed
 
@@ -317,7 +400,7 @@ class SessionKV:
             del state.resident[:from_resident]
             del state.provisional[:from_provisional]
             state.evicted_pages += len(victims)
-            self.pool.free(victims)
+            self._free(victims)
 
     def abort(self, branch: Branch) -> None:
         """The forward failed: free the pages it allocated; nothing is committed."""
@@ -377,7 +460,7 @@ class SessionKV:
         self._check_open()
         for branch, state in self._branches.items():
             self.abort(branch)
-            self.pool.free(state.resident + state.provisional)
+            self._free(state.resident + state.provisional)
             state.resident, state.provisional = [], []
             state.committed_tokens = 0
             state.evicted_pages = 0
@@ -390,6 +473,9 @@ class SessionKV:
         ``end_session`` calls this). Idempotent."""
         if self.ended:
             return
+        set_aside = self._set_aside
+        self._end_snapshot()
+        self.pool.free(set_aside)
         for branch, state in self._branches.items():
             self.abort(branch)
             self.pool.free(state.resident + state.provisional)

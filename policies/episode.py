@@ -5,7 +5,8 @@ predicts the next chunk, ``compute_kv_cache`` commits what the robot then saw (i
 camera stacks) and the actions it executed. An :class:`EpisodeCall` on a :class:`~policies.observation.RobotObservation`
 says which of the two a request is, with the options it carries. A request without one (the OpenPI / RoboArena wire)
 is one whole chunk: the frames in its observation commit the session's previous chunk (when there is one), then the
-next chunk is predicted. Policies that do not split their calls never see one.
+next chunk is predicted; when it carries per-request options (guidance scales), its call is a ``chunk``. Policies
+that do not split their calls never see one (the wire refuses those options for them).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Literal
 
 import numpy as np
 
-EpisodeKind = Literal["infer", "compute_kv_cache"]
+EpisodeKind = Literal["infer", "compute_kv_cache", "chunk"]  # chunk: an OpenPI request with options
 
 
 @dataclass(frozen=True)

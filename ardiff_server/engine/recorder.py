@@ -6,11 +6,14 @@
   prediction of the chunk (the VAE decode of the denoised latents), with the call number and the
   prompt burned in;
 * ``actions.npz``: ``actions`` (calls, horizon, dim) denormalized, ``state`` (calls, state dim),
-  ``raw_actions`` (calls, horizon, model dim) before denormalization, ``calls``;
+  ``raw_actions`` (calls, horizon, model dim) before denormalization, ``calls``; a call that returned fewer
+  actions than the longest (LingBot-VA's ``compute_kv_cache`` returns none) is NaN-padded, and ``horizons``
+  says how many rows each call returned;
 * ``timings.json``: per call ``policy_timing``, ``server_timing`` (as the engine measures it:
   ``infer_ms``, and ``queue_ms``, the time the request waited for the engine behind other
   sessions' steps; the reply's ``queue_ms`` also counts the trip to the engine), window resets
-  and prompt changes;
+  and prompt changes, the call's ``info`` (LingBot-VA: ``call``, the kind of call); once the session
+  ends, ``ended``: why (``reset``, ``ttl``, ``failed``, ...);
 * ``actions.png``: joint and gripper trajectories over the session (written when it ends).
 
 Off the critical path: a step only keeps references to what it produced. The expensive VAE
@@ -18,7 +21,8 @@ decode runs in the engine's thread when no request is waiting (``idle_work``), a
 file writes run in a writer thread. Files are written incrementally - the MP4 is fragmented with
 one fragment per call, the npz and json are replaced atomically after every call - so a crash
 loses at most the last call. A session's files are finalised when it ends (reset, TTL expiry,
-eviction, failure, shutdown). The folder's size is bounded by ``server.record_max_gib``: the
+eviction, failure, shutdown). A session id used again after its session ended (a robot's next
+episode after a reset) records into ``<id>.2``, ``<id>.3``, ...: an episode never overwrites another. The folder's size is bounded by ``server.record_max_gib``: the
 oldest finished sessions are pruned first, with a log line.
 """
 
@@ -137,7 +141,7 @@ class Recorder:
                 if isinstance(payload, Chunk):
                     files = self._sessions.get(session_id)
                     if files is None:
-                        files = self._sessions[session_id] = _SessionFiles(session_folder(self.root, session_id), session_id)
+                        files = self._sessions[session_id] = _SessionFiles(_fresh_folder(session_folder(self.root, session_id)), session_id)
                     files.add(payload)
                     written += 1
                     if written % 8 == 1:
@@ -179,6 +183,7 @@ class _SessionFiles:
         self.raw_actions: list[np.ndarray] = []
         self.states: list[np.ndarray] = []
         self.timings: list[dict[str, Any]] = []
+        self.ended: str | None = None
 
     def add(self, chunk: Chunk) -> None:
         self._add_video(chunk)
@@ -200,20 +205,29 @@ class _SessionFiles:
             "info": scalar_info(chunk.info),
         })  # fmt: skip
         self._write_arrays()
-        _atomic_write(self.folder / "timings.json", json.dumps({"session_id": self.session_id, "calls": self.timings}, indent=1).encode())
+        self._write_timings()
+
+    def _write_timings(self) -> None:
+        out = {"session_id": self.session_id, "calls": self.timings, **({"ended": self.ended} if self.ended else {})}
+        _atomic_write(self.folder / "timings.json", json.dumps(out, indent=1).encode())
 
     def finish(self, reason: str) -> None:
+        self.ended = reason
+        if self.timings:
+            self._write_timings()
         if self.video is not None:
             for packet in self.stream.encode():
                 self.video.mux(packet)
             self.video.close()
             self.video = None
-        if self.actions:
+        chunks = [(a, state) for a, state in zip(self.actions, self.states) if len(a)]  # calls that returned actions
+        if chunks:
             from ardiff_server.tools.media import plot_actions
 
+            states = np.stack([state for _, state in chunks])
             try:
-                plot_actions(np.stack(self.actions), self.folder / "actions.png", state=np.stack(self.states),
-                             title=f"session {self.session_id} ({len(self.actions)} calls, ended: {reason})")  # fmt: skip
+                plot_actions(_pad([a for a, _ in chunks]), self.folder / "actions.png", state=states if states.size else None,
+                             title=f"session {self.session_id} ({len(chunks)} chunks in {len(self.actions)} calls, ended: {reason})")  # fmt: skip
             except Exception:
                 logger.exception("recording: plotting session %s failed", self.session_id)
         logger.info("recording of session %s finished (%s): %d calls in %s", self.session_id, reason, len(self.actions), self.folder)
@@ -222,8 +236,8 @@ class _SessionFiles:
         path = self.folder / "actions.npz"
         tmp = path.with_suffix(".tmp.npz")
         np.savez(
-            tmp, calls=np.asarray(self.calls), actions=np.stack(self.actions), raw_actions=np.stack(self.raw_actions),
-            state=np.stack(self.states),
+            tmp, calls=np.asarray(self.calls), actions=_pad(self.actions), raw_actions=_pad(self.raw_actions),
+            state=np.stack(self.states), horizons=np.asarray([len(a) for a in self.actions]),
         )  # fmt: skip
         os.replace(tmp, path)
 
@@ -251,6 +265,26 @@ class _SessionFiles:
                 video_frame.pict_type = av.video.frame.PictureType.I
             for packet in self.stream.encode(video_frame):
                 self.video.mux(packet)
+
+
+def _fresh_folder(folder: Path) -> Path:
+    """``folder``, or ``folder.2``, ``folder.3``, ... if it is taken (an earlier episode of the same session id)."""
+    candidate, n = folder, 1
+    while candidate.exists():
+        n += 1
+        candidate = folder.with_name(f"{folder.name}.{n}")
+    return candidate
+
+
+def _pad(rows: list[np.ndarray]) -> np.ndarray:
+    """(calls, horizon, dim): calls of fewer rows NaN-padded to the longest (float32)."""
+    horizon = max(len(r) for r in rows)
+    if all(len(r) == horizon for r in rows):
+        return np.stack(rows)
+    out = np.full((len(rows), horizon, rows[0].shape[1]), np.nan, np.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
 
 
 def _side_by_side(canvas: np.ndarray, predicted: np.ndarray | None) -> np.ndarray:

@@ -247,7 +247,8 @@ class PolicyService:
         payload = unpack(frame, self.limits, copy=False)
         if info is not None and info.native_protocol == "lingbot_va" and is_lingbot_va_message(payload):
             return decode_lingbot_va(payload, info.observation_schema.cameras)
-        return decode_request(payload, info.observation_schema if info is not None else None)
+        guidance = info is not None and "guidance" in info.server_config  # a policy that advertises per-request guidance takes it
+        return decode_request(payload, info.observation_schema if info is not None else None, guidance=guidance)
 
     async def _reset(self, conn: Connection, request: PolicyRequest) -> bytes | str:
         if request.reset_scope == "all":

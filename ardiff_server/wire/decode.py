@@ -27,6 +27,9 @@ vectors obey the rules below, other keys are ignored. The rules this module appl
 - ``continuation`` (optional): ``{"executed": e, "delay": d, "chunk_id": c}``, integers >= 0
   (``chunk_id`` optional), see ``policies/continuation.py``; absent or None = an ordinary request.
   The policy checks ``e + d`` against its chunk.
+- ``video_guidance_scale`` / ``action_guidance_scale`` (optional, finite numbers): per-request
+  classifier-free guidance, for a policy that advertises ``guidance`` in its metadata (LingBot-VA;
+  the policy checks the bounds); refused by name for any other.
 - State vectors are numeric arrays or msgpack lists, returned as finite float32 1-D arrays. A
   leading batch axis of one is accepted ((1, 7): DreamZero's sim_evals client forwards the
   simulator's per-environment arrays), a real batch ((2, 7)) is not.
@@ -47,6 +50,7 @@ import numpy as np
 
 from ardiff_policies.continuation import Continuation
 from ardiff_policies.embodiment import ObservationSchema
+from ardiff_policies.episode import EpisodeCall
 from ardiff_policies.observation import RobotObservation
 from ardiff_server.wire.jpeg import JpegError, decode_jpeg
 from ardiff_server.wire.protocol import ProtocolError, short_repr
@@ -74,6 +78,7 @@ PROMPT_KEY = "prompt"
 SESSION_ID_KEY = "session_id"
 SESSION_IDS_KEY = "session_ids"
 CONTINUATION_KEY = "continuation"
+GUIDANCE_KEYS = ("video_guidance_scale", "action_guidance_scale")  # per request, policies that take them (LingBot-VA)
 CONTINUATION_FIELDS = ("executed", "delay", "chunk_id")
 MAX_CHUNK_ID = 2**63 - 1
 MAX_RESET_IDS = 256
@@ -106,9 +111,10 @@ class PolicyRequest:
     session_ids: tuple[str, ...] = ()
 
 
-def decode_request(payload: Any, schema: ObservationSchema | None = None) -> PolicyRequest:
+def decode_request(payload: Any, schema: ObservationSchema | None = None, *, guidance: bool = False) -> PolicyRequest:
     """Validate one decoded wire message and turn it into a typed request (``schema``: the served
-    embodiment's keys; None: RoboArena's DROID keys)."""
+    embodiment's keys; None: RoboArena's DROID keys; ``guidance``: the policy takes per-request
+    ``video_guidance_scale`` / ``action_guidance_scale``, else they are refused by name)."""
     request = _require_request_map(payload)
     endpoint = _decode_endpoint(request.get(ENDPOINT_KEY))
     session_id = decode_session_id(request.get(SESSION_ID_KEY))
@@ -123,9 +129,35 @@ def decode_request(payload: Any, schema: ObservationSchema | None = None) -> Pol
         return PolicyRequest("reset", session_id, None, reset_scope="named" if named else "current", session_ids=named)
     observation = _decode_observation(request) if schema is None else _decode_embodiment_observation(request, schema)
     continuation = decode_continuation(request.get(CONTINUATION_KEY))
-    if continuation is not None:
-        observation = RobotObservation(cameras=observation.cameras, states=observation.states, prompt=observation.prompt, continuation=continuation)
+    call = _decode_guidance(request, guidance)
+    if continuation is not None or call is not None:
+        observation = RobotObservation(
+            cameras=observation.cameras, states=observation.states, prompt=observation.prompt, episode=call, continuation=continuation,
+            wire_keys=observation.wire_keys,
+        )  # fmt: skip
     return PolicyRequest(endpoint="infer", session_id=session_id, observation=observation)
+
+
+def decode_guidance_scale(payload: dict[str, Any], key: str) -> float | None:
+    """A per-request guidance scale: a finite number, or None if absent (its bounds are the policy's to check)."""
+    value = payload.get(key)
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise RequestError(f"{key}: expected a number, got {short_repr(value)}")
+    if not math.isfinite(float(value)):
+        raise RequestError(f"{key}: expected a finite number, got {value}")
+    return float(value)
+
+
+def _decode_guidance(request: dict[str, Any], accepted: bool) -> EpisodeCall | None:
+    """``video_guidance_scale`` / ``action_guidance_scale`` of an OpenPI request (LingBot-VA) as a ``chunk`` call."""
+    present = [key for key in GUIDANCE_KEYS if request.get(key) is not None]
+    if not present:
+        return None
+    if not accepted:
+        raise RequestError(f"{present[0]}: this server's policy takes no per-request guidance; leave it out")
+    return EpisodeCall("chunk", *(decode_guidance_scale(request, key) for key in GUIDANCE_KEYS))
 
 
 def decode_continuation(value: Any) -> Continuation | None:

@@ -18,7 +18,6 @@ reads the reset's). A message is LingBot-VA's when it holds ``reset``, ``compute
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,7 +25,7 @@ import numpy as np
 
 from ardiff_policies.episode import EpisodeCall
 from ardiff_policies.observation import RobotObservation
-from ardiff_server.wire.decode import MAX_FRAMES, MAX_IMAGE_SIDE, MAX_PROMPT_CHARS, RequestError
+from ardiff_server.wire.decode import MAX_FRAMES, MAX_IMAGE_SIDE, MAX_PROMPT_CHARS, RequestError, decode_guidance_scale
 from ardiff_server.wire.protocol import short_repr
 
 CAMERA_PREFIX = "observation.images."  # upstream's camera keys: observation.images.<camera>
@@ -67,7 +66,7 @@ def decode_lingbot_va(payload: dict[str, Any], cameras: tuple[str, ...]) -> Ling
         call = EpisodeCall("compute_kv_cache", executed_actions=np.array(state, dtype=np.float32))
         return LingBotVARequest("compute_kv_cache", observation=_observation(payload["obs"], cameras, call))
     call = EpisodeCall(
-        "infer", _scale(payload, "video_guidance_scale"), _scale(payload, "action_guidance_scale"),
+        "infer", decode_guidance_scale(payload, "video_guidance_scale"), decode_guidance_scale(payload, "action_guidance_scale"),
     )  # fmt: skip
     return LingBotVARequest("infer", observation=_observation(payload["obs"], cameras, call))
 
@@ -79,17 +78,6 @@ def _flag(payload: dict[str, Any], key: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise RequestError(f"{key}: expected true or false, got {short_repr(value)}")
     return bool(value)
-
-
-def _scale(payload: dict[str, Any], key: str) -> float | None:
-    value = payload.get(key)
-    if value is None:
-        return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise RequestError(f"{key}: expected a number, got {short_repr(value)}")
-    if not math.isfinite(float(value)):
-        raise RequestError(f"{key}: expected a finite number, got {value}")
-    return float(value)
 
 
 def _observation(obs: Any, cameras: tuple[str, ...], call: EpisodeCall) -> RobotObservation:

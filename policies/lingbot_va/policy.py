@@ -16,12 +16,18 @@ prompt's cross-attention K/V, its noise generator, its frame position), and the 
 
 Where this deliberately differs from upstream (docs/lingbot-va.md): the guidance scales a request carries are used
 (bounded), upstream ignores them; noise comes from a per-session generator seeded at reset.
+
+Several robots' calls run batched (``infer_batch`` / ``compute_kv_cache_batch``). If a batched call raises (a CUDA
+error, one member's bad data, a bug), every member is put back as it was before the call (its KV pages and lengths:
+:meth:`SessionKV.snapshot`; its VAE streams' feature caches; its generator; its frame position) and retried alone:
+only a member that fails alone fails, the others get what they would have got alone.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +44,8 @@ from ardiff_policies.wan.prompt import clean_prompt
 from ardiff_policies.wan.schedulers import flow_match_sigmas
 from ardiff_policies.wan.text import TextEncoder
 from ardiff_policies.wan.vae import StreamingEncoder
+
+logger = logging.getLogger(__name__)
 
 TEXT_LENGTH = 512  # upstream's max_sequence_length: the cross-attention sees all 512 positions
 LATENT_CHANNELS = 48
@@ -85,6 +93,37 @@ class LingBotVASession:
     text_kv: list[TextKV] | None = None  # per layer, batch [prompt, negative]
     frame_start: int = 0
     first_latent: torch.Tensor | None = None  # the first chunk's encoded observation, until its commit
+    predicted_latents: torch.Tensor | None = None  # the last infer's denoised video, when the policy keeps it
+    predicted_actions: torch.Tensor | None = None  # and its normalized actions (1, 30, F, N, 1)
+
+
+@dataclass
+class _Saved:
+    """A session as it was before a batched call, to put back if the call fails (then retried alone)."""
+
+    session: LingBotVASession
+    generator: torch.Tensor
+    feat_caches: list[list]
+    frame_start: int
+    first_latent: torch.Tensor | None
+
+    @classmethod
+    def take(cls, session: LingBotVASession) -> _Saved:
+        session.kv.snapshot()
+        # diffusers' causal convs replace their cache entries, never write into them: a copy of the lists suffices
+        caches = [list(stream.feat_cache) for stream in session.streams]
+        return cls(session, session.generator.get_state(), caches, session.frame_start, session.first_latent)
+
+    def restore(self) -> None:
+        s = self.session
+        s.kv.rollback()
+        s.generator.set_state(self.generator)
+        for stream, cache in zip(s.streams, self.feat_caches):
+            stream.feat_cache = list(cache)
+        s.frame_start, s.first_latent = self.frame_start, self.first_latent
+
+    def release(self) -> None:
+        self.session.kv.release()
 
 
 class LingBotVAPolicy:
@@ -106,6 +145,8 @@ class LingBotVAPolicy:
         self.embodiment = embodiment
         self.device = torch.device(device)
         self.dtype = dtype
+        self.keep_predictions = False  # keep each infer's denoised video on its session (recordings)
+        self._warned_headroom = False
         e = embodiment
         if transformer.config.action_dim != e.action_dim:
             raise ValueError(f"the transformer has {transformer.config.action_dim} action channels, the embodiment {e.action_dim}")
@@ -290,10 +331,11 @@ class LingBotVAPolicy:
         return result
 
     @torch.no_grad()
-    def infer_batch(self, requests: Sequence[InferRequest]) -> list[np.ndarray | EpisodeError]:
+    def infer_batch(self, requests: Sequence[InferRequest]) -> list[np.ndarray | Exception]:
         """One chunk for each of several distinct sessions, in one forward per denoising step (each session over its
         own pages, with its own noise, guidance and frame position). A request that is refused gets its
-        :class:`EpisodeError` in its place, before anything of its session changed; the others run."""
+        :class:`EpisodeError` in its place, before anything of its session changed; the others run. If the batch
+        fails, each member is retried alone (see the module's docstring): one that fails alone gets its exception."""
         if len({id(r.session) for r in requests}) != len(requests):
             raise ValueError("a batch takes each session once")
         results: list[np.ndarray | EpisodeError | None] = [None] * len(requests)
@@ -305,6 +347,13 @@ class LingBotVAPolicy:
                 results[i] = exc
         if not accepted:
             return results
+        outcomes = self._batched([r.session for _, r, _, _ in accepted], accepted, self._infer)
+        for (i, _, _, _), outcome in zip(accepted, outcomes):
+            results[i] = outcome
+        return results
+
+    def _infer(self, accepted: list[tuple[int, InferRequest, float, float]]) -> list[np.ndarray]:
+        """The chunk of every accepted request, in one forward per denoising step."""
         e = self.embodiment
         sessions = [r.session for _, r, _, _ in accepted]
         video_scales = [v for _, _, v, _ in accepted]
@@ -359,9 +408,60 @@ class LingBotVAPolicy:
             for i in first_rows:
                 actions[i, :, 0:1] = 0.0
         actions[:, unused] *= 0
-        for row, (i, _, _, _) in enumerate(accepted):
-            results[i] = self._denormalize(actions[row : row + 1])
-        return results
+        if self.keep_predictions:
+            for row, session in enumerate(sessions):
+                session.predicted_latents = latents[row : row + 1].detach()
+                session.predicted_actions = actions[row : row + 1].detach()
+        return [self._denormalize(actions[row : row + 1]) for row in range(len(sessions))]
+
+    # -- a failed batch, member by member ----------------------------------------------------
+
+    def _batched(self, sessions: list[LingBotVASession], items: list, run: Callable[[list], list]) -> list:
+        """``run(items)`` (one item per session) batched; if it raises, every session is put back as it was and each
+        item retried alone: an item's entry is its result, or the exception it raised alone. A single item's
+        exception is its entry (nothing to put back: its session fails)."""
+        if len(items) == 1:
+            return [self._alone(run, items[0])]
+        if not self._undo_fits(sessions):  # no room to keep what a failed call would have to restore: one by one
+            return [self._alone(run, item) for item in items]
+        saved: list[_Saved] = []
+        try:
+            for session in sessions:
+                saved.append(_Saved.take(session))
+            out = run(items)
+        except Exception as exc:
+            for entry in saved:
+                entry.restore()
+            logger.warning("a batched %s of %d sessions failed (%s: %s); retrying each alone", run.__name__.strip("_"),
+                           len(items), type(exc).__name__, exc)  # fmt: skip
+            return [self._alone(run, item) for item in items]
+        for entry in saved:
+            entry.release()
+        return out
+
+    @staticmethod
+    def _alone(run: Callable[[list], list], item):
+        try:
+            return run([item])[0]
+        except Exception as exc:
+            return exc
+
+    def _undo_fits(self, sessions: list[LingBotVASession]) -> bool:
+        """While a batched call may still be undone, each member keeps the pages it evicts or drops out of the pool:
+        the pool needs the pages the call writes (a video and an action chunk per branch and member) free."""
+        e, spec = self.embodiment, self.kv_spec()
+        per_session = len(self.branches) * (e.video_tokens_per_chunk + e.action_tokens_per_chunk) // spec.page_size
+        pool = sessions[0].kv.pool
+        if pool.num_free >= per_session * len(sessions):
+            return True
+        if not self._warned_headroom:
+            self._warned_headroom = True
+            logger.warning(
+                "the KV pool has %d free pages, a batch of %d needs %d spare to be undone member by member if it fails; "
+                "such batches run one session at a time (a larger engine.kv_budget_gib gives them room)",
+                pool.num_free, len(sessions), per_session * len(sessions),
+            )  # fmt: skip
+        return False
 
     def _check_infer(self, request: InferRequest) -> tuple[float, float]:
         """The request's guidance scales, or EpisodeError naming the key (nothing of the session has changed)."""
@@ -391,10 +491,11 @@ class LingBotVAPolicy:
             raise result
 
     @torch.no_grad()
-    def compute_kv_cache_batch(self, requests: Sequence[CommitRequest]) -> list[EpisodeError | None]:
+    def compute_kv_cache_batch(self, requests: Sequence[CommitRequest]) -> list[Exception | None]:
         """:meth:`compute_kv_cache` for several distinct sessions: their frames through their own VAE streams, then one
         video and one action forward for all. A refused request gets its EpisodeError in place (its session
-        unchanged); the others' entries are None."""
+        unchanged); a member that failed alone its exception (after a failed batch, each is retried alone); the
+        others' entries are None."""
         if len({id(r.session) for r in requests}) != len(requests):
             raise ValueError("a batch takes each session once")
         results: list[EpisodeError | None] = [None] * len(requests)
@@ -406,6 +507,11 @@ class LingBotVAPolicy:
                 results[i] = exc
         if not accepted:
             return results
+        outcomes = iter(self._batched([session for session, _, _ in accepted], accepted, self._commit))
+        return [next(outcomes) if result is None else result for result in results]
+
+    def _commit(self, accepted: list[tuple[LingBotVASession, list, torch.Tensor]]) -> list[None]:
+        """Every accepted commit in one video and one action forward."""
         e = self.embodiment
         sessions, latents, actions = [], [], []
         for session, frames, action_in in accepted:
@@ -429,7 +535,7 @@ class LingBotVAPolicy:
         for session in sessions:
             session.frame_start += f
             session.first_latent = None  # committed with the first chunk: later chunks never read it
-        return results
+        return [None] * len(sessions)
 
     def _check_commit(self, request: CommitRequest) -> tuple[LingBotVASession, list, torch.Tensor]:
         """The request's frames and normalized actions, or EpisodeError naming the key (nothing has changed)."""

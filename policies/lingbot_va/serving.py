@@ -8,14 +8,21 @@ The engine opens a session per robot and hands it its KV; this adapter maps its 
   when :meth:`prepare` ran) and seeds the session's generator with ``policy.seed``;
 * a request with an :class:`~policies.episode.EpisodeCall` is one of LingBot-VA's own calls: ``infer`` (predict the next
   chunk) or ``compute_kv_cache`` (commit the key frames in the observation's camera stacks and the executed actions);
-* a request without one (OpenPI / RoboArena, with ``session_id``) is a whole chunk: on a session that has a chunk
+* a request without one, or with a ``chunk`` call (OpenPI / RoboArena, with ``session_id``; the call carries the
+  request's guidance scales) is a whole chunk: on a session that has a chunk
   out, its frames (4 per latent frame) commit that chunk with the actions the server sent, then the next chunk is
   predicted; the first request of a session carries one frame per camera (of a stack, the newest is used: a robot
   whose session was evicted starts a new episode instead of failing).
 
-:meth:`step_batch` runs all commits of a batch in one video and one action forward, then all predictions batched.
+:meth:`step_batch` runs all commits of a batch in one video and one action forward, then all predictions batched
+(a failed batch is retried member by member in ``policy.py``: only a member that fails alone fails).
 Actions go back as (frames x actions per frame, channels), time-major (the OpenPI shape); LingBot-VA's wire reshapes
 them to upstream's (channels, frames, actions per frame) (``PolicyInfo.details['action_layout']``).
+
+Recordings (``server.record_dir``): every call is a recorded call with its kind in ``info['call']`` (``infer``,
+``compute_kv_cache``, or ``commit+infer`` on the OpenPI wire); its canvas is the frames it brought, laid out as the
+model sees them (the T layout: the wrists side by side above the high camera); an infer's prediction is its denoised
+video latents, decoded by the Wan VAE between requests (:meth:`LingBotVAServing.decode_prediction`).
 """
 
 from __future__ import annotations
@@ -26,10 +33,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ardiff_kv import Branch, KVSpec, SessionKV
-from ardiff_policies.base import Policy, RuntimeOptions, StartRefused, StepResult
+from ardiff_policies.base import ChunkRecording, Policy, RuntimeOptions, StartRefused, StepResult
 from ardiff_policies.embodiment import ObservationSchema
+from ardiff_policies.episode import EpisodeCall
 from ardiff_policies.info import PolicyInfo
 from ardiff_policies.lingbot_va import config as lv_config
 from ardiff_policies.lingbot_va.model import TextKV
@@ -59,13 +68,16 @@ class ServedSession:
     pending_text: tuple[str, list[TextKV]] | None = None  # the prompt's K/V made by prepare() on the encoder thread
     last_actions: np.ndarray | None = None  # the chunk out, (channels, F, N), until the OpenPI wire commits it
     timing_ms: dict[str, float] = field(default_factory=dict)
+    committed: bool = False  # this step committed frames (its recording's call kind)
 
 
 class LingBotVAServing(Policy[ServedSession]):
-    def __init__(self, episodes: LingBotVAPolicy, config: LingBotVAConfig, checkpoint: str) -> None:
+    def __init__(self, episodes: LingBotVAPolicy, config: LingBotVAConfig, checkpoint: str, *, record: bool = False) -> None:
         self.episodes = episodes
         self.config = config
         self.checkpoint = checkpoint
+        self.record = record  # fill StepResult.recording (server.record_dir)
+        episodes.keep_predictions = record
         e = episodes.embodiment
         self.embodiment = e
         self.cameras = tuple(short_camera(c) for c in e.cameras)
@@ -129,11 +141,11 @@ class LingBotVAServing(Policy[ServedSession]):
             raise UnsupportedObservation(f"obs: every camera needs the same number of frames, got {sorted(counts)}")
         (count,) = counts
         commit_counts = {FRAMES_PER_LATENT * (self.frames - 1), FRAMES_PER_LATENT * self.frames}
-        if call is None:  # OpenPI: a session's first call (one frame) or the key frames of the chunk out
-            if count not in {1, *commit_counts}:
-                raise UnsupportedObservation(f"observation: {count} frames per camera; send 1 on a session's first call, then {sorted(commit_counts)} (4 per latent frame)")
+        if _openpi(call) and count not in {1, *commit_counts}:  # a session's first call (one frame), or the chunk out's key frames
+            raise UnsupportedObservation(f"observation: {count} frames per camera; send 1 on a session's first call, then {sorted(commit_counts)} (4 per latent frame)")
+        if call is None:
             return
-        if call.kind == "infer":
+        if call.kind in ("infer", "chunk"):
             for key in ("video_guidance_scale", "action_guidance_scale"):
                 self._check_guidance(key, getattr(call, key))
             return
@@ -188,7 +200,7 @@ class LingBotVAServing(Policy[ServedSession]):
         commits: list[tuple[int, CommitRequest]] = []
         infers: list[int] = []
         for i, (session, observation) in enumerate(items):
-            session.timing_ms = {}
+            session.timing_ms, session.committed = {}, False
             try:
                 self._begin(session, observation)
             except Exception as exc:
@@ -197,7 +209,7 @@ class LingBotVAServing(Policy[ServedSession]):
             call, frames = observation.episode, self._frames(observation)
             if call is not None and call.kind == "compute_kv_cache":
                 commits.append((i, CommitRequest(session.episode, frames, call.executed_actions)))
-            elif call is None and session.last_actions is not None:  # OpenPI: these frames close the chunk out
+            elif _openpi(call) and session.last_actions is not None:  # OpenPI: these frames close the chunk out
                 commits.append((i, CommitRequest(session.episode, frames, session.last_actions)))
                 infers.append(i)
             else:
@@ -211,7 +223,7 @@ class LingBotVAServing(Policy[ServedSession]):
                 if outcome is not None:
                     results[i] = outcome
                 else:
-                    items[i][0].last_actions = None
+                    items[i][0].last_actions, items[i][0].committed = None, True
         requests, rows = [], []
         for i in infers:
             if results[i] is not None:
@@ -221,7 +233,7 @@ class LingBotVAServing(Policy[ServedSession]):
             video_g = call.video_guidance_scale if call is not None else None
             action_g = call.action_guidance_scale if call is not None else None
             frames = self._frames(observation)
-            if call is None and session.episode.frame_start == 0:
+            if _openpi(call) and session.episode.frame_start == 0:
                 # OpenPI: an episode starts from one observation; a stack (a robot whose session was evicted, or a
                 # client that always sends its key frames) starts it from its newest frame
                 frames = frames[-1:]
@@ -239,10 +251,15 @@ class LingBotVAServing(Policy[ServedSession]):
                     continue
                 session.timing_ms["infer"] = ms
                 session.last_actions = outcome
-                results[i] = self._result(session, outcome, "infer", execute_from=self.per_frame if is_first else 0)
+                kind = "commit+infer" if session.committed else "infer"
+                results[i] = self._result(session, outcome, kind, execute_from=self.per_frame if is_first else 0)
         for i, (session, _) in enumerate(items):
             if results[i] is None:  # a commit only (LingBot-VA's compute_kv_cache)
                 results[i] = self._result(session, None, "compute_kv_cache", execute_from=0)
+        if self.record:
+            for (session, observation), result in zip(items, results):
+                if isinstance(result, StepResult):
+                    result.recording = self._recording(session, observation, result)
         return results  # type: ignore[return-value]
 
     def _begin(self, session: ServedSession, observation: RobotObservation) -> None:
@@ -272,6 +289,52 @@ class LingBotVAServing(Policy[ServedSession]):
         info = {"call": kind, "frame_start": session.episode.frame_start, "execute_from": execute_from}
         return StepResult(out, dict(session.timing_ms), info)
 
+    # -- recordings ------------------------------------------------------------------------------
+
+    def _recording(self, session: ServedSession, observation: RobotObservation, result: StepResult) -> ChunkRecording:
+        """References for the recorder: the call's frames as one canvas, the prediction (an infer's latents, else
+        None), the normalized actions of all 30 model channels. The episode has no state input: ``state`` is empty."""
+        episode = session.episode
+        dim = self.episodes.embodiment.action_dim
+        predicted, raw = None, np.zeros((0, dim), np.float32)
+        if result.info["call"] != "compute_kv_cache":
+            predicted = episode.predicted_latents.to("cpu")
+            raw = np.ascontiguousarray(episode.predicted_actions.float().cpu()[0, ..., 0].reshape(dim, -1).T.numpy())
+        episode.predicted_latents = episode.predicted_actions = None
+        return ChunkRecording(canvas=self._canvas(observation), predicted=predicted, raw_actions=raw, state=np.zeros(0, np.float32))
+
+    def _canvas(self, observation: RobotObservation) -> np.ndarray:
+        """(T, H, W, 3) uint8: the call's frames at the model's sizes, in the latents' layout (T layout: the two
+        wrists side by side above the high camera; otherwise the cameras side by side)."""
+        stacks = []
+        for name, (h, w) in zip(self.cameras, self.schema.resolutions):
+            stack = torch.from_numpy(np.asarray(observation.cameras[name])).permute(0, 3, 1, 2).float()
+            if stack.shape[-2:] != (h, w):
+                stack = F.interpolate(stack, size=(h, w), mode="bilinear", align_corners=False)
+            stacks.append(stack.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1))
+        if self.embodiment.layout == "robotwin_tshape":
+            canvas = torch.cat([torch.cat(stacks[1:], dim=2), stacks[0]], dim=1)
+        else:
+            canvas = torch.cat(stacks, dim=2)
+        return canvas.numpy()
+
+    @torch.no_grad()
+    def decode_prediction(self, predicted: torch.Tensor | None) -> np.ndarray | None:
+        """An infer's denoised latents (1, 48, F, h, w) -> (T, H, W, 3) uint8 frames in the canvas layout (None for a
+        commit: nothing predicted). The chunk is decoded on its own (no earlier latents as the causal VAE's context)
+        and the T layout's three views as one image, so the seams between them are blurred: a view of what the model
+        predicted, not its exact pixels. Runs between requests, on the engine thread (the VAE's decode cache is the
+        module's; encodes carry their own)."""
+        if predicted is None:
+            return None
+        episodes = self.episodes
+        shape = (1, -1, 1, 1, 1)
+        latents = predicted.to(episodes.device, torch.float32)
+        latents = latents * episodes.latents_std.to(latents.device).view(shape) + episodes.latents_mean.to(latents.device).view(shape)
+        frames = episodes.vae.decode(latents.to(episodes.dtype)).sample  # (1, 3, T, H, W) in [-1, 1]
+        frames = ((frames[0].float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
+        return frames.permute(1, 2, 3, 0).cpu().numpy()
+
     def warmup_observations(self) -> Iterator[RobotObservation]:
         """One episode over the OpenPI wire: the first frame, then the key frames of the first and of a later chunk."""
         for count in (1, FRAMES_PER_LATENT * (self.frames - 1), FRAMES_PER_LATENT * self.frames):
@@ -279,9 +342,15 @@ class LingBotVAServing(Policy[ServedSession]):
             yield RobotObservation(cameras=cameras, states={}, prompt="warm up")
 
 
+def _openpi(call: EpisodeCall | None) -> bool:
+    """An OpenPI request (one whole chunk: its frames commit the chunk out, then the next is predicted), with or
+    without per-request guidance."""
+    return call is None or call.kind == "chunk"
+
+
 def _batched(run, requests):
-    """A batched phase; if it fails as a whole, every member gets the failure (the engine ends those sessions: their
-    VAE streams or provisional pages may have moved, so they are not retried alone)."""
+    """A batched call of the episode logic, which retries a failed batch member by member itself; what still raises
+    here (its own machinery) is every member's failure."""
     try:
         return run(requests)
     except Exception as exc:
@@ -289,7 +358,7 @@ def _batched(run, requests):
 
 
 def build_lingbot_va(config: LingBotVAConfig, options: RuntimeOptions) -> LingBotVAServing:
-    for name, value in (("engine.compile", options.compile), ("engine.cuda_graphs", options.cuda_graphs), ("server.record_dir", options.record)):
+    for name, value in (("engine.compile", options.compile), ("engine.cuda_graphs", options.cuda_graphs)):
         if value:
             raise StartRefused(f"{name}: not supported by the lingbot_va policy yet; unset it")
     if options.guidance.is_parallel:
@@ -298,7 +367,8 @@ def build_lingbot_va(config: LingBotVAConfig, options: RuntimeOptions) -> LingBo
     if config.checkpoint.startswith(SYNTHETIC_PREFIX):
         from ardiff_policies.lingbot_va.synthetic import synthetic_policy
 
-        return LingBotVAServing(synthetic_policy(config.checkpoint, embodiment, device=options.device, dtype=dtype), config, config.checkpoint)
+        episodes = synthetic_policy(config.checkpoint, embodiment, device=options.device, dtype=dtype)
+        return LingBotVAServing(episodes, config, config.checkpoint, record=options.record)
     if config.checkpoint == BUILTIN_TINY:
         from ardiff_policies.lingbot_va.tiny import ensure_tiny_checkpoint
 
@@ -306,4 +376,4 @@ def build_lingbot_va(config: LingBotVAConfig, options: RuntimeOptions) -> LingBo
     else:
         checkpoint = config.local_checkpoint()
     episodes = LingBotVAPolicy.load(checkpoint, embodiment, device=options.device, dtype=dtype)
-    return LingBotVAServing(episodes, config, str(checkpoint))
+    return LingBotVAServing(episodes, config, str(checkpoint), record=options.record)

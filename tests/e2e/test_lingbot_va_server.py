@@ -107,3 +107,19 @@ def test_each_connection_is_its_own_session(server):
             b.call({"obs": frames[chunk + 1], "compute_kv_cache": True, "state": other})
         a.call({"reset": True, "prompt": "done"})
         b.call({"reset": True, "prompt": "done"})
+
+
+def test_openpi_requests_carry_guidance_scales_bounded_like_the_robotwin_protocol(server):
+    prompt = "grab the white mug"
+    with LingBotVAClient(server.url) as client:
+        reference, frames = run_episode(client, prompt, 1, seed=4, size=SIZE, guidance=(2.0, 3.0))
+        client.call({"reset": True, "prompt": "done"})
+    policy = WebsocketClientPolicy(host="127.0.0.1", port=server.port)
+    request = openpi_request(frames[0], "guided", prompt)
+    with pytest.raises(RuntimeError, match=r"video_guidance_scale: 50\.0 outside"):
+        policy.infer({**request, "video_guidance_scale": 50.0})
+    with pytest.raises(RuntimeError, match="action_guidance_scale: expected a number"):
+        policy.infer({**request, "action_guidance_scale": "high"})
+    actions = policy.infer({**request, "video_guidance_scale": 2.0, "action_guidance_scale": 3.0})["actions"]
+    np.testing.assert_allclose(actions.T.reshape(SHAPE), reference[0], atol=1e-5, rtol=0)
+    assert policy.infer({"endpoint": "reset", "session_ids": ["guided"]})["status"] == "reset successful"

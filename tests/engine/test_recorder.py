@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from ardiff_server.config import ConfigError, preflight, validate_config
 from ardiff_server.engine.recorder import Chunk, Recorder, session_folder
@@ -119,3 +120,65 @@ def test_record_dir_without_the_viz_extra_fails_at_start_up(monkeypatch, tmp_pat
     config = validate_config({"server": {"record_dir": str(tmp_path)}, "policy": {"name": "noop"}})
     with pytest.raises(ConfigError, match=r"server.record_dir needs av: pip install -e '.\[viz\]'"):
         preflight(config)
+
+
+def test_a_lingbot_va_episode_is_recorded_with_its_calls_resets_and_predicted_video(tmp_path):
+    """LingBot-VA (tiny): infer / compute_kv_cache / infer ..., a reset, the next episode of the same robot; and an
+    OpenPI session whose calls commit and predict at once. The files read back with the tools' readers."""
+    from ardiff_policies.episode import EpisodeCall
+    from ardiff_policies.observation import RobotObservation
+    from ardiff_server.config import load_config
+    from ardiff_server.engine.builder import build_engine
+    from ardiff_server.tools import media
+
+    engine = build_engine(load_config("tiny_lingbot_va", overrides=["engine.warmup=false", f"server.record_dir={tmp_path}"]))
+    policy = engine.policy
+    rng = np.random.default_rng(0)
+
+    def observe(frames: int, call: EpisodeCall | None) -> RobotObservation:
+        cameras = {n: rng.integers(0, 256, (frames, h, w, 3), dtype=np.uint8) for n, (h, w) in zip(policy.cameras, policy.schema.resolutions)}
+        return RobotObservation(cameras, {}, "stack the cube", call)
+
+    def episode(calls: int) -> None:
+        actions = None
+        for call in range(calls):
+            if call % 2 == 0:
+                actions = engine.infer("robot", observe(1, EpisodeCall("infer"))).result.actions
+            else:
+                executed = actions.T.reshape(policy.channels, policy.frames, policy.per_frame)
+                engine.infer("robot", observe(4 if call == 1 else 8, EpisodeCall("compute_kv_cache", executed_actions=executed)))
+        engine.end("robot", "reset")  # LingBot-VA's reset
+
+    episode(5)
+    episode(1)  # the same robot's next episode: its own folder
+    for frames in (1, 4):
+        engine.infer("openpi", observe(frames, None))
+    while engine.idle_work():
+        pass
+    engine.close()
+
+    folder = tmp_path / "robot"
+    assert {p.name for p in folder.iterdir()} == {"rollout.mp4", "actions.npz", "timings.json", "actions.png"}
+    arrays = np.load(folder / "actions.npz")
+    assert arrays["calls"].tolist() == [1, 2, 3, 4, 5] and arrays["horizons"].tolist() == [32, 0, 32, 0, 32]
+    assert arrays["actions"].shape == (5, 32, 16) and arrays["raw_actions"].shape == (5, 32, 30)
+    assert np.isnan(arrays["actions"][1]).all() and np.isfinite(arrays["actions"][[0, 2, 4]]).all()
+    assert arrays["state"].shape == (5, 0)  # LingBot-VA takes no state
+    timings = json.loads((folder / "timings.json").read_text())
+    assert [t["info"]["call"] for t in timings["calls"]] == ["infer", "compute_kv_cache"] * 2 + ["infer"]
+    assert [t["info"]["frame_start"] for t in timings["calls"]] == [0, 2, 2, 4, 4] and timings["ended"] == "reset"
+    # per call max(frames seen, frames predicted): an infer sees 1 and predicts 1 + 4 from 2 latent frames
+    frames = list(media.iter_frames(folder / "rollout.mp4"))
+    assert len(frames) == 5 + 4 + 5 + 8 + 5
+    seen = policy._canvas(observe(1, None))
+    assert seen.shape == (1, 32 + 64, 96, 3)  # the T layout: two 32x48 wrists above the 64x96 high camera
+    assert frames[0].shape == (96, 2 * 96, 3)  # seen | predicted
+    assert frames[0][16:, 96:].std() > 0  # the predicted half was decoded (a failed decode leaves it black)
+
+    second = json.loads((tmp_path / "robot.2" / "timings.json").read_text())
+    assert len(second["calls"]) == 1 and second["ended"] == "reset"
+    openpi = json.loads((tmp_path / "openpi" / "timings.json").read_text())
+    assert [t["info"]["call"] for t in openpi["calls"]] == ["infer", "commit+infer"] and openpi["ended"] == "shutdown"
+    assert np.isfinite(np.load(tmp_path / "openpi" / "actions.npz")["actions"]).all()
+    predicted = policy.decode_prediction(torch.zeros(1, 48, 2, *policy.embodiment.latent_size))
+    assert predicted.shape == (5, 96, 96, 3) and predicted.dtype == np.uint8

@@ -148,3 +148,20 @@ def test_an_openpi_episode_starts_from_the_newest_frame_of_a_stack(engine):
     np.testing.assert_array_equal(from_stack.result.actions, from_frame.result.actions)
     engine.end("stacked", "test")
     engine.end("single", "test")
+
+
+def test_openpi_guidance_per_request_equals_the_robotwin_protocols_and_is_bounded(engine):
+    """An OpenPI chunk with guidance scales gives what LingBot-VA's own infer with those scales gives; a scale out of
+    bounds is a bad request naming it and the session goes on."""
+    scales = {"video_guidance_scale": 2.0, "action_guidance_scale": 3.0}
+    own = engine.infer("own", RobotObservation(cameras(engine, 1, 31), {}, "grab the mug", EpisodeCall("infer", **scales)))
+    default = engine.infer("default", RobotObservation(cameras(engine, 1, 31), {}, "grab the mug"))
+    with pytest.raises(UnsupportedObservation, match=r"action_guidance_scale: 21\.0 outside"):
+        engine.infer("openpi", RobotObservation(cameras(engine, 1, 31), {}, "grab the mug", EpisodeCall("chunk", 2.0, 21.0)))
+    chunk = engine.infer("openpi", RobotObservation(cameras(engine, 1, 31), {}, "grab the mug", EpisodeCall("chunk", **scales)))
+    np.testing.assert_allclose(chunk.result.actions, own.result.actions, atol=ATOL, rtol=0)
+    assert np.abs(chunk.result.actions - default.result.actions).max() > 1e-4  # the scales were used
+    later = engine.infer("openpi", RobotObservation(cameras(engine, 4, 32), {}, "grab the mug", EpisodeCall("chunk", 1.0, 1.0)))
+    assert later.calls == 2 and later.result.info["call"] == "commit+infer" and later.result.actions.shape == (32, 16)
+    for sid in ("own", "default", "openpi"):
+        engine.end(sid, "test")

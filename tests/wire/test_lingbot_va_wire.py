@@ -72,3 +72,25 @@ def test_actions_go_back_in_upstreams_layout():
     upstream = np.random.default_rng(0).normal(size=(16, 2, 16)).astype(np.float32)
     time_major = upstream.reshape(16, 32).T  # what the engine carries: (frames x actions per frame, channels)
     np.testing.assert_array_equal(action_reply(time_major, 16, 2, 16), upstream)
+
+
+def test_openpi_requests_carry_guidance_only_to_a_policy_that_takes_it():
+    from ardiff_policies.embodiment import ObservationSchema
+    from ardiff_policies.episode import EpisodeCall
+    from ardiff_server.wire.decode import decode_request
+
+    schema = ObservationSchema("lingbot_va_tiny_robotwin", CAMERAS, (), ((8, 12),) * 3)
+    images = {f"observation/{c}": np.zeros((8, 12, 3), np.uint8) for c in CAMERAS}
+
+    def openpi(**extra):
+        return unpack(pack({**images, "session_id": "a", "prompt": "x", **extra}))
+
+    request = decode_request(openpi(video_guidance_scale=3, action_guidance_scale=np.float32(2.0)), schema, guidance=True)
+    assert request.observation.episode == EpisodeCall("chunk", 3.0, 2.0)
+    assert decode_request(openpi(action_guidance_scale=1.5), schema, guidance=True).observation.episode == EpisodeCall("chunk", None, 1.5)
+    assert decode_request(openpi(video_guidance_scale=None), schema, guidance=True).observation.episode is None
+    for value in ("5", True, float("inf")):
+        with pytest.raises(RequestError, match="video_guidance_scale"):
+            decode_request(openpi(video_guidance_scale=value), schema, guidance=True)
+    with pytest.raises(RequestError, match="action_guidance_scale: this server's policy takes no per-request guidance"):
+        decode_request(openpi(action_guidance_scale=2.0), schema)  # never silently ignored

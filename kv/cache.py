@@ -63,7 +63,9 @@ class PagedKVCache:
             )
         # Cross-attention slots for the sessions the pool holds, not for max_sessions: a slot the
         # pages cannot back would never be used (the 14B's cost 0.6 GiB per session and branch).
-        self.session_capacity = min(max_sessions, self.pool.capacity // self.reservation_per_session)
+        # (the undo headroom is no session's: batched calls that may be undone need it free)
+        headroom = self.undo_headroom(spec, len(self.branches), max_batch)
+        self.session_capacity = max(1, min(max_sessions, (self.pool.capacity - headroom) // self.reservation_per_session))
         self.storage = PagedStorage(
             spec, pool_pages=num_pages, max_sessions=self.session_capacity, branches=self.branches,
             device=torch.device(device), attention_backend=attention_backend, max_batch=max_batch,
@@ -94,13 +96,22 @@ class PagedKVCache:
         """What ``max_sessions`` sessions at their worst case and ``max_batch`` slots of scratch take:
         the most a budget can usefully be."""
         per_session = num_branches * (spec.pages_per_branch * spec.page_bytes + spec.cross_slot_bytes)
-        return max_sessions * per_session + max_batch * num_branches * spec.scratch_pages_per_branch * spec.page_bytes
+        scratch = max_batch * num_branches * spec.scratch_pages_per_branch
+        return max_sessions * per_session + (scratch + PagedKVCache.undo_headroom(spec, num_branches, max_batch)) * spec.page_bytes
+
+    @staticmethod
+    def undo_headroom(spec: KVSpec, num_branches: int, max_batch: int) -> int:
+        """Pool pages kept free beyond the sessions' own so a batched call can be undone member by member
+        (``KVSpec.undo_pages`` per batch slot and branch; 0 for DreamZero, whose calls commit only on success,
+        and for batches of one: a lone call that fails is not retried)."""
+        return max_batch * num_branches * spec.undo_pages if max_batch > 1 else 0
 
     @staticmethod
     def sessions_for_budget(spec: KVSpec, budget_bytes: int, *, max_sessions: int, num_branches: int, max_batch: int = 1) -> int:
         """Sessions whose worst case (pages and cross-attention slots in every local branch) a
         budget holds after the scratch region, at most ``max_sessions`` (0: not even one)."""
-        left = budget_bytes - max_batch * num_branches * spec.scratch_pages_per_branch * spec.page_bytes
+        reserved = max_batch * num_branches * spec.scratch_pages_per_branch + PagedKVCache.undo_headroom(spec, num_branches, max_batch)
+        left = budget_bytes - reserved * spec.page_bytes
         per_session = num_branches * (spec.pages_per_branch * spec.page_bytes + spec.cross_slot_bytes)
         return max(0, min(max_sessions, left // per_session))
 
@@ -111,7 +122,7 @@ class PagedKVCache:
         fixed = sessions * num_branches * spec.cross_slot_bytes + scratch * spec.page_bytes
         pages = max(0, budget_bytes - fixed) // spec.page_bytes
         if sessions < max_sessions:  # the rest cannot back one more session (its cross slots are not paid for)
-            pages = min(pages, sessions * num_branches * spec.pages_per_branch)
+            pages = min(pages, sessions * num_branches * spec.pages_per_branch + PagedKVCache.undo_headroom(spec, num_branches, max_batch))
         return pages
 
     @classmethod
@@ -122,6 +133,7 @@ class PagedKVCache:
         per_session = num_branches * spec.pages_per_branch
         for batch in range(max_batch, 1, -1):
             pages = cls._pages(spec, budget_bytes, max_sessions=max_sessions, num_branches=num_branches, max_batch=batch)
+            pages -= cls.undo_headroom(spec, num_branches, batch)
             if min(max_sessions, pages // per_session) >= batch:
                 return batch
         return 1

@@ -46,6 +46,9 @@ class KVSpec:
     # LingBot-VA's window: before every forward (a denoising step's too), the oldest pages are freed until the
     # held pages plus the forward's new ones fit in ``window_pages``; attention sees every page held (window.pages_to_fit)
     evict_to_fit: bool = False
+    # Pages a call may write beyond the window while it can still be undone (LingBot-VA's member-by-member retry
+    # keeps what it evicts until the batch succeeded): the pool keeps them free per batch slot and branch.
+    undo_pages: int = 0
     cross_text_tokens: int = 0  # text tokens cached once per session for cross-attention
     cross_image_tokens: int = 0  # image tokens (I2V) cached once per window
     dtype: torch.dtype = torch.float32
@@ -54,7 +57,7 @@ class KVSpec:
         for name in ("num_layers", "num_heads", "head_dim", "page_size", "window_pages", "max_new_pages", "chunk_pages"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVSpec.{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_extra_tokens", "sink_chunks", "cross_text_tokens", "cross_image_tokens"):
+        for name in ("max_extra_tokens", "sink_chunks", "undo_pages", "cross_text_tokens", "cross_image_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"KVSpec.{name} must be >= 0, got {getattr(self, name)}")
         if self.max_new_pages > self.window_pages:

@@ -65,7 +65,7 @@ def kv_spec(embodiment: Embodiment, model_cfg, dtype: torch.dtype) -> KVSpec:
     return KVSpec(
         num_layers=model_cfg.num_layers, num_heads=model_cfg.num_attention_heads, head_dim=model_cfg.attention_head_dim,
         page_size=page, window_pages=(embodiment.attn_window // 2) * (video + action) // page,
-        max_new_pages=max(video, action) // page, evict_to_fit=True, dtype=dtype,
+        max_new_pages=max(video, action) // page, evict_to_fit=True, undo_pages=(video + action) // page, dtype=dtype,
     )  # fmt: skip
 
 
@@ -449,8 +449,7 @@ class LingBotVAPolicy:
     def _undo_fits(self, sessions: list[LingBotVASession]) -> bool:
         """While a batched call may still be undone, each member keeps the pages it evicts or drops out of the pool:
         the pool needs the pages the call writes (a video and an action chunk per branch and member) free."""
-        e, spec = self.embodiment, self.kv_spec()
-        per_session = len(self.branches) * (e.video_tokens_per_chunk + e.action_tokens_per_chunk) // spec.page_size
+        per_session = len(self.branches) * self.kv_spec().undo_pages
         pool = sessions[0].kv.pool
         if pool.num_free >= per_session * len(sessions):
             return True
@@ -458,7 +457,8 @@ class LingBotVAPolicy:
             self._warned_headroom = True
             logger.warning(
                 "the KV pool has %d free pages, a batch of %d needs %d spare to be undone member by member if it fails; "
-                "such batches run one session at a time (a larger engine.kv_budget_gib gives them room)",
+                "such batches run one session at a time (the pool keeps that room free when sized from a budget: "
+                "PagedKVCache.undo_headroom)",
                 pool.num_free, len(sessions), per_session * len(sessions),
             )  # fmt: skip
         return False

@@ -89,3 +89,22 @@ def test_snapshot_misuse_is_refused():
     s.begin_forward(Branch.COND, num_video_tokens=PAGE, commit=True).prepare()
     with pytest.raises(RuntimeError, match="during a forward"):
         s.snapshot()
+
+
+def test_a_budgeted_pool_keeps_the_undo_headroom_free_of_sessions():
+    """KVSpec.undo_pages: a pool sized from a budget holds its sessions' pages plus, per batch slot and branch,
+    the pages a call writes while it may be undone; no session is admitted into that headroom."""
+    from ardiff_kv import KVSpec, PagedKVCache
+
+    spec = KVSpec(num_layers=1, num_heads=2, head_dim=8, page_size=4, window_pages=6, max_new_pages=2, evict_to_fit=True, undo_pages=3)
+    for max_batch in (1, 2, 3):
+        budget = PagedKVCache.bytes_for_sessions(spec, max_sessions=4, num_branches=2, max_batch=max_batch)
+        cache = PagedKVCache.from_budget(spec, budget, max_sessions=4, max_batch=max_batch)
+        headroom = PagedKVCache.undo_headroom(spec, 2, max_batch)
+        assert headroom == (0 if max_batch == 1 else max_batch * 2 * 3)
+        assert cache.session_capacity == 4 and cache.storage.max_batch == max_batch
+        assert cache.pool.capacity == 4 * cache.reservation_per_session + headroom
+        # a budget short of the headroom holds a session fewer, never eats the headroom
+        short = PagedKVCache.from_budget(spec, budget - spec.page_bytes, max_sessions=4, max_batch=max_batch)
+        if max_batch > 1:
+            assert short.session_capacity == 3 and short.pool.capacity - 3 * short.reservation_per_session >= headroom

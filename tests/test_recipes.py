@@ -107,8 +107,12 @@ def test_two_models_on_one_80_gib_card_with_kv_budgets(geometries):
     one.check()
     two = plan_on(geometries["5B"], second, 80, used_gib=one.device("cuda:0").total / GiB)  # what the first holds
     two.check()
-    # without the budget the first takes kv_memory_fraction of everything its weights leave, and the second cannot start
-    greedy = plan_on(geometries["5B"], load_config("dreamzero_droid_5b"), 80)
+    # without a budget the fraction buys no more than engine.max_sessions sessions fill: a default first server leaves room
+    default = plan_on(geometries["5B"], load_config("dreamzero_droid_5b"), 80)
+    assert default.device("cuda:0").kv.sessions == default.settings.max_sessions
+    plan_on(geometries["5B"], second, 80, used_gib=default.device("cuda:0").total / GiB).check()
+    # one allowed many more sessions takes kv_memory_fraction of everything its weights leave, and the second cannot start
+    greedy = plan_on(geometries["5B"], load_config("dreamzero_droid_5b", ["engine.max_sessions=256"]), 80)
     with pytest.raises(memory.MemoryPlanError):
         plan_on(geometries["5B"], second, 80, used_gib=greedy.device("cuda:0").total / GiB).check()
 

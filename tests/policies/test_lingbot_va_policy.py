@@ -34,7 +34,8 @@ def policy() -> LingBotVAPolicy:
 def make_cache(policy, sessions=2):
     spec = policy.kv_spec()
     return PagedKVCache(
-        spec, num_pages=sessions * 2 * spec.pages_per_branch + 1, max_sessions=sessions, attention_backend="sdpa",
+        spec, num_pages=sessions * 2 * spec.pages_per_branch + PagedKVCache.undo_headroom(spec, 2, sessions) + 1, max_sessions=sessions,
+        attention_backend="sdpa",
         max_batch=sessions,
     )  # fmt: skip
 

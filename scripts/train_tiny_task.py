@@ -1,16 +1,19 @@
 #!/usr/bin/env python
 """Train the tiny DreamZero on a synthetic task (scripts/tiny_task.py), so continuations can be measured on a CPU.
 
-The random tiny checkpoint's actions mean nothing; this one's follow smooth, state-dependent trajectories.
-Starting from ``builtin:tiny``, its DiT is trained with DreamZero's flow-matching action loss (velocity
-``noise - actions``, shifted uniform noise levels). Half the batches use per-token action noise with a clean
-(timestep 0) prefix of random length, upstream's decoupled action noise, so ``policy.continuation=clean_prefix``
-has something to stand on. The video, text and image conditioning are the real ones of the tiny encoders for
-rendered views of the task (the actions do not depend on them); the training forward attends over the
-chunk without the KV window the server adds, so the model sees a little more context when served.
+The random tiny checkpoint's actions mean nothing; this one's follow smooth trajectories that depend on the
+observation and on the motion under way. The checkpoint is builtin:tiny's architecture at DiT width 128 with a
+256-wide action head (``TASK_DIT``: builtin:tiny's is too narrow to denoise cleanly), its DiT trained with
+DreamZero's flow-matching action loss (velocity ``noise - actions``, shift-5 noise levels). Half the batches use
+per-token action noise with a clean (timestep 0) prefix of random length, upstream's decoupled action noise, so
+``policy.continuation=clean_prefix`` has something to stand on. The video, text and image conditioning are the
+real ones of the tiny encoders for rendered views of the task (the actions do not depend on them; the
+cross-attention K/V are projected once, as the server caches them); the training forward attends over the
+chunk without the KV window the server adds, so the model sees more context when served.
 
-Deterministic (fixed seeds, data from numpy), a few minutes on 2 CPU cores, cached like the tiny checkpoint
-(``~/.cache/ardiff-server/tiny-task-dreamzero-*``; ``ARDIFF_CACHE_DIR`` overrides), never committed::
+Deterministic (fixed seeds, data from numpy, one thread), cached like the tiny checkpoint
+(``~/.cache/ardiff-server/tiny-task-dreamzero-*``; ``ARDIFF_CACHE_DIR`` overrides), never committed. 600 steps
+took ~10 min on the 2 shared CPU cores (~0.75-2 s a step, by the other jobs' load)::
 
     .venv/bin/python scripts/train_tiny_task.py                # train once, print the cached directory
     .venv/bin/python scripts/train_tiny_task.py --steps 200 --out /tmp/task   # a short run anywhere

@@ -8,12 +8,14 @@
 ``cache``      the rank's cache: storage + pool, admission, where a session's KV opens and ends
 ``attention``  paged attention backends and the fused write + attend custom op
 ``dense``      upstream concat-and-slice semantics, the reference for tests and benchmarks
+``readonly``   paged attention that writes nothing and has a backward (RTC's guided continuation)
 """
 
 from ardiff_kv.attention import PagedLayerInputs, paged_attention, paged_write_attend
 from ardiff_kv.cache import PagedKVCache, kv_budget_bytes
 from ardiff_kv.dense import DenseKVCache, DenseLayerKV
 from ardiff_kv.pool import CapacityError, PagePool
+from ardiff_kv.readonly import ReadOnlyPagedLayer
 from ardiff_kv.session import ForwardContext, KVSnapshot, SessionKV, prepare_batch
 from ardiff_kv.spec import Branch, CrossKV, KVSpec
 from ardiff_kv.storage import CrossAttentionSlots, PagedStorage
@@ -33,6 +35,7 @@ __all__ = [
     "PagedKVCache",
     "PagedLayerInputs",
     "PagedStorage",
+    "ReadOnlyPagedLayer",
     "SessionKV",
     "kv_budget_bytes",
     "paged_attention",

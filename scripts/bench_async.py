@@ -5,7 +5,7 @@ A simulated robot (scripts/tiny_task.py: it goes where its actions say, its came
 ``AsyncChunkRunner`` at ``--hz`` against the policy in this process. Every reply takes exactly the injected
 latency of the robot's simulated clock (``DelayedRequester``: a knob only a bench sets; the model's real CPU
 time does not matter), so the schedule is deterministic. Rows: blocking / async without continuation /
-``inpaint`` / ``clean_prefix`` x latency. Columns: control steps the robot stood still per chunk, the seam
+``inpaint`` / ``clean_prefix`` / ``guided`` x latency. Columns: control steps the robot stood still per chunk, the seam
 jump (median joint change across a splice), the median step inside a chunk, their ratio, chunks per second.
 
     .venv/bin/python scripts/bench_async.py                   # trains the tiny task model on first use (cached)
@@ -33,8 +33,8 @@ from ardiff_policies.dreamzero.policy import DreamZeroPolicy  # noqa: E402
 from ardiff_server.tools.async_client import AsyncChunkRunner, DelayedRequester, SimulatedClock  # noqa: E402
 from ardiff_server.wire.decode import decode_request  # noqa: E402
 
-ROWS = (("blocking", "blocking", None), ("async, no continuation", "async", None),
-        ("inpaint", "continuation", "inpaint"), ("clean_prefix", "continuation", "clean_prefix"))  # fmt: skip
+ROWS = (("blocking", "blocking", None), ("async, no continuation", "async", None), ("inpaint", "continuation", "inpaint"),
+        ("clean_prefix", "continuation", "clean_prefix"), ("guided", "continuation", "guided"))  # fmt: skip
 
 
 def make_policy(model: DreamZeroModel, checkpoint: Path, mode: str) -> tuple[DreamZeroPolicy, PagedKVCache]:
@@ -89,7 +89,7 @@ def main() -> None:
     started = time.perf_counter()
     checkpoint = args.checkpoint or ensure_task_checkpoint(args.train_steps, log=lambda line: print(line, file=sys.stderr, flush=True))
     model = DreamZeroModel.load(checkpoint)
-    policies = {mode: make_policy(model, checkpoint, mode) for mode in ("inpaint", "clean_prefix")}
+    policies = {mode: make_policy(model, checkpoint, mode) for mode in ("inpaint", "clean_prefix", "guided")}
     latencies = [float(v) for v in args.latencies.split(",")]
     print(f"checkpoint {checkpoint}; {args.hz:g} Hz, 24-action chunks ({24 / args.hz:.2f} s), {args.steps} steps x {args.episodes} episode(s)\n")
     print("| mode | latency (s) | idle steps / chunk | steady idle / chunk | seam jump | inner step | seam / inner | chunks/s | frozen |")

@@ -3,8 +3,14 @@
 DROID's action space (7 joints relative to the joint state, an absolute gripper). Joints (0, 1), (2, 3) and
 (4, 5) are three 2-D oscillators: each control step rotates the pair about the origin by its own angle and
 relaxes its radius towards ``RADIUS``; joint 6 follows pair 0's angle and the gripper opens and closes with
-it. The expert's chunk from a state is the next ``HORIZON`` states of that motion, so the right chunk is a
-function of the observed state, and consecutive chunks join smoothly only if the policy reads the state.
+it. The expert's chunk from a state is the next ``HORIZON`` states of that motion.
+
+An episode turns one way or the other (``direction`` +1 / -1, both in the data), and one joint state does not
+say which: the chunk depends on the observation (where the circles are) and on the motion under way, like a
+real task with two ways to do it. A policy must commit to a direction; chunks sampled afresh may take the
+other one at a seam, and a continuation that reads the actions being executed keeps the one under way. (When
+the state alone determines the chunk, the ideal denoiser's rows ignore each other and a frozen prefix cannot
+steer the rest: docs/design-notes.md.)
 
 Used by ``scripts/train_tiny_task.py`` (training data, statistics) and ``scripts/bench_async.py`` (the robot).
 """
@@ -20,27 +26,28 @@ RELAX = 0.08
 PROMPT = "trace the circles"
 
 
-def step(joints: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """One control step of the expert: next joint targets (..., 7) and the gripper (...) for states (..., 7)."""
+def step(joints: np.ndarray, direction: np.ndarray | float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """One control step of the expert: next joint targets (..., 7) and the gripper (...) for states (..., 7) turning
+    ``direction`` (+1 / -1, scalar or (...))."""
     joints = np.asarray(joints, dtype=np.float64)
     nxt = joints.copy()
     for pair, speed in enumerate(SPEEDS):
         x, y = joints[..., 2 * pair], joints[..., 2 * pair + 1]
         radius, angle = np.hypot(x, y), np.arctan2(y, x)
         radius = radius + RELAX * (RADIUS - radius)
-        angle = angle + speed
+        angle = angle + direction * speed
         nxt[..., 2 * pair], nxt[..., 2 * pair + 1] = radius * np.cos(angle), radius * np.sin(angle)
     angle0 = np.arctan2(nxt[..., 1], nxt[..., 0])
     nxt[..., 6] = 0.3 * np.sin(angle0)
     return nxt, 0.5 + 0.4 * np.cos(angle0)
 
 
-def expert_chunk(joints: np.ndarray) -> np.ndarray:
-    """(..., HORIZON, 8) absolute targets, joints and gripper, from states (..., 7)."""
+def expert_chunk(joints: np.ndarray, direction: np.ndarray | float = 1.0) -> np.ndarray:
+    """(..., HORIZON, 8) absolute targets, joints and gripper, from states (..., 7) turning ``direction``."""
     state = np.asarray(joints, dtype=np.float64)
     out = np.zeros((*state.shape[:-1], HORIZON, 8))
     for k in range(HORIZON):
-        state, gripper = step(state)
+        state, gripper = step(state, direction)
         out[..., k, :7], out[..., k, 7] = state, gripper
     return out
 
@@ -55,11 +62,16 @@ def random_state(rng: np.random.Generator, size: int | None = None) -> np.ndarra
     return joints[0] if size is None else joints
 
 
+def random_direction(rng: np.random.Generator, size: int) -> np.ndarray:
+    """Each sample's direction of turn: +1 or -1, equally likely."""
+    return rng.choice([-1.0, 1.0], size)
+
+
 def statistics(samples: int = 4000, seed: int = 0) -> dict:
     """metadata.json statistics (q01 / q99) of the task: state (absolute) and actions (joints relative)."""
     rng = np.random.default_rng(seed)
     states = random_state(rng, samples)
-    chunks = expert_chunk(states)
+    chunks = expert_chunk(states, random_direction(rng, samples))
     relative = (chunks[..., :7] - states[:, None]).reshape(-1, 7)
     gripper = chunks[..., 7].reshape(-1)
 

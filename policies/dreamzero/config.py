@@ -84,7 +84,8 @@ class DreamZeroConfig(pydantic.BaseModel):
     continuation: Literal["inpaint", "clean_prefix", "guided"] = pydantic.Field(
         "inpaint",
         description="inpaint (any checkpoint: frozen actions re-noised to each step's level, RTC soft mask), clean_prefix (checkpoints "
-        "trained with per-token action noise: frozen tokens at timestep 0); guided (RTC's VJP guidance) is not implemented",
+        "trained with per-token action noise: frozen tokens at timestep 0), guided (RTC's guidance: a backward through the DiT per "
+        "denoising step; CPU path only, refused at start-up elsewhere)",
     )
     continuation_execution_horizon: int | None = pydantic.Field(
         None, ge=0, description="RTC's s: the soft mask reaches 0 at horizon - s (default: each request's executed count, the whole overlap)"
@@ -95,15 +96,6 @@ class DreamZeroConfig(pydantic.BaseModel):
     def _check_device(cls, value: str) -> str:
         if not _COMPONENT_DEVICE.match(value):
             raise ValueError("expected engine, cpu, cuda or cuda:<index>")
-        return value
-
-    @pydantic.field_validator("continuation")
-    @classmethod
-    def _check_continuation(cls, value: str) -> str:
-        if value == "guided":
-            # RTC's guidance needs a vector-Jacobian product through the DiT at every step (a backward pass through
-            # paged attention); not built. Refused rather than silently served as inpaint.
-            raise ValueError("guided is not implemented; use inpaint (any checkpoint) or clean_prefix (per-token action noise)")
         return value
 
     @pydantic.model_validator(mode="after")

@@ -18,6 +18,10 @@ Modes (``policy.continuation``), per denoising step at noise level sigma (x = (1
   decaying to 0 at ``H - s``); after the last step the first d are exactly ``a'``.
 * ``clean_prefix``: the first d action tokens are ``a'`` at timestep 0 in every forward (a checkpoint
   trained with per-token action noise knows clean tokens); the rest denoise as usual.
+* ``guided`` (RTC's guidance, Black et al. 2025, eq. 2-4): the actions are left alone; the velocity becomes
+  ``v - min(beta, w(sigma)) J^T (W (a' - x0_hat))``, ``x0_hat = x - sigma v``, ``J = d x0_hat / d x`` (a
+  vector-Jacobian product through the DiT: the forward runs differentiable, :class:`kv.readonly.ReadOnlyPagedLayer`,
+  and one backward per step), ``w(sigma) = (sigma^2 + (1 - sigma)^2) / (sigma (1 - sigma))``. CPU only.
 
 Either way the reply's first d rows are the old chunk's ``[e, e + d)`` exactly as the robot executes them.
 """
@@ -25,6 +29,7 @@ Either way the reply's first d rows are the old chunk's ``[e, e + d)`` exactly a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -96,7 +101,7 @@ def plan(
     remaining = reanchor(last, e, raw_state, stats, relative)
     target = np.zeros((horizon, remaining.shape[1]), dtype=np.float64)
     target[: horizon - e] = remaining
-    if mode == "inpaint":
+    if mode in ("inpaint", "guided"):
         s = e if execution_horizon is None else max(execution_horizon, e)  # no old actions past H - e
         weights = soft_mask(horizon, d, horizon - s)
     else:
@@ -112,6 +117,8 @@ def plan(
 
 def before_step(plan: ContinuationPlan, actions: torch.Tensor, sigma: float) -> torch.Tensor:
     """The actions a denoising step starts from (see the module docstring)."""
+    if plan.mode == "guided":  # guidance acts on the velocity (guide_calls)
+        return actions
     if plan.mode == "clean_prefix":
         out = actions.clone()
         out[:, : plan.frozen] = plan.target[:, : plan.frozen]
@@ -134,3 +141,48 @@ def action_timesteps(plan: ContinuationPlan | None, timestep_action: torch.Tenso
     out = timestep_action.clone()
     out[:, : plan.frozen] = 0
     return out
+
+
+# RTC's guidance weight clip (Black et al. 2025: beta = 5).
+GUIDANCE_MAX_WEIGHT = 5.0
+
+
+def check_mode(mode: str, *, device: torch.device, cfg_parallel: bool, cuda_graphs: bool, compiled: bool) -> None:
+    """Refuse, at start-up, a continuation mode this process cannot serve (ValueError naming the setting and the fix)."""
+    if mode != "guided":
+        return
+    blockers = [name for name, on in (("a CUDA device", device.type != "cpu"), ("CFG-parallel", cfg_parallel),
+                                       ("CUDA graphs", cuda_graphs), ("torch.compile", compiled)) if on]  # fmt: skip
+    if blockers:
+        raise ValueError(
+            f"policy.continuation: guided runs on the CPU path only (a backward through the DiT per denoising step, "
+            f"through read-only paged attention), not with {', '.join(blockers)}; use policy.continuation=inpaint"
+        )
+
+
+def guidance_weight(sigma: float) -> float:
+    """RTC's ``min(beta, (1 - tau) / (tau r_tau^2))`` with tau = 1 - sigma: ``(sigma^2 + (1 - sigma)^2) / (sigma (1 - sigma))``."""
+    if not 0.0 < sigma < 1.0:
+        return GUIDANCE_MAX_WEIGHT
+    return min(GUIDANCE_MAX_WEIGHT, (sigma**2 + (1.0 - sigma) ** 2) / (sigma * (1.0 - sigma)))
+
+
+def guide_calls(calls: list[Any], sigma: float) -> None:
+    """Correct the action velocity of each guided call (``plan.mode == "guided"``) of one denoise step by RTC's guidance.
+
+    ``calls``: the step's calls (``actions`` a leaf that requires grad for the guided ones, ``action_velocity``,
+    ``velocity`` and ``history`` from a forward run under autograd). One backward covers all guided calls (their
+    sequences do not attend to each other); afterwards every tensor the step keeps is detached."""
+    guided = [c for c in calls if c.plan is not None and c.plan.mode == "guided"]
+    if guided:
+        estimates = [c.actions - sigma * c.action_velocity for c in guided]  # x0_hat
+        errors = [c.plan.weights * (c.plan.target - x0).detach() for c, x0 in zip(guided, estimates)]
+        corrections = torch.autograd.grad(estimates, [c.actions for c in guided], grad_outputs=errors)
+        weight = guidance_weight(sigma)
+        for call, correction in zip(guided, corrections):
+            call.action_velocity = call.action_velocity - weight * correction
+    for call in calls:
+        call.actions = call.actions.detach()
+        call.action_velocity = call.action_velocity.detach()
+        call.velocity = call.velocity.detach()
+        call.history = [h.detach() for h in call.history]

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ardiff_kv import Branch, KVSpec, SessionKV, prepare_batch
+from ardiff_kv import Branch, KVSpec, ReadOnlyPagedLayer, SessionKV, prepare_batch
 from ardiff_kv.attention import allow_batch_shapes
 from ardiff_policies import hub
 from ardiff_policies.base import ChunkRecording, Policy, RuntimeOptions, StartRefused, StepResult
@@ -118,6 +118,8 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         self.use_guidance = config.cfg_scale != 1.0
         if self.guidance.is_parallel and not self.use_guidance:
             raise ValueError("CFG-parallel needs cfg_scale != 1 (there is no second branch to run)")
+        chunking.check_mode(config.continuation, device=self.device, cfg_parallel=self.guidance.is_parallel,
+                            cuda_graphs=options.cuda_graphs, compiled=options.compile)  # fmt: skip
         self.graphs = None
         if options.cuda_graphs:
             from ardiff_policies.dreamzero.cuda_graphs import DenoiseGraphs
@@ -373,9 +375,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
 
     def _forward(self, calls: list[Call], latents: list[torch.Tensor], timestep: torch.Tensor, *, starts: list[int], commit: bool,
                  action: list[torch.Tensor] | None = None, timestep_action: torch.Tensor | None = None,
-                 state: list[torch.Tensor] | None = None) -> list[dict[Branch, tuple[torch.Tensor, torch.Tensor | None]]]:  # fmt: skip
+                 state: list[torch.Tensor] | None = None, differentiable: bool = False) -> list[dict[Branch, tuple[torch.Tensor, torch.Tensor | None]]]:  # fmt: skip
         """One DiT forward over every call x local branch (a sequence each, own pages, own scratch).
-        Returns, per call, each branch's (video, action) prediction."""
+        Returns, per call, each branch's (video, action) prediction. ``differentiable``: a denoise forward that
+        reads the pages and writes nothing, with a backward (guided continuations)."""
         dit = self.dit_config
         frames = latents[0].shape[2]
         extra = dit.action_register_length if action is not None else 0
@@ -388,6 +391,8 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         ]
         try:
             layer_inputs = prepare_batch(contexts, self.device)
+            if differentiable:
+                layer_inputs = [ReadOnlyPagedLayer(inputs) for inputs in layer_inputs]
             per_branch = len(self.branches)
             seq_starts = [s for s in starts for _ in range(per_branch)]
             inputs = {
@@ -406,7 +411,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             per_layer = [call.session.kv.cross_kv(branch) for call, branch in sequences]
             cross_kv = [layer[0] for layer in zip(*per_layer)] if len(sequences) == 1 else [tuple(layer) for layer in zip(*per_layer)]
             out = None
-            if self.graphs is not None and not commit and action is not None and len(calls) == 1:  # one session's denoise step
+            if self.graphs is not None and not commit and action is not None and len(calls) == 1 and not differentiable:  # one session's denoise step
                 key = tuple((int(b), c.session.kv.branch(b).cross_slot, start) for (c, b), start in zip(sequences, seq_starts))
                 out = self.graphs.run(key, layer_inputs=layer_inputs, cross_kv=cross_kv, current_start_frame=seq_starts, **inputs)
             video, action_pred = out or self.dit(
@@ -457,18 +462,25 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 timestep_action = torch.full((1, head.action_horizon), int(t_action), dtype=torch.long, device=self.device)
                 if any(c.plan is not None and c.plan.mode == "clean_prefix" for c in running):  # per-call token timesteps
                     timestep_action = torch.cat([chunking.action_timesteps(c.plan, timestep_action) for c in running])
-                try:
-                    predictions, error = self._forward(
-                        running, [c.latents for c in running], timestep, starts=[c.session.current_start_frame for c in running],
-                        commit=False, action=[c.actions for c in running], timestep_action=timestep_action, state=[c.state for c in running],
-                    ), None  # fmt: skip
-                except Exception as exc:
-                    error = exc
-                # Under CFG-parallel the ranks meet in _guide's collectives: a forward that failed on one rank must stop both
-                # here, or the other would wait there for it (one tiny all-gather per step; nothing in one process).
-                if self.agree([error is not None])[0]:
-                    raise error or OtherRankFailed("a batched denoise forward failed on the other CFG-parallel rank")
-                self._guide(running, predictions)
+                guided = any(c.plan is not None and c.plan.mode == "guided" for c in running)  # RTC guidance: a VJP per step
+                for call in running if guided else ():
+                    call.actions = call.actions.detach().requires_grad_(call.plan is not None and call.plan.mode == "guided")
+                with torch.set_grad_enabled(guided):
+                    try:
+                        predictions, error = self._forward(
+                            running, [c.latents for c in running], timestep, starts=[c.session.current_start_frame for c in running],
+                            commit=False, action=[c.actions for c in running], timestep_action=timestep_action,
+                            state=[c.state for c in running], differentiable=guided,
+                        ), None  # fmt: skip
+                    except Exception as exc:
+                        error = exc
+                    # Under CFG-parallel the ranks meet in _guide's collectives: a forward that failed on one rank must stop both
+                    # here, or the other would wait there for it (one tiny all-gather per step; nothing in one process).
+                    if self.agree([error is not None])[0]:
+                        raise error or OtherRankFailed("a batched denoise forward failed on the other CFG-parallel rank")
+                    self._guide(running, predictions)
+                    if guided:
+                        chunking.guide_calls(running, float(calls[0].action_scheduler.sigmas[i]))
             for call in calls:
                 call.latents = call.video_scheduler.step(call.velocity, call.latents, i)
                 call.actions = call.action_scheduler.step(call.action_velocity, call.actions, i)

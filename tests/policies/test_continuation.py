@@ -99,10 +99,11 @@ def test_reanchoring_keeps_absolute_targets_for_relative_keys_and_values_for_abs
 
 @pytest.fixture(scope="module")
 def policies(tiny_model):
-    return {mode: make_policy(tiny_model, continuation=mode, dit_step_cache="off", num_inference_steps=4) for mode in ("inpaint", "clean_prefix")}
+    modes = ("inpaint", "clean_prefix", "guided")
+    return {mode: make_policy(tiny_model, continuation=mode, dit_step_cache="off", num_inference_steps=4) for mode in modes}
 
 
-@pytest.mark.parametrize("mode", ["inpaint", "clean_prefix"])
+@pytest.mark.parametrize("mode", ["inpaint", "clean_prefix", "guided"])
 def test_frozen_actions_come_back_as_the_robot_executes_them(policies, mode):
     policy, cache = policies[mode]
     obs = list(observations(3, seed=1))
@@ -118,6 +119,41 @@ def test_frozen_actions_come_back_as_the_robot_executes_them(policies, mode):
     policy.end_session(session)
     cache.end_session(session.kv)
     assert session.last_chunk is None
+
+
+def test_guided_continues_by_the_velocity_not_by_replacing_the_actions(policies):
+    """RTC's guidance (a VJP through the DiT per step) gives its own chunk: same frozen rows as inpaint, other free rows;
+    a call without a continuation in a guided policy is today's chunk, bit for bit."""
+    obs = list(observations(2, seed=4))
+    chunks = {}
+    for mode in ("inpaint", "guided"):
+        policy, cache = policies[mode]
+        session = policy.start_session(f"g-{mode}", cache.open_session(f"g-{mode}"))
+        chunks[mode] = [policy.step(session, obs[0]).actions, policy.step(session, continued(obs[1], 3, 5)).actions]
+        policy.end_session(session)
+        cache.end_session(session.kv)
+    assert np.array_equal(chunks["guided"][0], chunks["inpaint"][0])
+    assert np.array_equal(chunks["guided"][1][:5], chunks["inpaint"][1][:5])
+    assert np.abs(chunks["guided"][1][5:] - chunks["inpaint"][1][5:]).max() > 1e-3
+
+
+def test_guided_is_refused_where_its_backward_cannot_run():
+    cpu = torch.device("cpu")
+    chunking.check_mode("guided", device=cpu, cfg_parallel=False, cuda_graphs=False, compiled=False)
+    chunking.check_mode("inpaint", device=torch.device("cuda"), cfg_parallel=True, cuda_graphs=True, compiled=True)
+    for blocker, kwargs in (("a CUDA device", {"device": torch.device("cuda")}), ("CFG-parallel", {"cfg_parallel": True}),
+                            ("CUDA graphs", {"cuda_graphs": True}), ("torch.compile", {"compiled": True})):  # fmt: skip
+        settings = {"device": cpu, "cfg_parallel": False, "cuda_graphs": False, "compiled": False, **kwargs}
+        with pytest.raises(ValueError, match=f"^policy.continuation: guided runs on the CPU path only .* not with {blocker}; use"):
+            chunking.check_mode("guided", **settings)
+
+
+def test_guidance_weight_is_rtcs_clipped_schedule():
+    assert chunking.guidance_weight(1.0) == chunking.guidance_weight(0.0) == chunking.GUIDANCE_MAX_WEIGHT == 5.0
+    tau = 0.3  # Black et al. 2025: min(beta, (1 - tau) / (tau r^2)), r^2 = (1 - tau)^2 / (tau^2 + (1 - tau)^2), sigma = 1 - tau
+    r2 = (1 - tau) ** 2 / (tau**2 + (1 - tau) ** 2)
+    assert chunking.guidance_weight(1 - tau) == pytest.approx(min(5.0, (1 - tau) / (tau * r2)), abs=1e-12)
+    assert chunking.guidance_weight(0.5) == pytest.approx(2.0)
 
 
 def test_a_continuation_that_cannot_apply_is_a_fresh_chunk_and_says_why(policies, tiny_model):
@@ -144,7 +180,7 @@ def test_a_continuation_that_cannot_apply_is_a_fresh_chunk_and_says_why(policies
         cache.end_session(s.kv)
 
 
-@pytest.mark.parametrize("mode", ["inpaint", "clean_prefix"])
+@pytest.mark.parametrize("mode", ["inpaint", "clean_prefix", "guided"])
 def test_continuations_batch_with_ordinary_calls_and_equal_their_unbatched_results(tiny_model, mode):
     from ardiff_kv import PagedKVCache
     from ardiff_policies.base import RuntimeOptions

@@ -15,7 +15,7 @@ Modes (``policy.continuation``), per denoising step at noise level sigma (x = (1
 
 * ``inpaint``: before each step the actions become ``x + w (x_target - x)``, ``x_target = (1 - sigma) a' +
   sigma eps`` with the call's own initial noise eps and RTC's soft mask ``w`` (1 on the first d actions,
-  decaying to 0 at ``H - s``); after the last step the first d are exactly ``a'``.
+  decaying to 0 at ``H - s``); after the last step the same replacement at sigma 0 (the first d exactly ``a'``).
 * ``clean_prefix``: the first d action tokens are ``a'`` at timestep 0 in every forward (a checkpoint
   trained with per-token action noise knows clean tokens); the rest denoise as usual.
 * ``guided`` (RTC's guidance, Black et al. 2025, eq. 2-4): the actions are left alone; the velocity becomes
@@ -128,8 +128,9 @@ def before_step(plan: ContinuationPlan, actions: torch.Tensor, sigma: float) -> 
 
 
 def after_denoising(plan: ContinuationPlan, actions: torch.Tensor) -> torch.Tensor:
-    """The final actions: the frozen rows are exactly their targets."""
-    out = actions.clone()
+    """The final actions: the frozen rows are exactly their targets; under ``inpaint`` the soft-masked rows get
+    the replacement at noise level 0 too (the last step moved them by the model's velocity alone)."""
+    out = actions + plan.weights * (plan.target - actions) if plan.mode == "inpaint" else actions.clone()
     out[:, : plan.frozen] = plan.target[:, : plan.frozen]
     return out
 

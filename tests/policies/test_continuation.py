@@ -53,6 +53,22 @@ def test_soft_mask_is_rtcs_exponential_prefix_weights():
     assert (soft_mask(8, 3, 2) == np.array([1, 1, 1, 0, 0, 0, 0, 0])).all()  # end before d: only the frozen ones
 
 
+def test_inpaint_ends_on_the_replacement_at_noise_level_zero():
+    """The last sampler step moves every free row by the model's velocity alone: inpaint's final actions are the
+    soft-masked replacement at sigma 0 (frozen rows exactly the target, the overlap pulled by its weight, the rest
+    the model's); clean_prefix and guided only pin the frozen rows."""
+    horizon, d = 8, 2
+    weights = torch.from_numpy(soft_mask(horizon, d, 6)).reshape(1, horizon, 1).float()
+    target, denoised = torch.randn(1, horizon, 3), torch.randn(1, horizon, 3)
+    for mode in ("inpaint", "clean_prefix", "guided"):
+        plan = chunking.ContinuationPlan(frozen=d, mode=mode, target=target, weights=weights, executed_actions=np.zeros((d, 3)))
+        out = chunking.after_denoising(plan, denoised)
+        assert torch.equal(out[:, :d], target[:, :d])
+        expected = denoised + weights * (target - denoised) if mode == "inpaint" else denoised
+        torch.testing.assert_close(out[:, d:], expected[:, d:], rtol=0, atol=1e-7)
+    assert not torch.equal(chunking.after_denoising(plan, denoised)[:, d:4], (denoised + weights * (target - denoised))[:, d:4])
+
+
 @pytest.mark.parametrize(
     "continuation, message",
     [

@@ -168,6 +168,15 @@ def guidance_weight(sigma: float) -> float:
     return min(GUIDANCE_MAX_WEIGHT, (sigma**2 + (1.0 - sigma) ** 2) / (sigma * (1.0 - sigma)))
 
 
+def track_guided(calls: list[Any]) -> bool:
+    """Whether a step's forward runs differentiable (a guided call among ``calls``); if so, each call's actions
+    start a fresh graph, with a gradient only for the guided ones."""
+    guided = any(c.plan is not None and c.plan.mode == "guided" for c in calls)
+    for call in calls if guided else ():
+        call.actions = call.actions.detach().requires_grad_(call.plan is not None and call.plan.mode == "guided")
+    return guided
+
+
 def guide_calls(calls: list[Any], sigma: float) -> None:
     """Correct the action velocity of each guided call (``plan.mode == "guided"``) of one denoise step by RTC's guidance.
 

@@ -41,7 +41,7 @@ from ardiff_policies.base import ChunkRecording, Policy, RuntimeOptions, StartRe
 from ardiff_policies.continuation import APPLIED, CONTRACT
 from ardiff_policies.dreamzero import continuation as chunking
 from ardiff_policies.dreamzero import geometry, memory
-from ardiff_policies.dreamzero.batch import Call, OtherRankFailed, PhaseTimer, elapsed_ms, live, run_each, run_phase
+from ardiff_policies.dreamzero.batch import Call, OtherRankFailed, PhaseTimer, elapsed_ms, live, run_each, run_phase, seeded_noise
 from ardiff_policies.dreamzero.config import SYNTHETIC_PREFIX, DreamZeroConfig
 from ardiff_policies.dreamzero.embodiments import DROID_CAMERAS, embodiment_prompt, resolve
 from ardiff_policies.dreamzero.inputs import FRAMES_PER_CALL, InputEncoder, Prepared
@@ -237,8 +237,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
 
     def end_session(self, session: DreamZeroSession) -> None:
         session.frames.clear()
-        session.prompt_embeds = session.clip_feature = session.ys = session.first_latent = session.prepared = None
-        session.last_chunk = None
+        session.prompt_embeds = session.clip_feature = session.ys = session.first_latent = session.prepared = session.last_chunk = None
 
     def agree(self, failed: Sequence[bool]) -> list[bool]:
         return self.guidance.agree(list(failed), self.device)
@@ -436,8 +435,8 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         z = self.model.vae.latent_channels
         for call in calls:
             lh, lw = call.session.first_latent.shape[-2:]
-            call.latents = _seeded_noise((1, z, dit.num_frame_per_block, lh, lw), config.seed).to(self.device, self.dtype)
-            call.actions = _seeded_noise((1, head.action_horizon, dit.action_dim), config.seed).to(self.device, self.dtype)
+            call.latents = seeded_noise((1, z, dit.num_frame_per_block, lh, lw), config.seed).to(self.device, self.dtype)
+            call.actions = seeded_noise((1, head.action_horizon, dit.action_dim), config.seed).to(self.device, self.dtype)
             call.state = torch.from_numpy(self._model_state(call.raw_state).reshape(1, 1, -1)).to(self.device, self.dtype)
             if call.plan is not None:
                 call.plan.noise = call.actions.clone()
@@ -462,9 +461,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 timestep_action = torch.full((1, head.action_horizon), int(t_action), dtype=torch.long, device=self.device)
                 if any(c.plan is not None and c.plan.mode == "clean_prefix" for c in running):  # per-call token timesteps
                     timestep_action = torch.cat([chunking.action_timesteps(c.plan, timestep_action) for c in running])
-                guided = any(c.plan is not None and c.plan.mode == "guided" for c in running)  # RTC guidance: a VJP per step
-                for call in running if guided else ():
-                    call.actions = call.actions.detach().requires_grad_(call.plan is not None and call.plan.mode == "guided")
+                guided = chunking.track_guided(running)  # RTC guidance: a VJP per step
                 with torch.set_grad_enabled(guided):
                     try:
                         predictions, error = self._forward(
@@ -597,11 +594,6 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         real = denormalize_actions(chunk, self.action_stats)
         real = to_absolute(real, raw_state, self._relative)
         return real.astype(np.float32)
-
-
-def _seeded_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """Gaussian noise from a fresh generator per call: the same seed gives the same chunk."""
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
 
 
 def build_dreamzero(config: DreamZeroConfig, options: RuntimeOptions) -> DreamZeroPolicy:

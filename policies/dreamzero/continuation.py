@@ -28,7 +28,9 @@ Either way the reply's first d rows are the old chunk's ``[e, e + d)`` exactly a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -125,6 +127,15 @@ def before_step(plan: ContinuationPlan, actions: torch.Tensor, sigma: float) -> 
         return out
     noisy_target = (1.0 - sigma) * plan.target + sigma * plan.noise
     return actions + plan.weights * (noisy_target - actions)
+
+
+def constraint(plan: ContinuationPlan | None, sigma: float | torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What the action sampler applies to the sample it steps from (``FlowUniPCScheduler.step``'s ``constrain``):
+    under ``inpaint`` the replacement of :func:`before_step` at this step's noise level, so that it is what
+    the multistep solver carries on from (its corrector would otherwise recompute the rows without it)."""
+    if plan is None or plan.mode != "inpaint":
+        return None
+    return partial(before_step, plan, sigma=float(sigma))
 
 
 def after_denoising(plan: ContinuationPlan, actions: torch.Tensor) -> torch.Tensor:

@@ -480,7 +480,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                         chunking.guide_calls(running, float(calls[0].action_scheduler.sigmas[i]))
             for call in calls:
                 call.latents = call.video_scheduler.step(call.velocity, call.latents, i)
-                call.actions = call.action_scheduler.step(call.action_velocity, call.actions, i)
+                call.actions = call.action_scheduler.step(call.action_velocity, call.actions, i, constrain=chunking.constraint(call.plan, call.action_scheduler.sigmas[i]))
         for call in calls:
             if call.plan is not None:
                 call.actions = chunking.after_denoising(call.plan, call.actions)

@@ -37,6 +37,7 @@ mode by a few ulps; that is not reproduced here.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import TypeVar
 
 import numpy as np
@@ -120,12 +121,20 @@ class FlowUniPCScheduler:
         self._solver.set_begin_index(0)
         self._next_step_index = 0
 
-    def step(self, model_output: torch.Tensor, sample: torch.Tensor, step_index: int) -> torch.Tensor:
+    def step(
+        self, model_output: torch.Tensor, sample: torch.Tensor, step_index: int, constrain: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Advances ``sample`` from ``sigmas[step_index]`` to ``sigmas[step_index + 1]``.
 
         ``model_output`` is the predicted velocity ``noise - x0`` at ``sample`` (any shape with a
         leading batch dimension; same shape and dtype as ``sample``). Returns a new tensor with
         the shape and dtype of ``sample``. Steps must be taken in order 0, 1, ..., N - 1.
+
+        ``constrain`` (inpainting: pinned rows at this step's noise level) is applied to the sample the
+        step proceeds from. From the second step on UniPC's corrector recomputes that sample from the
+        previous one and the model outputs, discarding any edit the caller made to ``sample`` (which
+        only reached the model's input): the constraint must be applied again after the corrector,
+        inside diffusers' step, so that it is what the solver stores and predicts from.
         """
         if self._next_step_index is None:
             raise RuntimeError("call set_timesteps before step")
@@ -139,6 +148,15 @@ class FlowUniPCScheduler:
         if model_output.shape != sample.shape:
             raise ValueError(f"model_output shape {tuple(model_output.shape)} != sample shape {tuple(sample.shape)}")
         timestep = self.timesteps[step_index]  # only recorded by diffusers; the step uses step_index
-        next_sample = self._solver.step(model_output, timestep, sample, return_dict=False)[0]
+        if constrain is None:
+            next_sample = self._solver.step(model_output, timestep, sample, return_dict=False)[0]
+        else:
+            # An instance attribute shadows the corrector for this one step (diffusers has no hook there).
+            corrector = self._solver.multistep_uni_c_bh_update
+            self._solver.multistep_uni_c_bh_update = lambda *args, **kwargs: constrain(corrector(*args, **kwargs))
+            try:
+                next_sample = self._solver.step(model_output, timestep, constrain(sample), return_dict=False)[0]
+            finally:
+                del self._solver.multistep_uni_c_bh_update
         self._next_step_index += 1
         return next_sample

@@ -149,3 +149,45 @@ def test_steps_must_follow_set_timesteps_in_order() -> None:
     scheduler.step(x, x, 0)
     with pytest.raises(ValueError, match="in order"):
         scheduler.step(x, x, 0)
+
+
+def test_a_constraint_is_what_the_solver_carries_on_from() -> None:
+    """Inpainting pins rows of the sample at every step. UniPC's corrector recomputes the sample from the previous
+    one (diffusers' step ignores the ``sample`` it is handed from the second step on), so an edit made before
+    ``step`` never reaches the trajectory; ``constrain`` is applied after the corrector. Reference, in closed form:
+    a model that predicts x0 = 0 everywhere (v = x / sigma) makes every UniPC update ``x -> sigma_next / sigma * x``
+    (all x0 terms vanish), so each step returns the pinned row scaled by that ratio."""
+    torch.manual_seed(0)
+    scheduler = FlowUniPCScheduler()
+    scheduler.set_timesteps(8, shift=5.0)
+    sigmas = scheduler.sigmas.double()
+    eps = torch.randn(1, 4, 3, dtype=torch.float64)
+    target = torch.randn(1, 4, 3, dtype=torch.float64)
+
+    def pin(sigma: float):
+        def constrain(x: torch.Tensor) -> torch.Tensor:
+            out = x.clone()
+            out[:, 0] = (1 - sigma) * target[:, 0] + sigma * eps[:, 0]
+            return out
+
+        return constrain
+
+    sample, free = eps.clone(), eps.clone()
+    for i in range(len(scheduler.timesteps) - 1):
+        sigma, ratio = float(sigmas[i]), float(sigmas[i + 1] / sigmas[i])
+        velocity = pin(sigma)(sample) / sigma
+        sample = scheduler.step(velocity, sample, i, constrain=pin(sigma))
+        pinned = (1 - sigma) * target[:, 0] + sigma * eps[:, 0]
+        torch.testing.assert_close(sample[:, 0], ratio * pinned, rtol=0, atol=1e-6)  # the solver's coefficients are float32
+        free = ratio * free
+        torch.testing.assert_close(sample[:, 1:], free[:, 1:], rtol=0, atol=1e-6)  # the solver's coefficients are float32
+
+    # Without the hook the same edit made before step is lost from the second step on.
+    scheduler.set_timesteps(8, shift=5.0)
+    sample = eps.clone()
+    for i in range(2):
+        sigma = float(sigmas[i])
+        edited = pin(sigma)(sample)
+        sample = scheduler.step(edited / sigma, edited, i)
+    pinned = (1 - float(sigmas[1])) * target[:, 0] + float(sigmas[1]) * eps[:, 0]
+    assert not torch.allclose(sample[:, 0], float(sigmas[2] / sigmas[1]) * pinned, atol=1e-3)

@@ -44,7 +44,7 @@ def make_policy(model: DreamZeroModel, checkpoint: Path, mode: str) -> tuple[Dre
     return policy, cache
 
 
-def episode(policy: DreamZeroPolicy, cache: PagedKVCache, mode: str, latency: float, hz: float, steps: int, seed: int) -> dict:
+def episode(policy: DreamZeroPolicy, cache: PagedKVCache, mode: str, latency: float, hz: float, steps: int, seed: int, overlap: float) -> dict:
     rng = np.random.default_rng(seed)
     robot = {"joints": tiny_task.random_state(rng), "gripper": 0.5}
     session_id = f"{mode}-{latency}-{seed}"
@@ -68,7 +68,7 @@ def episode(policy: DreamZeroPolicy, cache: PagedKVCache, mode: str, latency: fl
 
     clock = SimulatedClock()
     runner = AsyncChunkRunner(DelayedRequester(infer, clock, latency), control_hz=hz, prompt=tiny_task.PROMPT, mode=mode,
-                              session_id=session_id, joint_columns=list(range(7)), clock=clock, sleep=clock.sleep)  # fmt: skip
+                              overlap=overlap, session_id=session_id, joint_columns=list(range(7)), clock=clock, sleep=clock.sleep)  # fmt: skip
     report = runner.run(observe, act, steps)
     policy.end_session(session)
     cache.end_session(session.kv)
@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--latencies", default="0.3,0.8", help="injected per-call latency in seconds, comma separated (default 0.3,0.8)")
     parser.add_argument("--hz", type=float, default=15.0, help="control rate (default 15: a 24-action chunk lasts 1.6 s)")
     parser.add_argument("--steps", type=int, default=180, help="control steps per episode (default 180)")
+    parser.add_argument("--overlap", type=float, default=0.5, help="async modes ask no later than when this fraction of a chunk is left (default 0.5, the runner's)")
     parser.add_argument("--episodes", type=int, default=1, help="episodes per row (different start states)")
     parser.add_argument("--train-steps", type=int, default=DEFAULT_STEPS, help="training steps of the task model (cached per value)")
     parser.add_argument("--checkpoint", type=Path, help="a trained task checkpoint (default: train / use the cached one)")
@@ -91,13 +92,13 @@ def main() -> None:
     model = DreamZeroModel.load(checkpoint)
     policies = {mode: make_policy(model, checkpoint, mode) for mode in ("inpaint", "clean_prefix", "guided")}
     latencies = [float(v) for v in args.latencies.split(",")]
-    print(f"checkpoint {checkpoint}; {args.hz:g} Hz, 24-action chunks ({24 / args.hz:.2f} s), {args.steps} steps x {args.episodes} episode(s)\n")
+    print(f"checkpoint {checkpoint}; {args.hz:g} Hz, 24-action chunks ({24 / args.hz:.2f} s), {args.steps} steps x {args.episodes} episode(s), overlap {args.overlap:g}\n")
     print("| mode | latency (s) | idle steps / chunk | steady idle / chunk | seam jump | inner step | seam / inner | chunks/s | frozen |")
     print("|---|---|---|---|---|---|---|---|---|")
     for latency in latencies:
         for name, mode, policy_mode in ROWS:
             policy, cache = policies[policy_mode or "inpaint"]
-            runs = [episode(policy, cache, mode, latency, args.hz, args.steps, seed) for seed in range(args.episodes)]
+            runs = [episode(policy, cache, mode, latency, args.hz, args.steps, seed, args.overlap) for seed in range(args.episodes)]
             mean = {k: float(np.mean([r[k] for r in runs])) for k in ("idle_steps_per_chunk", "steady_idle_per_chunk", "seam_jump",
                                                                        "median_inner_step", "seam_ratio", "chunks_per_s", "frozen_mean")}  # fmt: skip
             print(f"| {name} | {latency:g} | {mean['idle_steps_per_chunk']:.1f} | {mean['steady_idle_per_chunk']:.1f} | {mean['seam_jump']:.4f} | "

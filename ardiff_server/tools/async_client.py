@@ -10,13 +10,16 @@ Robot code (openpi-client style: you bring ``observe`` and ``act``, the runner d
     print(report.summary())
 
 Every control tick (``control_hz``) the runner executes the next action of its queue. When the actions
-left reach a threshold derived from the measured latency (``ceil(p90 latency x rate) + margin``), it
-captures an observation and sends it in a background thread with ``continuation = {"chunk_id": the
+left reach a threshold (``ceil(p90 latency x rate) + margin``, from the measured latency, or ``overlap`` of
+the chunk if that is more: RTC's execution horizon, LeRobot's ``chunk_size_threshold``), it captures an observation and sends it in a background thread with ``continuation = {"chunk_id": the
 chunk being executed, "executed": actions of it already done, "delay": the actions it expects to do
 while waiting}``. The server freezes that many leading actions of the new chunk to the ones the robot
 executes meanwhile and generates the rest to continue them. When the reply arrives after ``n``
 executed actions, the queue becomes the new chunk from index ``n`` (the splice); ``frozen >= n`` means
-the splice is seamless by construction.
+the splice is seamless by construction. Asking with more left than the delay needs (``overlap``) costs
+more chunks per second and buys the seam: the old chunk's actions past the frozen ones are what the
+server's soft mask continues (``docs/design-notes.md``); asked at the last moment there are none, and the
+first generated action must meet the frozen ones on its own.
 
 Modes: ``continuation`` (the above), ``async`` (asks early but sends no continuation: LeRobot's async
 inference, DreamZero's clients), ``blocking`` (asks when the queue is empty and stands still until the
@@ -180,6 +183,8 @@ class AsyncChunkRunner:
 
     ``policy``: a :class:`Requester`, or any ``infer(request) -> reply`` callable (run in a thread).
     ``joint_columns``: action columns whose jump across a splice is reported (default: all).
+    ``overlap``: in the async modes, ask no later than when this fraction of a chunk is left (0: only as the
+    latency requires).
     """
 
     def __init__(
@@ -190,6 +195,7 @@ class AsyncChunkRunner:
         prompt: str = "",
         mode: Mode = "continuation",
         margin_steps: int = 1,
+        overlap: float = 0.5,
         latency_window: int = 8,
         session_id: str | None = None,
         joint_columns: slice | list[int] | None = None,
@@ -201,9 +207,11 @@ class AsyncChunkRunner:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         if control_hz <= 0:
             raise ValueError(f"control_hz must be > 0, got {control_hz}")
+        if not 0.0 <= overlap < 1.0:
+            raise ValueError(f"overlap must be in [0, 1), got {overlap}")
         self.requester: Requester = policy if hasattr(policy, "submit") else ThreadedRequester(policy)  # type: ignore[assignment]
         self.control_hz, self.prompt, self.mode = control_hz, prompt, mode
-        self.margin_steps, self.latency_window = margin_steps, latency_window
+        self.margin_steps, self.overlap, self.latency_window = margin_steps, overlap, latency_window
         self.session_id = session_id or f"async-{uuid.uuid4()}"
         self.joint_columns = joint_columns if joint_columns is not None else slice(None)
         self.clock, self.sleep, self.drain_timeout_s = clock, sleep, drain_timeout_s
@@ -217,9 +225,9 @@ class AsyncChunkRunner:
             return 0
         return math.ceil(float(np.percentile(recent, 90)) * self.control_hz)
 
-    def threshold(self, latencies: list[float]) -> int:
-        """Ask for the next chunk when this many actions are left."""
-        return self.expected_delay_steps(latencies) + self.margin_steps
+    def threshold(self, latencies: list[float], chunk_size: int) -> int:
+        """Ask for the next chunk when this many actions of a ``chunk_size``-action chunk are left."""
+        return max(self.expected_delay_steps(latencies) + self.margin_steps, math.ceil(self.overlap * chunk_size))
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -239,7 +247,8 @@ class AsyncChunkRunner:
                 chunk = self._splice(reply, latency, in_flight, executed, chunk, last_action, report)
                 in_flight = None
             empty = chunk is None or chunk.remaining == 0
-            if in_flight is None and (empty or (self.mode != "blocking" and chunk.remaining <= self.threshold(report.latencies_s))):
+            early = not empty and self.mode != "blocking" and chunk.remaining <= self.threshold(report.latencies_s, len(chunk.actions))
+            if in_flight is None and (empty or early):
                 in_flight = self._ask(observe(), chunk, executed, report)
             if chunk is None or chunk.remaining == 0:
                 report.idle_steps += 1

@@ -123,9 +123,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--async", dest="async_mode", action="store_true", help="run a robot loop at --control-hz that asks for the next chunk while executing this one (ardiff_server/tools/async_client.py) and report idle steps, latency, seam jumps")  # fmt: skip
     add("--mode", choices=("continuation", "async", "blocking"), default="continuation", help="with --async: send continuations (default), ask early without them, or block (the baseline)")  # fmt: skip
     add("--control-hz", type=float, default=15.0, help="with --async: control rate (default 15, DROID)")
+    add("--overlap", type=float, default=0.5, help="with --async: ask for the next chunk no later than when this fraction of the chunk is left (default 0.5; 0: only as the latency requires)")  # fmt: skip
     add("--steps", type=_positive_int, default=120, help="with --async: control steps (default 120)")
     add("--version", action="version", version=f"ardiff-client {__version__}")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not 0.0 <= args.overlap < 1.0:
+        parser.error(f"--overlap must be in [0, 1), got {args.overlap}")
+    if args.control_hz <= 0:
+        parser.error(f"--control-hz must be > 0, got {args.control_hz}")
+    return args
 
 
 def _positive_int(text: str) -> int:
@@ -445,7 +451,7 @@ def _run_async(client: PolicyClient, cameras: Mapping[str, Camera], episode: Epi
         return decoded if isinstance(decoded, dict) else {"actions": decoded}
 
     runner = AsyncChunkRunner(infer, control_hz=args.control_hz, prompt=args.prompt, mode=args.mode, session_id=episode.session_id,
-                              joint_columns=joint_columns(episode.metadata))  # fmt: skip
+                              overlap=args.overlap, joint_columns=joint_columns(episode.metadata))  # fmt: skip
     try:
         report = runner.run(observe, act, args.steps)
     except (ReplayError, ConnectionClosed, TimeoutError) as exc:

@@ -86,6 +86,27 @@ def test_blocking_mode_stands_still_while_it_waits_and_async_modes_do_not():
     assert runs["async"]["chunks"] > runs["blocking"]["chunks"]
 
 
+def test_overlap_asks_early_enough_to_leave_old_actions_past_the_frozen_ones():
+    """0.3 s at 15 Hz: the delay needs 5 + 1 actions left; overlap 0.5 asks at 12 left, so the continuation's
+    executed + delay leaves 7 old actions for the soft mask (overlap 0: one, the margin's)."""
+    chunk = {"actions": np.zeros((24, 8)), "chunk_id": 1, "frozen": 0}
+    asked = {}
+    for overlap in (0.0, 0.5):
+        clock, requests = SimulatedClock(), []
+
+        def infer(request: dict, requests: list = requests) -> dict:
+            requests.append(request.get("continuation"))
+            return chunk
+
+        runner = AsyncChunkRunner(DelayedRequester(infer, clock, 0.3), control_hz=15, overlap=overlap, clock=clock, sleep=clock.sleep)
+        report = runner.run(lambda: {}, lambda a: None, steps=120)
+        assert report.idle_steps == 5  # only the first chunk, either way
+        asked[overlap] = {(c["executed"], c["delay"]) for c in requests[2:]}
+    assert asked == {0.0: {(18, 5)}, 0.5: {(12, 5)}}
+    with pytest.raises(ValueError, match="overlap must be in"):
+        AsyncChunkRunner(lambda request: chunk, control_hz=15, overlap=1.0)
+
+
 def test_ardiff_client_async_runs_an_episode(server, capsys):
     """The real clock and a background thread (a shared CI machine: only what any latency gives is asserted)."""
     status = replay.main(["--port", str(server.port), "--async", "--control-hz", "4", "--steps", "40", "--json", "--quiet", "--size", "48x80"])

@@ -42,17 +42,15 @@ import torch
 from ardiff_policies.dreamzero import memory
 from ardiff_policies.dreamzero.dit import DiTConfig
 from ardiff_policies.wan.memory import RESIDUAL_VAE_LIVE_TENSORS, VAE_CHUNK_FRAMES, VAE_LIVE_TENSORS, GiB
+from ardiff_policies.wan.vae import WAN22_VAE_CONFIG
 
 CARDS_GIB = (24, 48, 80, 141)
 CONTEXT_GIB = 0.5  # the CUDA context, before anything is allocated
 
 # Upstream's Wan2.2-TI2V-5B DreamZero (groot/vla/configs/model/dreamzero/action_head/wan_flow_matching_action_tf_wan22.yaml).
 DIT_5B = DiTConfig(model_type="i2v", in_dim=48, out_dim=48, dim=3072, ffn_dim=14336, num_heads=24, num_layers=30, frame_seqlen=50)
-# WanVideoVAE38 (groot/vla/model/dreamzero/modules/wan_video_vae.py: VideoVAE38_ dim 160, dec_dim 256, z_dim 48) in diffusers' terms.
-WAN22_VAE = {
-    "base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "is_residual": True, "in_channels": 12, "out_channels": 12,
-    "patch_size": 2, "scale_factor_spatial": 16, "scale_factor_temporal": 4,
-}  # fmt: skip
+# WanVideoVAE38 (groot/vla/model/dreamzero/modules/wan_video_vae.py: VideoVAE38_ dim 160, dec_dim 256, z_dim 48) is
+# wan.vae.WAN22_VAE_CONFIG in diffusers' terms; the canvas it encodes:
 CANVAS_5B = (160, 320)  # target_video_height / width
 
 
@@ -68,7 +66,7 @@ def geometry_5b() -> memory.ModelGeometry:
     from ardiff_policies.wan.text import TextEncoder
 
     with torch.device("meta"):
-        modules = (CausalWanModel(DIT_5B), TextEncoder.from_config(), ImageEncoder.from_config(), AutoencoderKLWan(**WAN22_VAE))
+        modules = (CausalWanModel(DIT_5B), TextEncoder.from_config(), ImageEncoder.from_config(), AutoencoderKLWan.from_config(WAN22_VAE_CONFIG))
     return memory.geometry_from_modules("DreamZero Wan2.2-5B", *modules, canvas=CANVAS_5B)
 
 
@@ -175,7 +173,7 @@ def vae_peak(height: int, width: int, config: dict, frames: int = 9) -> tuple[in
     from diffusers import AutoencoderKLWan
 
     with torch.no_grad():
-        vae = AutoencoderKLWan(**config).eval()
+        vae = AutoencoderKLWan.from_config(config).eval()
         video = torch.randn(1, 3, frames, height, width)
         vae.encode(video[:, :, :5])  # first-call allocations out of the way
         peak = peak_tensor_bytes(lambda: vae.encode(video))
@@ -187,7 +185,7 @@ VAE_CASES = (
     ("Wan2.1", 88, 160, {"base_dim": 96}),
     ("Wan2.1", 176, 320, {"base_dim": 96}),
     ("Wan2.1", 352, 640, {"base_dim": 96}),
-    ("Wan2.2", 160, 320, WAN22_VAE),
+    ("Wan2.2", 160, 320, WAN22_VAE_CONFIG),
 )
 
 

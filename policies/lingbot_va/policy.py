@@ -25,6 +25,7 @@ only a member that fails alone fails, the others get what they would have got al
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -446,10 +447,14 @@ class LingBotVAPolicy:
         except Exception as exc:
             return exc
 
+    @functools.cached_property
+    def _undo_pages_per_session(self) -> int:
+        return len(self.branches) * self.kv_spec().undo_pages
+
     def _undo_fits(self, sessions: list[LingBotVASession]) -> bool:
         """While a batched call may still be undone, each member keeps the pages it evicts or drops out of the pool:
         the pool needs the pages the call writes (a video and an action chunk per branch and member) free."""
-        per_session = len(self.branches) * self.kv_spec().undo_pages
+        per_session = self._undo_pages_per_session
         pool = sessions[0].kv.pool
         if pool.num_free >= per_session * len(sessions):
             return True

@@ -138,6 +138,9 @@ class EpisodeReport:
     frozen: list[int] = field(default_factory=list)  # per reply: leading actions the server froze
     seam_jumps: list[float] = field(default_factory=list)  # per splice: |first new action - last executed|
     inner_steps: list[float] = field(default_factory=list)  # |a[i+1] - a[i]| for consecutive actions of one chunk
+    # per splice: |next action of the old chunk - last executed|, the step the old plan itself took there (what a
+    # continuation that follows it exactly would show as its seam)
+    old_steps: list[float] = field(default_factory=list)
     fresh_reasons: dict[str, int] = field(default_factory=dict)  # why asked continuations were not applied
 
     def summary(self) -> dict[str, Any]:
@@ -156,6 +159,7 @@ class EpisodeReport:
             "seam_jump": seam,
             "median_inner_step": inner,
             "seam_ratio": seam / inner if inner > 0 else float("nan"),
+            "old_step_at_seam": float(np.median(self.old_steps)) if self.old_steps else float("nan"),
             "chunks": self.chunks,
             "chunks_per_s": self.chunks / (self.steps / self.control_hz) if self.steps else 0.0,
             "fresh": dict(self.fresh_reasons),
@@ -298,6 +302,8 @@ class AsyncChunkRunner:
         start = min(start, len(actions) - 1)
         if last_action is not None and old is not None:
             report.seam_jumps.append(self._distance(actions[start], last_action))
+            if old.remaining > 0:
+                report.old_steps.append(self._distance(old.actions[old.index], last_action))
         return _Chunk(actions, int(chunk_id) if chunk_id is not None else None, start)
 
     def _distance(self, a: np.ndarray, b: np.ndarray) -> float:

@@ -84,6 +84,9 @@ def test_blocking_mode_stands_still_while_it_waits_and_async_modes_do_not():
     assert runs["async"]["idle_steps"] == runs["continuation"]["idle_steps"] == 6  # only the first chunk
     assert runs["async"]["steady_idle_per_chunk"] == runs["continuation"]["steady_idle_per_chunk"] == 0
     assert runs["async"]["chunks"] > runs["blocking"]["chunks"]
+    # row k of every chunk is k: where a chunk is left its next action would have moved every column by 1
+    assert runs["async"]["old_step_at_seam"] == pytest.approx(np.sqrt(8))
+    assert np.isnan(runs["blocking"]["old_step_at_seam"])  # nothing left of the old chunk when blocking
 
 
 def test_overlap_asks_early_enough_to_leave_old_actions_past_the_frozen_ones():

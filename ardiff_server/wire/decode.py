@@ -35,7 +35,10 @@ vectors obey the rules below, other keys are ignored. The rules this module appl
   simulator's per-environment arrays), a real batch ((2, 7)) is not.
 - A DROID inference request must carry ``observation/joint_position``: DROID's action space is
   joint positions, which DreamZero predicts relative to the observed ones (read as zeros, a missing
-  vector gave actions near 0: the arm told to fold up). Every DROID client sends it.
+  vector gave actions near 0: the arm told to fold up). Every DROID client sends it. So must it carry
+  ``observation/gripper_position``: it is part of the model's state (read as 0 it told the model the
+  gripper was open whatever it was), upstream's server reads it unconditionally, and RoboArena,
+  openpi's DROID example and DreamZero's sim_evals client send it.
 - The observation records the key each camera and state came under (``RobotObservation.wire_keys``),
   so a policy's error about it names the client's own key (``_0_left`` or ``_1_left``).
 """
@@ -299,6 +302,9 @@ def _decode_observation(request: dict[str, Any]) -> RobotObservation:
             f"{key}: missing; expected {_state_expected(length)}, the arm's joint positions (DROID actions are joint "
             f"positions relative to them)"
         )
+    if observation.gripper_position is None:
+        key, length = STATE_KEYS["gripper_position"]
+        raise RequestError(f"{key}: missing; expected {_state_expected(length)}, the gripper's position (0 open, 1 closed; part of the model's state)")
     return observation
 
 

@@ -26,7 +26,7 @@ WRIST = "observation/wrist_image_left"
 JOINTS = "observation/joint_position"
 GRIPPER = "observation/gripper_position"
 CARTESIAN = "observation/cartesian_position"
-ARM = {JOINTS: np.zeros(7)}  # the one state a DROID inference request must carry
+ARM = {JOINTS: np.zeros(7), GRIPPER: np.zeros(1)}  # the states a DROID inference request must carry
 
 
 def image(height: int = 18, width: int = 32, frames: int | None = None, fill: int = 0) -> np.ndarray:
@@ -91,7 +91,7 @@ def test_a_request_without_any_observation_is_refused() -> None:
 
 
 def test_missing_cameras_and_state_are_none() -> None:
-    request = decode_request({GRIPPER: [0.5], **ARM})
+    request = decode_request({**ARM, GRIPPER: [0.5]})
     assert request == PolicyRequest(endpoint="infer", session_id=None, observation=request.observation)
     observation = request.observation
     assert observation is not None
@@ -99,6 +99,17 @@ def test_missing_cameras_and_state_are_none() -> None:
     assert observation.cartesian_position is None and observation.joint_position.tolist() == [0.0] * 7
     assert observation.gripper_position.tolist() == [0.5]
     assert observation.prompt == ""
+
+
+@pytest.mark.parametrize("gripper", ["absent", None])
+def test_a_droid_request_without_the_gripper_position_is_a_bad_request_naming_the_key(gripper: Any) -> None:
+    """The gripper is part of the model's state: read as 0 it said "open" whatever it was."""
+    request = droid_request()
+    if gripper == "absent":
+        del request[GRIPPER]
+    else:
+        request[GRIPPER] = gripper
+    assert rejected(request).startswith("observation/gripper_position: missing; expected 1 number")
 
 
 @pytest.mark.parametrize("joints", ["absent", None])
@@ -195,7 +206,7 @@ def test_state_lists_and_arrays_become_float32() -> None:
     "gripper", [0.75, np.float32(0.75), np.float64(0.75), np.array(0.75), [0.75], np.array([0.75], dtype=np.float16)]
 )
 def test_gripper_accepts_a_scalar(gripper: Any) -> None:
-    observation = decode_request({GRIPPER: gripper, **ARM}).observation
+    observation = decode_request({**ARM, GRIPPER: gripper}).observation
     assert observation is not None and observation.gripper_position is not None
     assert observation.gripper_position.shape == (1,) and observation.gripper_position[0] == np.float32(0.75)
 
@@ -517,7 +528,7 @@ def valid_requests(draw: st.DrawFn) -> dict[str, Any]:
             frames = draw(st.sampled_from([None, 1, 2, 4]))
             request[key] = image(height, width, frames=frames, fill=draw(st.integers(0, 255)))
     for key, length in ((JOINTS, 7), (GRIPPER, 1), (CARTESIAN, 6)):
-        if key == JOINTS or draw(st.booleans()):  # joint positions: required
+        if key in (JOINTS, GRIPPER) or draw(st.booleans()):  # joint and gripper positions: required
             request[key] = draw(state_values(length))
     if draw(st.booleans()):
         request["prompt"] = draw(st.text(max_size=40))

@@ -752,7 +752,7 @@ def lingbot_va_check(args, cuda: bool, full: bool) -> dict[str, Any]:
     }  # fmt: skip
     if plan is not None:
         report["memory_plan_gib"] = {"weights": gib(sum(plan.weights.values())), "kv_session": gib(plan.kv_session), "text_session": gib(plan.text_session),
-                                     "activations": gib(plan.activations), "reserve": gib(plan.reserve), "one_session": gib(plan.total())}  # fmt: skip
+                                     "kv_reserved": gib(plan.kv_reserved), "activations": gib(plan.activations), "reserve": gib(plan.reserve), "one_session": gib(plan.total())}  # fmt: skip
     t = time.monotonic()
     engine = build_engine(validate_config(raw, source="gpu_check"))
     report["build_s"] = time.monotonic() - t

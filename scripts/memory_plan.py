@@ -130,19 +130,19 @@ def lingbot_va_table() -> tuple[str, list[dict]]:
 
     cards = " | ".join(f"{c} GiB" for c in CARDS_GIB)
     lines = [
-        f"| LingBot-VA | weights | KV, 1 session | prompt K/V | activations | reserve | **GiB per GPU** | +session | {cards} |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(CARDS_GIB),
+        f"| LingBot-VA | weights | KV, 1 session | prompt K/V | KV scratch | activations | reserve | **GiB per GPU** | +session | {cards} |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(CARDS_GIB),
     ]
     out = []
     for name, embodiment in (("RoboTwin (posttrain-robotwin)", ROBOTWIN), ("Franka (base)", FRANKA)):
         p = lv_memory.plan(name, embodiment)
         fits = {card: p.sessions_on(int((card - CONTEXT_GIB) * GiB)) for card in CARDS_GIB}
         lines.append(
-            f"| {name} | {sum(p.weights.values()) / GiB:.1f} | {p.kv_session / GiB:.1f} | {p.text_session / GiB:.2f} | {p.activations / GiB:.1f} "
+            f"| {name} | {sum(p.weights.values()) / GiB:.1f} | {p.kv_session / GiB:.1f} | {p.text_session / GiB:.2f} | {p.kv_reserved / GiB:.2f} | {p.activations / GiB:.1f} "
             f"| {p.reserve / GiB:.1f} | **{p.total() / GiB:.1f}** | {p.per_session / GiB:.2f} | " + " | ".join(str(n) if n else "-" for n in fits.values()) + " |"
         )
         out.append({"model": name, "weights": {k: v / GiB for k, v in p.weights.items()}, "kv_session": p.kv_session / GiB,
-                    "text_session": p.text_session / GiB, "activations": p.activations / GiB, "total": p.total() / GiB, "sessions": fits})  # fmt: skip
+                    "text_session": p.text_session / GiB, "kv_reserved": p.kv_reserved / GiB, "activations": p.activations / GiB, "total": p.total() / GiB, "sessions": fits})  # fmt: skip
     return "\n".join(lines), out
 
 

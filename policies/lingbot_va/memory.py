@@ -5,6 +5,8 @@
 * per session: its KV window in both CFG branches (``policy.kv_spec``: upstream's ``attn_window // 2`` chunks of video +
   action tokens) and its prompt's cross-attention K/V (every layer, [prompt, negative] x 512 positions), which the
   session keeps beside its pages;
+* the pool's reserved pages: the forward's scratch (the chunk's own K/V beside the window, per batch slot and branch)
+  and, for batches of more than one, the undo headroom a member-by-member retry needs (``PagedKVCache.undo_headroom``);
 * activations: the largest forward (a video chunk of both CFG rows over the full window), by the rule of
   ``policies/wan/memory.py`` (its per-token tensor counts and the measured VAE constant), for ``max_batch``
   sessions per forward; the streaming VAE encode of a chunk's key frames; UMT5 over 512 tokens;
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ardiff_kv import PagedKVCache
 from ardiff_policies.lingbot_va.config import Embodiment, TransformerConfig
 from ardiff_policies.lingbot_va.policy import TEXT_LENGTH, kv_spec
 from ardiff_policies.wan.memory import CUDA_RESERVE_BYTES, encoder_bytes, itemsize, module_size, transformer_forward_bytes, vae_chunk_bytes
@@ -32,6 +35,7 @@ class LingBotVAPlan:
     weights: dict[str, int]  # component -> bytes
     kv_session: int  # one session's pages, both branches
     text_session: int  # one session's prompt K/V
+    kv_reserved: int  # pool pages no session holds: scratch and undo headroom
     activations: int
     reserve: int
 
@@ -41,7 +45,7 @@ class LingBotVAPlan:
 
     @property
     def fixed(self) -> int:
-        return sum(self.weights.values()) + self.activations + self.reserve
+        return sum(self.weights.values()) + self.kv_reserved + self.activations + self.reserve
 
     def total(self, sessions: int = 1) -> int:
         return self.fixed + sessions * self.per_session
@@ -71,6 +75,7 @@ def plan(name: str, embodiment: Embodiment, *, dtype: torch.dtype = torch.bfloat
     spec = kv_spec(embodiment, cfg, dtype)
     kv_session = branches * spec.pages_per_branch * spec.page_bytes
     text_session = cfg.num_layers * 2 * branches * TEXT_LENGTH * cfg.dim * b
+    reserved_pages = max_batch * branches * spec.scratch_pages_per_branch + PagedKVCache.undo_headroom(spec, branches, max_batch)
 
     rows = 2 * max_batch  # CFG rows per forward
     window = spec.block_table_width * spec.page_size
@@ -87,6 +92,7 @@ def plan(name: str, embodiment: Embodiment, *, dtype: torch.dtype = torch.bfloat
 
     counts = weight_counts(cfg)
     return LingBotVAPlan(
-        name, {k: v * b for k, v in counts.items()}, kv_session, text_session, max(transformer, vae_bytes, text_bytes),
+        name, {k: v * b for k, v in counts.items()}, kv_session, text_session, reserved_pages * spec.page_bytes,
+        max(transformer, vae_bytes, text_bytes),
         CUDA_RESERVE_BYTES,
     )  # fmt: skip

@@ -28,3 +28,21 @@ def test_weights_are_the_released_5b_umt5_xxl_and_wan22_vae():
     assert memory.plan("x", ROBOTWIN, dtype=torch.float32).weights["vae"] == 2 * plan.weights["vae"]
     assert plan.sessions_on(80 * GiB) == (80 * GiB - plan.fixed) // plan.per_session > 0
     assert plan.sessions_on(24 * GiB) == 0  # the weights alone need more than 21 GiB
+
+
+def test_the_pools_reserved_pages_are_what_the_engine_keeps_free():
+    """Scratch per batch slot and branch, and for batches of more than one the undo headroom: a budget of the plan's
+    reserved bytes plus n sessions holds exactly n sessions in the engine's sizing (``PagedKVCache.sessions_for_budget``)."""
+    from ardiff_kv import PagedKVCache
+    from ardiff_policies.lingbot_va.policy import kv_spec
+
+    spec = kv_spec(ROBOTWIN, memory.RELEASED, torch.bfloat16)
+    alone, batched = memory.plan("x", ROBOTWIN), memory.plan("x", ROBOTWIN, max_batch=4)
+    assert alone.kv_reserved == 2 * spec.scratch_pages_per_branch * spec.page_bytes  # no retry for a batch of one
+    assert batched.kv_reserved == 4 * 2 * (spec.scratch_pages_per_branch + spec.undo_pages) * spec.page_bytes
+    assert batched.fixed - alone.fixed > batched.kv_reserved - alone.kv_reserved  # the activations grow with the batch too
+    per_session = 2 * (spec.pages_per_branch * spec.page_bytes + spec.cross_slot_bytes)
+    for plan, batch in ((alone, 1), (batched, 4)):
+        budget = plan.kv_reserved + 3 * per_session
+        assert PagedKVCache.sessions_for_budget(spec, budget, max_sessions=8, num_branches=2, max_batch=batch) == 3
+        assert PagedKVCache.sessions_for_budget(spec, budget - 1, max_sessions=8, num_branches=2, max_batch=batch) == 2

@@ -96,8 +96,7 @@ class PagedKVCache:
         """What ``max_sessions`` sessions at their worst case and ``max_batch`` slots of scratch take:
         the most a budget can usefully be."""
         per_session = num_branches * (spec.pages_per_branch * spec.page_bytes + spec.cross_slot_bytes)
-        scratch = max_batch * num_branches * spec.scratch_pages_per_branch
-        return max_sessions * per_session + (scratch + PagedKVCache.undo_headroom(spec, num_branches, max_batch)) * spec.page_bytes
+        return max_sessions * per_session + PagedKVCache.reserved_pages(spec, num_branches, max_batch) * spec.page_bytes
 
     @staticmethod
     def undo_headroom(spec: KVSpec, num_branches: int, max_batch: int) -> int:
@@ -107,11 +106,15 @@ class PagedKVCache:
         return max_batch * num_branches * spec.undo_pages if max_batch > 1 else 0
 
     @staticmethod
+    def reserved_pages(spec: KVSpec, num_branches: int, max_batch: int) -> int:
+        """Pages of a budget no session holds: the forward's scratch per batch slot and branch, and the undo headroom."""
+        return max_batch * num_branches * spec.scratch_pages_per_branch + PagedKVCache.undo_headroom(spec, num_branches, max_batch)
+
+    @staticmethod
     def sessions_for_budget(spec: KVSpec, budget_bytes: int, *, max_sessions: int, num_branches: int, max_batch: int = 1) -> int:
         """Sessions whose worst case (pages and cross-attention slots in every local branch) a
         budget holds after the scratch region, at most ``max_sessions`` (0: not even one)."""
-        reserved = max_batch * num_branches * spec.scratch_pages_per_branch + PagedKVCache.undo_headroom(spec, num_branches, max_batch)
-        left = budget_bytes - reserved * spec.page_bytes
+        left = budget_bytes - PagedKVCache.reserved_pages(spec, num_branches, max_batch) * spec.page_bytes
         per_session = num_branches * (spec.pages_per_branch * spec.page_bytes + spec.cross_slot_bytes)
         return max(0, min(max_sessions, left // per_session))
 

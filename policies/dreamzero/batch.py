@@ -150,7 +150,6 @@ def elapsed_ms(device: torch.device, started: float) -> float:
     return (time.perf_counter() - started) * 1000.0
 
 
-
 def seeded_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """A call's initial noise, from a fresh generator per call: the same seed gives the same chunk, batched or alone."""
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)

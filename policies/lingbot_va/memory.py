@@ -6,7 +6,7 @@
   action tokens) and its prompt's cross-attention K/V (every layer, [prompt, negative] x 512 positions), which the
   session keeps beside its pages;
 * the pool's reserved pages: the forward's scratch (the chunk's own K/V beside the window, per batch slot and branch)
-  and, for batches of more than one, the undo headroom a member-by-member retry needs (``PagedKVCache.undo_headroom``);
+  and, for batches of more than one, the undo headroom a member-by-member retry needs (``PagedKVCache.reserved_pages``);
 * activations: the largest forward (a video chunk of both CFG rows over the full window), by the rule of
   ``policies/wan/memory.py`` (its per-token tensor counts and the measured VAE constant), for ``max_batch``
   sessions per forward; the streaming VAE encode of a chunk's key frames; UMT5 over 512 tokens;
@@ -75,7 +75,6 @@ def plan(name: str, embodiment: Embodiment, *, dtype: torch.dtype = torch.bfloat
     spec = kv_spec(embodiment, cfg, dtype)
     kv_session = branches * spec.pages_per_branch * spec.page_bytes
     text_session = cfg.num_layers * 2 * branches * TEXT_LENGTH * cfg.dim * b
-    reserved_pages = max_batch * branches * spec.scratch_pages_per_branch + PagedKVCache.undo_headroom(spec, branches, max_batch)
 
     rows = 2 * max_batch  # CFG rows per forward
     window = spec.block_table_width * spec.page_size
@@ -92,7 +91,7 @@ def plan(name: str, embodiment: Embodiment, *, dtype: torch.dtype = torch.bfloat
 
     counts = weight_counts(cfg)
     return LingBotVAPlan(
-        name, {k: v * b for k, v in counts.items()}, kv_session, text_session, reserved_pages * spec.page_bytes,
+        name, {k: v * b for k, v in counts.items()}, kv_session, text_session, PagedKVCache.reserved_pages(spec, branches, max_batch) * spec.page_bytes,
         max(transformer, vae_bytes, text_bytes),
         CUDA_RESERVE_BYTES,
     )  # fmt: skip

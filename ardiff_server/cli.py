@@ -44,26 +44,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--debug", action="store_true", help="tracebacks in error frames, debug logs")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--version", action="version", version=f"ardiff-server {__version__}")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    spaced = _set_without_equals(argv)
+    if spaced is not None:  # argparse would print its usage text for the value left over
+        parser.exit(2, f"ardiff-serve: --set takes KEY=VALUE as one argument: write {spaced}\n")
     return parser.parse_args(argv)
+
+
+def _set_without_equals(argv: list[str]) -> str | None:
+    """``--set key value`` (or ``--set key``) as it should have been written, else None."""
+    for index, token in enumerate(argv[:-1]):
+        key = argv[index + 1]
+        if token == "--set" and "=" not in key and not key.startswith("-"):
+            value = argv[index + 2] if index + 2 < len(argv) and not argv[index + 2].startswith("-") else "VALUE"
+            return f"--set {key}={value}"
+    return None
 
 
 def build_config(args: argparse.Namespace) -> AppConfig:
     """The effective config: the file, then ``--set``, then the dedicated flags. Raises ConfigError."""
-    overrides = list(args.overrides)
+    flags: list[tuple[str, str]] = []  # (override, the flag as given): errors name the flag
     if args.host is not None:
-        overrides.append(f"server.host={args.host}")
+        flags.append((f"server.host={args.host}", f"--host {args.host}"))
     if args.port is not None:
-        overrides.append(f"server.port={args.port}")
+        flags.append((f"server.port={args.port}", f"--port {args.port}"))
     if args.debug:
-        overrides.append("server.debug=true")
+        flags.append(("server.debug=true", "--debug"))
     if args.ray_address:
-        overrides.append(f"ray.address={args.ray_address}")
+        flags.append((f"ray.address={args.ray_address}", f"--ray-address {args.ray_address}"))
     if args.record:
-        overrides.append(f"server.record_dir={args.record}")
+        flags.append((f"server.record_dir={args.record}", f"--record {args.record}"))
     for option, path in (("tls_cert", args.tls_cert), ("tls_key", args.tls_key)):
-        if path is not None:
-            overrides.append(f"server.{option}={json.dumps(path)}")  # quoted: a path is never parsed as YAML
-    config = load_config(args.config, overrides)
+        if path is not None:  # quoted: a path is never parsed as YAML
+            flags.append((f"server.{option}={json.dumps(path)}", f"--{option.replace('_', '-')} {path}"))
+    config = load_config(args.config, args.overrides, flags=flags)
     try:
         extra_keys = gather_api_keys(args.api_keys, args.api_key_file)
     except (OSError, ValueError) as exc:

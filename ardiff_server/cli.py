@@ -1,8 +1,9 @@
 """``ardiff-serve`` / ``python -m ardiff_server``: load a config, start the engine, serve.
 
 Everything that can be checked without a worker (config keys and types, API keys, devices, the
-checkpoint and tokenizer directories) is checked first, and a problem is one line with the fix,
-exit code 2, before any process is spawned. This module does not import torch.
+checkpoint and tokenizer directories, the listening address: bound here, served once the model is
+up) is checked first, and a problem is one line with the fix, exit code 2, before any process is
+spawned. This module does not import torch.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ import argparse
 import asyncio
 import json
 import logging
+import socket
 import sys
 
 from ardiff_server import __version__
 from ardiff_server.config import AppConfig, ConfigError, load_config, preflight
 from ardiff_server.frontend.auth import ENV_VAR, gather_api_keys
 from ardiff_server.frontend.signals import exit_on_second_signal, reload_on_hangup
+from ardiff_server.net import ListenError, bind_listeners
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")  # binds that no other machine reaches
 
@@ -107,19 +110,27 @@ def main(argv: list[str] | None = None) -> int:
         from ardiff_server.ray.run import run_ray
 
         return run_ray(config)
+    try:  # before the model loads (minutes for the 14B): a port in use is one line now, not after
+        sockets = bind_listeners(config.server.host, config.server.port)
+    except ListenError as exc:
+        print(f"ardiff-serve: {exc.strerror}", file=sys.stderr)
+        return 2
     try:
-        asyncio.run(_serve(config))
+        asyncio.run(_serve(config, sockets))
     except KeyboardInterrupt:
         pass
+    except ListenError as exc:  # the port was taken while the model loaded; the engine is stopped
+        print(f"ardiff-serve: {exc.strerror}", file=sys.stderr)
+        return 2
     return 0
 
 
-async def _serve(config: AppConfig) -> None:
+async def _serve(config: AppConfig, sockets: list[socket.socket] | None = None) -> None:
     from ardiff_server.engine.messages import EngineError
     from ardiff_server.frontend.server import PolicyServer
 
     log = logging.getLogger("ardiff_server")
-    server = PolicyServer(config)
+    server = PolicyServer(config, listen_sockets=sockets)
     stop = asyncio.Event()
     exit_on_second_signal(stop.set, kill=server.engine.kill_now, loop=asyncio.get_running_loop())
     reload_on_hangup(server.tls.reload if server.tls is not None else None, loop=asyncio.get_running_loop())
@@ -136,6 +147,9 @@ async def _serve(config: AppConfig) -> None:
         log.error("%s", exc)
         await server.stop()
         raise SystemExit(1) from None
+    except ListenError:
+        await server.stop()  # the workers and their shared memory go first
+        raise
     keys = f", {len(config.server.api_keys)} API key(s) required" if config.server.api_keys else ""
     print(f"listening on {config.server.scheme}://{config.server.host}:{server.port}{keys}", flush=True)
     if config.server.api_keys and config.server.tls_cert is None and config.server.host not in LOOPBACK:

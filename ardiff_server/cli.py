@@ -113,14 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     try:  # before the model loads (minutes for the 14B): a port in use is one line now, not after
         sockets = bind_listeners(config.server.host, config.server.port)
     except ListenError as exc:
-        print(f"ardiff-serve: {exc.strerror}", file=sys.stderr)
+        print(f"ardiff-serve: {exc}", file=sys.stderr)
         return 2
     try:
         asyncio.run(_serve(config, sockets))
     except KeyboardInterrupt:
         pass
     except ListenError as exc:  # the port was taken while the model loaded; the engine is stopped
-        print(f"ardiff-serve: {exc.strerror}", file=sys.stderr)
+        print(f"ardiff-serve: {exc}", file=sys.stderr)
         return 2
     return 0
 

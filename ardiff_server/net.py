@@ -15,7 +15,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-class ListenError(OSError):
+class ListenError(RuntimeError):
     """The server cannot listen on its address; the message is one line naming it and the fix."""
 
 
@@ -25,7 +25,8 @@ def bind_listeners(host: str, port: int) -> list[socket.socket]:
     Not listening yet: connections during the load are refused, as before, rather than queued.
     Raises :class:`ListenError`."""
     try:
-        addresses = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+        # "" is every interface to asyncio (and to getaddrinfo, None)
+        addresses = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise ListenError(f"cannot listen on {_address(host, port)}: cannot resolve {host} ({exc.strerror}); pick --host 127.0.0.1 or 0.0.0.0") from None
     sockets: list[socket.socket] = []
@@ -52,7 +53,7 @@ def listen_error(host: str, port: int, exc: OSError) -> ListenError:
         errno.EADDRNOTAVAIL: "no such address on this machine; pick --host 127.0.0.1 or 0.0.0.0 (every interface)",
     }
     reason = reasons.get(exc.errno, exc.strerror or str(exc))
-    return ListenError(exc.errno, f"cannot listen on {_address(host, port)}: {reason}")
+    return ListenError(f"cannot listen on {_address(host, port)}: {reason}")
 
 
 def _address(host: str, port: int) -> str:

@@ -97,14 +97,14 @@ def run_async(capsys, server: ScriptedServer, *extra: str, steps: int = 30) -> t
 )
 def test_a_malformed_reply_is_one_line_and_exit_1(scripted, capsys, bad, needle):
     server = scripted(lambda calls, request: _good(calls, request) if calls == 1 else bad)
-    status, out, err = run_async(capsys, server, "--quiet")
+    status, out, err = run_async(capsys, server, "--quiet", steps=60)  # 1 s: the second reply arrives well within it
     assert status == 1 and out == ""
     assert err.strip().splitlines() == [f"ardiff-client: error: {needle}"], err
     assert server.requests[-1]["endpoint"] == "reset"  # the session is still ended
 
 
 def test_a_run_that_got_no_chunk_exits_1_in_one_line(scripted, capsys):
-    server = scripted(_good, delay_s=1.0)  # the first reply takes 1 s, the run lasts 0.5 s
+    server = scripted(_good, delay_s=2.0)  # the first reply takes 2 s, the run lasts 0.5 s
     status, out, err = run_async(capsys, server, "--quiet", "--json", steps=30)
     assert status == 1
     assert json.loads(out)["chunks"] == 0  # --json still prints the summary

@@ -15,10 +15,13 @@ imports torch: configs are validated (and bad ones refused) before any worker is
 from __future__ import annotations
 
 import ctypes
+import difflib
 import importlib
 import importlib.util
 import os
 import re
+import typing
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -287,7 +290,12 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     raise ConfigError(f"config {str(name_or_path)!r} not found (a YAML path, or one of {available} in {CONFIG_DIR})")
 
 
-def load_config(name_or_path: str | Path, overrides: list[str] = ()) -> AppConfig:
+def load_config(
+    name_or_path: str | Path, overrides: Sequence[str] = (), *, flags: Sequence[tuple[str, str]] = ()
+) -> AppConfig:
+    """The file, then each ``--set`` override, then ``flags``: (override, the command-line flag it
+    came from, e.g. ``("server.port=70000", "--port 70000")``). An error in a value that came from
+    the command line says which ``--set`` or flag gave it."""
     path = resolve_config_path(name_or_path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
@@ -295,16 +303,22 @@ def load_config(name_or_path: str | Path, overrides: list[str] = ()) -> AppConfi
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    origins: dict[str, str] = {}
     for override in overrides:
-        apply_override(raw, override)
-    return validate_config(raw, source=str(path))
+        key = apply_override(raw, override)
+        origins[key] = f"--set {_redacted(key, override)}"
+    for override, flag in flags:
+        origins[apply_override(raw, override)] = flag
+    return validate_config(raw, source=str(path), origins=origins)
 
 
-def apply_override(raw: dict[str, Any], override: str) -> None:
-    """``engine.cfg_parallel_size=2``: the value is parsed as YAML (numbers, bools, lists, null)."""
+def apply_override(raw: dict[str, Any], override: str) -> str:
+    """``engine.cfg_parallel_size=2``: the value is parsed as YAML (numbers, bools, lists, null).
+    Returns the dotted key."""
     key, sep, value = override.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"--set {override!r}: expected dotted.key=value")
+        example = f" (e.g. --set {key.strip() or 'engine.max_sessions'}=VALUE)"
+        raise ConfigError(f"--set {override!r}: expected dotted.key=value{example}")
     parts = key.strip().split(".")
     node = raw
     for part in parts[:-1]:
@@ -316,9 +330,16 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
         node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {override!r}: cannot parse the value: {exc}") from None
+    return ".".join(parts)
 
 
-def validate_config(raw: dict[str, Any], source: str = "<config>") -> AppConfig:
+def _redacted(key: str, override: str) -> str:
+    """An override as it may be printed: API keys' values never are."""
+    return f"{key}=<hidden>" if key.rsplit(".", 1)[-1] == "api_keys" else override
+
+
+def validate_config(raw: dict[str, Any], source: str = "<config>", origins: Mapping[str, str] | None = None) -> AppConfig:
+    """``origins``: dotted key -> the command-line override that set it (named in errors)."""
     plugins = raw.get("plugins") or []
     if not isinstance(plugins, list) or not all(isinstance(module, str) for module in plugins):
         raise ConfigError(f"{source}: plugins: expected a list of module names (e.g. [my_lab.policies]), got {plugins!r}")
@@ -330,7 +351,7 @@ def validate_config(raw: dict[str, Any], source: str = "<config>") -> AppConfig:
     try:
         config = AppConfig.model_validate({**raw, "source": source})
     except pydantic.ValidationError as exc:
-        raise ConfigError(_describe(source, exc)) from None
+        raise ConfigError(_describe(source, exc, model=AppConfig, origins=origins)) from None
     if not isinstance(config.policy.get("name"), str):
         raise ConfigError(f"{source}: policy.name: expected the name of a registered policy (e.g. dreamzero)")
     try:
@@ -338,7 +359,8 @@ def validate_config(raw: dict[str, Any], source: str = "<config>") -> AppConfig:
     except KeyError as exc:
         raise ConfigError(f"{source}: policy.name: {exc.args[0]}") from None
     except pydantic.ValidationError as exc:
-        raise ConfigError(_describe(source, exc, prefix="policy")) from None
+        model = policy_entry(config.policy_name).config_model()
+        raise ConfigError(_describe(source, exc, prefix="policy", model=model, origins=origins)) from None
     return config
 
 
@@ -424,17 +446,64 @@ def cuda_device_count() -> int:
     return count.value
 
 
-def _describe(source: str, exc: pydantic.ValidationError, prefix: str = "") -> str:
+def _describe(
+    source: str, exc: pydantic.ValidationError, prefix: str = "", *, model: type[pydantic.BaseModel] | None = None,
+    origins: Mapping[str, str] | None = None,
+) -> str:
     lines = [f"{source}: invalid config"]
     for error in exc.errors():
         where = ".".join(str(p) for p in ((prefix,) if prefix else ()) + tuple(error["loc"]))
         given = error.get("input")
         if error["type"] == "extra_forbidden":
-            lines.append(f"  {where}: unknown key")
+            line = f"  {where}: unknown key"
         elif error["type"] == "missing":
-            lines.append(f"  {where}: required")
+            line = f"  {where}: required"
         elif isinstance(given, dict) or "api_keys" in error["loc"]:  # a whole section, or secrets: not echoed
-            lines.append(f"  {where}: {error['msg']}")
+            line = f"  {where}: {error['msg']}"
         else:
-            lines.append(f"  {where}: {error['msg']} (got {given!r})")
+            line = f"  {where}: {error['msg']} (got {given!r})"
+        line += _origin(where, origins or {})
+        if error["type"] == "extra_forbidden" and model is not None:
+            line += _nearest_key(model, error["loc"], prefix)
+        lines.append(line)
     return "\n".join(lines)
+
+
+def _origin(where: str, origins: Mapping[str, str]) -> str:
+    """`` (from --set KEY=VALUE)`` when the command line set ``where``, a key under it or a section above it."""
+    named = [flag for key, flag in origins.items() if key == where or key.startswith(f"{where}.") or where.startswith(f"{key}.")]
+    return f" (from {', '.join(named)})" if named else ""
+
+
+def _nearest_key(model: type[pydantic.BaseModel], loc: tuple, prefix: str) -> str:
+    """``; did you mean engine.max_sessions?`` for the known key closest to an unknown one (difflib)."""
+    *section, name = loc
+    known = _keys_at(model, section)
+    match = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
+    if not match:
+        return ""
+    return f"; did you mean {'.'.join(str(p) for p in ((prefix,) if prefix else ()) + tuple(section) + (match[0],))}?"
+
+
+def _keys_at(model: type[pydantic.BaseModel], path: Sequence[Any]) -> list[str]:
+    """The keys a config model takes at ``path`` (list indices step into the list's item model)."""
+    for part in path:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part))
+        inner = _model_in(field.annotation) if field is not None else None
+        if inner is None:
+            return []
+        model = inner
+    return [field.alias or name for name, field in model.model_fields.items() if name != "source"]
+
+
+def _model_in(annotation: Any) -> type[pydantic.BaseModel] | None:
+    """The config model an annotation holds (``Model``, ``Model | None``, ``list[Model]``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None

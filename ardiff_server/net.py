@@ -1,7 +1,8 @@
-"""Network helpers shared by the start-up paths (worker process groups, the Ray HTTP proxy, TLS)."""
+"""Network helpers shared by the start-up paths (worker process groups, the Ray HTTP proxy, TLS, the listening port)."""
 
 from __future__ import annotations
 
+import errno
 import socket
 import ssl
 from pathlib import Path
@@ -12,6 +13,51 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host if host not in ("", "0.0.0.0") else "127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class ListenError(RuntimeError):
+    """The server cannot listen on its address; the message is one line naming it and the fix."""
+
+
+def bind_listeners(host: str, port: int) -> list[socket.socket]:
+    """Bind (not yet listen on) every address ``host`` resolves to, as asyncio's ``create_server``
+    would: before the model loads, so a port in use fails in a second, not after the load.
+    Not listening yet: connections during the load are refused, as before, rather than queued.
+    Raises :class:`ListenError`."""
+    try:
+        # "" is every interface to asyncio (and to getaddrinfo, None)
+        addresses = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ListenError(f"cannot listen on {_address(host, port)}: cannot resolve {host} ({exc.strerror}); pick --host 127.0.0.1 or 0.0.0.0") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(addresses):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart reuses a port in TIME_WAIT
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # :: next to 0.0.0.0, as asyncio does
+            sock.bind(address)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        raise listen_error(host, port, exc) from None
+    return sockets
+
+
+def listen_error(host: str, port: int, exc: OSError) -> ListenError:
+    """A bind or listen failure on ``host:port`` as one line with what to do."""
+    reasons = {
+        errno.EADDRINUSE: "address already in use; stop the other server or pick another --port (0 picks a free one)",
+        errno.EACCES: "permission denied (ports below 1024 need privileges); pick --port 1024 or above",
+        errno.EADDRNOTAVAIL: "no such address on this machine; pick --host 127.0.0.1 or 0.0.0.0 (every interface)",
+    }
+    reason = reasons.get(exc.errno, exc.strerror or str(exc))
+    return ListenError(f"cannot listen on {_address(host, port)}: {reason}")
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class TlsError(ValueError):

@@ -119,3 +119,52 @@ def test_an_embodiment_a_checkpoint_lacks_is_refused_in_one_line_by_a_worker_too
 
     error = EmbodimentError("policy.embodiment: experiment_cfg/metadata.json has no 'nope'")
     assert isinstance(error, ValueError) and isinstance(error, StartRefused)
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        ("engine.max_sesions=4", "engine.max_sesions: unknown key (from --set engine.max_sesions=4); did you mean engine.max_sessions?"),
+        ("policy.num_inference_step=4", "policy.num_inference_step: unknown key (from --set policy.num_inference_step=4); did you mean policy.num_inference_steps?"),
+        ("engin.device=cpu", "engin: unknown key (from --set engin.device=cpu); did you mean engine?"),
+        ("server.zzz=1", "server.zzz: unknown key (from --set server.zzz=1)"),  # nothing close: no guess
+    ],
+)
+def test_an_unknown_key_from_the_command_line_says_so_and_suggests_the_nearest(override, line):
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny", [override])
+    lines = str(info.value).splitlines()
+    assert lines[1:] == [f"  {line}"], lines
+
+
+def test_an_unknown_key_in_the_file_suggests_the_nearest_without_blaming_the_command_line(tmp_path):
+    custom = tmp_path / "mine.yaml"
+    custom.write_text("engine: {max_sesions: 4}\npolicy: {name: noop}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(custom, ["engine.max_batch=2"])
+    assert str(info.value).splitlines()[1:] == ["  engine.max_sesions: unknown key; did you mean engine.max_sessions?"]
+
+
+def test_a_bad_value_from_the_command_line_names_the_flag_but_never_a_key():
+    with pytest.raises(ConfigError, match=r"server\.port: .*\(got 'eighty'\) \(from --set server\.port=eighty\)$"):
+        load_config("tiny", ["server.port=eighty"])
+    with pytest.raises(ConfigError, match=r"server\.port: .*\(got 70000\) \(from --port 70000\)$"):
+        load_config("tiny", flags=[("server.port=70000", "--port 70000")])
+    with pytest.raises(ConfigError) as caught:  # a section-level error names the overrides in it, keys hidden
+        load_config("tiny", ["server.tls_key=/tmp/k.pem", "server.api_keys=[secret-abc-123]"])
+    assert "--set server.api_keys=<hidden>" in str(caught.value) and "secret-abc" not in str(caught.value)
+
+
+def test_set_with_a_space_instead_of_equals_is_one_line_showing_key_equals_value(capsys):
+    from ardiff_server import cli
+
+    for argv, shown in (
+        (["--set", "engine.max_sessions", "4"], "--set engine.max_sessions=4"),
+        (["--port", "1", "--set", "engine.max_sessions"], "--set engine.max_sessions=VALUE"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            cli.parse_args(argv)
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert shown in err and "usage:" not in err
+    assert cli.parse_args(["--set", "engine.max_sessions=4"]).overrides == ["engine.max_sessions=4"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import http
 import logging
+import socket
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
@@ -23,6 +24,7 @@ from ardiff_server.engine.client import EngineClient
 from ardiff_server.engine.replicas import ReplicaSet
 from ardiff_server.frontend.service import Accept, PolicyService, TransportClosed
 from ardiff_server.frontend.tls import ServerTls
+from ardiff_server.net import listen_error
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +70,13 @@ class _WebsocketTransport:
 
 
 class PolicyServer:
-    def __init__(self, config: AppConfig, client: EngineClient | None = None) -> None:
+    def __init__(
+        self, config: AppConfig, client: EngineClient | None = None, listen_sockets: list[socket.socket] | None = None
+    ) -> None:
+        """``listen_sockets``: ``net.bind_listeners``' sockets for ``server.host``/``port``, bound
+        before the engine starts (``cli.py``); None binds when :meth:`start` listens."""
         self.config = config
+        self._listen_sockets = listen_sockets or []
         self.engine = client if client is not None else ReplicaSet.from_config(config)
         self.service = PolicyService(config, self.engine)
         self.metrics = self.service.metrics
@@ -92,18 +99,31 @@ class PolicyServer:
     # -- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the engine (model load + warm-up), then listen."""
+        """Start the engine (model load + warm-up), then listen. Raises ``net.ListenError`` (one
+        line) when the address cannot be listened on."""
         await self.engine.start()
         server_config = self.config.server
+        # One socket is served as bound (port 0 stays the port bound); a host with several addresses
+        # (localhost: 127.0.0.1 and ::1) was only probed, and asyncio binds them all again.
+        where = {"sock": self._listen_sockets[0]} if len(self._listen_sockets) == 1 else {"host": server_config.host, "port": server_config.port}
+        if len(self._listen_sockets) != 1:
+            self._close_listen_sockets()
         connection_class = type("Connection", (BoundedConnection,), {
             "write_limit_bytes": server_config.write_limit_bytes,
             "on_abuse": staticmethod(lambda: self.metrics.closed.labels("write_limit").inc()),
         })  # fmt: skip
         tls = {"ssl": self.tls.context, "ssl_handshake_timeout": server_config.tls_handshake_timeout_s} if self.tls else {}
-        self._server = await serve(
+        try:
+            self._server = await self._serve(connection_class, tls, **where)
+        except OSError as exc:  # e.g. another server began listening on the port during the load
+            self._close_listen_sockets()
+            raise listen_error(server_config.host, server_config.port, exc) from None
+
+    async def _serve(self, connection_class: type[BoundedConnection], tls: dict, **where) -> Server:
+        server_config = self.config.server
+        return await serve(
             self._handle,
-            server_config.host,
-            server_config.port,
+            **where,
             process_request=self._process_request,
             create_connection=connection_class,
             # images are dense (send JPEG to shrink them); deflate burns event-loop CPU unless asked for
@@ -120,6 +140,10 @@ class PolicyServer:
             **tls,  # wss:// and https:// on the same port (frontend/tls.py)
         )
 
+    def _close_listen_sockets(self) -> None:
+        for sock in self._listen_sockets:
+            sock.close()
+
     @property
     def port(self) -> int:
         return self._server.sockets[0].getsockname()[1]
@@ -129,6 +153,8 @@ class PolicyServer:
         ``shutdown_grace_s`` to finish, then is killed); then every connection closes."""
         if self._server is not None:
             self._server.close(close_connections=False)  # stop accepting; open connections stay for now
+        else:
+            self._close_listen_sockets()  # the engine did not start: the port bound for it is free again
         await self.engine.stop(self.config.server.shutdown_grace_s)  # fails in-flight requests
         for _ in range(3):
             await asyncio.sleep(0)  # let the handlers send their error frames

@@ -45,6 +45,8 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from ardiff_server.tools.chunk_reply import parse_chunk_reply
+
 Mode = Literal["continuation", "async", "blocking"]
 MODES: tuple[str, ...] = ("continuation", "async", "blocking")
 
@@ -142,6 +144,7 @@ class EpisodeReport:
     # continuation that follows it exactly would show as its seam)
     old_steps: list[float] = field(default_factory=list)
     fresh_reasons: dict[str, int] = field(default_factory=dict)  # why asked continuations were not applied
+    continuations_asked: int = 0  # replies to requests that carried a continuation (what fresh_reasons count in)
 
     def summary(self) -> dict[str, Any]:
         lat = np.asarray(self.latencies_s) * 1000.0
@@ -166,6 +169,25 @@ class EpisodeReport:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkEvent:
+    """A reply just spliced in (``AsyncChunkRunner(on_chunk=...)``: progress while a run goes on)."""
+
+    number: int  # 1-based
+    step: int  # control ticks done when it arrived
+    latency_s: float
+    actions: int  # the chunk's actions
+    frozen: int  # leading actions the server froze
+    skipped: int  # actions of it done meanwhile (the splice starts past them)
+    idle_steps: int  # ticks the robot stood still so far
+    continuation: str | None  # "applied", why a requested continuation was served fresh, or None
+
+    @property
+    def left(self) -> int:
+        """Actions of the chunk left to execute from the splice on."""
+        return self.actions - self.skipped
+
+
 @dataclass
 class _Chunk:
     actions: np.ndarray
@@ -180,6 +202,7 @@ class _Chunk:
 @dataclass
 class _InFlight:
     executed_at_capture: int  # the runner's executed-action counter when the observation was captured
+    continued: bool  # the request carried a continuation
 
 
 class AsyncChunkRunner:
@@ -188,7 +211,8 @@ class AsyncChunkRunner:
     ``policy``: a :class:`Requester`, or any ``infer(request) -> reply`` callable (run in a thread).
     ``joint_columns``: action columns whose jump across a splice is reported (default: all).
     ``overlap``: in the async modes, ask no later than when this fraction of a chunk is left (0: only as the
-    latency requires).
+    latency requires). ``on_chunk``: called with a :class:`ChunkEvent` for every reply spliced in.
+    A reply that cannot be executed raises ``chunk_reply.ReplyError`` (one line naming the field).
     """
 
     def __init__(
@@ -206,6 +230,7 @@ class AsyncChunkRunner:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         drain_timeout_s: float = 60.0,
+        on_chunk: Callable[[ChunkEvent], None] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -219,6 +244,7 @@ class AsyncChunkRunner:
         self.session_id = session_id or f"async-{uuid.uuid4()}"
         self.joint_columns = joint_columns if joint_columns is not None else slice(None)
         self.clock, self.sleep, self.drain_timeout_s = clock, sleep, drain_timeout_s
+        self.on_chunk = on_chunk
 
     # -- the latency model --------------------------------------------------------------------
 
@@ -282,20 +308,21 @@ class AsyncChunkRunner:
                 continuation["chunk_id"] = chunk.chunk_id
             request["continuation"] = continuation
         self.requester.submit(request)
-        return _InFlight(executed)
+        return _InFlight(executed, "continuation" in request)
 
     def _splice(
-        self, reply: Mapping[str, Any], latency: float, in_flight: _InFlight, executed: int, old: _Chunk | None,
+        self, reply: Any, latency: float, in_flight: _InFlight, executed: int, old: _Chunk | None,
         last_action: np.ndarray | None, report: EpisodeReport,
     ) -> _Chunk:  # fmt: skip
-        actions = np.asarray(reply["actions"] if isinstance(reply, Mapping) else reply, dtype=np.float64)
-        chunk_id = reply.get("chunk_id") if isinstance(reply, Mapping) else None
+        parsed = parse_chunk_reply(reply, report.chunks + 1)
+        actions = parsed.actions
         report.latencies_s.append(latency)
         report.idle_per_chunk.append(report.idle_steps - sum(report.idle_per_chunk))
         report.chunks += 1
-        report.frozen.append(int(reply.get("frozen", 0)) if isinstance(reply, Mapping) else 0)
-        reason = reply.get("continuation") if isinstance(reply, Mapping) else None
-        if isinstance(reason, str) and reason != "applied":
+        report.frozen.append(parsed.frozen)
+        report.continuations_asked += int(in_flight.continued)
+        reason = parsed.continuation
+        if reason is not None and reason != "applied":
             report.fresh_reasons[reason] = report.fresh_reasons.get(reason, 0) + 1
         # The new chunk starts where the robot was when the observation was captured; skip what it did since.
         start = executed - in_flight.executed_at_capture if old is not None else 0
@@ -304,7 +331,9 @@ class AsyncChunkRunner:
             report.seam_jumps.append(self._distance(actions[start], last_action))
             if old.remaining > 0:
                 report.old_steps.append(self._distance(old.actions[old.index], last_action))
-        return _Chunk(actions, int(chunk_id) if chunk_id is not None else None, start)
+        if self.on_chunk is not None:
+            self.on_chunk(ChunkEvent(report.chunks, report.steps, latency, len(actions), parsed.frozen, start, report.idle_steps, reason))
+        return _Chunk(actions, parsed.chunk_id, start)
 
     def _distance(self, a: np.ndarray, b: np.ndarray) -> float:
         return float(np.linalg.norm(np.asarray(a)[self.joint_columns] - np.asarray(b)[self.joint_columns]))
@@ -348,7 +377,8 @@ class WebsocketPolicy:
 
         reply, _ = self.client.request(request)
         decoded = decode_frame(reply, "infer")
-        return decoded if isinstance(decoded, dict) else {"actions": decoded}
+        # a bare array is DreamZero's own server; anything else is left for the runner to name
+        return {"actions": decoded} if isinstance(decoded, np.ndarray) else decoded
 
     def reset(self, session_id: str) -> None:
         from ardiff_server.tools.replay import reset_session

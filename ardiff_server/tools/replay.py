@@ -34,7 +34,8 @@ stretched to the frame size; when the shortest camera runs out the episode ends 
 Replies are either a map (``actions`` plus timings: this server, openpi) or a bare float32
 (N, 8) array (DreamZero's server; then there are no server timings). A text frame in reply
 to an infer request is the server's error message: it is printed and the run stops with exit
-status 1. Exit status: 0 done, 1 server or connection error, 2 usage error or a missing
+status 1; so does, under ``--async``, a reply the robot loop cannot execute (``chunk_reply.py``) or a
+run in which no chunk arrived. Exit status: 0 done, 1 server or connection error, 2 usage error or a missing
 optional package, 130 interrupted.
 
 Torch-free: this module imports numpy, msgpack (through the codec) and websockets; video
@@ -424,7 +425,8 @@ def _run(client: PolicyClient, url: str, args: argparse.Namespace) -> int:
 
 def _run_async(client: PolicyClient, cameras: Mapping[str, Camera], episode: Episode, args: argparse.Namespace) -> int:
     """``--async``: a robot at ``--control-hz`` that follows the actions it executes (its state is the last action)."""
-    from ardiff_server.tools.async_client import AsyncChunkRunner, joint_columns
+    from ardiff_server.tools.async_client import AsyncChunkRunner, ChunkEvent, joint_columns
+    from ardiff_server.tools.async_report import progress_line, summary_lines
 
     schema = embodiment_schema(episode.metadata)
     robot = {"joints": READY_JOINTS.copy(), "gripper": np.zeros(1), "calls": 0}
@@ -448,24 +450,30 @@ def _run_async(client: PolicyClient, cameras: Mapping[str, Camera], episode: Epi
     def infer(request: dict[str, Any]) -> dict[str, Any]:
         reply, _ = client.request(request)
         decoded = decode_frame(reply, "infer")
-        return decoded if isinstance(decoded, dict) else {"actions": decoded}
+        # a bare array is DreamZero's own server; anything else is left for the runner to name (chunk_reply.py)
+        return {"actions": decoded} if isinstance(decoded, np.ndarray) else decoded
+
+    def progress(event: ChunkEvent) -> None:
+        print(progress_line(event, args.steps, args.control_hz), file=sys.stderr, flush=True)
 
     runner = AsyncChunkRunner(infer, control_hz=args.control_hz, prompt=args.prompt, mode=args.mode, session_id=episode.session_id,
-                              overlap=args.overlap, joint_columns=joint_columns(episode.metadata))  # fmt: skip
+                              overlap=args.overlap, joint_columns=joint_columns(episode.metadata),
+                              on_chunk=None if args.quiet else progress)  # fmt: skip
     try:
         report = runner.run(observe, act, args.steps)
-    except (ReplayError, ConnectionClosed, TimeoutError) as exc:
-        print(f"ardiff-client: error: {exc}", file=sys.stderr)
+    except (ReplayError, ConnectionClosed, TimeoutError) as exc:  # ReplyError (a malformed reply) is a ReplayError
+        reset_session(client, episode.session_id)  # nothing in flight after a reply or an observation failed
+        print(f"ardiff-client: error: {exc or 'no reply within --timeout'}", file=sys.stderr)
         return 1
     episode.reset_reply = reset_session(client, episode.session_id)
-    summary = report.summary()
     if args.json:
-        print(json.dumps(jsonable(summary)))
+        print(json.dumps(jsonable(report.summary())))
     else:
-        print(f"{args.mode} at {args.control_hz:g} Hz, {summary['steps']} steps, {summary['chunks']} chunks")
-        for key in ("idle_steps", "idle_steps_per_chunk", "latency_p50_ms", "latency_p99_ms", "seam_jump", "median_inner_step", "seam_ratio", "chunks_per_s", "fresh"):
-            value = summary[key]
-            print(f"  {key:22s} {value:.3f}" if isinstance(value, float) else f"  {key:22s} {value}")
+        print("\n".join(summary_lines(report)))
+    if report.chunks == 0:
+        print(f"ardiff-client: error: no chunk arrived in {args.steps} control steps ({args.steps / args.control_hz:.1f} s at "
+              f"{args.control_hz:g} Hz): the first reply took longer; raise --steps or check the server", file=sys.stderr)  # fmt: skip
+        return 1
     return 0
 
 

@@ -185,8 +185,10 @@ def decode_continuation(value: Any) -> Continuation | None:
             item = item.item()
         if isinstance(item, bool | np.bool_) or not isinstance(item, int | np.integer):
             raise RequestError(f"{CONTINUATION_KEY}.{name}: expected an integer >= 0, got {short_repr(item)}")
-        if not 0 <= int(item) <= MAX_CHUNK_ID:
+        if int(item) < 0:
             raise RequestError(f"{CONTINUATION_KEY}.{name}: expected an integer >= 0, got {int(item)}")
+        if int(item) > MAX_CHUNK_ID:
+            raise RequestError(f"{CONTINUATION_KEY}.{name}: expected an integer in [0, 2**63 - 1 = {MAX_CHUNK_ID}], got {int(item)}")
         numbers[name] = int(item)
     return Continuation(executed=numbers["executed"], delay=numbers["delay"], chunk_id=numbers["chunk_id"])
 

@@ -411,7 +411,7 @@ def test_summary_statistics_and_reply_parsing():
 
 def test_the_client_modules_do_not_import_torch():
     result = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", "import ardiff_server.tools.replay, ardiff_server.tools.media"],
+        [sys.executable, "-X", "importtime", "-c", "import ardiff_server.tools.replay, ardiff_server.tools.media, ardiff_server.tools.async_report"],
         cwd=REPO, capture_output=True, text=True, check=True,
     )  # fmt: skip
     imported = {line.split("|")[-1].strip().split(".")[0] for line in result.stderr.splitlines() if "|" in line}

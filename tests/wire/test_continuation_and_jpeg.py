@@ -75,6 +75,9 @@ def test_absent_or_null_continuation_is_an_ordinary_request():
         ({"executed": 1, "delay": True}, "continuation.delay: expected an integer >= 0, got True"),
         ({"executed": "1", "delay": 2}, "continuation.executed: expected an integer >= 0"),
         ({"executed": 1, "delay": 2, "chunk_id": -4}, "continuation.chunk_id: expected an integer >= 0, got -4"),
+        # over the bound: the message states the bound, not ">= 0" (which the value is)
+        ({"executed": 1, "delay": 2, "chunk_id": 2**64 - 1}, f"continuation.chunk_id: expected an integer in [0, 2**63 - 1 = {2**63 - 1}], got {2**64 - 1}"),
+        ({"executed": 2**63, "delay": 2}, f"continuation.executed: expected an integer in [0, 2**63 - 1 = {2**63 - 1}], got {2**63}"),
         ({"executed": 1, "delay": 2, "late": 1}, "continuation: unknown field(s) ['late']"),
     ],
 )

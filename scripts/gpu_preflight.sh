@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${1:-.venv-gpu}"
 MIN_DRIVER=580      # CUDA 13.x: driver >= 580
-NEED_GIB="${ARDIFF_GPU_VENV_GIB:-12}"  # .venv-gpu measured at 9.6 GiB (docs/deploy.md) + the largest wheel in pip's cache while unpacking
+NEED_GIB="${ARDIFF_GPU_VENV_GIB:-12}"  # .venv-gpu measured at 9.5 GiB (docs/deploy.md), plus room for the wheels while they unpack
 skip="build .venv-gpu anyway with ARDIFF_SKIP_GPU_PREFLIGHT=1 (e.g. on a login node; the server checks the GPU at start-up)"
 
 fail() { echo "[gpu-preflight] $1" >&2; exit 2; }

@@ -29,6 +29,7 @@ import pydantic
 import yaml
 
 from ardiff_policies.registry import policy_entry
+from ardiff_server.extras import install_hint
 from ardiff_server.net import TlsError, server_tls_context
 
 CONFIG_DIR = Path(os.environ.get("ARDIFF_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs"))
@@ -406,7 +407,7 @@ def preflight(config: AppConfig, *, local: bool = True) -> None:
     if config.server.record_dir is not None:
         missing = [name for name in ("av", "matplotlib", "PIL") if importlib.util.find_spec(name) is None]
         if missing:
-            raise ConfigError(f"server.record_dir needs {', '.join(missing)}: pip install -e '.[viz]'")
+            raise ConfigError(f"server.record_dir needs {', '.join(missing)}: {install_hint('viz')}")
         try:
             Path(config.server.record_dir).expanduser().mkdir(parents=True, exist_ok=True)
         except OSError as exc:

@@ -118,7 +118,7 @@ def test_record_dir_without_the_viz_extra_fails_at_start_up(monkeypatch, tmp_pat
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "av" else real(name, *a))
     config = validate_config({"server": {"record_dir": str(tmp_path)}, "policy": {"name": "noop"}})
-    with pytest.raises(ConfigError, match=r"server.record_dir needs av: pip install -e '.\[viz\]'"):
+    with pytest.raises(ConfigError, match=r"server.record_dir needs av: \S+/bin/pip install -e '.\[viz\]' \(bash scripts/serve.sh --record DIR installs it too\)"):
         preflight(config)
 
 

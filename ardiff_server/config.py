@@ -412,6 +412,11 @@ def preflight(config: AppConfig, *, local: bool = True) -> None:
             Path(config.server.record_dir).expanduser().mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"server.record_dir: cannot create {config.server.record_dir}: {exc.strerror}") from None
+        logging.getLogger("ardiff_server").info(
+            "recording every session to %s/<session id>/ (oldest pruned past server.record_max_gib %g GiB)",
+            Path(config.server.record_dir).expanduser().resolve(),
+            config.server.record_max_gib,
+        )
     check = getattr(config.policy_options(), "preflight", None)
     if check is not None:
         try:

@@ -122,6 +122,13 @@ def test_record_dir_without_the_viz_extra_fails_at_start_up(monkeypatch, tmp_pat
         preflight(config)
 
 
+def test_start_up_says_where_recordings_go(tmp_path, caplog):
+    config = validate_config({"server": {"record_dir": str(tmp_path / "runs")}, "policy": {"name": "noop"}})
+    with caplog.at_level("INFO", logger="ardiff_server"):
+        preflight(config)
+    assert f"recording every session to {tmp_path / 'runs'}/<session id>/" in caplog.text
+
+
 def test_a_lingbot_va_episode_is_recorded_with_its_calls_resets_and_predicted_video(tmp_path):
     """LingBot-VA (tiny): infer / compute_kv_cache / infer ..., a reset, the next episode of the same robot; and an
     OpenPI session whose calls commit and predict at once. The files read back with the tools' readers."""

@@ -17,9 +17,12 @@ from __future__ import annotations
 import ctypes
 import difflib
 import importlib
+import importlib.metadata
 import importlib.util
+import logging
 import os
 import re
+import sys
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,6 +32,7 @@ import pydantic
 import yaml
 
 from ardiff_policies.registry import policy_entry
+from ardiff_server.extras import install_hint
 from ardiff_server.net import TlsError, server_tls_context
 
 CONFIG_DIR = Path(os.environ.get("ARDIFF_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs"))
@@ -393,6 +397,20 @@ def preflight(config: AppConfig, *, local: bool = True) -> None:
     if config.server.tls_cert is not None:
         check_tls(config)
     wanted = sorted({d for devices in device_lists for d in devices if d.startswith("cuda")})
+    # a CPU torch on a GPU machine (the CPU .venv on a GPU box): said before any hub download, with --gpu as the fix
+    gpus_unusable = cuda_device_count() if installed_torch_is_cpu_build() else 0
+    if wanted and gpus_unusable:
+        raise ConfigError(
+            f"{config.source}: engine device {wanted[0]}: this machine has {gpus_unusable} CUDA device(s) but torch "
+            f"{_torch_version()} in {sys.prefix} is a CPU build; serve from the GPU install: bash scripts/serve.sh --gpu ... (.venv-gpu)"
+        )
+    if not wanted and gpus_unusable:
+        logging.getLogger("ardiff_server").info(
+            "this machine has %d CUDA device(s) and torch %s here is a CPU build: serving on the CPU; "
+            "bash scripts/serve.sh --gpu serves a GPU config from .venv-gpu",
+            gpus_unusable,
+            _torch_version(),
+        )
     if wanted:
         count = cuda_device_count()
         for device in wanted:
@@ -406,16 +424,21 @@ def preflight(config: AppConfig, *, local: bool = True) -> None:
                 on_cpu += " --set engine.dist_backend=auto" if config.engine.dist_backend == "nccl" else ""
                 on_cpu += " --set engine.attention_backend=auto" if config.engine.attention_backend == "flash" else ""
                 raise ConfigError(
-                    f"{config.source}: engine device {device}: this machine has {have}; serve the CPU default (--config tiny) or {on_cpu}"
+                    f"{config.source}: engine device {device}: this machine has {have}; serve {_cpu_twin(config)} or {on_cpu}"
                 )
     if config.server.record_dir is not None:
         missing = [name for name in ("av", "matplotlib", "PIL") if importlib.util.find_spec(name) is None]
         if missing:
-            raise ConfigError(f"server.record_dir needs {', '.join(missing)}: pip install -e '.[viz]'")
+            raise ConfigError(f"server.record_dir needs {', '.join(missing)}: {install_hint('viz')}")
         try:
             Path(config.server.record_dir).expanduser().mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"server.record_dir: cannot create {config.server.record_dir}: {exc.strerror}") from None
+        logging.getLogger("ardiff_server").info(
+            "recording every session to %s/<session id>/ (oldest pruned past server.record_max_gib %g GiB)",
+            Path(config.server.record_dir).expanduser().resolve(),
+            config.server.record_max_gib,
+        )
     check = getattr(config.policy_options(), "preflight", None)
     if check is not None:
         try:
@@ -432,6 +455,30 @@ def check_tls(config: AppConfig) -> None:
         server_tls_context(config.server.tls_cert, config.server.tls_key)
     except TlsError as exc:
         raise ConfigError(str(exc)) from None
+
+
+# Each family's CPU twin: what a machine without the GPU a config wants can serve instead.
+_CPU_TWINS = {"dreamzero": "tiny", "lingbot_va": "tiny_lingbot_va"}
+
+
+def _cpu_twin(config: AppConfig) -> str:
+    twin = _CPU_TWINS.get(config.policy.get("name"), "tiny")
+    return f"its tiny CPU twin (--config {twin})"
+
+
+def installed_torch_is_cpu_build() -> bool:
+    """Whether the torch this process would import has no CUDA library (found on disk: torch is not imported)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return False
+    return not any(Path(spec.origin).parent.joinpath("lib").glob("libtorch_cuda*"))
+
+
+def _torch_version() -> str:
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return "(unknown)"
 
 
 def cuda_device_count() -> int:

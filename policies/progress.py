@@ -68,10 +68,11 @@ class StepProgress:
         self.done = 0
         self.started = self.last = clock()
 
-    def step(self, label: str = "") -> None:
+    def step(self, label: str = "", *, took_ms: float | None = None) -> None:
+        """``took_ms``: the step's own time where the caller measured it (else the time since the last step)."""
         now = self.clock()
         self.done += 1
-        took, self.last = now - self.last, now
+        took, self.last = (now - self.last if took_ms is None else took_ms / 1000.0), now
         left = (now - self.started) / self.done * (self.steps - self.done)
         detail = f" ({label})" if label else ""
         tail = f"; ~{left:.1f} s left to {self.until}" if self.done < self.steps else f"; {now - self.started:.1f} s in all"

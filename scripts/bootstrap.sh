@@ -55,5 +55,7 @@ fi
 echo "[bootstrap] installing $TORCH_SPEC and ardiff-server${want:+[$want]} into $VENV"
 "${PIP[@]}" --upgrade pip
 "${PIP[@]}" "${CONSTRAINTS[@]}" "$TORCH_SPEC"
-"${PIP[@]}" "${CONSTRAINTS[@]}" -e ".${want:+[$want]}"
+# setuptools' build backend warns about every editable install ("folders ... with the same name as your package"):
+# true of any checkout, and noise in the first serve's log; pip's own errors still show
+PYTHONWARNINGS="ignore::UserWarning" "${PIP[@]}" "${CONSTRAINTS[@]}" -e ".${want:+[$want]}"
 echo "$base $want" > "$stamp"

@@ -78,13 +78,33 @@ def test_public_config_hides_the_keys():
 
 
 def test_preflight_refuses_devices_this_machine_does_not_have(monkeypatch):
+    monkeypatch.setattr("ardiff_server.config.installed_torch_is_cpu_build", lambda: False)  # as in .venv-gpu
     monkeypatch.setattr("ardiff_server.config.cuda_device_count", lambda: 1)
     with pytest.raises(ConfigError, match=r"engine device cuda:1: this machine has 1 CUDA device\(s\)"):
         preflight(load_config("tiny", ["engine.device=cuda:1"]))
     preflight(load_config("tiny", ["engine.device=cuda:1"]), local=False)  # Ray: the engines run elsewhere
     monkeypatch.setattr("ardiff_server.config.cuda_device_count", lambda: 0)
-    with pytest.raises(ConfigError, match="no CUDA device; serve the CPU default"):
+    with pytest.raises(ConfigError, match=r"no CUDA device; serve its tiny CPU twin \(--config tiny\)"):
         preflight(load_config("tiny", ["engine.device=cuda"]))
+    with pytest.raises(ConfigError, match=r"no CUDA device; serve its tiny CPU twin \(--config tiny_lingbot_va\)"):
+        preflight(load_config("tiny_lingbot_va", ["engine.device=cuda"]))
+
+
+def test_a_cpu_torch_on_a_gpu_machine_is_named_with_gpu_as_the_fix(monkeypatch, caplog):
+    """The CPU .venv on a GPU box: a CUDA config is refused before any download, naming the build and --gpu;
+    a CPU config serves and says once that --gpu would use the GPU."""
+    import torch
+
+    from ardiff_server.config import installed_torch_is_cpu_build
+
+    assert installed_torch_is_cpu_build() == (torch.version.cuda is None)  # found on disk, without importing torch
+    monkeypatch.setattr("ardiff_server.config.installed_torch_is_cpu_build", lambda: True)
+    monkeypatch.setattr("ardiff_server.config.cuda_device_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"engine device cuda:0: this machine has 2 CUDA device\(s\) but torch .* is a CPU build; .*serve.sh --gpu"):
+        preflight(load_config("tiny", ["engine.device=cuda:0"]))
+    with caplog.at_level("INFO", logger="ardiff_server"):
+        preflight(load_config("tiny"))
+    assert "this machine has 2 CUDA device(s) and torch" in caplog.text and "--gpu" in caplog.text
 
 
 def test_replica_devices_spread_over_gpus_or_must_be_given():

@@ -72,6 +72,15 @@ def test_droid_14b_on_one_80_gib_card(geometries):
         plan_on(geometries["14B"], config, 48).check()
 
 
+def test_droid_14b_figures_the_readme_gives(geometries):
+    """The README's one figure per config and card is the plan's: total, KV and sessions."""
+    cases = {"one 80 GiB card": (80, 67.8, 20.6, 1), "one 80 GiB card, two sessions": (80, 73.1, 36.6, 2), "one 141 GiB card": (141, 132.5, 78.5, 4)}
+    for marker, (card, total, kv, sessions) in cases.items():
+        device = plan_on(geometries["14B"], load_config(*recipe(marker)), card).device("cuda:0")
+        assert (round(device.total / GiB, 1), round(device.kv.pool_bytes / GiB, 1), device.kv.sessions) == (total, kv, sessions), marker
+        assert f"{total} GiB" in README and f"KV {kv}" in README, marker
+
+
 def test_cfg_parallel_on_two_80_gib_cards(geometries):
     config = load_config(*recipe("two 80 GiB cards, CFG-parallel"))
     assert config.engine.replica_device_lists() == [["cuda:0", "cuda:1"]]

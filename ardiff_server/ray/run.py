@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ardiff_server.config import AppConfig, ConfigError, check_tls
+from ardiff_server.extras import install_hint
 from ardiff_server.frontend.signals import exit_on_second_signal
 from ardiff_server.net import free_port
 from ardiff_server.ray.ingress import IngressCore, ingress_asgi_app
@@ -34,7 +35,6 @@ from ardiff_server.ray.plan import (
 from ardiff_server.ray.proxy import proxy_environment
 from ardiff_server.ray.replica import EngineReplica
 
-INSTALL_HINT = "pip install -e '.[ray]'"
 MIN_RAY = (2, 56)  # DeploymentHandle.options(session_id=...) reaches request routers from 2.56 on
 SIGHUP_IGNORED = "SIGHUP ignored under --ray: Serve's proxy loads the certificate once; redeploy to use a renewed one (docs/deploy.md)"
 
@@ -110,7 +110,7 @@ def run_ray(config: AppConfig) -> int:
         import ray  # noqa: PLC0415
         from ray import serve  # noqa: PLC0415
     except ImportError as exc:
-        print(f"ardiff-serve: --ray needs Ray Serve ({exc.name or exc} is not installed): {INSTALL_HINT}", file=sys.stderr)
+        print(f"ardiff-serve: --ray needs Ray Serve ({exc.name or exc} is not installed): {install_hint('ray')}", file=sys.stderr)
         return 2
     problem = ray_version_problem()
     if problem is not None:

@@ -21,6 +21,8 @@ from types import ModuleType
 
 import numpy as np
 
+from ardiff_server.extras import install_hint, pip_command
+
 __all__ = [
     "IMAGE_SUFFIXES",
     "VIDEO_SUFFIXES",
@@ -36,7 +38,8 @@ __all__ = [
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mkv", ".mov", ".webm")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 
-_VIDEO_PACKAGES = "reading video files needs PyAV: pip install av  (or: pip install imageio imageio-ffmpeg)"
+def _video_packages() -> str:
+    return f"reading video files needs PyAV (the viz extra): {install_hint('viz')}"
 
 # DROID's action layout: 7 absolute joint positions, then the gripper.
 _DROID_LABELS = (*(f"joint {i}" for i in range(7)), "gripper")
@@ -51,7 +54,7 @@ def _require(module: str, pip_name: str, purpose: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise MissingDependency(f"{purpose} needs {pip_name}: pip install {pip_name}") from None
+        raise MissingDependency(f"{purpose} needs {pip_name} (the viz extra): {install_hint('viz')}") from None
 
 
 def _optional(module: str) -> ModuleType | None:
@@ -110,10 +113,10 @@ def require_video_reader(directory: str | os.PathLike) -> None:
     entries = list(Path(directory).iterdir()) if Path(directory).is_dir() else []
     has_videos = any(p.is_file() and p.suffix.lower() in VIDEO_SUFFIXES for p in entries)
     if has_videos and _optional("av") is None and (_optional("imageio") is None or _optional("imageio_ffmpeg") is None):
-        raise MissingDependency(_VIDEO_PACKAGES)
+        raise MissingDependency(_video_packages())
     has_folders = any(p.is_dir() and _image_files(p) for p in entries)
     if has_folders and _optional("PIL.Image") is None and _optional("imageio") is None:
-        raise MissingDependency("reading image frames needs Pillow: pip install pillow")
+        raise MissingDependency(f"reading image frames needs Pillow: {pip_command()} install pillow")
 
 
 def require_plotting() -> None:
@@ -134,7 +137,7 @@ def _iter_video_av(path: Path) -> Iterator[np.ndarray]:
 
 def _iter_video_imageio(path: Path) -> Iterator[np.ndarray]:
     if _optional("imageio") is None or _optional("imageio_ffmpeg") is None:
-        raise MissingDependency(_VIDEO_PACKAGES)
+        raise MissingDependency(_video_packages())
     iio = importlib.import_module("imageio.v3")
     for frame in iio.imiter(path, plugin="FFMPEG"):
         yield _as_rgb(np.asarray(frame))
@@ -161,7 +164,7 @@ def _image_reader():
     if _optional("imageio") is not None:
         iio = importlib.import_module("imageio.v3")
         return lambda file: np.asarray(iio.imread(file))
-    raise MissingDependency("reading image frames needs Pillow: pip install pillow")
+    raise MissingDependency(f"reading image frames needs Pillow: {pip_command()} install pillow")
 
 
 def _as_rgb(frame: np.ndarray) -> np.ndarray:

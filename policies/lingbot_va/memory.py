@@ -21,7 +21,7 @@ import torch
 
 from ardiff_kv import PagedKVCache
 from ardiff_policies.lingbot_va.config import Embodiment, TransformerConfig
-from ardiff_policies.lingbot_va.policy import TEXT_LENGTH, kv_spec
+from ardiff_policies.lingbot_va.policy import TEXT_LENGTH, LingBotVAPolicy, kv_spec
 from ardiff_policies.wan.memory import CUDA_RESERVE_BYTES, encoder_bytes, itemsize, module_size, transformer_forward_bytes, vae_chunk_bytes
 from ardiff_policies.wan.text import UMT5_XXL_ENCODER_CONFIG, TextEncoder
 from ardiff_policies.wan.vae import WAN22_VAE_CONFIG
@@ -95,3 +95,28 @@ def plan(name: str, embodiment: Embodiment, *, dtype: torch.dtype = torch.bfloat
         max(transformer, vae_bytes, text_bytes),
         CUDA_RESERVE_BYTES,
     )  # fmt: skip
+
+
+def describe_loaded(episodes: LingBotVAPolicy, max_sessions: int) -> str:
+    """The start-up log's plan for the model as loaded (its real parameter counts, any size): weights per component,
+    one session's KV pages and prompt K/V, and what ``max_sessions`` of them take. The engine's pool line follows it."""
+    b = itemsize(episodes.dtype)
+    modules = {"transformer": episodes.transformer, "text encoder": episodes.text_encoder, "VAE": episodes.vae}
+    weights = {name: module_size(module).floating * b for name, module in modules.items()}
+    branches = len(episodes.branches)
+    spec = episodes.kv_spec()
+    cfg = episodes.transformer.config
+    kv_session = branches * spec.pages_per_branch * spec.page_bytes
+    text_session = cfg.num_layers * 2 * branches * TEXT_LENGTH * cfg.dim * b
+    lines = [f"memory plan: lingbot_va on {episodes.device} ({str(episodes.dtype).removeprefix('torch.')}), {branches} CFG branch(es)"]
+    lines += [f"    {name + ' weights':<24}{_size(size):>11}" for name, size in weights.items()]
+    lines.append(
+        f"    {'a session':<24}{_size(kv_session + text_session):>11}  (KV {spec.pages_per_branch} pages x {branches} branch(es) of "
+        f"{_size(spec.page_bytes)} + prompt K/V {_size(text_session)}); engine.max_sessions {max_sessions}: "
+        f"{_size(max_sessions * (kv_session + text_session))}"
+    )
+    return "\n".join(lines)
+
+
+def _size(value: int) -> str:
+    return f"{value / 2**30:.2f} GiB" if value >= 0.1 * 2**30 else f"{value / 2**20:.1f} MiB"

@@ -26,6 +26,7 @@ only a member that fails alone fails, the others get what they would have got al
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -167,13 +168,24 @@ class LingBotVAPolicy:
     def load(cls, checkpoint: str | Path, embodiment: Embodiment, *, device="cpu", dtype=torch.float32) -> LingBotVAPolicy:
         """A released checkpoint directory (``transformer/``, ``vae/``, ``text_encoder/``, ``tokenizer/``)."""
         from transformers import AutoTokenizer, UMT5EncoderModel
+        from transformers.utils import logging as transformers_logging
 
         root = Path(checkpoint)
         transformer = load_transformer(root / "transformer", dtype=dtype, device=device)
-        vae = AutoencoderKLWan.from_pretrained(root / "vae", torch_dtype=dtype).to(device).eval()
+        # low_cpu_mem_usage said explicitly: diffusers' default asks for accelerate and logs a paragraph without it
+        low_memory = importlib.util.find_spec("accelerate") is not None
+        vae = AutoencoderKLWan.from_pretrained(root / "vae", torch_dtype=dtype, low_cpu_mem_usage=low_memory).to(device).eval()
         # transformers' default attention, as upstream's load_text_encoder (DreamZero's TextEncoder.from_config forces
-        # eager to match DreamZero's own T5 in bf16; LingBot-VA uses transformers' UMT5 itself)
-        text = TextEncoder(UMT5EncoderModel.from_pretrained(root / "text_encoder", torch_dtype=dtype)).to(device).eval()
+        # eager to match DreamZero's own T5 in bf16; LingBot-VA uses transformers' UMT5 itself). Its tqdm bar is
+        # hidden: its carriage returns garble a log file
+        bar = transformers_logging.is_progress_bar_enabled()
+        transformers_logging.disable_progress_bar()
+        try:
+            umt5 = UMT5EncoderModel.from_pretrained(root / "text_encoder", torch_dtype=dtype)
+        finally:
+            if bar:
+                transformers_logging.enable_progress_bar()
+        text = TextEncoder(umt5).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
         return cls(transformer, vae, text, tokenizer, embodiment, device=device, dtype=dtype)
 

@@ -27,6 +27,7 @@ video latents, decoded by the Wan VAE between requests (:meth:`LingBotVAServing.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -41,10 +42,13 @@ from ardiff_policies.embodiment import ObservationSchema
 from ardiff_policies.episode import EpisodeCall
 from ardiff_policies.info import PolicyInfo
 from ardiff_policies.lingbot_va import config as lv_config
+from ardiff_policies.lingbot_va.memory import describe_loaded
 from ardiff_policies.lingbot_va.model import TextKV
 from ardiff_policies.lingbot_va.policy import MAX_GUIDANCE, CommitRequest, EpisodeError, InferRequest, LingBotVAPolicy, LingBotVASession
 from ardiff_policies.lingbot_va.settings import BUILTIN_TINY, SYNTHETIC_PREFIX, LingBotVAConfig
 from ardiff_policies.observation import RobotObservation, UnsupportedObservation
+
+logger = logging.getLogger(__name__)
 
 CAMERA_PREFIX = "observation.images."  # upstream's camera keys; the OpenPI wire uses the names after it
 MAX_BATCH = 64  # sessions per forward: any number works, the engine's max_batch and the KV pool bound it
@@ -376,4 +380,5 @@ def build_lingbot_va(config: LingBotVAConfig, options: RuntimeOptions) -> LingBo
     else:
         checkpoint = config.local_checkpoint()
     episodes = LingBotVAPolicy.load(checkpoint, embodiment, device=options.device, dtype=dtype)
+    logger.info("%s", describe_loaded(episodes, options.max_sessions))
     return LingBotVAServing(episodes, config, str(checkpoint), record=options.record)

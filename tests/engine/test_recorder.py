@@ -118,8 +118,15 @@ def test_record_dir_without_the_viz_extra_fails_at_start_up(monkeypatch, tmp_pat
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "av" else real(name, *a))
     config = validate_config({"server": {"record_dir": str(tmp_path)}, "policy": {"name": "noop"}})
-    with pytest.raises(ConfigError, match=r"server.record_dir needs av: pip install -e '.\[viz\]'"):
+    with pytest.raises(ConfigError, match=r"server.record_dir needs av: \S+/bin/pip install -e '.\[viz\]' \(bash scripts/serve.sh --record DIR installs it too\)"):
         preflight(config)
+
+
+def test_start_up_says_where_recordings_go(tmp_path, caplog):
+    config = validate_config({"server": {"record_dir": str(tmp_path / "runs")}, "policy": {"name": "noop"}})
+    with caplog.at_level("INFO", logger="ardiff_server"):
+        preflight(config)
+    assert f"recording every session to {tmp_path / 'runs'}/<session id>/" in caplog.text
 
 
 def test_a_lingbot_va_episode_is_recorded_with_its_calls_resets_and_predicted_video(tmp_path):

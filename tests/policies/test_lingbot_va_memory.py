@@ -46,3 +46,20 @@ def test_the_pools_reserved_pages_are_what_the_engine_keeps_free():
         budget = plan.kv_reserved + 3 * per_session
         assert PagedKVCache.sessions_for_budget(spec, budget, max_sessions=8, num_branches=2, max_batch=batch) == 3
         assert PagedKVCache.sessions_for_budget(spec, budget - 1, max_sessions=8, num_branches=2, max_batch=batch) == 2
+
+
+def test_start_up_logs_the_plan_of_the_model_as_loaded(caplog):
+    """The worker's log has LingBot-VA's plan as DreamZero's has its own: weights as loaded, a session's KV and prompt K/V."""
+    from ardiff_policies.base import RuntimeOptions
+    from ardiff_policies.lingbot_va.serving import build_lingbot_va
+    from ardiff_policies.lingbot_va.settings import LingBotVAConfig
+    from ardiff_policies.wan.memory import module_size
+
+    with caplog.at_level("INFO", logger="ardiff_policies.lingbot_va.serving"):
+        served = build_lingbot_va(LingBotVAConfig(checkpoint="builtin:tiny", embodiment="tiny_robotwin"), RuntimeOptions(max_sessions=3))
+    text = caplog.text
+    assert "memory plan: lingbot_va on cpu (float32), 2 CFG branch(es)" in text
+    transformer_mib = module_size(served.episodes.transformer).floating * 4 / 2**20
+    assert "transformer weights" in text and f"{transformer_mib:.1f} MiB" in text
+    spec = served.episodes.kv_spec()
+    assert f"(KV {spec.pages_per_branch} pages x 2 branch(es)" in text and "engine.max_sessions 3:" in text

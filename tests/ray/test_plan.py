@@ -11,6 +11,7 @@ import time
 import pytest
 
 from ardiff_server.config import ConfigError, load_config
+from ardiff_server.extras import pip_command
 from ardiff_server.ray.plan import plan_deployment, replica_config
 from ardiff_server.ray.proxy import proxy_environment
 from ardiff_server.ray.replica import EngineReplica
@@ -116,7 +117,8 @@ def test_without_ray_the_cli_says_how_to_install_it():
     code = "import sys; sys.modules['ray'] = None; from ardiff_server.cli import main; sys.exit(main(['--ray']))"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == "ardiff-serve: --ray needs Ray Serve (ray is not installed): pip install -e '.[ray]'"
+    last = result.stderr.strip().splitlines()[-1]  # this environment's own pip (.venv/bin/pip from the repository), never a bare pip
+    assert last == f"ardiff-serve: --ray needs Ray Serve (ray is not installed): {pip_command()} install -e '.[ray]' (bash scripts/serve.sh --ray installs it too)"
 
 
 def test_the_proxy_gets_the_certificate_paths_the_start_up_check_read(monkeypatch, tmp_path):

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from websockets.sync.server import ServerConnection, serve
 
+from ardiff_server.extras import pip_command
 from ardiff_server.tools import media, replay
 from ardiff_server.wire.protocol import pack, unpack
 from tests.helpers.server_harness import REPO, ServerProcess, fake_config
@@ -358,14 +359,16 @@ def test_imageio_backend_reads_the_same_frames_as_pyav(tmp_path):
 def test_missing_optional_packages_fail_with_what_to_install(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import now raises ImportError
     assert replay.main(["--port", "1", "--plot", str(tmp_path / "a.png")]) == 2
-    assert capsys.readouterr().err.strip() == "ardiff-client: plotting actions needs matplotlib: pip install matplotlib"
+    # this environment's own pip and the extra, never a bare pip that may be another Python's
+    hint = f"{pip_command()} install -e '.[viz]' (bash scripts/serve.sh --record DIR installs it too)"
+    assert capsys.readouterr().err.strip() == f"ardiff-client: plotting actions needs matplotlib (the viz extra): {hint}"
 
     (tmp_path / "exterior_image_1_left.mp4").write_bytes(b"")
     for module in ("av", "imageio", "imageio_ffmpeg"):
         monkeypatch.setitem(sys.modules, module, None)
     assert replay.main(["--port", "1", "--video-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert "pip install av" in err and len(err.splitlines()) == 1
+    assert f"needs PyAV (the viz extra): {pip_command()} install -e '.[viz]'" in err and len(err.splitlines()) == 1
 
 
 # ---------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ardiff_server.engine.messages import CONTROL, Infer, Request, pickled_by_fields
+from ardiff_server.engine.messages import CAPACITY_PREFIX, CONTROL, Infer, Request, pickled_by_fields
 
 # Eviction order: a robot that went away, then a session its robot switched away from. Attached: never.
 EVICTABLE = {"disconnected": 0, "switched": 1}
@@ -84,7 +84,7 @@ def capacity_message(open_sessions: int, max_sessions: int, pool_sessions: int |
         limit = f"engine.max_sessions: {max_sessions}"
         remedy = "a larger engine.max_sessions or more engine.replicas"
     return (
-        f"server at capacity: {open_sessions} sessions open ({limit}) and a robot is attached to each; "
+        f"{CAPACITY_PREFIX}{open_sessions} sessions open ({limit}) and a robot is attached to each; "
         f"retry after a robot resets or disconnects, or serve more with {remedy}"
     )
 

@@ -7,7 +7,8 @@ Sessions are keyed by id, not by connection (``docs/design-notes.md``, "Sessions
 * A new id is a fresh episode (RoboArena and DreamZero's client mint one per episode). Moving to
   another id does not end the previous session: IsaacLab-Arena interleaves one id per parallel
   environment over one connection, and each continues. A session nobody is currently on is the
-  engine's first eviction candidate.
+  engine's first eviction candidate, and the engine hears so before the new id's request reaches
+  it (that request's admission may need the old session's place).
 * A session ends when it is reset (``endpoint: reset``), when its TTL runs out after the last
   connection that used it went away, or when the engine evicts it (LRU cap, pool pressure).
   A session no connection is on right now is *detached* (``switched`` away from, or

@@ -6,9 +6,10 @@ It carries out the rounds its :class:`~ardiff_server.engine.scheduler.Scheduler`
 * a control request: end or detach a session;
 * an admission round: each new request is checked (a bad observation is refused before any
   state changes), its session found or opened (admission may end idle sessions: the scheduler's
-  :func:`~ardiff_server.engine.scheduler.choose_victims`, never an attached one), and the
-  session-own work of its call (:meth:`policies.base.Policy.prepare`: text, image conditioning)
-  started on the encoder thread, beside other robots' batched steps;
+  :func:`~ardiff_server.engine.scheduler.choose_victims`, never an attached one, nor one whose
+  request arrived while the round executes), and the session-own work of its call
+  (:meth:`policies.base.Policy.prepare`: text, image conditioning) started on the encoder
+  thread, beside other robots' batched steps;
 * a batch: the policy steps its sessions in one batched call. A failed batched phase is retried
   member by member inside the policy; a session whose own call fails is ended (transactional:
   its next request starts a fresh window) and the others get their normal replies.
@@ -160,13 +161,20 @@ class SessionEngine:
         request is answered now; the others wait for a batch. Under CFG-parallel the ranks agree:
         a request refused on one rank is refused on both."""
         round_ids = {request.session_id for request, _ in items}
+        table = list(self.sessions)  # as the round found it: the same on every CFG rank
+        known, newcomers = set(table), 0
         errors: list[ErrorReply | None] = []
         opened: list[tuple[SessionState, bool] | None] = []
         for request, _ in items:
             error, entry = None, None
+            protect = round_ids
+            if request.session_id not in known:
+                newcomers += 1
+                if len(table) + newcomers > self._capacity():  # it may need victims (a bound every rank computes alike)
+                    protect = round_ids | self._arrived(table)
             try:
                 self.policy.check_observation(request.observation)  # before any state changes: a bad request
-                entry = self._get_or_open(request.session_id, protect=round_ids)
+                entry = self._get_or_open(request.session_id, protect=protect)
             except UnsupportedObservation as exc:
                 error = ErrorReply(request.request_id, ErrorKind.BAD_REQUEST, str(exc))
             except CapacityError as exc:
@@ -327,8 +335,7 @@ class SessionEngine:
             session.status = "attached"
             return session, False
         pool = self.cache.pool.capacity // self.cache.reservation_per_session if self.cache is not None else None
-        capacity = min(self.max_sessions, self.cache.session_capacity) if self.cache is not None else self.max_sessions
-        needed = len(self.sessions) + 1 - capacity
+        needed = len(self.sessions) + 1 - self._capacity()
         victims = choose_victims(self.sessions, needed, {session_id, *protect})
         if victims is None:
             raise CapacityError(capacity_message(len(self.sessions), self.max_sessions, pool))
@@ -347,6 +354,19 @@ class SessionEngine:
         self.sessions[session_id] = session
         logger.info("session %s opened (%d open)", session_id, len(self.sessions))
         return session, True
+
+    def _capacity(self) -> int:
+        """Sessions the engine may hold: engine.max_sessions, or fewer if the KV pool holds fewer."""
+        return min(self.max_sessions, self.cache.session_capacity) if self.cache is not None else self.max_sessions
+
+    def _arrived(self, table: list[str]) -> set[str]:
+        """The sessions of ``table`` whose robot is back: a request of theirs reached the scheduler
+        and waits for admission (read under its lock now, while this round executes: it may have
+        arrived after the round was formed). Only rank 0's scheduler takes requests, so under
+        CFG-parallel the ranks agree (``Policy.agree``: an any-rank OR) and protect the same ones."""
+        arrived = self.scheduler.arrived_sessions()
+        flags = self.policy.agree([sid in arrived for sid in table])
+        return {sid for sid, flag in zip(table, flags) if flag}
 
     def _end(self, session_id: str, reason: str, *, count: bool = True) -> bool:
         session = self.sessions.pop(session_id, None)

@@ -54,6 +54,15 @@ class ErrorKind(enum.Enum):
     UNAVAILABLE = "unavailable"  # shutting down, or no worker could be started
 
 
+CAPACITY_PREFIX = "server at capacity: "  # how every ErrorKind.CAPACITY refusal reads on the wire
+
+
+def capacity_line(message: str) -> str:
+    """The one-line refusal a client gets for a CAPACITY error: the prefix once (the engine's own
+    message already carries it; the front end's and the KV pool's do not)."""
+    return message if message.startswith(CAPACITY_PREFIX) else CAPACITY_PREFIX + message
+
+
 # An engine that failed this way holds no sessions any more (it died, was killed as stuck, or is
 # gone): a control request to it has nothing left to do, so callers treat it as done.
 SESSIONS_GONE = frozenset({ErrorKind.WORKER_DIED, ErrorKind.TIMEOUT, ErrorKind.UNAVAILABLE})

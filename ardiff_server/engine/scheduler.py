@@ -8,7 +8,8 @@ It owns, in one place, the decisions that decide whether one robot pays for anot
 * **Admission and eviction** (:func:`choose_victims`). A new session gets a place only by ending
   sessions no robot is on: disconnected ones first, then ones their robot switched away from,
   least recently used first. Never an attached session, never one whose request waits, never
-  another session of the same admission round. When nothing can go, the new session is refused
+  another session of the same admission round, never one whose request arrived while the round
+  executes (:meth:`Scheduler.arrived_sessions`, read when the victims are chosen). When nothing can go, the new session is refused
   with ``server at capacity`` naming the limit and the remedy; every existing robot carries on.
 * **Batches.** Up to ``max_batch`` admitted requests of distinct sessions, in arrival order. A
   request whose session-own work (the encodes of a first call, a prompt change, a window restart:
@@ -31,7 +32,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ardiff_server.engine.messages import CONTROL, Infer, Request, pickled_by_fields
+from ardiff_server.engine.messages import CAPACITY_PREFIX, CONTROL, Infer, Request, pickled_by_fields
 
 # Eviction order: a robot that went away, then a session its robot switched away from. Attached: never.
 EVICTABLE = {"disconnected": 0, "switched": 1}
@@ -83,7 +84,7 @@ def capacity_message(open_sessions: int, max_sessions: int, pool_sessions: int |
         limit = f"engine.max_sessions: {max_sessions}"
         remedy = "a larger engine.max_sessions or more engine.replicas"
     return (
-        f"server at capacity: {open_sessions} sessions open ({limit}) and a robot is attached to each; "
+        f"{CAPACITY_PREFIX}{open_sessions} sessions open ({limit}) and a robot is attached to each; "
         f"retry after a robot resets or disconnects, or serve more with {remedy}"
     )
 
@@ -153,6 +154,12 @@ class Scheduler:
         with self._cond:
             return not (self._control or self._arrivals or self._admitted)
 
+    def arrived_sessions(self) -> frozenset[str]:
+        """Sessions with a request that reached the scheduler and is not admitted yet, read under
+        the lock: the reader thread adds to them while an admission round executes, and such a
+        session's robot is back (admission must not end it: :func:`choose_victims`'s ``protect``)."""
+        with self._cond:
+            return frozenset(request.session_id for request, _ in self._arrivals)
 
     def next_round(self, *, wait_for_prepared: bool = False, timeout_s: float | None = None) -> Round | None:
         """The next round; blocks until there is one (None after ``timeout_s``).

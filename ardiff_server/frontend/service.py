@@ -26,7 +26,7 @@ import numpy as np
 from ardiff_server import __version__
 from ardiff_server.config import AppConfig
 from ardiff_server.engine.client import EngineClient
-from ardiff_server.engine.messages import EngineError, ErrorKind, InferReply, scalar_info
+from ardiff_server.engine.messages import EngineError, ErrorKind, InferReply, capacity_line, scalar_info
 from ardiff_server.frontend.auth import ApiKeys, Unauthorized
 from ardiff_server.frontend.lingbot_va import LingBotVAConnections
 from ardiff_server.frontend.metrics import Metrics
@@ -305,7 +305,7 @@ class PolicyService:
         if exc.kind is ErrorKind.BAD_REQUEST:
             return f"bad request: {exc}"
         if exc.kind is ErrorKind.CAPACITY:
-            return f"server at capacity: {exc}"
+            return capacity_line(str(exc))
         if exc.kind is ErrorKind.POLICY:
             message = f"internal error: inference failed for session {session_id} ({exc}); the session was reset"
         elif exc.kind is ErrorKind.WORKER_DIED:

@@ -7,7 +7,8 @@ Sessions are keyed by id, not by connection (``docs/design-notes.md``, "Sessions
 * A new id is a fresh episode (RoboArena and DreamZero's client mint one per episode). Moving to
   another id does not end the previous session: IsaacLab-Arena interleaves one id per parallel
   environment over one connection, and each continues. A session nobody is currently on is the
-  engine's first eviction candidate.
+  engine's first eviction candidate, and the engine hears so before the new id's request reaches
+  it (that request's admission may need the old session's place).
 * A session ends when it is reset (``endpoint: reset``), when its TTL runs out after the last
   connection that used it went away, or when the engine evicts it (LRU cap, pool pressure).
   A session no connection is on right now is *detached* (``switched`` away from, or
@@ -87,7 +88,8 @@ class _Entry:
     session_id: str
     owner: str | None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    users: int = 0  # requests holding or waiting for the lock
+    users: int = 0  # requests and transitions holding or waiting for the lock
+    background: int = 0  # of them, detaches and TTL expiries: they take no other lock, and leave the session idle
     holders: set[int] = field(default_factory=set)  # open connections that used it
     current_on: set[int] = field(default_factory=set)  # connections whose current session it is
     expiry: asyncio.TimerHandle | None = None
@@ -140,7 +142,7 @@ class SessionTable:
             conn.used.add(session_id)
             conn.current = session_id
             if previous is not None:
-                self._moved_away(conn, previous)
+                await self._leave(conn, previous)  # before the request: its admission may need previous's place
             try:
                 reply = await self.engine.infer(session_id, observation)
             except EngineError as exc:
@@ -253,8 +255,10 @@ class SessionTable:
     @staticmethod
     def _idle(entry: _Entry, conn: Connection, waiting: int = 0) -> bool:
         """Open in the engine, no robot on it (but ``conn``'s, which is leaving it for a new
-        session), nobody else holding or waiting for its lock, not ended."""
-        return entry.opened and not entry.ended and entry.users <= waiting and not (entry.current_on - {conn.conn_id})
+        session), no request of anyone else holding or waiting for its lock (a detach or expiry
+        may: the caller waits for it), not ended."""
+        busy = entry.users - entry.background
+        return entry.opened and not entry.ended and busy <= waiting and not (entry.current_on - {conn.conn_id})
 
     def _counts(self, entry: _Entry, engine_sessions: set[str]) -> bool:
         return entry.counted and not entry.ended and (not entry.opened or entry.session_id in engine_sessions)
@@ -273,16 +277,27 @@ class SessionTable:
 
     # -- transitions (each under the session's lock) --------------------------------------
 
-    def _moved_away(self, conn: Connection, session_id: str) -> None:
+    async def _leave(self, conn: Connection, session_id: str) -> None:
+        """``conn`` moved on from ``session_id`` (under the new session's lock). If no robot is on it
+        now, the engine is told (evict it first) before the new session's request reaches it, whose
+        admission may need its place. Its lock is awaited only if no request holds or waits for it
+        (a detach or expiry takes no other lock); else the detach follows that request."""
         entry = self._entries.get(session_id)
         if entry is None:
             return
         entry.current_on.discard(conn.conn_id)
-        if not entry.current_on:
+        if entry.current_on or entry.ended:
+            return
+        if entry.users > entry.background:
             self._spawn(self._detach(session_id, "switched"))
+            return
+        try:
+            await self._detach(session_id, "switched")
+        except EngineError as exc:  # only a hint: the new session's request meets the engine's state itself
+            logger.warning("session %s: detach after a switch failed: %s", session_id, exc)
 
     async def _detach(self, session_id: str, reason: DetachReason) -> None:
-        async with self._locked(session_id) as entry:
+        async with self._locked(session_id, background=True) as entry:
             if entry.ended:
                 return
             if reason == "switched" and (entry.current_on or not entry.holders):
@@ -311,7 +326,7 @@ class SessionTable:
         self._spawn(self._expire(session_id, epoch))
 
     async def _expire(self, session_id: str, epoch: int) -> None:
-        async with self._locked(session_id) as entry:
+        async with self._locked(session_id, background=True) as entry:
             # Under the lock: a robot that resumed meanwhile bumped the epoch (and holds it).
             if entry.epoch != epoch or entry.holders or entry.ended:
                 return
@@ -330,16 +345,19 @@ class SessionTable:
     # -- entries and locks ------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def _locked(self, session_id: str) -> AsyncIterator[_Entry]:
+    async def _locked(self, session_id: str, *, background: bool = False) -> AsyncIterator[_Entry]:
+        """The session's entry under its lock (``background``: a detach or TTL expiry, see _Entry)."""
         entry = self._entries.get(session_id)
         if entry is None:
             entry = self._entries[session_id] = _Entry(session_id, owner=None)
         entry.users += 1
+        entry.background += background
         try:
             async with entry.lock:
                 yield entry
         finally:
             entry.users -= 1
+            entry.background -= background
             self._maybe_drop(entry)
 
     def _maybe_drop(self, entry: _Entry) -> None:

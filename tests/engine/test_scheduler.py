@@ -21,7 +21,7 @@ from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine.core import SessionEngine
 from ardiff_server.engine.inproc_client import InprocClient
 from ardiff_server.engine.messages import Detach, End, ErrorKind, ErrorReply, Infer, InferReply
-from ardiff_server.engine.scheduler import Scheduler, choose_victims
+from ardiff_server.engine.scheduler import Round, Scheduler, choose_victims
 from tests.helpers.dreamzero import ThreadPair, make_policy, observations
 from tests.helpers.fake_policy import FakeConfig, FakePolicy
 
@@ -102,6 +102,75 @@ def test_victims_are_idle_sessions_disconnected_first_never_attached_waiting_or_
     assert choose_victims(table, 2, protect={"old-switched"}) == ["gone", "peer"]
     assert choose_victims(table, 4, protect=()) is None  # the attached and the waiting one never go
     assert choose_victims(table, 0, protect=()) == []
+
+
+class AgreeingFakePolicy(FakePolicy):
+    """The fake policy with CFG-parallel's agreement (``Guidance.agree``: an any-rank OR) when given a transport."""
+
+    def __init__(self, guidance: Guidance | None = None) -> None:
+        super().__init__(FakeConfig(), RuntimeOptions())
+        self.guidance = guidance
+
+    def agree(self, failed):
+        return self.guidance.agree(list(failed)) if self.guidance is not None else list(failed)
+
+
+def full_engine(policy: FakePolicy) -> SessionEngine:
+    """Three sessions, all the engine holds: x with its robot on it, a disconnected, b switched away from."""
+    spec = policy.kv_spec()
+    cache = PagedKVCache(spec, num_pages=8 * spec.pages_per_branch + 1, max_sessions=8, branches=policy.branches)
+    engine = SessionEngine(policy, cache, max_sessions=3)
+    for request_id, sid in enumerate(("a", "b", "x")):
+        assert isinstance(engine.run([infer(request_id, sid)])[0], InferReply)
+    engine.detach("a", "disconnected")
+    engine.detach("b", "switched")
+    return engine
+
+
+def admit_while_a_returns(engine: SessionEngine, *, returns: bool) -> None:
+    """Execute the admission round [x, new c]; while x's request is checked (the round executes),
+    a's robot's request reaches the scheduler (``returns``: on this rank; CFG rank 1 never sees it)."""
+    x_request, c_request = infer(10, "x"), infer(11, "c")
+    real_check = engine.policy.check_observation
+
+    def check(observation):
+        if returns and observation is x_request.observation:
+            engine.scheduler.put(infer(12, "a"))
+        return real_check(observation)
+
+    engine.policy.check_observation = check
+    assert engine.execute(Round(admit=((x_request, 0.0), (c_request, 0.0)))) == []  # both admitted
+
+
+def test_admission_never_ends_a_session_whose_request_arrived_while_the_round_executes():
+    """a (disconnected) is the first victim for a new session c; a's robot reconnects and its request
+    reaches the scheduler while c's admission round executes. Before: that arrival protected
+    nothing, a was ended for c and its returning request started a fresh episode. Now arrivals are
+    read under the scheduler's lock when the victims are chosen: b (switched away from) makes room."""
+    engine = full_engine(AgreeingFakePolicy())
+    admit_while_a_returns(engine, returns=True)
+    assert sorted(engine.sessions) == ["a", "c", "x"] and engine.endings == {"lru": 1}
+    assert engine.scheduler.arrived_sessions() == {"a"}
+    replies = {}
+    while len(replies) < 3:
+        replies.update((r.request_id, r) for r in engine.execute(engine.scheduler.next_round(wait_for_prepared=True)))
+    assert replies[12].calls == 2 and not replies[12].new_session  # a's robot carries on its episode
+    assert replies[11].new_session and replies[10].calls == 2
+
+
+def test_cfg_ranks_protect_what_rank_0_saw_arrive_and_evict_the_same_session():
+    """Only rank 0's scheduler takes requests: rank 1 learns of a's arrival through the ranks'
+    agreement, so both end b (different victims would put their tables, and batches, out of step)."""
+    pair = ThreadPair()
+    tables: dict[int, list[str]] = {}
+
+    def rank(r: int) -> None:
+        engine = full_engine(AgreeingFakePolicy(Guidance.parallel(r, pair.endpoint(r))))
+        admit_while_a_returns(engine, returns=r == 0)
+        tables[r] = sorted(engine.sessions)
+
+    pair.run(rank, timeout_s=60)
+    assert tables == {0: ["a", "c", "x"], 1: ["a", "c", "x"]}
 
 
 # -- no robot pays for another's arrival --------------------------------------------------

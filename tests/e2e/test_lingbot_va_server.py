@@ -153,3 +153,21 @@ def test_a_repeated_first_infer_is_served_again_and_the_episode_goes_on(server):
     np.testing.assert_allclose(reply["actions"].T.reshape(SHAPE), reference[1], atol=1e-5, rtol=0)
     assert policy.infer({"endpoint": "reset", "session_ids": ["repeated"]})["status"] == "reset successful"
     assert server.metric('ardiff_kv_blocks_free{rank="0"}') == free
+
+
+def test_a_continuation_is_refused_by_name_and_the_session_goes_on(server):
+    """LingBot-VA does not continue chunks (yet): an OpenPI request carrying ``continuation`` is a bad request naming
+    the key and the policy, not a chunk served without chunk_id/frozen; /info says so."""
+    prompt = "grab the white mug"
+    frame = robotwin_frame(np.random.default_rng(3), *SIZE, prompt)
+    policy = WebsocketClientPolicy(host="127.0.0.1", port=server.port)
+    first = policy.infer(openpi_request([frame], "continued", prompt))
+    with pytest.raises(RuntimeError) as refused:
+        policy.infer({**openpi_request([frame] * 4, "continued", prompt), "continuation": {"executed": 20, "delay": 4, "chunk_id": 1}})
+    message = str(refused.value).removeprefix("Error in inference server:\n")  # openpi-client's prefix
+    assert message.startswith("bad request: continuation: policy lingbot_va does not continue chunks") and "\n" not in message
+    reply = policy.infer(openpi_request([frame] * 4, "continued", prompt))  # the chunk out is still the one to commit
+    assert reply["session"]["calls"] == 2 and "chunk_id" not in reply and first["actions"].shape == reply["actions"].shape
+    assert policy.infer({"endpoint": "reset", "session_ids": ["continued"]})["status"] == "reset successful"
+    status, body = server.http("/info")
+    assert status == 200 and json.loads(body)["continuations"] == {"accepted": False, "why": message.removeprefix("bad request: continuation: ")}

@@ -57,6 +57,9 @@ class PolicyInfo:
     # A policy's own wire served beside OpenPI's on the same socket (``ardiff_server/wire/lingbot_va.py``): None, or
     # "lingbot_va" (LingBot-VA's reset / infer / compute_kv_cache messages, one session per connection).
     native_protocol: str | None = None
+    # Continues chunks: serves a request's ``continuation`` (policies/continuation.py) and says ``chunk_id`` / ``frozen``
+    # in every reply. False: the front end refuses a ``continuation`` by name (never served as a plain chunk).
+    continuations: bool = False
 
     def __post_init__(self) -> None:
         keys = tuple(self.server_config)

@@ -27,6 +27,7 @@ from ardiff_server import __version__
 from ardiff_server.config import AppConfig
 from ardiff_server.engine.client import EngineClient
 from ardiff_server.engine.messages import EngineError, ErrorKind, InferReply, capacity_line, scalar_info
+from ardiff_server.frontend import continuations
 from ardiff_server.frontend.auth import ApiKeys, Unauthorized
 from ardiff_server.frontend.lingbot_va import LingBotVAConnections
 from ardiff_server.frontend.metrics import Metrics
@@ -160,6 +161,7 @@ class PolicyService:
                 "batch_wait_ms": self.config.engine.batch_wait_ms,
             },
             "policy": info.describe() if info is not None else None,
+            "continuations": continuations.describe(self._continuation_refusal(info)) if info is not None else None,
             "replicas": [
                 {
                     "index": r.index, "devices": r.devices, "state": r.state, "pids": r.pids, "restarts": r.restarts,
@@ -248,7 +250,13 @@ class PolicyService:
         if info is not None and info.native_protocol == "lingbot_va" and is_lingbot_va_message(payload):
             return decode_lingbot_va(payload, info.observation_schema.cameras)
         guidance = info is not None and "guidance" in info.server_config  # a policy that advertises per-request guidance takes it
-        return decode_request(payload, info.observation_schema if info is not None else None, guidance=guidance)
+        return decode_request(
+            payload, info.observation_schema if info is not None else None, guidance=guidance,
+            continuation_refused=self._continuation_refusal(info),
+        )  # fmt: skip
+
+    def _continuation_refusal(self, info) -> str | None:
+        return continuations.continuation_refusal(self.config.policy_name, info, self.config.server.reply_format)
 
     async def _reset(self, conn: Connection, request: PolicyRequest) -> bytes | str:
         if request.reset_scope == "all":

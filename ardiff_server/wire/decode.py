@@ -26,7 +26,8 @@ vectors obey the rules below, other keys are ignored. The rules this module appl
   decoded here with Pillow (``jpeg.py``: size checked from the header first, corrupt = the key named).
 - ``continuation`` (optional): ``{"executed": e, "delay": d, "chunk_id": c}``, integers >= 0
   (``chunk_id`` optional), see ``policies/continuation.py``; absent or None = an ordinary request.
-  The policy checks ``e + d`` against its chunk.
+  The policy checks ``e + d`` against its chunk. A server that serves none (``continuation_refused``: its
+  policy does not continue chunks, or its reply cannot say ``chunk_id`` / ``frozen``) refuses it by name.
 - ``video_guidance_scale`` / ``action_guidance_scale`` (optional, finite numbers): per-request
   classifier-free guidance, for a policy that advertises ``guidance`` in its metadata (LingBot-VA;
   the policy checks the bounds); refused by name for any other.
@@ -114,10 +115,13 @@ class PolicyRequest:
     session_ids: tuple[str, ...] = ()
 
 
-def decode_request(payload: Any, schema: ObservationSchema | None = None, *, guidance: bool = False) -> PolicyRequest:
+def decode_request(
+    payload: Any, schema: ObservationSchema | None = None, *, guidance: bool = False, continuation_refused: str | None = None
+) -> PolicyRequest:
     """Validate one decoded wire message and turn it into a typed request (``schema``: the served
     embodiment's keys; None: RoboArena's DROID keys; ``guidance``: the policy takes per-request
-    ``video_guidance_scale`` / ``action_guidance_scale``, else they are refused by name)."""
+    ``video_guidance_scale`` / ``action_guidance_scale``, else they are refused by name;
+    ``continuation_refused``: why this server serves no ``continuation``, None: it does)."""
     request = _require_request_map(payload)
     endpoint = _decode_endpoint(request.get(ENDPOINT_KEY))
     session_id = decode_session_id(request.get(SESSION_ID_KEY))
@@ -131,6 +135,8 @@ def decode_request(payload: Any, schema: ObservationSchema | None = None, *, gui
             return PolicyRequest("reset", session_id, None, reset_scope="named", session_ids=ids)
         return PolicyRequest("reset", session_id, None, reset_scope="named" if named else "current", session_ids=named)
     observation = _decode_observation(request) if schema is None else _decode_embodiment_observation(request, schema)
+    if continuation_refused is not None and request.get(CONTINUATION_KEY) is not None:
+        raise RequestError(f"{CONTINUATION_KEY}: {continuation_refused}")
     continuation = decode_continuation(request.get(CONTINUATION_KEY))
     call = _decode_guidance(request, guidance)
     if continuation is not None or call is not None:

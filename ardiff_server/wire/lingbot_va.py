@@ -12,7 +12,8 @@ Upstream's server (``wan_va/wan_va_server.py`` behind openpi's websocket server)
 
 Here each connection is its own session. ``save_visualization`` / ``imagine`` / ``observation.state`` / ``task`` are
 accepted and unused (upstream's server does not read them either); ``prompt`` on an infer is the reset's (upstream
-reads the reset's). A message is LingBot-VA's when it holds ``reset``, ``compute_kv_cache`` or ``obs`` and no OpenPI
+reads the reset's). ``continuation`` (this server's real-time chunking) is refused by name: LingBot-VA does not
+continue chunks. A message is LingBot-VA's when it holds ``reset``, ``compute_kv_cache`` or ``obs`` and no OpenPI
 ``observation/...`` key; anything else is decoded as OpenPI (``decode.py``).
 """
 
@@ -25,7 +26,7 @@ import numpy as np
 
 from ardiff_policies.episode import EpisodeCall
 from ardiff_policies.observation import RobotObservation
-from ardiff_server.wire.decode import MAX_FRAMES, MAX_IMAGE_SIDE, MAX_PROMPT_CHARS, RequestError, decode_guidance_scale
+from ardiff_server.wire.decode import CONTINUATION_KEY, MAX_FRAMES, MAX_IMAGE_SIDE, MAX_PROMPT_CHARS, RequestError, decode_guidance_scale
 from ardiff_server.wire.protocol import short_repr
 
 CAMERA_PREFIX = "observation.images."  # upstream's camera keys: observation.images.<camera>
@@ -57,6 +58,8 @@ def decode_lingbot_va(payload: dict[str, Any], cameras: tuple[str, ...]) -> Ling
         if len(prompt) > MAX_PROMPT_CHARS:
             raise RequestError(f"prompt: expected at most {MAX_PROMPT_CHARS} characters, got {len(prompt)}")
         return LingBotVARequest("reset", prompt=prompt)
+    if payload.get(CONTINUATION_KEY) is not None:
+        raise RequestError(f"{CONTINUATION_KEY}: LingBot-VA does not continue chunks (its replies carry no chunk_id/frozen); leave it out")
     if "obs" not in payload:
         raise RequestError(f"obs: missing; expected the observation (or key frames) under 'obs', got keys {short_repr(sorted(payload)[:8])}")
     if _flag(payload, "compute_kv_cache"):

@@ -88,7 +88,8 @@ class DreamZeroConfig(pydantic.BaseModel):
         "denoising step; CPU path only, refused at start-up elsewhere)",
     )
     continuation_execution_horizon: int | None = pydantic.Field(
-        None, ge=0, description="RTC's s: the soft mask reaches 0 at horizon - s (default: each request's executed count, the whole overlap)"
+        None, ge=0, description="RTC's s: the soft mask reaches 0 at horizon - s (default: each request's executed count, the whole overlap); "
+        "inpaint and guided only (refused with clean_prefix, which has no soft mask)",
     )
 
     @pydantic.field_validator("text_encoder_device", "image_encoder_device")
@@ -97,6 +98,15 @@ class DreamZeroConfig(pydantic.BaseModel):
         if not _COMPONENT_DEVICE.match(value):
             raise ValueError("expected engine, cpu, cuda or cuda:<index>")
         return value
+
+    @pydantic.model_validator(mode="after")
+    def _check_execution_horizon(self) -> DreamZeroConfig:
+        if self.continuation == "clean_prefix" and self.continuation_execution_horizon is not None:
+            raise ValueError(
+                f"continuation_execution_horizon: {self.continuation_execution_horizon} sets RTC's soft mask, which continuation "
+                f"clean_prefix does not use (it pins the frozen actions only); unset it, or use continuation inpaint or guided"
+            )  # fmt: skip
+        return self
 
     @pydantic.model_validator(mode="after")
     def _check_mask(self) -> DreamZeroConfig:

@@ -8,7 +8,8 @@ prompt's cross-attention K/V, its noise generator, its frame position), and the 
   into every layer's cross-attention K/V; the KV window and the VAE streams start empty; the session's generator
   is seeded (upstream draws from the unseeded global generator: not reproducible);
 * ``infer``: on the first chunk the observation is encoded and becomes latent frame 0 (timestep 0); then video
-  noise, then action noise are drawn; the video loop (FlowMatch Euler, its timesteps padded with a trailing 0 whose
+  noise, then action noise are drawn (a repeated first-chunk infer, before its commit, starts again from where the
+  first did: :class:`_StreamState`); the video loop (FlowMatch Euler, its timesteps padded with a trailing 0 whose
   forward only writes the predicted chunk's K/V, as provisional pages), then the action loop the same way; CFG
   over [prompt, negative] whenever either guidance scale is above 1;
 * ``compute_kv_cache``: the provisional pages are dropped, the frames the robot saw and the actions it executed are
@@ -95,8 +96,32 @@ class LingBotVASession:
     text_kv: list[TextKV] | None = None  # per layer, batch [prompt, negative]
     frame_start: int = 0
     first_latent: torch.Tensor | None = None  # the first chunk's encoded observation, until its commit
+    first_start: _StreamState | None = None  # the generator and VAE streams as the first infer found them, until its commit
     predicted_latents: torch.Tensor | None = None  # the last infer's denoised video, when the policy keeps it
     predicted_actions: torch.Tensor | None = None  # and its normalized actions (1, 30, F, N, 1)
+
+
+@dataclass(frozen=True)
+class _StreamState:
+    """A session's noise generator and its VAE streams' feature caches, to start a call again from.
+
+    Kept by a failed batch (:class:`_Saved`) and by an episode's first infer: a second first-chunk infer before the
+    commit (a client that asks again) would otherwise continue the streams' causal caches, which already hold the
+    first observation (the causal conv then sees 2 frames where it needs 3: upstream's server raises there too); from
+    this state it encodes its observation as the first did and draws the same noise, so it is served as the first."""
+
+    generator: torch.Tensor
+    feat_caches: tuple[list, ...]
+
+    @classmethod
+    def of(cls, session: LingBotVASession) -> _StreamState:
+        # diffusers' causal convs replace their cache entries, never write into them: a copy of the lists suffices
+        return cls(session.generator.get_state(), tuple(list(stream.feat_cache) for stream in session.streams))
+
+    def restore(self, session: LingBotVASession) -> None:
+        session.generator.set_state(self.generator)
+        for stream, cache in zip(session.streams, self.feat_caches):
+            stream.feat_cache = list(cache)
 
 
 @dataclass
@@ -104,25 +129,21 @@ class _Saved:
     """A session as it was before a batched call, to put back if the call fails (then retried alone)."""
 
     session: LingBotVASession
-    generator: torch.Tensor
-    feat_caches: list[list]
+    streams: _StreamState
     frame_start: int
     first_latent: torch.Tensor | None
+    first_start: _StreamState | None
 
     @classmethod
     def take(cls, session: LingBotVASession) -> _Saved:
         session.kv.snapshot()
-        # diffusers' causal convs replace their cache entries, never write into them: a copy of the lists suffices
-        caches = [list(stream.feat_cache) for stream in session.streams]
-        return cls(session, session.generator.get_state(), caches, session.frame_start, session.first_latent)
+        return cls(session, _StreamState.of(session), session.frame_start, session.first_latent, session.first_start)
 
     def restore(self) -> None:
         s = self.session
         s.kv.rollback()
-        s.generator.set_state(self.generator)
-        for stream, cache in zip(s.streams, self.feat_caches):
-            stream.feat_cache = list(cache)
-        s.frame_start, s.first_latent = self.frame_start, self.first_latent
+        self.streams.restore(s)
+        s.frame_start, s.first_latent, s.first_start = self.frame_start, self.first_latent, self.first_start
 
     def release(self) -> None:
         self.session.kv.release()
@@ -217,7 +238,7 @@ class LingBotVAPolicy:
         for stream in session.streams:
             stream.clear()
         session.generator = torch.Generator().manual_seed(seed)
-        session.frame_start, session.first_latent = 0, None
+        session.frame_start, session.first_latent, session.first_start = 0, None, None
         session.text_kv = text_kv if text_kv is not None else self.encode_prompt(prompt)
 
     @torch.no_grad()
@@ -374,6 +395,7 @@ class LingBotVAPolicy:
         first = [s.frame_start == 0 for s in sessions]
         for (_, request, _, _), is_first in zip(accepted, first):
             if is_first:
+                self._begin_first_chunk(request.session)
                 frames = [request.observation] if isinstance(request.observation, Mapping) else list(request.observation)
                 request.session.first_latent = self._encode_frames(request.session, frames, "obs")
         f, n = e.frame_chunk_size, e.action_per_frame
@@ -426,6 +448,16 @@ class LingBotVAPolicy:
                 session.predicted_latents = latents[row : row + 1].detach()
                 session.predicted_actions = actions[row : row + 1].detach()
         return [self._denormalize(actions[row : row + 1]) for row in range(len(sessions))]
+
+    @staticmethod
+    def _begin_first_chunk(session: LingBotVASession) -> None:
+        """An infer of the episode's first chunk: the first one keeps the generator and VAE streams it starts from; a
+        repeat (no commit since) starts from them again, its predecessor's predicted pages dropped."""
+        if session.first_latent is None:
+            session.first_start = _StreamState.of(session)
+            return
+        session.first_start.restore(session)
+        session.kv.drop_provisional()
 
     # -- a failed batch, member by member ----------------------------------------------------
 
@@ -551,7 +583,7 @@ class LingBotVAPolicy:
         self._forward(sessions, action_in, zeros, grids, action_mode=True, update=2, text_kv=text_kv)
         for session in sessions:
             session.frame_start += f
-            session.first_latent = None  # committed with the first chunk: later chunks never read it
+            session.first_latent = session.first_start = None  # committed with the first chunk: later chunks never read them
         return [None] * len(sessions)
 
     def _check_commit(self, request: CommitRequest) -> tuple[LingBotVASession, list, torch.Tensor]:

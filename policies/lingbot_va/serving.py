@@ -214,6 +214,14 @@ class LingBotVAServing(Policy[ServedSession]):
             if call is not None and call.kind == "compute_kv_cache":
                 commits.append((i, CommitRequest(session.episode, frames, call.executed_actions)))
             elif _openpi(call) and session.last_actions is not None:  # OpenPI: these frames close the chunk out
+                expected = FRAMES_PER_LATENT * (self.frames - (session.episode.frame_start == 0))
+                if len(frames) != expected:  # e.g. the session's first request again
+                    results[i] = EpisodeError(
+                        f"observation: {len(frames)} frame{'s' * (len(frames) != 1)} per camera; this session has a chunk out, "
+                        f"which the {expected} key frames seen while executing it commit (4 per latent frame); a new episode "
+                        f"is a new session_id or a reset"
+                    )  # fmt: skip
+                    continue
                 commits.append((i, CommitRequest(session.episode, frames, session.last_actions)))
                 infers.append(i)
             else:

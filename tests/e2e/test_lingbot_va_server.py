@@ -123,3 +123,51 @@ def test_openpi_requests_carry_guidance_scales_bounded_like_the_robotwin_protoco
     actions = policy.infer({**request, "video_guidance_scale": 2.0, "action_guidance_scale": 3.0})["actions"]
     np.testing.assert_allclose(actions.T.reshape(SHAPE), reference[0], atol=1e-5, rtol=0)
     assert policy.infer({"endpoint": "reset", "session_ids": ["guided"]})["status"] == "reset successful"
+
+
+def test_a_repeated_first_infer_is_served_again_and_the_episode_goes_on(server):
+    """reset, infer, infer on LingBot-VA's protocol: the second infer of the first chunk is served as the first was, and
+    the episode's commit and next chunk are what they are without the repeat. Over OpenPI a repeated first request (one
+    frame again, where the chunk out's key frames belong) is a one-line bad request and the session goes on."""
+    prompt = "grab the white mug"
+    free = server.metric('ardiff_kv_blocks_free{rank="0"}')  # earlier tests' idle sessions may hold pages
+    with LingBotVAClient(server.url) as client:
+        reference, frames = run_episode(client, prompt, 2, seed=6, size=SIZE)
+        client.call({"reset": True, "prompt": prompt})
+        infer = {"obs": frames[0][0], "video_guidance_scale": 5.0, "action_guidance_scale": 1.0}
+        first = client.call(infer)["action"]
+        np.testing.assert_array_equal(client.call(infer)["action"], first)
+        np.testing.assert_allclose(first, reference[0], atol=1e-5, rtol=0)
+        client.call({"obs": frames[1], "compute_kv_cache": True, "state": first})
+        np.testing.assert_allclose(client.call(infer)["action"], reference[1], atol=1e-5, rtol=0)
+        client.call({"reset": True, "prompt": "done"})
+    policy = WebsocketClientPolicy(host="127.0.0.1", port=server.port)
+    reply = policy.infer(openpi_request(frames[0], "repeated", prompt))
+    np.testing.assert_allclose(reply["actions"].T.reshape(SHAPE), reference[0], atol=1e-5, rtol=0)
+    with pytest.raises(RuntimeError) as refused:
+        policy.infer(openpi_request(frames[0], "repeated", prompt))
+    message = str(refused.value).removeprefix("Error in inference server:\n")  # openpi-client's prefix
+    assert message.startswith("bad request: observation: 1 frame per camera") and "\n" not in message
+    reply = policy.infer(openpi_request(frames[1], "repeated", prompt))
+    assert reply["session"]["calls"] == 2 and not reply["session"]["new"]
+    np.testing.assert_allclose(reply["actions"].T.reshape(SHAPE), reference[1], atol=1e-5, rtol=0)
+    assert policy.infer({"endpoint": "reset", "session_ids": ["repeated"]})["status"] == "reset successful"
+    assert server.metric('ardiff_kv_blocks_free{rank="0"}') == free
+
+
+def test_a_continuation_is_refused_by_name_and_the_session_goes_on(server):
+    """LingBot-VA does not continue chunks (yet): an OpenPI request carrying ``continuation`` is a bad request naming
+    the key and the policy, not a chunk served without chunk_id/frozen; /info says so."""
+    prompt = "grab the white mug"
+    frame = robotwin_frame(np.random.default_rng(3), *SIZE, prompt)
+    policy = WebsocketClientPolicy(host="127.0.0.1", port=server.port)
+    first = policy.infer(openpi_request([frame], "continued", prompt))
+    with pytest.raises(RuntimeError) as refused:
+        policy.infer({**openpi_request([frame] * 4, "continued", prompt), "continuation": {"executed": 20, "delay": 4, "chunk_id": 1}})
+    message = str(refused.value).removeprefix("Error in inference server:\n")  # openpi-client's prefix
+    assert message.startswith("bad request: continuation: policy lingbot_va does not continue chunks") and "\n" not in message
+    reply = policy.infer(openpi_request([frame] * 4, "continued", prompt))  # the chunk out is still the one to commit
+    assert reply["session"]["calls"] == 2 and "chunk_id" not in reply and first["actions"].shape == reply["actions"].shape
+    assert policy.infer({"endpoint": "reset", "session_ids": ["continued"]})["status"] == "reset successful"
+    status, body = server.http("/info")
+    assert status == 200 and json.loads(body)["continuations"] == {"accepted": False, "why": message.removeprefix("bad request: continuation: ")}

@@ -164,6 +164,19 @@ def test_guided_is_refused_where_its_backward_cannot_run():
             chunking.check_mode("guided", **settings)
 
 
+def test_an_execution_horizon_clean_prefix_does_not_use_is_refused_at_start_up():
+    """RTC's s only shapes the soft mask of inpaint and guided; clean_prefix pins the frozen actions alone, so a set
+    ``continuation_execution_horizon`` there would be silently ignored: the config is refused naming it."""
+    from ardiff_server.config import ConfigError, validate_config
+
+    policy = {"name": "dreamzero", "continuation": "clean_prefix", "continuation_execution_horizon": 4}
+    with pytest.raises(ConfigError, match=r"policy: .*continuation_execution_horizon: 4 .* clean_prefix does not use"):
+        validate_config({"policy": policy})
+    for mode in ("inpaint", "guided"):
+        assert validate_config({"policy": {**policy, "continuation": mode}}).policy_options().continuation_execution_horizon == 4
+    assert validate_config({"policy": {**policy, "continuation_execution_horizon": None}}).policy_options().continuation == "clean_prefix"
+
+
 def test_guidance_weight_is_rtcs_clipped_schedule():
     assert chunking.guidance_weight(1.0) == chunking.guidance_weight(0.0) == chunking.GUIDANCE_MAX_WEIGHT == 5.0
     tau = 0.3  # Black et al. 2025: min(beta, (1 - tau) / (tau r^2)), r^2 = (1 - tau)^2 / (tau^2 + (1 - tau)^2), sigma = 1 - tau

@@ -140,6 +140,63 @@ def test_bad_requests_are_refused_by_key_and_leave_the_episode_intact(reference,
     assert np.abs(action - tensors["policy.actions.1"].numpy()).max() <= ATOL
 
 
+def test_a_repeated_first_infer_is_served_as_the_first_and_the_episode_goes_on(reference, policy):
+    """reset, infer, infer: the second infer of the first chunk (no commit between) starts again from where the first
+    did (VAE streams, generator, no predicted pages), so it is the first's chunk; with another observation, that
+    observation's first chunk. The commit and the next chunk are then the episode's as if it had been asked once."""
+    meta, tensors = reference
+    p = meta["policy"]
+    e = TINY_EMBODIMENT
+    cache = make_cache(policy)
+    session = policy.start_session("robot", cache.open_session("robot"))
+    policy.reset(session, p["prompt"], seed=p["seed"])
+    observation = RECORD.observation(e.cameras, 0)
+    first = policy.infer(session, observation)
+    assert np.abs(first - tensors["policy.actions.0"].numpy()).max() <= ATOL
+    np.testing.assert_array_equal(policy.infer(session, observation), first)
+    elsewhere = policy.infer(session, RECORD.observation(e.cameras, 5))
+    fresh = policy.start_session("fresh", cache.open_session("fresh"))
+    policy.reset(fresh, p["prompt"], seed=p["seed"])
+    np.testing.assert_array_equal(elsewhere, policy.infer(fresh, RECORD.observation(e.cameras, 5)))
+    cache.end_session(fresh.kv)
+    np.testing.assert_array_equal(policy.infer(session, observation), first)
+    policy.compute_kv_cache(session, RECORD.key_frames(e.cameras, 0, 4 * (e.frame_chunk_size - 1)), first)
+    action = policy.infer(session, RECORD.observation(e.cameras, 1))
+    assert np.abs(action - tensors["policy.actions.1"].numpy()).max() <= ATOL
+    cache.end_session(session.kv)
+    assert cache.pool.num_allocated == 0
+
+
+def test_a_repeated_first_infer_in_a_failed_batch_is_retried_alone_and_still_the_first(reference, policy, monkeypatch):
+    meta, tensors = reference
+    p = meta["policy"]
+    e = TINY_EMBODIMENT
+    cache = make_cache(policy)
+    robot = policy.start_session("robot", cache.open_session("robot"))
+    other = policy.start_session("other", cache.open_session("other"))
+    policy.reset(robot, p["prompt"], seed=p["seed"])
+    policy.reset(other, "pick up the red cup", seed=3)
+    observation = RECORD.observation(e.cameras, 0)
+    first = policy.infer(robot, observation)
+    forward = policy._forward
+
+    def batched_forward_fails(sessions, *args, **kwargs):
+        if len(sessions) > 1:
+            raise RuntimeError("injected: a batched forward failed")
+        return forward(sessions, *args, **kwargs)
+
+    monkeypatch.setattr(policy, "_forward", batched_forward_fails)
+    again, _ = policy.infer_batch([InferRequest(robot, observation), InferRequest(other, RECORD.observation(e.cameras, 9))])
+    monkeypatch.undo()
+    np.testing.assert_array_equal(again, first)
+    policy.compute_kv_cache(robot, RECORD.key_frames(e.cameras, 0, 4 * (e.frame_chunk_size - 1)), first)
+    action = policy.infer(robot, RECORD.observation(e.cameras, 1))
+    assert np.abs(action - tensors["policy.actions.1"].numpy()).max() <= ATOL
+    for session in (robot, other):
+        cache.end_session(session.kv)
+    assert cache.pool.num_allocated == 0
+
+
 def test_the_kv_geometry_of_the_shipped_embodiments():
     from ardiff_policies.lingbot_va.config import FRANKA, ROBOTWIN, TransformerConfig
     from ardiff_policies.lingbot_va.policy import kv_spec

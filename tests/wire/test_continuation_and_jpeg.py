@@ -85,6 +85,21 @@ def test_bad_continuations_are_bad_requests_naming_the_field(value, message):
     assert rejected(droid_request(continuation=value)).startswith(message)
 
 
+def test_a_server_that_takes_no_continuation_refuses_it_by_name():
+    """``continuation_refused``: why this server serves no continuation (the policy does not continue chunks, or its
+    reply format cannot say chunk_id/frozen); a request carrying one is refused naming the key, before its value is
+    read, and a request without one is served as ever."""
+    why = "policy noop does not continue chunks (its replies carry no chunk_id/frozen); leave it out"
+    request = droid_request(continuation={"executed": 3, "delay": 5})
+    with pytest.raises(RequestError) as info:
+        decode_request(unpack(openpi.packb(request)), continuation_refused=why)
+    assert str(info.value) == f"continuation: {why}"
+    with pytest.raises(RequestError, match=r"^continuation: policy noop"):
+        decode_request(unpack(openpi.packb(droid_request(continuation=[1, 2]))), continuation_refused=why)
+    plain = decode_request(unpack(openpi.packb(droid_request(continuation=None))), continuation_refused=why)
+    assert plain.observation.continuation is None
+
+
 # --- JPEG ---------------------------------------------------------------------------------------
 
 

@@ -94,3 +94,13 @@ def test_openpi_requests_carry_guidance_only_to_a_policy_that_takes_it():
             decode_request(openpi(video_guidance_scale=value), schema, guidance=True)
     with pytest.raises(RequestError, match="action_guidance_scale: this server's policy takes no per-request guidance"):
         decode_request(openpi(action_guidance_scale=2.0), schema)  # never silently ignored
+
+
+def test_a_continuation_on_lingbot_vas_own_protocol_is_refused_by_name():
+    """Upstream's messages never carry ``continuation`` (this server's real-time chunking, OpenPI only, and not for
+    LingBot-VA yet): one that does is refused naming it, not decoded without it."""
+    for message in ({"obs": frame(), "continuation": {"executed": 1, "delay": 2}},
+                    {"obs": [frame()] * 4, "compute_kv_cache": True, "state": np.zeros((16, 2, 16)), "continuation": 3}):  # fmt: skip
+        with pytest.raises(RequestError, match=r"^continuation: LingBot-VA does not continue chunks"):
+            decode(message)
+    assert decode({"obs": frame(), "continuation": None}).kind == "infer"

@@ -55,6 +55,9 @@ class ServerConfig(_Section):
     # permessage-deflate: declined unless set (a 338 KiB observation frame costs ~10x the CPU time of sending it plainly)
     compression: Literal["none", "deflate"] = "none"
     max_frame_items: int = pydantic.Field(1024, ge=64)  # msgpack list/map entries per frame (DROID: < 100)
+    # Camera pixels one request may declare (JPEG headers, raw array shapes, after the frames the policy drops),
+    # refused by name before any is decoded; auto: the policy's frames per call x cameras at 4x its resolution per side
+    max_request_pixels: int | Literal["auto"] = "auto"
     max_connections: int = pydantic.Field(64, ge=1)  # further handshakes get HTTP 503
     # Per API key (frontend/sessions.py, "Per-key limits" in docs/design-notes.md). "fair": with two or
     # more keys, an equal share of engine.max_sessions x replicas (of max_connections); else no limit.
@@ -90,6 +93,13 @@ class ServerConfig(_Section):
         if value is None or value == "fair" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             return value
         raise ValueError("expected a count >= 1, fair (a share per key) or null (no limit)")
+
+    @pydantic.field_validator("max_request_pixels", mode="before")
+    @classmethod
+    def _pixel_budget(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError("expected a number of pixels >= 1 (e.g. 11059200: 4 frames x 3 cameras of 720x1280) or auto")
 
     @pydantic.model_validator(mode="after")
     def _tls_pair(self) -> ServerConfig:

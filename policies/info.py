@@ -60,6 +60,12 @@ class PolicyInfo:
     # Continues chunks: serves a request's ``continuation`` (policies/continuation.py) and says ``chunk_id`` / ``frozen``
     # in every reply. False: the front end refuses a ``continuation`` by name (never served as a plain chunk).
     continuations: bool = False
+    # Camera frames per camera one call reads at most: the default per-request pixel budget counts this many
+    # (server.max_request_pixels: auto, ardiff_server/wire/budget.py).
+    max_frames_per_call: int = 1
+    # True: a call reads only the newest max_frames_per_call frames of a stack (DreamZero), so the front end drops
+    # older ones before decoding them; False: every frame sent reaches the policy (LingBot-VA checks the count).
+    keeps_newest_frames: bool = False
 
     def __post_init__(self) -> None:
         keys = tuple(self.server_config)
@@ -68,6 +74,16 @@ class PolicyInfo:
                 raise ValueError("an embodiment's metadata frame must name the embodiment its observation schema is for")
         elif sorted(keys) != sorted(SERVER_CONFIG_KEYS):
             raise ValueError(f"server_config must hold exactly RoboArena's PolicyServerConfig keys {SERVER_CONFIG_KEYS}, got {keys}")
+
+    @property
+    def camera_resolutions(self) -> tuple[tuple[int, int], ...]:
+        """(height, width) a client is asked to send, per camera: the schema's, else DROID's one resolution for
+        each camera the metadata frame names (exterior cameras and the wrist)."""
+        if self.observation_schema is not None:
+            return tuple(tuple(size) for size in self.observation_schema.resolutions)
+        config = self.server_config
+        cameras = int(config["n_external_cameras"]) + int(bool(config["needs_wrist_camera"]))
+        return (tuple(config["image_resolution"]),) * cameras
 
     @property
     def action_shape(self) -> list[int]:

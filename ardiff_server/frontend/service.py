@@ -32,6 +32,7 @@ from ardiff_server.frontend.auth import ApiKeys, Unauthorized
 from ardiff_server.frontend.lingbot_va import LingBotVAConnections
 from ardiff_server.frontend.metrics import Metrics
 from ardiff_server.frontend.sessions import Connection, KeyLimits, SessionForbidden, SessionTable
+from ardiff_server.wire.budget import request_budget
 from ardiff_server.wire.decode import PolicyRequest, decode_request
 from ardiff_server.wire.lingbot_va import LingBotVARequest, decode_lingbot_va, is_lingbot_va_message
 from ardiff_server.wire.protocol import DecodeLimits, ProtocolError, pack, unpack
@@ -39,7 +40,6 @@ from ardiff_server.wire.protocol import DecodeLimits, ProtocolError, pack, unpac
 logger = logging.getLogger(__name__)
 
 WEBSOCKET_PATHS = ("/", "/v1/realtime/robot/openpi")  # openpi/RoboArena/DreamZero; vLLM-Omni's example client
-DECODE_IN_THREAD_BYTES = 4 * 2**20  # larger frames are decoded off the event loop
 
 
 class Transport(Protocol):
@@ -225,10 +225,9 @@ class PolicyService:
             self.metrics.requests.labels("bad_request").inc()
             return "bad request: expected a binary msgpack frame, got a text frame"
         try:
-            if len(frame) > DECODE_IN_THREAD_BYTES:  # big copies would stall every other robot
-                request = await asyncio.to_thread(self._decode, frame)
-            else:
-                request = self._decode(frame)
+            # Off the event loop whatever the frame's size: a 690-byte JPEG may declare 4096x4096, so bytes say
+            # nothing about the decode's cost (the pixel budget bounds it; other robots wait on no decode)
+            request = await asyncio.to_thread(self._decode, frame)
         except ProtocolError as exc:
             self.metrics.requests.labels("bad_request").inc()
             logger.info("connection %d: bad request: %s", conn.conn_id, exc)
@@ -245,13 +244,15 @@ class PolicyService:
             return f"forbidden: {exc}"
 
     def _decode(self, frame: bytes) -> PolicyRequest | LingBotVARequest:
+        """One request frame decoded (in a worker thread): images counted against the pixel budget before any is decoded."""
         info = self.engine.info  # its observation schema: the served embodiment's keys (None: RoboArena's DROID keys)
+        budget = request_budget(self.config.server.max_request_pixels, info)  # and the frames its policy keeps
         payload = unpack(frame, self.limits, copy=False)
         if info is not None and info.native_protocol == "lingbot_va" and is_lingbot_va_message(payload):
-            return decode_lingbot_va(payload, info.observation_schema.cameras)
+            return decode_lingbot_va(payload, info.observation_schema.cameras, budget)
         guidance = info is not None and "guidance" in info.server_config  # a policy that advertises per-request guidance takes it
         return decode_request(
-            payload, info.observation_schema if info is not None else None, guidance=guidance,
+            payload, info.observation_schema if info is not None else None, guidance=guidance, budget=budget,
             continuation_refused=self._continuation_refusal(info),
         )  # fmt: skip
 

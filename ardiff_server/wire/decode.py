@@ -18,12 +18,10 @@ vectors obey the rules below, other keys are ignored. The rules this module appl
 - Exterior cameras come in two index conventions: ``_0_left`` present -> 0-indexed
   (``_0_left``, ``_1_left``); else ``_2_left`` present -> 1-indexed (``_1_left``,
   ``_2_left``); a lone ``_1_left`` is the first exterior camera.
-- Images are uint8 numpy arrays (H, W, 3) or frame stacks (T, H, W, 3), normalized to
-  C-contiguous (T, H, W, 3) (views of the frame where possible: the engine client copies them
-  once, into shared memory). Any size within :data:`MAX_IMAGE_SIDE` / :data:`MAX_FRAMES` is
-  accepted: policies resize, the declared resolution is a hint (docs/spec.md §4).
-- An image may also arrive JPEG-encoded: bytes (one frame) or a list of bytes (a frame stack),
-  decoded here with Pillow (``jpeg.py``: size checked from the header first, corrupt = the key named).
+- Images (raw uint8 arrays or JPEG bytes) are read by ``images.py``: every camera of a request is
+  read and its declared pixels counted against the server's :class:`~ardiff_server.wire.budget.PixelBudget`
+  (``budget=``; None: no budget) before any is decoded, and frames older than the policy keeps are
+  dropped unread.
 - ``continuation`` (optional): ``{"executed": e, "delay": d, "chunk_id": c}``, integers >= 0
   (``chunk_id`` optional), see ``policies/continuation.py``; absent or None = an ordinary request.
   The policy checks ``e + d`` against its chunk. A server that serves none (``continuation_refused``: its
@@ -56,8 +54,10 @@ from ardiff_policies.continuation import Continuation
 from ardiff_policies.embodiment import ObservationSchema
 from ardiff_policies.episode import EpisodeCall
 from ardiff_policies.observation import RobotObservation
-from ardiff_server.wire.jpeg import JpegError, decode_jpeg
-from ardiff_server.wire.protocol import ProtocolError, short_repr
+from ardiff_server.wire.budget import PixelBudget
+from ardiff_server.wire.images import IMAGE_EXPECTED, MAX_FRAMES, MAX_IMAGE_SIDE, decode_images, read_image
+from ardiff_server.wire.protocol import RequestError, short_repr
+from ardiff_server.wire.protocol import describe as _describe
 
 __all__ = [
     "MAX_FRAMES",
@@ -69,11 +69,6 @@ __all__ = [
     "decode_request",
 ]
 
-# Bounds on what one request may carry. A (64, 4096, 4096, 3) stack would be 3 GiB, but the
-# codec's frame limit (64 MiB) bounds the real total long before these do; these reject
-# nonsense shapes with a message about the key rather than about bytes.
-MAX_IMAGE_SIDE = 4096  # pixels, height and width
-MAX_FRAMES = 64  # frames in one (T, H, W, 3) stack; DreamZero sends 1 or 4
 MAX_PROMPT_CHARS = 4096
 MAX_SESSION_ID_CHARS = 256
 
@@ -87,7 +82,6 @@ CONTINUATION_FIELDS = ("executed", "delay", "chunk_id")
 MAX_CHUNK_ID = 2**63 - 1
 MAX_RESET_IDS = 256
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
-IMAGE_EXPECTED = "a uint8 RGB image array (H, W, 3) or frame stack (T, H, W, 3), or JPEG bytes (a list of them for a stack)"
 WRIST_IMAGE_KEY = "observation/wrist_image_left"
 # (key, length) of the proprioceptive state vectors, in RobotObservation field order.
 STATE_KEYS = {
@@ -101,10 +95,6 @@ def exterior_image_key(index: int) -> str:
     return f"observation/exterior_image_{index}_left"
 
 
-class RequestError(ProtocolError):
-    """A request whose known keys hold bad values; the message names the key."""
-
-
 @dataclass(frozen=True)
 class PolicyRequest:
     endpoint: Literal["infer", "reset"]
@@ -116,11 +106,17 @@ class PolicyRequest:
 
 
 def decode_request(
-    payload: Any, schema: ObservationSchema | None = None, *, guidance: bool = False, continuation_refused: str | None = None
+    payload: Any,
+    schema: ObservationSchema | None = None,
+    *,
+    guidance: bool = False,
+    budget: PixelBudget | None = None,
+    continuation_refused: str | None = None,
 ) -> PolicyRequest:
     """Validate one decoded wire message and turn it into a typed request (``schema``: the served
     embodiment's keys; None: RoboArena's DROID keys; ``guidance``: the policy takes per-request
-    ``video_guidance_scale`` / ``action_guidance_scale``, else they are refused by name;
+    ``video_guidance_scale`` / ``action_guidance_scale``, else they are refused by name; ``budget``: the
+    server's per-request pixel budget and the frames the policy keeps, None: neither;
     ``continuation_refused``: why this server serves no ``continuation``, None: it does)."""
     request = _require_request_map(payload)
     endpoint = _decode_endpoint(request.get(ENDPOINT_KEY))
@@ -134,9 +130,9 @@ def decode_request(
             ids = tuple(dict.fromkeys((*named, *listed)))  # unique, in order
             return PolicyRequest("reset", session_id, None, reset_scope="named", session_ids=ids)
         return PolicyRequest("reset", session_id, None, reset_scope="named" if named else "current", session_ids=named)
-    observation = _decode_observation(request) if schema is None else _decode_embodiment_observation(request, schema)
     if continuation_refused is not None and request.get(CONTINUATION_KEY) is not None:
         raise RequestError(f"{CONTINUATION_KEY}: {continuation_refused}")
+    observation = _decode_observation(request, budget) if schema is None else _decode_embodiment_observation(request, schema, budget)
     continuation = decode_continuation(request.get(CONTINUATION_KEY))
     call = _decode_guidance(request, guidance)
     if continuation is not None or call is not None:
@@ -285,20 +281,18 @@ def _decode_prompt(value: Any) -> str:
     return value  # unchanged: a changed prompt resets the session, so keep it exact
 
 
-def _decode_observation(request: dict[str, Any]) -> RobotObservation:
+def _decode_observation(request: dict[str, Any], budget: PixelBudget | None) -> RobotObservation:
     left_key, right_key = _exterior_camera_keys(request)
     states = {field: _decode_state(key, request.get(key), length) for field, (key, length) in STATE_KEYS.items()}
+    images = decode_images({
+        "exterior_left": read_image(left_key, request.get(left_key), budget),
+        "exterior_right": read_image(right_key, request.get(right_key), budget) if right_key else None,
+        "wrist": read_image(WRIST_IMAGE_KEY, request.get(WRIST_IMAGE_KEY), budget),
+    }, budget)  # fmt: skip
     wire_keys = {"exterior_left": left_key, "wrist": WRIST_IMAGE_KEY, **{field: key for field, (key, _) in STATE_KEYS.items()}}
     if right_key is not None:
         wire_keys["exterior_right"] = right_key
-    observation = RobotObservation(
-        exterior_left=_decode_image(left_key, request.get(left_key)),
-        exterior_right=_decode_image(right_key, request.get(right_key)) if right_key else None,
-        wrist=_decode_image(WRIST_IMAGE_KEY, request.get(WRIST_IMAGE_KEY)),
-        prompt=_decode_prompt(request.get(PROMPT_KEY)),
-        wire_keys=wire_keys,
-        **states,
-    )
+    observation = RobotObservation(**images, prompt=_decode_prompt(request.get(PROMPT_KEY)), wire_keys=wire_keys, **states)
     if not observation.arrays():  # a map of unrelated keys (or garbage that happens to be a map)
         raise RequestError(
             f"no observation in the request: expected images ({exterior_image_key(0)}, {WRIST_IMAGE_KEY}, ...) "
@@ -316,15 +310,16 @@ def _decode_observation(request: dict[str, Any]) -> RobotObservation:
     return observation
 
 
-def _decode_embodiment_observation(request: dict[str, Any], schema: ObservationSchema) -> RobotObservation:
+def _decode_embodiment_observation(request: dict[str, Any], schema: ObservationSchema, budget: PixelBudget | None) -> RobotObservation:
     """An embodiment's ``observation/<name>`` keys: every camera and state the schema names is required."""
-    cameras, states = {}, {}
+    images, states = {}, {}
     for name in schema.cameras:
         key = schema.key(name)
         value = request.get(key)
         if value is None:
             raise RequestError(f"{key}: missing; expected {IMAGE_EXPECTED}{_unknown_keys(request, schema)}")
-        cameras[name] = _decode_image(key, value)
+        images[name] = read_image(key, value, budget)
+    cameras = decode_images(images, budget)
     for part in schema.states:
         key = schema.key(part.name)
         value = request.get(key)
@@ -351,55 +346,6 @@ def _exterior_camera_keys(request: dict[str, Any]) -> tuple[str, str | None]:
         return exterior_image_key(1), exterior_image_key(2)
     # Neither 0 nor 2: a lone _1_left (or nothing) is the first camera. There is no second.
     return exterior_image_key(1), None
-
-
-def _decode_jpeg_frames(key: str, value: Any) -> np.ndarray:
-    """JPEG bytes, or a list of them (a frame stack of one size) -> (T, H, W, 3) uint8."""
-    items = [value] if isinstance(value, bytes | bytearray | memoryview) else list(value)
-    if not 1 <= len(items) <= MAX_FRAMES:
-        raise RequestError(f"{key}: expected 1 to {MAX_FRAMES} JPEG frames, got {len(items)}")
-    frames = []
-    for i, item in enumerate(items):
-        where = key if len(items) == 1 and not isinstance(value, list | tuple) else f"{key}[{i}]"
-        if not isinstance(item, bytes | bytearray | memoryview):
-            raise RequestError(f"{where}: expected JPEG bytes, got {_describe(item)}")
-        try:
-            frames.append(decode_jpeg(item, MAX_IMAGE_SIDE))
-        except JpegError as exc:
-            raise RequestError(f"{where}: expected {IMAGE_EXPECTED}, got {exc}") from None
-        if frames[-1].shape != frames[0].shape:
-            raise RequestError(f"{where}: frames of a stack must share one size, got {frames[0].shape[:2]} and {frames[-1].shape[:2]}")
-    return np.stack(frames)
-
-
-def _decode_image(key: str, value: Any) -> np.ndarray | None:
-    """uint8 (H, W, 3) or (T, H, W, 3), or JPEG bytes (a list for a stack) -> owned C-contiguous (T, H, W, 3); None if absent."""
-    if value is None:
-        return None
-    if isinstance(value, bytes | bytearray | memoryview) or (
-        isinstance(value, list | tuple) and value and all(isinstance(v, bytes | bytearray | memoryview) for v in value)
-    ):
-        return _decode_jpeg_frames(key, value)
-    expected = IMAGE_EXPECTED
-    if not isinstance(value, np.ndarray):
-        raise RequestError(
-            f"{key}: expected {expected} (images must be numpy arrays, not lists), got {_describe(value)}"
-        )
-    if value.dtype != np.uint8:
-        raise RequestError(f"{key}: expected {expected}, got dtype {value.dtype}")
-    if value.ndim not in (3, 4):
-        raise RequestError(f"{key}: expected {expected}, got shape {value.shape}")
-    if value.shape[-1] != 3:
-        raise RequestError(f"{key}: expected 3 color channels last (RGB), got shape {value.shape}")
-    frames = value if value.ndim == 4 else value[np.newaxis]
-    num_frames, height, width, _ = frames.shape
-    if not 1 <= num_frames <= MAX_FRAMES:
-        raise RequestError(f"{key}: expected 1 to {MAX_FRAMES} frames, got shape {value.shape}")
-    if not (1 <= height <= MAX_IMAGE_SIDE and 1 <= width <= MAX_IMAGE_SIDE):
-        raise RequestError(
-            f"{key}: expected height and width of 1 to {MAX_IMAGE_SIDE} pixels, got shape {value.shape}"
-        )
-    return frames if frames.flags.c_contiguous else np.ascontiguousarray(frames)
 
 
 def _state_expected(length: int) -> str:
@@ -446,11 +392,3 @@ def _list_number(key: str, item: Any, expected: str) -> float:
 def _is_number(value: Any) -> bool:
     # bool is an int subclass but no joint reading (np.bool_ is no np.integer either).
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, np.ndarray):
-        return f"array of dtype {value.dtype} and shape {value.shape}"
-    if isinstance(value, (list, tuple)):
-        return f"a list of {len(value)}"
-    return type(value).__name__

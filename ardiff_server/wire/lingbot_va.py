@@ -26,6 +26,7 @@ import numpy as np
 
 from ardiff_policies.episode import EpisodeCall
 from ardiff_policies.observation import RobotObservation
+from ardiff_server.wire.budget import PixelBudget
 from ardiff_server.wire.decode import CONTINUATION_KEY, MAX_FRAMES, MAX_IMAGE_SIDE, MAX_PROMPT_CHARS, RequestError, decode_guidance_scale
 from ardiff_server.wire.protocol import short_repr
 
@@ -49,8 +50,9 @@ def is_lingbot_va_message(payload: Any) -> bool:
     )
 
 
-def decode_lingbot_va(payload: dict[str, Any], cameras: tuple[str, ...]) -> LingBotVARequest:
-    """One of LingBot-VA's messages; ``cameras``: the served cameras' short names (``cam_high``, ...)."""
+def decode_lingbot_va(payload: dict[str, Any], cameras: tuple[str, ...], budget: PixelBudget | None = None) -> LingBotVARequest:
+    """One of LingBot-VA's messages; ``cameras``: the served cameras' short names (``cam_high``, ...); ``budget``: the
+    server's per-request pixel budget (``budget.py``; the frames of every camera counted before any is stacked)."""
     if _flag(payload, "reset"):
         prompt = payload.get("prompt")
         if not isinstance(prompt, str):
@@ -67,11 +69,11 @@ def decode_lingbot_va(payload: dict[str, Any], cameras: tuple[str, ...]) -> Ling
         if not isinstance(state, np.ndarray) or state.dtype.kind not in "fiu" or state.ndim != 3:
             raise RequestError(f"state: expected the chunk's actions as a (channels, frames, actions per frame) array, got {short_repr(state)}")
         call = EpisodeCall("compute_kv_cache", executed_actions=np.array(state, dtype=np.float32))
-        return LingBotVARequest("compute_kv_cache", observation=_observation(payload["obs"], cameras, call))
+        return LingBotVARequest("compute_kv_cache", observation=_observation(payload["obs"], cameras, call, budget))
     call = EpisodeCall(
         "infer", decode_guidance_scale(payload, "video_guidance_scale"), decode_guidance_scale(payload, "action_guidance_scale"),
     )  # fmt: skip
-    return LingBotVARequest("infer", observation=_observation(payload["obs"], cameras, call))
+    return LingBotVARequest("infer", observation=_observation(payload["obs"], cameras, call, budget))
 
 
 def _flag(payload: dict[str, Any], key: str) -> bool:
@@ -83,25 +85,27 @@ def _flag(payload: dict[str, Any], key: str) -> bool:
     return bool(value)
 
 
-def _observation(obs: Any, cameras: tuple[str, ...], call: EpisodeCall) -> RobotObservation:
+def _observation(obs: Any, cameras: tuple[str, ...], call: EpisodeCall, budget: PixelBudget | None) -> RobotObservation:
     """``obs`` (one frame map, or a list of them) -> one (T, H, W, 3) stack per camera."""
     frames = obs if isinstance(obs, list) else [obs]
     if not frames:
         raise RequestError("obs: expected at least one frame")
     if len(frames) > MAX_FRAMES:
         raise RequestError(f"obs: expected at most {MAX_FRAMES} frames, got {len(frames)}")
-    stacks = {}
+    images: dict[str, list[np.ndarray]] = {}
     for name in cameras:
         key = CAMERA_PREFIX + name
-        images = []
+        images[key] = []
         for i, frame in enumerate(frames):
             where = f"obs[{i}].{key}" if isinstance(obs, list) else f"obs.{key}"
             if not isinstance(frame, dict):
                 raise RequestError(f"obs[{i}]: expected a map of camera images, got {short_repr(frame)}")
-            images.append(_image(where, frame.get(key)))
-        if len({image.shape for image in images}) != 1:
-            raise RequestError(f"obs: the frames of {key} differ in shape ({sorted({image.shape for image in images})})")
-        stacks[name] = np.ascontiguousarray(np.stack(images))
+            images[key].append(_image(where, frame.get(key)))
+        if len({image.shape for image in images[key]}) != 1:
+            raise RequestError(f"obs: the frames of {key} differ in shape ({sorted({image.shape for image in images[key]})})")
+    if budget is not None:  # before any stack is copied
+        budget.check((key, len(stack), *stack[0].shape[:2]) for key, stack in images.items())
+    stacks = {name: np.stack(images[CAMERA_PREFIX + name]) for name in cameras}
     return RobotObservation(cameras=stacks, states={}, prompt=None, episode=call)
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-__all__ = ["DecodeLimits", "ProtocolError", "pack", "short_repr", "unpack"]
+__all__ = ["DecodeLimits", "ProtocolError", "RequestError", "describe", "pack", "short_repr", "unpack"]
 
 _MiB = 1024 * 1024
 
@@ -64,6 +64,10 @@ _STRING_DTYPE = re.compile(r"(?:[<=](U)|\|(S))([1-9][0-9]{0,3})")
 
 class ProtocolError(ValueError):
     """A frame that cannot be encoded or decoded; the message is one specific line."""
+
+
+class RequestError(ProtocolError):
+    """A request whose known keys hold bad values; the message names the key (``decode.py``, ``images.py``)."""
 
 
 @dataclass(frozen=True)
@@ -415,3 +419,12 @@ def short_repr(value: Any, limit: int = 60) -> str:
     """repr() cut to ``limit`` characters: messages stay one short line whatever a client sent."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def describe(value: Any) -> str:
+    """What a value is, for "expected ..., got <this>" messages (arrays: dtype and shape; lists: their length)."""
+    if isinstance(value, np.ndarray):
+        return f"array of dtype {value.dtype} and shape {value.shape}"
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)}"
+    return type(value).__name__

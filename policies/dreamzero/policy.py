@@ -194,6 +194,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             max_batch=64,  # step_batch runs any number of sessions in one forward; engine.max_batch caps it
             observation_schema=schema,
             continuations=True,
+            max_frames_per_call=FRAMES_PER_CALL, keeps_newest_frames=True,  # InputEncoder.canvas: the newest are used
         )
 
     def check_observation(self, observation: RobotObservation) -> None:

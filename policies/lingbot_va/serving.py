@@ -118,6 +118,7 @@ class LingBotVAServing(Policy[ServedSession]):
                 "commit_frames": commit_frames, "layout": e.layout, "attn_window": e.attn_window, "seed": self.config.seed,
             },
             max_batch=MAX_BATCH, observation_schema=self.schema, native_protocol="lingbot_va",
+            max_frames_per_call=max(commit_frames.values()),  # every frame sent is read; check_observation refuses other counts
         )  # fmt: skip
 
     @property

@@ -7,6 +7,7 @@ without bound; shutdown may not wait on a stuck worker. See docs/failure-model.m
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import socket
@@ -16,14 +17,17 @@ import threading
 import time
 
 import msgpack
+import numpy as np
 import pytest
 from openpi_client import msgpack_numpy
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
+from PIL import Image
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from ardiff_server.wire.jpeg import encode_jpeg
 from tests.helpers.server_harness import REPO, ServerProcess, droid_observation, fake_config
-from tests.helpers.sockets import RawWebSocket, rss_mib, wait_for
+from tests.helpers.sockets import RawWebSocket, peak_rss_mib, reset_peak_rss, rss_mib, wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")
 
@@ -237,6 +241,72 @@ def test_idle_connections_are_closed_with_a_reason(tmp_path):
                 ws.recv(timeout=10)
         assert "idle for 1 s" in closed.value.rcvd.reason
         assert server.metric('ardiff_connections_closed_total{reason="idle"}') == 1
+
+
+def decoy_jpeg(side: int = 4096) -> bytes:
+    """690 bytes whose header declares side x side: the scan is cut short and ended with EOI (Pillow fills the rest)."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (side, side), (120, 60, 30)).save(buffer, format="JPEG", quality=10)
+    return buffer.getvalue()[:688] + b"\xff\xd9"
+
+
+def test_decoy_jpegs_are_refused_from_their_headers_and_move_neither_memory_nor_other_robots(tmp_path):
+    """Issue #34: a 6.5 KiB request (four copies of a 690-byte JPEG whose header claims 4096x4096) cost ~1.1 GiB of
+    RSS and stalled every robot and /healthz for 3-4 s; 64 frames x 3 cameras (~130 KiB) would have decoded to ~9 GiB.
+    Now the headers are counted against server.max_request_pixels and nothing is decoded; the largest request the
+    budget allows moves the front end's peak RSS by its decoded pixels plus one frame in Pillow."""
+    budget = 4 * 3 * 720 * 1280  # DreamZero-DROID's auto budget: 31.6 MiB of uint8 RGB
+    cameras = ("observation/exterior_image_0_left", "observation/exterior_image_1_left", "observation/wrist_image_left")
+    with ServerProcess(fake_config(server={"max_request_pixels": budget}), tmp_path) as server:
+        pids = (server.proc.pid, server.worker_pids()[0])
+        victim, attacker = open_ws(server), open_ws(server)
+        assert infer(victim, droid_observation(session_id="victim"))["actions"][0, 0] == 1
+        latencies, health, stop = [], [], threading.Event()
+
+        def robot() -> None:
+            while not stop.is_set():
+                started = time.monotonic()
+                assert not isinstance(infer(victim, droid_observation(session_id="victim")), str)
+                latencies.append(time.monotonic() - started)
+                health.append(server.http("/healthz")[0])
+
+        for pid in pids:
+            reset_peak_rss(pid)
+        rss = [rss_mib(pid) for pid in pids]
+        thread = threading.Thread(target=robot)
+        thread.start()
+        small = {**droid_observation(session_id="attacker", size=(18, 32)), cameras[2]: [decoy_jpeg()] * 4}
+        assert len(msgpack_numpy.packb(small)) < 8 * 1024
+        for _ in range(5):
+            reply = infer(attacker, small)
+            assert isinstance(reply, str) and reply.startswith(f"bad request: {cameras[2]}: 4 frame(s) of 4096x4096 "), reply
+            assert f"over its budget of {budget} (server.max_request_pixels)" in reply
+        every = {**droid_observation(session_id="attacker"), **{key: [decoy_jpeg()] * 64 for key in cameras}}
+        for _ in range(3):
+            assert infer(attacker, every).startswith(f"bad request: {cameras[0]}: 64 frame(s) of 4096x4096 ")
+        time.sleep(0.5)
+        stop.set()
+        thread.join(30)
+        grown = [peak_rss_mib(pid) - before for pid, before in zip(pids, rss)]
+        print(f"decoys: peak RSS +{grown[0]:.1f} MiB front end, +{grown[1]:.1f} MiB worker; robot's slowest of {len(latencies)} "
+              f"requests {max(latencies) * 1000:.0f} ms")
+        assert max(grown) < 16, grown  # nothing decoded (the victim's own frames and the attacker's are a few MiB)
+        assert set(health) == {200} and max(latencies) < 1.0  # /healthz and the robot never waited on a decode
+
+        # the most the budget allows: 3 cameras x 4 JPEG frames of 720x1280, decoded and served
+        y, x = np.mgrid[0:720, 0:1280]
+        frames = [encode_jpeg(np.stack([127 + 100 * np.sin(x / (9 + i) + y / 13 + c) for c in range(3)], -1).astype(np.uint8)) for i in range(4)]
+        largest = {**droid_observation(session_id="attacker"), **{key: frames for key in cameras}}
+        assert infer(attacker, largest)["actions"][0, 0] == 1  # (its first one touches the shared-memory arena's pages)
+        reset_peak_rss(pids[0])
+        before = rss_mib(pids[0])
+        assert infer(attacker, largest)["actions"][0, 0] == 2
+        grown, decoded = peak_rss_mib(pids[0]) - before, budget * 3 / 2**20
+        print(f"largest request within the budget ({decoded:.1f} MiB decoded): peak RSS +{grown:.1f} MiB")
+        # its pixels, one frame in Pillow and the request itself (~37 MiB alone; ~44 here, where the decode threads'
+        # malloc arenas still hold an earlier request's freed stacks); a decoded decoy stack alone was 1 GiB
+        assert grown < 2 * decoded
+        assert infer(attacker, {**largest, cameras[2]: [*frames, frames[0]]}).startswith(f"bad request: {cameras[2]}: 5 frame(s) of 720x1280 ")
 
 
 def test_a_frame_of_tiny_objects_is_refused_at_once(tmp_path):

@@ -278,6 +278,33 @@ def test_frames_past_what_the_policy_keeps_are_dropped_before_any_pixel_work(tin
     assert canvas.shape[0] == dz.FRAMES_PER_CALL and seen == [dz.FRAMES_PER_CALL] * 3
 
 
+def test_the_front_end_drops_the_frames_dreamzero_would_before_decoding_and_the_canvas_is_the_same(tiny_model, monkeypatch):
+    """DreamZero says it reads the newest FRAMES_PER_CALL frames (PolicyInfo.keeps_newest_frames), so the front end
+    decodes only those: a 64-frame JPEG stack costs 4 decodes, and the policy's canvas equals the whole stack's."""
+    from PIL import ImageFile
+
+    import ardiff_policies.dreamzero.inputs as dz
+    from ardiff_server.wire.budget import request_budget
+    from ardiff_server.wire.decode import decode_request
+    from ardiff_server.wire.jpeg import decode_jpeg, encode_jpeg
+
+    policy, _ = make_policy(tiny_model)
+    assert (policy.info.max_frames_per_call, policy.info.keeps_newest_frames) == (dz.FRAMES_PER_CALL, True)
+    rng = np.random.default_rng(0)
+    jpegs = [encode_jpeg(rng.integers(0, 256, (90, 160, 3), dtype=np.uint8)) for _ in range(64)]
+    whole = np.stack([decode_jpeg(j, 4096) for j in jpegs])
+    request = {f"observation/{key}": jpegs for key in ("exterior_image_0_left", "exterior_image_1_left", "wrist_image_left")}
+    request.update({"observation/joint_position": np.zeros(7), "observation/gripper_position": np.zeros(1), "prompt": "x"})
+    loads = []
+    real_load = ImageFile.ImageFile.load
+    # a load with tiles left decodes pixels (a loaded image's later load() calls decode nothing)
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda image: (image.tile and loads.append(image.size), real_load(image))[1])
+    observation = decode_request(request, budget=request_budget("auto", policy.info)).observation
+    assert len(loads) == 3 * dz.FRAMES_PER_CALL and observation.wrist.shape == (dz.FRAMES_PER_CALL, 90, 160, 3)
+    sent = RobotObservation(exterior_left=whole, exterior_right=whole, wrist=whole, prompt="x")
+    assert np.array_equal(policy.inputs.canvas(observation), policy.inputs.canvas(sent))
+
+
 # -- CFG-parallel ranks agree ------------------------------------------------------------
 
 

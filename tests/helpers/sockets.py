@@ -17,6 +17,21 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def peak_rss_mib(pid: int) -> float:
+    """The process's peak resident set since it started or since :func:`reset_peak_rss` (VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmHWM for pid {pid}")
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Start :func:`peak_rss_mib` over from the current resident set (Linux: ``5`` to ``/proc/<pid>/clear_refs``)."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
 def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

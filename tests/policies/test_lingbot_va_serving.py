@@ -126,6 +126,17 @@ def test_a_prompt_change_mid_episode_is_a_bad_request_and_the_episode_goes_on(en
     assert engine.cache.pool.num_free == engine.cache.pool.capacity
 
 
+def test_it_advertises_the_most_frames_a_call_reads_and_that_none_may_be_dropped(engine):
+    """The front end's pixel budget counts PolicyInfo.max_frames_per_call frames per camera, and drops none (a count
+    LingBot-VA does not take is refused, never cut to one it does)."""
+    info, policy = engine.policy.info, engine.policy
+    assert not info.keeps_newest_frames
+    policy.check_observation(RobotObservation(cameras(engine, info.max_frames_per_call, 0), {}, "x"))  # the most it takes
+    for more in (info.max_frames_per_call + 1, 64):
+        with pytest.raises(UnsupportedObservation, match="frames per camera"):
+            policy.check_observation(RobotObservation(cameras(engine, more, 0), {}, "x"))
+
+
 def test_the_episode_call_crosses_the_process_seam():
     call = EpisodeCall("compute_kv_cache", executed_actions=np.arange(6, dtype=np.float32).reshape(1, 2, 3))
     observation = RobotObservation({"cam_high": np.zeros((4, 2, 2, 3), np.uint8)}, {}, "x", call)

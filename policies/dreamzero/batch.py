@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from ardiff_policies.wan.schedulers import FlowUniPCScheduler
 
 logger = logging.getLogger(__name__)
+
+# Marks the Call fields one denoise writes: each denoise (a retry too) starts from their defaults.
+PER_DENOISE = {"per_denoise": True}
 
 Agree = Callable[[Sequence[bool]], list[bool]]  # failed flags of this rank -> failed on any rank
 
@@ -47,22 +50,30 @@ class Call:
     video: torch.Tensor | None = None  # observed frames to encode (later calls)
     prefill_latents: torch.Tensor | None = None
     prefill_start: int = 0
-    # denoise state: the chunk's latents and actions, samplers, the step cache's history
-    latents: torch.Tensor | None = None
-    actions: torch.Tensor | None = None
-    state: torch.Tensor | None = None
-    video_scheduler: FlowUniPCScheduler | None = None
-    action_scheduler: FlowUniPCScheduler | None = None
-    velocity: torch.Tensor | None = None
-    action_velocity: torch.Tensor | None = None
-    history: list[torch.Tensor] = field(default_factory=list)  # last video velocities (the dynamic step cache compares them)
-    countdown: int = 0
-    forwards: int = 0
+    # denoise state: the chunk's latents and actions, samplers, the step cache's history (reset by start_denoise)
+    latents: torch.Tensor | None = field(default=None, metadata=PER_DENOISE)
+    actions: torch.Tensor | None = field(default=None, metadata=PER_DENOISE)
+    state: torch.Tensor | None = field(default=None, metadata=PER_DENOISE)
+    video_scheduler: FlowUniPCScheduler | None = field(default=None, metadata=PER_DENOISE)
+    action_scheduler: FlowUniPCScheduler | None = field(default=None, metadata=PER_DENOISE)
+    velocity: torch.Tensor | None = field(default=None, metadata=PER_DENOISE)
+    action_velocity: torch.Tensor | None = field(default=None, metadata=PER_DENOISE)
+    # last video velocities (the dynamic step cache compares them)
+    history: list[torch.Tensor] = field(default_factory=list, metadata=PER_DENOISE)
+    countdown: int = field(default=0, metadata=PER_DENOISE)
+    forwards: int = field(default=0, metadata=PER_DENOISE)
     continuation: str | None = None  # a requested continuation: "applied" or why not (policies/continuation.py)
     plan: ContinuationPlan | None = None
 
     def add(self, phase: str, ms: float) -> None:
         self.timing[phase] = self.timing.get(phase, 0.0) + ms
+
+    def start_denoise(self) -> None:
+        """Every denoise field back to its default. A member retried alone after its batch's denoise failed
+        part-way would otherwise carry on from that attempt's step-cache history, countdown and forward count."""
+        for f in fields(self):
+            if f.metadata.get("per_denoise"):
+                setattr(self, f.name, f.default_factory() if f.default_factory is not MISSING else f.default)
 
 
 class OtherRankFailed(RuntimeError):
@@ -91,7 +102,8 @@ def run_each(calls: list[Call], phase: Callable[[Call], None], agree: Agree) -> 
 def run_phase(calls: list[Call], phase: Callable[[list[Call]], None], agree: Agree) -> None:
     """A batched phase. If it raises, each member is retried alone before anything fails: a
     batch-size OOM or one member's bad input never costs the others their call. A phase changes
-    a session only once it has succeeded (KV writes abort on error), so a retry starts clean.
+    a session only once it has succeeded (KV writes abort on error), and a call's own state from a
+    failed attempt is reset when its retry starts (``Call.start_denoise``), so a retry starts clean.
 
     Under CFG-parallel the ranks agree after every attempt. A rank whose batched attempt
     succeeded (the other's failed) has done its part: it only takes part in the agreements of

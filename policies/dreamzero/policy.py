@@ -434,6 +434,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         dit, head, config = self.dit_config, self.action_head_config, self.config
         z = self.model.vae.latent_channels
         for call in calls:
+            call.start_denoise()  # a retry alone after a batched attempt failed part-way starts clean too
             lh, lw = call.session.first_latent.shape[-2:]
             call.latents = seeded_noise((1, z, dit.num_frame_per_block, lh, lw), config.seed).to(self.device, self.dtype)
             call.actions = seeded_noise((1, head.action_horizon, dit.action_dim), config.seed).to(self.device, self.dtype)

@@ -14,11 +14,12 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
+from ardiff_kv import Branch
 from ardiff_policies.base import StepResult
 from ardiff_policies.observation import RobotObservation
 
@@ -76,6 +77,24 @@ class Call:
                 setattr(self, f.name, f.default_factory() if f.default_factory is not MISSING else f.default)
 
 
+Predictions = dict[Branch, tuple[torch.Tensor, torch.Tensor | None]]  # one call's forward: (video, action) per local branch
+
+
+class LocalPredictions(NamedTuple):
+    """One denoise step's predictions made on this rank, stacked over the calls that ran the DiT: what the CFG
+    exchange sends (made before it, so a failure here is agreed before either rank joins a collective)."""
+
+    video: dict[Branch, torch.Tensor]  # per local branch
+    cond_action: torch.Tensor | None  # the conditional branch's action prediction, where it ran on this rank
+    actions: torch.Tensor  # the calls' actions: the shape of the action prediction rank 0 broadcasts
+
+
+def local_predictions(predictions: list[Predictions], calls: list[Call], branches: Sequence[Branch]) -> LocalPredictions:
+    video = {branch: torch.cat([p[branch][0] for p in predictions]) for branch in branches}
+    cond_action = torch.cat([p[Branch.COND][1] for p in predictions]) if Branch.COND in branches else None
+    return LocalPredictions(video, cond_action, torch.cat([c.actions for c in calls]))
+
+
 class OtherRankFailed(RuntimeError):
     """This rank's part succeeded, the other CFG-parallel rank's failed (its log has the error)."""
 
@@ -107,8 +126,9 @@ def run_phase(calls: list[Call], phase: Callable[[list[Call]], None], agree: Agr
 
     Under CFG-parallel the ranks agree after every attempt. A rank whose batched attempt
     succeeded (the other's failed) has done its part: it only takes part in the agreements of
-    the retries, so nothing is written twice. The denoise's collectives agree every step, so
-    the ranks never disagree on it."""
+    the retries, so nothing is written twice. Inside the denoise the ranks also agree once per
+    step, before its exchange, on everything the step did (``DreamZeroPolicy._denoise``), so a
+    failure there never leaves one rank in a collective the other does not join."""
     if not calls:
         return
     error, done_here = _attempt(calls, phase, agree)

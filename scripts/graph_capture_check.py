@@ -6,9 +6,10 @@ encoder thread may be running CUDA work on its own stream (``InputEncoder.prepar
 the text encoder, then a stream synchronize). Under CUDA's default ``global`` capture mode such a
 call from another thread can invalidate the capture, and graphs then stay off for good.
 
-The check, on an engine with CUDA graphs and room for two sessions (warmed up by the caller): one
-session holds a slot and is served its calls; then, while a thread runs the encoder's ``prepare``
-in a loop, a new session (the other slot) is served the same observations, capturing its graphs.
+The check, on a fresh engine with CUDA graphs and room for two sessions (not warmed up, so no slot
+has graphs yet): one session holds a slot and is served its calls (capturing that slot's graphs and
+warming up); then, while a thread runs the encoder's ``prepare`` in a loop, a new session (the other
+slot) is served the same observations, capturing its graphs.
 It passes when those captures happened and succeeded (graphs still on), the encoder ran during
 them, and the new session's actions equal the first session's (in normalized action units).
 """

@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
+from ardiff_kv import Branch
 from ardiff_policies.base import StepResult
 from ardiff_policies.observation import RobotObservation
 
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
     from ardiff_policies.wan.schedulers import FlowUniPCScheduler
 
 logger = logging.getLogger(__name__)
+
+# Marks the Call fields one denoise writes: each denoise (a retry too) starts from their defaults.
+PER_DENOISE = {"per_denoise": True}
 
 Agree = Callable[[Sequence[bool]], list[bool]]  # failed flags of this rank -> failed on any rank
 
@@ -47,22 +51,48 @@ class Call:
     video: torch.Tensor | None = None  # observed frames to encode (later calls)
     prefill_latents: torch.Tensor | None = None
     prefill_start: int = 0
-    # denoise state: the chunk's latents and actions, samplers, the step cache's history
-    latents: torch.Tensor | None = None
-    actions: torch.Tensor | None = None
-    state: torch.Tensor | None = None
-    video_scheduler: FlowUniPCScheduler | None = None
-    action_scheduler: FlowUniPCScheduler | None = None
-    velocity: torch.Tensor | None = None
-    action_velocity: torch.Tensor | None = None
-    history: list[torch.Tensor] = field(default_factory=list)  # last video velocities (the dynamic step cache compares them)
-    countdown: int = 0
-    forwards: int = 0
+    # denoise state: the chunk's latents and actions, samplers, the step cache's history (reset by start_denoise)
+    latents: torch.Tensor | None = field(default=None, metadata=PER_DENOISE)
+    actions: torch.Tensor | None = field(default=None, metadata=PER_DENOISE)
+    state: torch.Tensor | None = field(default=None, metadata=PER_DENOISE)
+    video_scheduler: FlowUniPCScheduler | None = field(default=None, metadata=PER_DENOISE)
+    action_scheduler: FlowUniPCScheduler | None = field(default=None, metadata=PER_DENOISE)
+    velocity: torch.Tensor | None = field(default=None, metadata=PER_DENOISE)
+    action_velocity: torch.Tensor | None = field(default=None, metadata=PER_DENOISE)
+    # last video velocities (the dynamic step cache compares them)
+    history: list[torch.Tensor] = field(default_factory=list, metadata=PER_DENOISE)
+    countdown: int = field(default=0, metadata=PER_DENOISE)
+    forwards: int = field(default=0, metadata=PER_DENOISE)
     continuation: str | None = None  # a requested continuation: "applied" or why not (policies/continuation.py)
     plan: ContinuationPlan | None = None
 
     def add(self, phase: str, ms: float) -> None:
         self.timing[phase] = self.timing.get(phase, 0.0) + ms
+
+    def start_denoise(self) -> None:
+        """Every denoise field back to its default. A member retried alone after its batch's denoise failed
+        part-way would otherwise carry on from that attempt's step-cache history, countdown and forward count."""
+        for f in fields(self):
+            if f.metadata.get("per_denoise"):
+                setattr(self, f.name, f.default_factory() if f.default_factory is not MISSING else f.default)
+
+
+Predictions = dict[Branch, tuple[torch.Tensor, torch.Tensor | None]]  # one call's forward: (video, action) per local branch
+
+
+class LocalPredictions(NamedTuple):
+    """One denoise step's predictions made on this rank, stacked over the calls that ran the DiT: what the CFG
+    exchange sends (made before it, so a failure here is agreed before either rank joins a collective)."""
+
+    video: dict[Branch, torch.Tensor]  # per local branch
+    cond_action: torch.Tensor | None  # the conditional branch's action prediction, where it ran on this rank
+    actions: torch.Tensor  # the calls' actions: the shape of the action prediction rank 0 broadcasts
+
+
+def local_predictions(predictions: list[Predictions], calls: list[Call], branches: Sequence[Branch]) -> LocalPredictions:
+    video = {branch: torch.cat([p[branch][0] for p in predictions]) for branch in branches}
+    cond_action = torch.cat([p[Branch.COND][1] for p in predictions]) if Branch.COND in branches else None
+    return LocalPredictions(video, cond_action, torch.cat([c.actions for c in calls]))
 
 
 class OtherRankFailed(RuntimeError):
@@ -91,12 +121,14 @@ def run_each(calls: list[Call], phase: Callable[[Call], None], agree: Agree) -> 
 def run_phase(calls: list[Call], phase: Callable[[list[Call]], None], agree: Agree) -> None:
     """A batched phase. If it raises, each member is retried alone before anything fails: a
     batch-size OOM or one member's bad input never costs the others their call. A phase changes
-    a session only once it has succeeded (KV writes abort on error), so a retry starts clean.
+    a session only once it has succeeded (KV writes abort on error), and a call's own state from a
+    failed attempt is reset when its retry starts (``Call.start_denoise``), so a retry starts clean.
 
     Under CFG-parallel the ranks agree after every attempt. A rank whose batched attempt
     succeeded (the other's failed) has done its part: it only takes part in the agreements of
-    the retries, so nothing is written twice. The denoise's collectives agree every step, so
-    the ranks never disagree on it."""
+    the retries, so nothing is written twice. Inside the denoise the ranks also agree once per
+    step, before its exchange, on everything the step did (``DreamZeroPolicy._denoise``), so a
+    failure there never leaves one rank in a collective the other does not join."""
     if not calls:
         return
     error, done_here = _attempt(calls, phase, agree)

@@ -16,12 +16,20 @@ an attention backend without host synchronization, ``flash`` or ``flex``: the ``
 reads sequence lengths on the host, which a graph cannot. If a capture fails, the policy logs it
 and runs eagerly.
 
+Captures happen while serving (a new session brings a new cross slot), when the engine's encoder
+thread may be running CUDA work on its own stream (:meth:`InputEncoder.prepare`). Under CUDA's
+default ``global`` capture mode a potentially unsafe call from that thread (a ``cudaMalloc``, a
+stream synchronize) invalidates the capture, and graphs would stay off for good. Captures run in
+``thread_local`` mode (:data:`CAPTURE_ERROR_MODE`): only the capturing thread's own calls are
+checked. The start-up log says so.
+
 This module is exercised only on a GPU (CI has none); it stays importable everywhere.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +40,8 @@ from ardiff_kv import PagedLayerInputs
 logger = logging.getLogger(__name__)
 
 GraphKey = tuple[tuple[int, int, int], ...]  # per sequence: (branch, cross slot, current_start_frame)
+# torch.cuda.graph's capture_error_mode: another thread's CUDA work (the encoder thread) never breaks a capture.
+CAPTURE_ERROR_MODE = "thread_local"
 
 
 @dataclass
@@ -52,6 +62,10 @@ class DenoiseGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[GraphKey, _Captured] = {}
         self.failed = False
+        logger.info(
+            "CUDA graphs: the denoise forward is captured per (branch, cross slot, window position) on first use, "
+            "capture_error_mode=%s (the encoder thread's CUDA work may run during a capture)", CAPTURE_ERROR_MODE,
+        )  # fmt: skip
 
     def run(self, key: GraphKey, *, layer_inputs: list[PagedLayerInputs], cross_kv, current_start_frame: list[int],
             **tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
@@ -95,7 +109,13 @@ class DenoiseGraphs:
             for _ in range(self.warmup_runs):
                 forward()
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            video, action = forward()
+        graph, (video, action) = capture(forward, self.pool)
         return _Captured(graph, inputs, static_layers, video, action)
+
+
+def capture(forward: Callable[[], Any], pool: Any) -> tuple[Any, Any]:
+    """A CUDA graph of ``forward()`` (allocating from ``pool``) and what it returned, captured in :data:`CAPTURE_ERROR_MODE`."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=CAPTURE_ERROR_MODE):
+        out = forward()
+    return graph, out

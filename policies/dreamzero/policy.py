@@ -41,7 +41,18 @@ from ardiff_policies.base import ChunkRecording, Policy, RuntimeOptions, StartRe
 from ardiff_policies.continuation import APPLIED, CONTRACT
 from ardiff_policies.dreamzero import continuation as chunking
 from ardiff_policies.dreamzero import geometry, memory
-from ardiff_policies.dreamzero.batch import Call, OtherRankFailed, PhaseTimer, elapsed_ms, live, run_each, run_phase, seeded_noise
+from ardiff_policies.dreamzero.batch import (
+    Call,
+    LocalPredictions,
+    OtherRankFailed,
+    PhaseTimer,
+    elapsed_ms,
+    live,
+    local_predictions,
+    run_each,
+    run_phase,
+    seeded_noise,
+)  # fmt: skip
 from ardiff_policies.dreamzero.config import SYNTHETIC_PREFIX, DreamZeroConfig
 from ardiff_policies.dreamzero.embodiments import DROID_CAMERAS, embodiment_prompt, resolve
 from ardiff_policies.dreamzero.inputs import FRAMES_PER_CALL, InputEncoder, Prepared
@@ -436,6 +447,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         dit, head, config = self.dit_config, self.action_head_config, self.config
         z = self.model.vae.latent_channels
         for call in calls:
+            call.start_denoise()  # a retry alone after a batched attempt failed part-way starts clean too
             lh, lw = call.session.first_latent.shape[-2:]
             call.latents = seeded_noise((1, z, dit.num_frame_per_block, lh, lw), config.seed).to(self.device, self.dtype)
             call.actions = seeded_noise((1, head.action_horizon, dit.action_dim), config.seed).to(self.device, self.dtype)
@@ -449,40 +461,26 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             call.video_scheduler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
             call.action_scheduler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
         schedule = list(zip(calls[0].video_scheduler.timesteps, calls[0].action_scheduler.timesteps))
+        failure: BaseException | None = None  # raised on this rank since the CFG ranks last agreed
         for i, (t_video, t_action) in enumerate(schedule):
-            for call in calls:
-                if call.plan is not None:
-                    call.actions = chunking.before_step(call.plan, call.actions, float(call.action_scheduler.sigmas[i]))
-            running = []
-            for call in calls:
-                run, call.countdown = should_run(config.dit_step_cache, config.dit_step_mask, i, call.history, call.countdown)
-                if run:
-                    running.append(call)
-            if running:
-                timestep = torch.full((1, dit.num_frame_per_block), int(t_video), dtype=torch.long, device=self.device)
-                timestep_action = torch.full((1, head.action_horizon), int(t_action), dtype=torch.long, device=self.device)
-                if any(c.plan is not None and c.plan.mode == "clean_prefix" for c in running):  # per-call token timesteps
-                    timestep_action = torch.cat([chunking.action_timesteps(c.plan, timestep_action) for c in running])
-                guided = chunking.track_guided(running)  # RTC guidance: a VJP per step
-                with torch.set_grad_enabled(guided):
-                    try:
-                        predictions, error = self._forward(
-                            running, [c.latents for c in running], timestep, starts=[c.session.current_start_frame for c in running],
-                            commit=False, action=[c.actions for c in running], timestep_action=timestep_action,
-                            state=[c.state for c in running], differentiable=guided,
-                        ), None  # fmt: skip
-                    except Exception as exc:
-                        error = exc
-                    # Under CFG-parallel the ranks meet in _guide's collectives: a forward that failed on one rank must stop both
-                    # here, or the other would wait there for it (one tiny all-gather per step; nothing in one process).
-                    if self.agree([error is not None])[0]:
-                        raise error or OtherRankFailed("a batched denoise forward failed on the other CFG-parallel rank")
-                    self._guide(running, predictions)
-                    if guided:
-                        chunking.guide_calls(running, float(calls[0].action_scheduler.sigmas[i]))
-            for call in calls:
-                call.latents = call.video_scheduler.step(call.velocity, call.latents, i)
-                call.actions = call.action_scheduler.step(call.action_velocity, call.actions, i, constrain=chunking.constraint(call.plan, call.action_scheduler.sigmas[i]))
+            running, local, guided = [], None, False
+            if failure is None:
+                try:
+                    running, local, guided = self._step_forward(calls, i, int(t_video), int(t_action))
+                except Exception as exc:
+                    failure = exc
+            # One agreement per step, where the CFG ranks are about to meet in its exchange (_guide's collectives): it
+            # covers everything either did since they last met (the last step's guidance and sampler steps, this step's
+            # before_step, step cache and forward), so a failure on one rank stops both here, never leaving the other in
+            # a collective it waits in alone (one tiny all-gather per step; nothing in one process).
+            if self.agree([failure is not None])[0]:
+                raise failure or OtherRankFailed("a batched denoise step failed on the other CFG-parallel rank")
+            try:
+                self._step_apply(calls, i, running, local, guided)
+            except Exception as exc:
+                failure = exc
+        if failure is not None:  # the last step's, past the last exchange: run_phase's agreement covers it
+            raise failure
         for call in calls:
             if call.plan is not None:
                 call.actions = chunking.after_denoising(call.plan, call.actions)
@@ -491,17 +489,54 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             call.session.current_start_frame += dit.num_frame_per_block
             call.add("denoise", elapsed)
 
-    def _guide(self, calls: list[Call], predictions: list[dict[Branch, tuple[torch.Tensor, torch.Tensor | None]]]) -> None:
-        """Each call's new video velocity (CFG) and action velocity (conditional branch) from one step's forward."""
-        local_video = {branch: torch.cat([p[branch][0] for p in predictions]) for branch in self.branches}
-        cond_action = torch.cat([p[Branch.COND][1] for p in predictions]) if Branch.COND in self.branches else None
-        like = torch.cat([c.actions for c in calls])
-        action_velocity = self.guidance.broadcast_from_cond(cond_action, like=like)
+    def _step_forward(self, calls: list[Call], i: int, t_video: int, t_action: int) -> tuple[list[Call], LocalPredictions | None, bool]:
+        """A denoise step up to its CFG exchange: the continuations' before_step, the step cache's decision per call,
+        the forward of the calls that run the DiT. Returns those calls, this rank's predictions and whether the step
+        runs guided (RTC's guidance: a VJP per step)."""
+        dit, head, config = self.dit_config, self.action_head_config, self.config
+        for call in calls:
+            if call.plan is not None:
+                call.actions = chunking.before_step(call.plan, call.actions, float(call.action_scheduler.sigmas[i]))
+        running = []
+        for call in calls:
+            run, call.countdown = should_run(config.dit_step_cache, config.dit_step_mask, i, call.history, call.countdown)
+            if run:
+                running.append(call)
+        if not running:
+            return [], None, False
+        timestep = torch.full((1, dit.num_frame_per_block), t_video, dtype=torch.long, device=self.device)
+        timestep_action = torch.full((1, head.action_horizon), t_action, dtype=torch.long, device=self.device)
+        if any(c.plan is not None and c.plan.mode == "clean_prefix" for c in running):  # per-call token timesteps
+            timestep_action = torch.cat([chunking.action_timesteps(c.plan, timestep_action) for c in running])
+        guided = chunking.track_guided(running)
+        with torch.set_grad_enabled(guided):
+            predictions = self._forward(
+                running, [c.latents for c in running], timestep, starts=[c.session.current_start_frame for c in running],
+                commit=False, action=[c.actions for c in running], timestep_action=timestep_action,
+                state=[c.state for c in running], differentiable=guided,
+            )  # fmt: skip
+            return running, local_predictions(predictions, running, self.branches), guided
+
+    def _step_apply(self, calls: list[Call], i: int, running: list[Call], local: LocalPredictions | None, guided: bool) -> None:
+        """The rest of a denoise step: the exchange and guidance, RTC's guidance, each call's two sampler steps."""
+        with torch.set_grad_enabled(guided):
+            if running:
+                self._guide(running, local)
+            if guided:
+                chunking.guide_calls(running, float(calls[0].action_scheduler.sigmas[i]))
+        for call in calls:
+            call.latents = call.video_scheduler.step(call.velocity, call.latents, i)
+            call.actions = call.action_scheduler.step(call.action_velocity, call.actions, i, constrain=chunking.constraint(call.plan, call.action_scheduler.sigmas[i]))
+
+    def _guide(self, calls: list[Call], local: LocalPredictions) -> None:
+        """Each call's new video velocity (CFG) and action velocity (conditional branch) from one step's forward
+        (under CFG-parallel: the ranks' collectives)."""
+        action_velocity = self.guidance.broadcast_from_cond(local.cond_action, like=local.actions)
         if self.use_guidance:
-            both = self.guidance.gather_video(local_video)
+            both = self.guidance.gather_video(local.video)
             velocity = both[Branch.UNCOND] + self.config.cfg_scale * (both[Branch.COND] - both[Branch.UNCOND])
         else:
-            velocity = local_video[Branch.COND]
+            velocity = local.video[Branch.COND]
         for call, v, a in zip(calls, velocity.split(1), action_velocity.split(1)):
             call.velocity, call.action_velocity = v, a
             call.history = [*call.history, v][-2:]

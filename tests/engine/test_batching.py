@@ -322,6 +322,53 @@ def test_a_failed_batched_phase_is_retried_member_by_member(tiny_model, referenc
     assert engine.endings == {"failed": 1}
 
 
+def test_a_member_retried_after_a_failure_mid_denoise_starts_clean(tiny_model, monkeypatch):
+    """The batched denoise fails at its third DiT forward (the step cache has two velocities by then):
+    each member's retry alone starts from a clean state, so with ``dit_step_cache: dynamic`` it skips
+    exactly the steps it skips alone and counts only its own forwards. Before: the retry kept the failed
+    attempt's history, countdown and forward count (actions off by up to 0.02, dit_forwards inflated)."""
+    rng = np.random.default_rng(13)
+    episodes = {sid: [observation(rng, i == 0) for i in range(3)] for sid in "abc"}
+    engine = make_engine(tiny_model, dit_step_cache="dynamic")
+    policy, dit = engine.policy, engine.policy.dit
+    real_forward, real_denoise = dit.forward, policy._denoise
+    batched_forwards = [0]
+    failures: list[int] = []
+
+    def denoise(calls):
+        batched_forwards[0] = 0
+        return real_denoise(calls)
+
+    def forward(x, *args, **kwargs):
+        if kwargs.get("action") is not None and x.shape[0] == 3 * len(policy.branches):
+            batched_forwards[0] += 1
+            if batched_forwards[0] == 3:
+                failures.append(3)
+                raise RuntimeError("CUDA out of memory (the third forward of a batch of 3)")
+        return real_forward(x, *args, **kwargs)
+
+    monkeypatch.setattr(policy, "_denoise", denoise)
+    monkeypatch.setattr(dit, "forward", forward)
+    got: dict[str, list[InferReply]] = {sid: [] for sid in episodes}
+    for i in range(3):
+        replies = serve(engine, [Infer(10 * i + n, sid, episodes[sid][i]) for n, sid in enumerate("abc")])
+        for sid in "abc":
+            assert isinstance(replies[sid], InferReply) and replies[sid].batch_size == 3, replies[sid]
+            got[sid].append(replies[sid])
+    assert len(failures) == 3  # every call's batched denoise failed part-way and was retried member by member
+    monkeypatch.undo()
+    reference = make_engine(tiny_model, max_sessions=2, max_batch=1, dit_step_cache="dynamic")
+    forwards = set()
+    for sid, episode in episodes.items():
+        for call, obs in enumerate(episode):
+            alone_reply = serve(reference, [Infer(call, f"ref-{sid}", obs)])[f"ref-{sid}"]
+            assert got[sid][call].info["dit_forwards"] == alone_reply.info["dit_forwards"], f"{sid} call {call}"
+            np.testing.assert_allclose(got[sid][call].actions, alone_reply.actions, atol=ATOL, rtol=0, err_msg=f"{sid} call {call}")
+            forwards.add(alone_reply.info["dit_forwards"])
+        reference.end(f"ref-{sid}", "done")
+    assert min(forwards) < 16, "the dynamic cache never skipped a step: the test would not see a wrong decision"
+
+
 def test_a_session_appears_once_per_batch():
     from tests.helpers.fake_policy import FakeConfig, FakePolicy
 

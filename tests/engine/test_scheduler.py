@@ -18,6 +18,7 @@ from ardiff_kv import Branch, PagedKVCache
 from ardiff_policies.base import RuntimeOptions
 from ardiff_policies.guidance import Guidance
 from ardiff_policies.observation import RobotObservation
+from ardiff_policies.wan.schedulers import FlowUniPCScheduler
 from ardiff_server.engine.core import SessionEngine
 from ardiff_server.engine.inproc_client import InprocClient
 from ardiff_server.engine.messages import Detach, End, ErrorKind, ErrorReply, Infer, InferReply
@@ -308,10 +309,10 @@ def test_the_front_end_drops_the_frames_dreamzero_would_before_decoding_and_the_
 # -- CFG-parallel ranks agree ------------------------------------------------------------
 
 
-def run_ranks(tiny_model, sabotage, calls: list[list[tuple[str, RobotObservation]]]) -> dict[int, list[list]]:
+def run_ranks(tiny_model, sabotage, calls: list[list[tuple[str, RobotObservation]]], pair: ThreadPair | None = None) -> dict[int, list[list]]:
     """Two CFG-parallel ranks (threads meeting at a barrier, as two processes meet in collectives),
     each its own engine, serving the same rounds; ``sabotage(rank, policy)`` breaks one of them."""
-    pair = ThreadPair()
+    pair = pair or ThreadPair()
     replies: dict[int, list[list]] = {0: [], 1: []}
 
     def rank(r: int) -> None:
@@ -375,6 +376,63 @@ def test_a_failure_on_one_cfg_rank_fails_the_same_session_on_both(tiny_model, ph
         assert open_sessions == ["a", "c"]
     assert "rank 1:" in by_rank[1][11].message
     assert "other CFG-parallel rank" in by_rank[0][11].message  # rank 0 replies, and says where it failed
+    for rid in (10, 12):
+        assert np.array_equal(by_rank[0][rid].actions, by_rank[1][rid].actions)
+
+
+@pytest.mark.parametrize("where", ["after_guidance", "sampler_step"])
+def test_a_failure_after_the_guidance_on_one_cfg_rank_fails_the_same_session_on_both(tiny_model, monkeypatch, where):
+    """Rank 1 fails the victim's denoise after the forward's exchange: after the guidance (the CFG
+    arithmetic of a step) or in a sampler step, at the third step. Both ranks fail the victim and only
+    it, the bystanders keep their sessions, and no rank waits for the other. Before: the per-step
+    agreement covered the forward only, so rank 0 went on into the next step's collectives while
+    rank 1 was in the phase's; their collectives paired up wrongly until a barrier timed out and the
+    bystanders' sessions ended on both ranks."""
+    rollouts = {sid: list(observations(2, seed=n)) for n, sid in enumerate(("a", "victim", "c"))}
+    calls = [[(sid, obs[k]) for sid, obs in rollouts.items()] for k in range(2)]
+    victim_obs = rollouts["victim"][1]
+    rank1 = {"thread": None, "victim_in": False, "steps": 0}
+
+    def sabotage(rank: int, policy) -> None:
+        if rank != 1:
+            return
+        rank1["thread"] = threading.get_ident()
+        real_denoise, real_guide = policy._denoise, policy._guide
+
+        def denoise(calls):
+            rank1["victim_in"], rank1["steps"] = any(c.observation is victim_obs for c in calls), 0
+            return real_denoise(calls)
+
+        def guide(calls, local):
+            real_guide(calls, local)
+            rank1["steps"] += 1
+            if where == "after_guidance" and rank1["victim_in"] and rank1["steps"] == 3:
+                raise RuntimeError("rank 1: guidance failed")
+
+        policy._denoise, policy._guide = denoise, guide
+
+    real_step = FlowUniPCScheduler.step
+
+    def step(self, model_output, sample, index, *args, **kwargs):
+        if where == "sampler_step" and threading.get_ident() == rank1["thread"] and rank1["victim_in"] and index == 2:
+            raise RuntimeError("rank 1: sampler step failed")
+        return real_step(self, model_output, sample, index, *args, **kwargs)
+
+    monkeypatch.setattr(FlowUniPCScheduler, "step", step)
+    pair = ThreadPair(barrier_timeout_s=20.0)
+    started = time.monotonic()
+    replies = run_ranks(tiny_model, sabotage, calls, pair)
+    assert not pair.barrier.broken and time.monotonic() - started < 120.0
+    by_rank = {}
+    for r in (0, 1):
+        first, second, open_sessions = replies[r]
+        assert all(isinstance(x, InferReply) for x in first)
+        by_rank[r] = {x.request_id: x for x in second}  # 10: a, 11: the victim, 12: c
+        assert isinstance(by_rank[r][11], ErrorReply) and by_rank[r][11].kind is ErrorKind.POLICY, by_rank[r][11]
+        assert isinstance(by_rank[r][10], InferReply) and isinstance(by_rank[r][12], InferReply), (by_rank[r][10], by_rank[r][12])
+        assert open_sessions == ["a", "c"]
+    assert "rank 1:" in by_rank[1][11].message
+    assert "other CFG-parallel rank" in by_rank[0][11].message
     for rid in (10, 12):
         assert np.array_equal(by_rank[0][rid].actions, by_rank[1][rid].actions)
 

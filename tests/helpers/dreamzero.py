@@ -46,8 +46,8 @@ def rollout(policy, cache, obs, session_id="s"):
 class ThreadPair:
     """Two in-process 'ranks' meeting at a barrier: a stand-in for torch.distributed."""
 
-    def __init__(self) -> None:
-        self.barrier = threading.Barrier(2, timeout=60)
+    def __init__(self, barrier_timeout_s: float = 60.0) -> None:
+        self.barrier = threading.Barrier(2, timeout=barrier_timeout_s)
         self.slots: list[torch.Tensor | None] = [None, None]
 
     def endpoint(self, rank: int):

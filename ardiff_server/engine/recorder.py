@@ -10,8 +10,9 @@
   actions than the longest (LingBot-VA's ``compute_kv_cache`` returns none) is NaN-padded, and ``horizons``
   says how many rows each call returned;
 * ``timings.json``: per call ``policy_timing``, ``server_timing`` (as the engine measures it:
-  ``infer_ms``, and ``queue_ms``, the time the request waited for the engine behind other
-  sessions' steps; the reply's ``queue_ms`` also counts the trip to the engine), window resets
+  ``infer_ms``, the step and the call's own encodes, also as ``encode_ms`` when it had any, and
+  ``queue_ms``, the time the request waited for the engine behind other sessions' steps and
+  encodes; the reply's ``queue_ms`` also counts the trip to the engine), window resets
   and prompt changes, the call's ``info`` (LingBot-VA: ``call``, the kind of call); once the session
   ends, ``ended``: why (``reset``, ``ttl``, ``failed``, ...);
 * ``actions.png``: joint and gripper trajectories over the session (written when it ends).
@@ -74,7 +75,8 @@ class Chunk:
     state: np.ndarray  # (state dim,)
     policy_timing: dict[str, float]
     compute_ms: float
-    queue_ms: float = 0.0  # waiting for the engine, behind other sessions' steps
+    queue_ms: float = 0.0  # waiting for the engine, behind other sessions' work
+    encode_ms: float = 0.0  # its session-own encodes on the engine's encoder thread (part of its compute)
     info: dict[str, Any] = field(default_factory=dict)
     wall_time: float = field(default_factory=time.time)
 
@@ -196,7 +198,7 @@ class _SessionFiles:
             "time": chunk.wall_time,
             "prompt": chunk.prompt,
             "policy_timing": chunk.policy_timing,
-            "server_timing": {"infer_ms": chunk.compute_ms, "queue_ms": chunk.queue_ms},
+            "server_timing": _server_timing(chunk),
             "window_restart": bool(chunk.info.get("window_restart", False)),
             "prompt_change": bool(chunk.info.get("prompt_change", False)),
             # deprecated names of the two above, kept for one release
@@ -265,6 +267,14 @@ class _SessionFiles:
                 video_frame.pict_type = av.video.frame.PictureType.I
             for packet in self.stream.encode(video_frame):
                 self.video.mux(packet)
+
+
+def _server_timing(chunk: Chunk) -> dict[str, float]:
+    """As the reply's (docs/spec.md §3), measured in the engine: ``infer_ms`` counts the call's own encodes."""
+    timing = {"infer_ms": chunk.compute_ms + chunk.encode_ms, "queue_ms": chunk.queue_ms}
+    if chunk.encode_ms:
+        timing["encode_ms"] = chunk.encode_ms
+    return timing
 
 
 def _fresh_folder(folder: Path) -> Path:

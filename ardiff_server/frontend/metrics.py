@@ -57,12 +57,12 @@ class Metrics:
         self.requests = Counter("ardiff_requests", "Requests by outcome", ["outcome"], registry=r)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
-        self.infer_seconds = Histogram("ardiff_infer_seconds", "Policy compute time per infer request", registry=r, buckets=_BUCKETS)
+        self.infer_seconds = Histogram("ardiff_infer_seconds", "Policy compute time per infer request (its step and its own encodes beside the batch)", registry=r, buckets=_BUCKETS)
         self.request_seconds = Histogram(
             "ardiff_request_seconds", "Server time per infer request (queue + compute + codec)", registry=r, buckets=_BUCKETS
         )
         self.queue_seconds = Histogram(
-            "ardiff_queue_seconds", "Time an infer request waited in the engine (its scheduler) behind other steps", registry=r, buckets=_BUCKETS
+            "ardiff_queue_seconds", "Time an infer request waited in the engine behind other robots' steps and encodes (not its own)", registry=r, buckets=_BUCKETS
         )
         self.connections = Gauge("ardiff_connections_open", "Open websocket connections", registry=r)
         self.closed = Counter("ardiff_connections_closed", "Connections the server closed, by reason", ["reason"], registry=r)

@@ -43,5 +43,5 @@ Modules, in the order a request meets them:
 ``encoder``         the encoder thread: session-own work beside the batched steps, each job timed
 ``builder``         build_engine / start_engine: policy + KV cache + recorder for one rank
 ``inproc_client``   InprocClient: an engine in this process (tests, scripts, Ray replicas)
-``recorder``        session recordings (server.record_dir), written between requests
+``recorder``        session recordings (server.record_dir), decoded and written on their own thread
 """

@@ -291,10 +291,6 @@ class SessionEngine:
             compute_ms=compute_ms, queue_ms=queued_ms, encode_ms=encode_ms, info=dict(result.info),
         ))  # fmt: skip
 
-    def idle_work(self) -> bool:
-        """Background work between requests (recording); False when there is none."""
-        return self.recorder is not None and self.recorder.idle_work()
-
     def close(self) -> None:
         """End every session and finish background work (shutdown)."""
         self.end_all("shutdown")
@@ -419,4 +415,5 @@ class SessionEngine:
             kv_pages_free=kv["pages_free"],
             session_capacity=kv.get("session_capacity", self.max_sessions),
             max_batch=self.max_batch,
+            recording_dropped=self.recorder.dropped if self.recorder is not None else 0,
         )

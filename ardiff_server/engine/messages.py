@@ -88,6 +88,7 @@ class EngineStats:
     kv_pages_free: int = 0
     session_capacity: int = 0  # sessions it can hold: engine.max_sessions, or fewer if the KV pool is smaller
     max_batch: int = 0  # sessions per forward it runs: engine.max_batch, or fewer (the policy's limit, the KV pool's)
+    recording_dropped: int = 0  # calls the recorder dropped, its queue full (server.record_dir; rank 0)
 
     @property
     def sessions(self) -> int:

@@ -19,11 +19,12 @@
 
 Off the critical path: a step only keeps references to what it produced, and the engine thread only
 queues them. The VAE decode of the prediction, the video encoding and the file writes run on the
-recorder's own thread (at a lower CPU priority; on a GPU the decode runs on that thread's own CUDA
+recorder's own thread (at the lowest CPU priority; on a GPU the decode runs on that thread's own CUDA
 stream, with a decode cache of its own, so it waits for neither the steps nor their encodes). The
 queue is bounded (``MAX_PENDING_CHUNKS`` calls): when it is full (a disk or decode slower than the
 robots) a call is dropped, never waited for, with a WARNING once per session, the counter
-``ardiff_recording_dropped_calls_total``, and ``dropped_calls`` in the session's ``timings.json``. Files are written incrementally - the MP4 is fragmented with
+``ardiff_recording_dropped_calls_total``, and ``dropped_calls`` in the session's ``timings.json``.
+At shutdown the calls still queued are written at once without their decode. Files are written incrementally - the MP4 is fragmented with
 one fragment per call, the npz and json are replaced atomically after every call - so a crash
 loses at most the last call. A session's files are finalised when it ends (reset, TTL expiry,
 eviction, failure, shutdown). A session id used again after its session ended (a robot's next
@@ -99,7 +100,7 @@ class _End:
 class Recorder:
     """Session recordings, off the engine's critical path: the engine thread only queues references
     (:meth:`add`, :meth:`end`: never blocking); one thread decodes the predictions and writes the files,
-    at a lower CPU priority than the steps."""
+    at the lowest CPU priority."""
 
     def __init__(
         self, root: str | os.PathLike, *, max_bytes: int, decode: Callable[[Any], np.ndarray | None], max_pending: int = MAX_PENDING_CHUNKS,
@@ -115,6 +116,7 @@ class Recorder:
         self._chunks = 0  # chunks queued or being decoded and written: the bound
         self._unfinished = 0  # items queued or in hand: flush() waits for none
         self._dropped: dict[str, list[int]] = {}  # session -> its calls dropped since it began (engine thread)
+        self._closing = False  # shutdown: queued calls are written without their decode
         self._sessions: dict[str, _SessionFiles] = {}  # recorder thread only
         self._thread = threading.Thread(target=self._run, name="ardiff-recorder", daemon=True)
         self._thread.start()
@@ -156,8 +158,11 @@ class Recorder:
             return self._cond.wait_for(lambda: self._unfinished == 0, timeout_s)
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Finish everything queued (shutdown), finalise every open session, stop the thread."""
+        """Write everything queued (shutdown) without waiting for decodes: the calls not decoded yet get a black
+        prediction (``prediction_decoded`` false), so their actions and timings are kept and shutdown stays within
+        ``server.shutdown_grace_s``. Then finalise every open session and stop the thread."""
         with self._cond:
+            self._closing = True
             self._put(None)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
@@ -198,11 +203,14 @@ class Recorder:
                     self._cond.notify_all()
 
     def _write(self, session_id: str, chunk: Chunk) -> None:
-        try:
-            chunk.predicted = self.decode(chunk.predicted)
-        except Exception:
-            logger.exception("recording: decoding the prediction of session %s failed", session_id)
+        if self._closing:
             chunk.predicted = None
+        else:
+            try:
+                chunk.predicted = self.decode(chunk.predicted)
+            except Exception:
+                logger.exception("recording: decoding the prediction of session %s failed", session_id)
+                chunk.predicted = None
         files = self._sessions.get(session_id)
         if files is None:
             files = self._sessions[session_id] = _SessionFiles(_fresh_folder(session_folder(self.root, session_id)), session_id)
@@ -253,6 +261,7 @@ class _SessionFiles:
             "prompt": chunk.prompt,
             "policy_timing": chunk.policy_timing,
             "server_timing": _server_timing(chunk),
+            "prediction_decoded": chunk.predicted is not None,  # false: decode failed, shutdown, or no video predicted
             "window_restart": bool(chunk.info.get("window_restart", False)),
             "prompt_change": bool(chunk.info.get("prompt_change", False)),
             # deprecated names of the two above, kept for one release
@@ -337,11 +346,13 @@ def _server_timing(chunk: Chunk) -> dict[str, float]:
 
 
 def _lower_priority() -> None:
-    """Linux: this thread (and the codec and torch threads it starts, which inherit it) at nice +10, so on a busy
-    CPU the engine's steps get the cores first. Per thread on Linux only (elsewhere it would be the whole process)."""
+    """Linux: this thread (and the codec and torch threads it starts, which inherit it) at the lowest CPU priority
+    (nice 19), so the recording gets only the cores the engine's steps leave. Measured on the tiny model with a robot
+    calling back to back (docs/performance.md): nice 0 slowed its p50 1.65x, nice 10 1.32x, nice 19 1.08x. Per thread
+    on Linux only (elsewhere it would be the whole process)."""
     if sys.platform.startswith("linux"):
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10))
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except OSError as exc:
             logger.info("recording: could not lower the recorder thread's priority (%s)", exc)
 

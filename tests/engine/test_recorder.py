@@ -148,6 +148,28 @@ def test_a_full_recording_queue_drops_calls_with_a_warning_and_never_blocks(tmp_
     recorder.close()
 
 
+def test_shutdown_writes_every_queued_call_at_once_without_waiting_for_decodes(tmp_path):
+    """A backlog of slow decodes at shutdown (the front end kills the worker after server.shutdown_grace_s): the calls
+    still queued are written without their decoded prediction (a black right half), so none of their actions or
+    timings is lost and close() does not wait for the decodes. Before: close() decoded every one first."""
+    frames = np.zeros((4, 16, 16, 3), np.uint8)
+
+    def slow_decode(predicted):
+        time.sleep(1.0)
+        return predicted
+
+    recorder = Recorder(tmp_path, max_bytes=10**9, decode=slow_decode)
+    for call in range(1, 7):
+        recorder.add("busy", Chunk(call, "p", frames, frames, np.zeros((24, 8)), np.zeros((24, 32)), np.zeros(8), {}, 1.0))
+    started = time.perf_counter()
+    recorder.close()
+    assert time.perf_counter() - started < 3.0  # at most the decode in progress, not six
+    timings = json.loads((tmp_path / "busy" / "timings.json").read_text())
+    assert [t["call"] for t in timings["calls"]] == [1, 2, 3, 4, 5, 6] and timings["ended"] == "shutdown"
+    assert sum(not t["prediction_decoded"] for t in timings["calls"]) >= 4
+    assert frames_in(tmp_path / "busy" / "rollout.mp4") == 4 * 6
+
+
 def test_ids_never_leave_the_folder_and_never_collide(tmp_path):
     ids = ["../../etc/passwd", "..", ".", "a/b", "a_b", "x" * 500, "é", "/abs", "ok-id_1.2"]
     folders = [session_folder(tmp_path, i) for i in ids]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -168,6 +170,18 @@ def test_shutdown_writes_every_queued_call_at_once_without_waiting_for_decodes(t
     assert [t["call"] for t in timings["calls"]] == [1, 2, 3, 4, 5, 6] and timings["ended"] == "shutdown"
     assert sum(not t["prediction_decoded"] for t in timings["calls"]) >= 4
     assert frames_in(tmp_path / "busy" / "rollout.mp4") == 4 * 6
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's (setpriority on a thread id)")
+def test_the_recorder_thread_runs_at_the_lowest_cpu_priority_and_the_engine_thread_does_not(tmp_path):
+    recorder = Recorder(tmp_path, max_bytes=10**9, decode=lambda predicted: predicted)
+    recorder.flush()
+    deadline = time.monotonic() + 10
+    while os.getpriority(os.PRIO_PROCESS, recorder._thread.native_id) != 19 and time.monotonic() < deadline:
+        time.sleep(0.01)  # it lowers itself as it starts
+    assert os.getpriority(os.PRIO_PROCESS, recorder._thread.native_id) == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19  # this thread (the engine's) keeps its own
+    recorder.close()
 
 
 def test_ids_never_leave_the_folder_and_never_collide(tmp_path):

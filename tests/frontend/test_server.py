@@ -70,6 +70,8 @@ def test_a_window_starts_own_encode_is_its_compute_not_queueing(server):
     assert first["queue_ms"] < 100, first  # nobody else's work was in front of it
     steady = client.infer(droid_observation(4, session_id=session, prompt="encode:0.3"))["server_timing"]
     assert "encode_ms" not in steady and steady["infer_ms"] < 300 and steady["queue_ms"] < 100  # no encode on a steady call
+    client.infer(droid_observation(session_id=session, endpoint="reset"))  # the module's server holds few sessions
+    client._ws.close()
 
 
 def test_connections_without_session_ids_get_their_own_sessions(server):

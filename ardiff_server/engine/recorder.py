@@ -233,7 +233,7 @@ class Recorder:
 
 
 class _SessionFiles:
-    """One session's recording, owned by the writer thread."""
+    """One session's recording, owned by the recorder thread."""
 
     def __init__(self, folder: Path, session_id: str) -> None:
         self.folder = folder

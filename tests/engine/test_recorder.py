@@ -80,7 +80,7 @@ def test_a_crash_loses_at_most_the_call_being_written(tmp_path):
         engine.infer("crash", observe(call))
         engine.recorder.flush()
     timings = tmp_path / "crash" / "timings.json"
-    deadline = time.monotonic() + 30  # the writer thread catches up
+    deadline = time.monotonic() + 30  # the recorder thread catches up
     while time.monotonic() < deadline and (not timings.exists() or len(json.loads(timings.read_text())["calls"]) < 3):
         time.sleep(0.1)
     # no end, no close: the process "crashed" here

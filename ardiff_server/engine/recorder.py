@@ -179,8 +179,10 @@ class Recorder:
                 item = self._queue.popleft()
             try:
                 if item is None:
-                    for files in self._sessions.values():
-                        files.finish("shutdown")
+                    with self._cond:
+                        dropped = {sid: tuple(calls) for sid, calls in self._dropped.items()}
+                    for session_id, files in self._sessions.items():
+                        files.finish("shutdown", dropped.get(session_id, ()))
                     self._sessions.clear()
                     return
                 session_id, payload = item

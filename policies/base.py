@@ -136,7 +136,8 @@ class Policy(abc.ABC, Generic[S]):
 
     def decode_prediction(self, predicted: Any) -> np.ndarray | None:
         """A recorded prediction as (T, H, W, 3) uint8 frames (None: the policy predicts no video).
-        Runs between requests, never inside a step."""
+        Runs on the recorder's thread, beside the steps (and the encoder thread's jobs): it must not
+        wait for them nor touch state they use (on a GPU: its own stream, ``policies/streams.py``)."""
         return None
 
 

@@ -15,8 +15,13 @@ With one replica the robots queue for one engine; with two, sessions are spread 
 run in parallel, so at 2+ robots throughput should approach 2x on a machine with 2 free cores.
 
 ``--recording`` instead compares one robot's latency with ``--record DIR`` off and on (one
-replica): the recorder decodes and writes between requests, so replies should not slow down
-while the robot leaves the usual gap between calls (``--gap-ms``, a robot executing its chunk).
+replica, ``--gap-ms`` between calls: a robot executing its chunk; 0 is the hardest case, every
+request arriving while the previous chunk's decode runs): the recorder decodes and writes on its
+own thread, so the round trip and ``server_timing.queue_ms`` should not grow; the calls the
+recording holds (``timings.json``, warm-up calls included) and of those the ones whose prediction
+was decoded (the rest were written without it at shutdown) are counted too.
+
+    python scripts/bench_replicas.py --recording --gap-ms 0 --calls 24
 """
 
 from __future__ import annotations
@@ -62,11 +67,17 @@ def recording(pool, manager, args) -> list[dict[str, Any]]:
                 barrier.wait(timeout=600)
                 run = future.result(timeout=1800)
             latency = run["latency_ms"]
-            rows.append({"recording": record, "calls": len(latency), "p50_ms": statistics.median(latency), "p99_ms": percentile(latency, 99)})
+            rows.append({
+                "recording": record, "calls": len(latency), "p50_ms": statistics.median(latency), "p99_ms": percentile(latency, 99),
+                "queue_p50_ms": statistics.median(run["queue_ms"]),
+            })  # fmt: skip
             print(f"  recording {'on' if record else 'off'}: p50 {rows[-1]['p50_ms']:.0f} ms", file=sys.stderr, flush=True)
         written = sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+        calls = [c for f in Path(folder).glob("*/timings.json") for c in json.loads(f.read_text())["calls"]]
     for row in rows:
         row["bytes_written"] = written if row["recording"] else 0
+        row["recorded_calls"] = len(calls) if row["recording"] else 0  # warm-up calls included
+        row["decoded_calls"] = sum(c.get("prediction_decoded", True) for c in calls) if row["recording"] else 0
     return rows
 
 
@@ -88,10 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         ctx = get_context("spawn")
         with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
             rows = recording(pool, manager, args)
-        print(f"\n{args.config} DreamZero, 1 replica, 1 robot, {args.gap_ms:.0f} ms between calls\n")
-        print(f"{'recording':>9} {'calls':>5} {'p50 ms':>8} {'p99 ms':>8} {'MiB written':>12}")
+        print(f"\n{args.config} DreamZero, 1 replica, 1 robot, {args.gap_ms:.0f} ms between calls; round trip and server_timing.queue_ms\n")
+        print(f"{'recording':>9} {'calls':>5} {'p50 ms':>8} {'p99 ms':>8} {'queue p50':>9} {'recorded':>8} {'decoded':>7} {'MiB written':>12}")
         for r in rows:
-            print(f"{'on' if r['recording'] else 'off':>9} {r['calls']:>5} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['bytes_written'] / 2**20:>12.1f}")
+            print(f"{'on' if r['recording'] else 'off':>9} {r['calls']:>5} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['queue_p50_ms']:>9.1f} "
+                  f"{r['recorded_calls']:>8} {r['decoded_calls']:>7} {r['bytes_written'] / 2**20:>12.1f}")  # fmt: skip
+        off, on = (next(r for r in rows if r["recording"] is flag) for flag in (False, True))
+        print(f"\np50 with recording / without: {on['p50_ms'] / off['p50_ms']:.2f}x")
         if args.json:
             print(json.dumps({"recording": rows}))
         return 0

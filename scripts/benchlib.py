@@ -175,18 +175,20 @@ def openpi_robot(port: int, index: int, warmup: int, calls: int, barrier: Any, g
     for i in range(warmup):
         replicas.add(client.infer(observation(1) if i == 0 else stacks[i % 3])["session"]["replica"])
     barrier.wait(timeout=600)
-    latency, window = [], [time.monotonic(), 0.0]
+    latency, queue, window = [], [], [time.monotonic(), 0.0]
     for i in range(calls):
         start = time.perf_counter()
-        session_info = client.infer(stacks[i % 3])["session"]
+        reply = client.infer(stacks[i % 3])
         latency.append((time.perf_counter() - start) * 1000.0)
+        queue.append(reply["server_timing"]["queue_ms"])
+        session_info = reply["session"]
         replicas.add(session_info["replica"])
         batch_sizes.append(session_info.get("batch_size", 1))
         time.sleep(gap_ms / 1000.0)  # the robot executes its chunk
     window[1] = time.monotonic()
     client.infer({"endpoint": "reset", "session_id": session})
     client._ws.close()
-    return {"latency_ms": latency, "window": window, "replicas": sorted(replicas), "batch_sizes": batch_sizes}
+    return {"latency_ms": latency, "queue_ms": queue, "window": window, "replicas": sorted(replicas), "batch_sizes": batch_sizes}
 
 
 @dataclass

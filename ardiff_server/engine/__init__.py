@@ -40,7 +40,8 @@ Modules, in the order a request meets them:
 ``loop``            the one serving loop: the scheduler's rounds, carried out by the engine
 ``scheduler``       Scheduler: control first, admission and eviction, batch formation (rounds)
 ``core``            SessionEngine: the session table, each session's model and KV state; executes rounds
+``encoder``         the encoder thread: session-own work beside the batched steps, each job timed
 ``builder``         build_engine / start_engine: policy + KV cache + recorder for one rank
 ``inproc_client``   InprocClient: an engine in this process (tests, scripts, Ray replicas)
-``recorder``        session recordings (server.record_dir), written between requests
+``recorder``        session recordings (server.record_dir), decoded and written on their own thread
 """

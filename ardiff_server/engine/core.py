@@ -28,7 +28,7 @@ import logging
 import time
 import traceback
 from collections import Counter, OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -36,6 +36,7 @@ from ardiff_kv import CapacityError, PagedKVCache, SessionKV
 from ardiff_policies.base import Policy, StepResult
 from ardiff_policies.observation import RobotObservation, UnsupportedObservation
 from ardiff_policies.progress import StepProgress, frames_label
+from ardiff_server.engine.encoder import EncoderThread, EncodeTiming
 from ardiff_server.engine.messages import (
     ControlReply,
     Detach,
@@ -87,6 +88,11 @@ class _Admitted:
     session: SessionState
     new: bool
     work: Future | None = None  # the policy's prepare job on the encoder thread
+    encode: EncodeTiming | None = None  # how long that job waited and ran there
+
+    @property
+    def encode_ms(self) -> float:
+        return self.encode.run_ms if self.encode is not None else 0.0
 
 
 class SessionEngine:
@@ -109,7 +115,7 @@ class SessionEngine:
         self.failures = 0
         self.warmup_ms: dict[str, float] = {}
         self._admitted: dict[int, _Admitted] = {}
-        self._encoder: ThreadPoolExecutor | None = None  # session-own work, beside the batched steps
+        self._encoder = EncoderThread()  # session-own work, beside the batched steps
 
     # -- typed requests -------------------------------------------------------------------
 
@@ -201,8 +207,8 @@ class SessionEngine:
             admitted = _Admitted(request, session, new)
             job = self._prepare_job(session, request)
             if job is not None:
-                admitted.work = self._encoder_pool().submit(job)
-                admitted.work.add_done_callback(functools.partial(self._prepared, request))
+                admitted.work, admitted.encode = self._encoder.submit(job)
+                admitted.work.add_done_callback(functools.partial(self._prepared, admitted))
             self._admitted[request.request_id] = admitted
             self.scheduler.admitted(request, queued_ms, ready=job is None)
         return replies
@@ -214,16 +220,12 @@ class SessionEngine:
             logger.exception("session %s: preparing its call failed", request.session_id)
             return None
 
-    def _prepared(self, request: Infer, work: Future) -> None:
+    def _prepared(self, admitted: _Admitted, work: Future) -> None:
         """The encoder thread finished a request's session-own work: it may join a batch."""
+        request = admitted.request
         if not work.cancelled() and work.exception() is not None:
             logger.warning("session %s: its encodes failed beside the batch (%s); its step does them itself", request.session_id, work.exception())
-        self.scheduler.prepared(request.request_id)
-
-    def _encoder_pool(self) -> ThreadPoolExecutor:
-        if self._encoder is None:
-            self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ardiff-encoder")
-        return self._encoder
+        self.scheduler.prepared(request.request_id, admitted.encode.behind_ms)
 
     def _step(self, batch: tuple[tuple[int, float], ...]) -> list[Reply]:
         """One batched policy step over admitted requests; a session whose call failed is ended."""
@@ -265,10 +267,10 @@ class SessionEngine:
             session.calls += 1
             self.steps += 1
             if self.recorder is not None and result.recording is not None and not request.session_id.startswith(WARMUP_SESSION):
-                self._record(session, request.observation, result, compute_ms, queued_ms)
+                self._record(session, request.observation, result, compute_ms, queued_ms, admitted.encode_ms)
             replies.append(InferReply(
                 request.request_id, request.session_id, result.actions, result.timing_ms, result.info, new, session.calls,
-                compute_ms, batch_size=len(members), queue_ms=queued_ms,
+                compute_ms, batch_size=len(members), queue_ms=queued_ms, encode_ms=admitted.encode_ms,
             ))  # fmt: skip
         return replies
 
@@ -285,25 +287,22 @@ class SessionEngine:
         result = StepResult(reply.actions, reply.timing_ms, reply.info)
         return StepOutcome(result, session_id, reply.new_session, reply.calls, reply.compute_ms)
 
-    def _record(self, session: SessionState, observation: RobotObservation, result: StepResult, compute_ms: float, queued_ms: float) -> None:
+    def _record(
+        self, session: SessionState, observation: RobotObservation, result: StepResult, compute_ms: float, queued_ms: float, encode_ms: float,
+    ) -> None:  # fmt: skip
         from ardiff_server.engine.recorder import Chunk
 
         rec = result.recording
         self.recorder.add(session.session_id, Chunk(
             call=session.calls, prompt=observation.prompt, canvas=rec.canvas, predicted=rec.predicted,
             actions=result.actions, raw_actions=rec.raw_actions, state=rec.state, policy_timing=dict(result.timing_ms),
-            compute_ms=compute_ms, queue_ms=queued_ms, info=dict(result.info),
+            compute_ms=compute_ms, queue_ms=queued_ms, encode_ms=encode_ms, info=dict(result.info),
         ))  # fmt: skip
-
-    def idle_work(self) -> bool:
-        """Background work between requests (recording); False when there is none."""
-        return self.recorder is not None and self.recorder.idle_work()
 
     def close(self) -> None:
         """End every session and finish background work (shutdown)."""
         self.end_all("shutdown")
-        if self._encoder is not None:
-            self._encoder.shutdown(wait=True, cancel_futures=True)
+        self._encoder.shutdown()
         if self.recorder is not None:
             self.recorder.close()
 
@@ -438,4 +437,5 @@ class SessionEngine:
             kv_pages_free=kv["pages_free"],
             session_capacity=kv.get("session_capacity", self.max_sessions),
             max_batch=self.max_batch,
+            recording_dropped=self.recorder.dropped if self.recorder is not None else 0,
         )

@@ -20,13 +20,11 @@ def serve(
 
     ``execute`` carries a round out (default ``engine.execute``); ``share`` hands each round to the
     other CFG-parallel rank before it runs; ``running`` is told which requests are being computed
-    (``None`` when none: the progress watchdog reads it). Background work (recording) runs only
-    while nothing waits."""
+    (``None`` when none: the progress watchdog reads it). Nothing else runs here: the recording
+    decodes and writes on its own thread (``recorder.py``), never between two requests."""
     execute = execute or engine.execute
     scheduler = engine.scheduler
     while True:
-        if scheduler.empty() and engine.idle_work():
-            continue
         round = scheduler.next_round()
         if share is not None:
             share(round)

@@ -97,6 +97,7 @@ class EngineStats:
     kv_pages_free: int = 0
     session_capacity: int = 0  # sessions it can hold: engine.max_sessions, or fewer if the KV pool is smaller
     max_batch: int = 0  # sessions per forward it runs: engine.max_batch, or fewer (the policy's limit, the KV pool's)
+    recording_dropped: int = 0  # calls the recorder dropped, its queue full (server.record_dir; rank 0)
 
     @property
     def sessions(self) -> int:
@@ -170,7 +171,13 @@ class InferReply:
     stats: tuple[EngineStats, ...] = ()
     replica: int = 0  # which engine replica served it (set by the client that talked to it)
     batch_size: int = 1  # sessions in the forward that computed it (engine.max_batch)
-    queue_ms: float = 0.0  # how long it waited in the engine (scheduler), behind other steps
+    queue_ms: float = 0.0  # how long it waited in the engine behind other robots' work (steps, their encodes), not its own
+    encode_ms: float = 0.0  # its session-own work on the encoder thread (a window start's encodes); 0: none
+
+    @property
+    def infer_ms(self) -> float:
+        """This call's compute wherever it ran: its (batched) step and its own encodes beside the batch."""
+        return self.compute_ms + self.encode_ms
 
 
 def scalar_info(info: dict[str, Any]) -> dict[str, Any]:

@@ -10,15 +10,21 @@
   actions than the longest (LingBot-VA's ``compute_kv_cache`` returns none) is NaN-padded, and ``horizons``
   says how many rows each call returned;
 * ``timings.json``: per call ``policy_timing``, ``server_timing`` (as the engine measures it:
-  ``infer_ms``, and ``queue_ms``, the time the request waited for the engine behind other
-  sessions' steps; the reply's ``queue_ms`` also counts the trip to the engine), window resets
+  ``infer_ms``, the step and the call's own encodes, also as ``encode_ms`` when it had any, and
+  ``queue_ms``, the time the request waited for the engine behind other sessions' steps and
+  encodes; the reply's ``queue_ms`` also counts the trip to the engine), window resets
   and prompt changes, the call's ``info`` (LingBot-VA: ``call``, the kind of call); once the session
   ends, ``ended``: why (``reset``, ``ttl``, ``failed``, ...);
 * ``actions.png``: joint and gripper trajectories over the session (written when it ends).
 
-Off the critical path: a step only keeps references to what it produced. The expensive VAE
-decode runs in the engine's thread when no request is waiting (``idle_work``), and encoding and
-file writes run in a writer thread. Files are written incrementally - the MP4 is fragmented with
+Off the critical path: a step only keeps references to what it produced, and the engine thread only
+queues them. The VAE decode of the prediction, the video encoding and the file writes run on the
+recorder's own thread (at the lowest CPU priority; on a GPU the decode runs on that thread's own CUDA
+stream, with a decode cache of its own, so it waits for neither the steps nor their encodes). The
+queue is bounded (``MAX_PENDING_CHUNKS`` calls): when it is full (a disk or decode slower than the
+robots) a call is dropped, never waited for, with a WARNING once per session, the counter
+``ardiff_recording_dropped_calls_total``, and ``dropped_calls`` in the session's ``timings.json``.
+At shutdown the calls still queued are written at once without their decode. Files are written incrementally - the MP4 is fragmented with
 one fragment per call, the npz and json are replaced atomically after every call - so a crash
 loses at most the last call. A session's files are finalised when it ends (reset, TTL expiry,
 eviction, failure, shutdown). A session id used again after its session ended (a robot's next
@@ -32,9 +38,9 @@ import hashlib
 import json
 import logging
 import os
-import queue
 import re
 import shutil
+import sys
 import threading
 import time
 from collections import deque
@@ -74,84 +80,143 @@ class Chunk:
     state: np.ndarray  # (state dim,)
     policy_timing: dict[str, float]
     compute_ms: float
-    queue_ms: float = 0.0  # waiting for the engine, behind other sessions' steps
+    queue_ms: float = 0.0  # waiting for the engine, behind other sessions' work
+    encode_ms: float = 0.0  # its session-own encodes on the engine's encoder thread (part of its compute)
     info: dict[str, Any] = field(default_factory=dict)
     wall_time: float = field(default_factory=time.time)
 
 
+# Calls waiting for the recorder's thread (decode and disk), each holding its frames and latents; past this many a
+# call is dropped (WARNING, a counter): a slow disk or decode never blocks the engine nor grows memory without bound.
+MAX_PENDING_CHUNKS = 32
+
+
+@dataclass(frozen=True)
+class _End:
+    reason: str
+    dropped: tuple[int, ...]  # the session's calls the recorder had no room for
+
+
 class Recorder:
-    def __init__(self, root: str | os.PathLike, *, max_bytes: int, decode: Callable[[Any], np.ndarray]) -> None:
+    """Session recordings, off the engine's critical path: the engine thread only queues references
+    (:meth:`add`, :meth:`end`: never blocking); one thread decodes the predictions and writes the files,
+    at the lowest CPU priority."""
+
+    def __init__(
+        self, root: str | os.PathLike, *, max_bytes: int, decode: Callable[[Any], np.ndarray | None], max_pending: int = MAX_PENDING_CHUNKS,
+    ) -> None:  # fmt: skip
         self.root = Path(root).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self.decode = decode
-        self._pending: deque[tuple[str, Chunk | str]] = deque()  # (session, chunk or end reason)
-        self._writes: queue.Queue = queue.Queue()
-        self._writer = threading.Thread(target=self._write_loop, name="ardiff-recorder", daemon=True)
-        self._writer.start()
-        self._sessions: dict[str, _SessionFiles] = {}  # writer thread only
+        self.max_pending = max_pending
+        self.dropped = 0  # calls dropped because the queue was full (EngineStats.recording_dropped)
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[str, Chunk | _End] | None] = deque()  # None: stop
+        self._chunks = 0  # chunks queued or being decoded and written: the bound
+        self._unfinished = 0  # items queued or in hand: flush() waits for none
+        self._dropped: dict[str, list[int]] = {}  # session -> its calls dropped since it began (engine thread)
+        self._closing = False  # shutdown: queued calls are written without their decode
+        self._sessions: dict[str, _SessionFiles] = {}  # recorder thread only
+        self._thread = threading.Thread(target=self._run, name="ardiff-recorder", daemon=True)
+        self._thread.start()
 
     # -- engine thread --------------------------------------------------------------------
 
-    def add(self, session_id: str, chunk: Chunk) -> None:
-        self._pending.append((session_id, chunk))
+    def add(self, session_id: str, chunk: Chunk) -> bool:
+        """Queue one call for decoding and writing; False (dropped, with a WARNING once per session) if the
+        queue is full. Never blocks."""
+        with self._cond:
+            if self._chunks >= self.max_pending:
+                self.dropped += 1
+                calls = self._dropped.setdefault(session_id, [])
+                calls.append(chunk.call)
+            else:
+                self._chunks += 1
+                self._put((session_id, chunk))
+                return True
+        if len(calls) == 1:
+            logger.warning(
+                "recording: dropped call %d of session %s: %d calls already wait for the recorder's decode and disk "
+                "(%d dropped in all; the session's timings.json lists its dropped_calls)", chunk.call, session_id, self.max_pending, self.dropped,
+            )  # fmt: skip
+        return False
 
     def end(self, session_id: str, reason: str) -> None:
-        self._pending.append((session_id, reason))
+        """The session ended: its files are finalised once its queued calls are written."""
+        with self._cond:
+            self._put((session_id, _End(reason, tuple(self._dropped.pop(session_id, ())))))
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self._pending)
+    def _put(self, item: tuple[str, Chunk | _End] | None) -> None:
+        self._unfinished += 1
+        self._queue.append(item)
+        self._cond.notify_all()
 
-    def idle_work(self) -> bool:
-        """Decode one pending chunk (or pass on one ending) to the writer. False if nothing to do."""
-        if not self._pending:
-            return False
-        session_id, item = self._pending.popleft()
-        if isinstance(item, Chunk):
-            try:
-                predicted = self.decode(item.predicted)
-            except Exception:
-                logger.exception("recording: decoding the prediction of session %s failed", session_id)
-                predicted = None
-            item.predicted = predicted
-        self._writes.put((session_id, item))
-        return True
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until everything queued so far is decoded and written; False if ``timeout_s`` passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._unfinished == 0, timeout_s)
 
-    def close(self) -> None:
-        """Finish everything pending (shutdown): decode, write, finalise every open session."""
-        while self.idle_work():
-            pass
-        self._writes.put(None)
-        self._writer.join(timeout=60)
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Write everything queued (shutdown) without waiting for decodes: the calls not decoded yet get a black
+        prediction (``prediction_decoded`` false), so their actions and timings are kept and shutdown stays within
+        ``server.shutdown_grace_s``. Then finalise every open session and stop the thread."""
+        with self._cond:
+            self._closing = True
+            self._put(None)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.warning("recording: %d calls not written after %.0f s at shutdown; their recordings lack them", self._chunks, timeout_s)
 
-    # -- writer thread --------------------------------------------------------------------
+    # -- recorder thread ------------------------------------------------------------------
 
-    def _write_loop(self) -> None:
+    def _run(self) -> None:
+        _lower_priority()
         written = 0
         while True:
-            item = self._writes.get()
-            if item is None:
-                for files in self._sessions.values():
-                    files.finish("shutdown")
-                self._sessions.clear()
-                return
-            session_id, payload = item
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue)
+                item = self._queue.popleft()
             try:
+                if item is None:
+                    with self._cond:
+                        dropped = {sid: tuple(calls) for sid, calls in self._dropped.items()}
+                    for session_id, files in self._sessions.items():
+                        files.finish("shutdown", dropped.get(session_id, ()))
+                    self._sessions.clear()
+                    return
+                session_id, payload = item
                 if isinstance(payload, Chunk):
-                    files = self._sessions.get(session_id)
-                    if files is None:
-                        files = self._sessions[session_id] = _SessionFiles(_fresh_folder(session_folder(self.root, session_id)), session_id)
-                    files.add(payload)
+                    self._write(session_id, payload)
                     written += 1
                     if written % 8 == 1:
                         self._prune()
                 else:
                     files = self._sessions.pop(session_id, None)
                     if files is not None:
-                        files.finish(payload)
+                        files.finish(payload.reason, payload.dropped)
             except Exception:
-                logger.exception("recording session %s failed; its recording may be incomplete", session_id)
+                logger.exception("recording session %s failed; its recording may be incomplete", item[0] if item else "-")
+            finally:
+                with self._cond:
+                    self._unfinished -= 1
+                    if item is not None and isinstance(item[1], Chunk):
+                        self._chunks -= 1
+                    self._cond.notify_all()
+
+    def _write(self, session_id: str, chunk: Chunk) -> None:
+        if self._closing:
+            chunk.predicted = None
+        else:
+            try:
+                chunk.predicted = self.decode(chunk.predicted)
+            except Exception:
+                logger.exception("recording: decoding the prediction of session %s failed", session_id)
+                chunk.predicted = None
+        files = self._sessions.get(session_id)
+        if files is None:
+            files = self._sessions[session_id] = _SessionFiles(_fresh_folder(session_folder(self.root, session_id)), session_id)
+        files.add(chunk)
 
     def _prune(self) -> None:
         """Delete the oldest finished session folders while the tree is over ``max_bytes``."""
@@ -170,7 +235,7 @@ class Recorder:
 
 
 class _SessionFiles:
-    """One session's recording, owned by the writer thread."""
+    """One session's recording, owned by the recorder thread."""
 
     def __init__(self, folder: Path, session_id: str) -> None:
         self.folder = folder
@@ -184,6 +249,7 @@ class _SessionFiles:
         self.states: list[np.ndarray] = []
         self.timings: list[dict[str, Any]] = []
         self.ended: str | None = None
+        self.dropped: list[int] = []  # calls never recorded: the queue was full
 
     def add(self, chunk: Chunk) -> None:
         self._add_video(chunk)
@@ -196,7 +262,8 @@ class _SessionFiles:
             "time": chunk.wall_time,
             "prompt": chunk.prompt,
             "policy_timing": chunk.policy_timing,
-            "server_timing": {"infer_ms": chunk.compute_ms, "queue_ms": chunk.queue_ms},
+            "server_timing": _server_timing(chunk),
+            "prediction_decoded": chunk.predicted is not None,  # false: decode failed, shutdown, or no video predicted
             "window_restart": bool(chunk.info.get("window_restart", False)),
             "prompt_change": bool(chunk.info.get("prompt_change", False)),
             # deprecated names of the two above, kept for one release
@@ -209,10 +276,15 @@ class _SessionFiles:
 
     def _write_timings(self) -> None:
         out = {"session_id": self.session_id, "calls": self.timings, **({"ended": self.ended} if self.ended else {})}
+        if self.dropped:
+            out["dropped_calls"] = self.dropped
         _atomic_write(self.folder / "timings.json", json.dumps(out, indent=1).encode())
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason: str, dropped: tuple[int, ...] = ()) -> None:
         self.ended = reason
+        self.dropped = list(dropped)
+        if dropped:
+            logger.warning("recording of session %s lacks %d calls the recorder had no room for: %s", self.session_id, len(dropped), list(dropped))
         if self.timings:
             self._write_timings()
         if self.video is not None:
@@ -265,6 +337,26 @@ class _SessionFiles:
                 video_frame.pict_type = av.video.frame.PictureType.I
             for packet in self.stream.encode(video_frame):
                 self.video.mux(packet)
+
+
+def _server_timing(chunk: Chunk) -> dict[str, float]:
+    """As the reply's (docs/spec.md §3), measured in the engine: ``infer_ms`` counts the call's own encodes."""
+    timing = {"infer_ms": chunk.compute_ms + chunk.encode_ms, "queue_ms": chunk.queue_ms}
+    if chunk.encode_ms:
+        timing["encode_ms"] = chunk.encode_ms
+    return timing
+
+
+def _lower_priority() -> None:
+    """Linux: this thread (and the codec and torch threads it starts, which inherit it) at the lowest CPU priority
+    (nice 19), so the recording gets only the cores the engine's steps leave. Measured on the tiny model with a robot
+    calling back to back (docs/performance.md): nice 0 slowed its p50 1.65x, nice 10 1.32x, nice 19 1.08x. Per thread
+    on Linux only (elsewhere it would be the whole process)."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError as exc:
+            logger.info("recording: could not lower the recorder thread's priority (%s)", exc)
 
 
 def _fresh_folder(folder: Path) -> Path:

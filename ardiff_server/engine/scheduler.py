@@ -94,6 +94,7 @@ class _Admitted:
     request: Infer
     waited_s: float  # before its admission round
     ready_at: float | None = None  # time.monotonic() its session-own work was done (or it had none); None: not ready
+    behind_s: float = 0.0  # its session-own work waited this long for the encoder thread, behind other requests' work
     taken: bool = False  # in a batch now
 
     @property
@@ -124,12 +125,14 @@ class Scheduler:
             (self._control if isinstance(request, CONTROL) else self._arrivals).append((request, arrived))
             self._cond.notify()
 
-    def prepared(self, request_id: int) -> None:
-        """A request's session-own work finished (called from the encoder thread): it is ready."""
+    def prepared(self, request_id: int, behind_ms: float = 0.0) -> None:
+        """A request's session-own work finished (called from the encoder thread): it is ready.
+        ``behind_ms``: how long that work waited for the encoder thread behind other requests' (queueing)."""
         with self._cond:
             entry = self._admitted.get(request_id)
             if entry is not None and entry.ready_at is None:
                 entry.ready_at = time.monotonic()
+                entry.behind_s = behind_ms / 1000.0
                 self._cond.notify()
 
     # -- the serving thread ------------------------------------------------------------
@@ -189,8 +192,9 @@ class Scheduler:
                         self._deadline = None
                         for entry in batch:
                             entry.taken = True
-                        # Queueing: before its admission, and ready but behind other steps (not its own encodes).
-                        return Round(batch=tuple((e.request.request_id, (e.waited_s + now - e.ready_at) * 1000.0) for e in batch))
+                        # Queueing: before its admission, behind other requests' encodes on the encoder thread,
+                        # and ready but behind other steps (never its own encodes).
+                        return Round(batch=tuple((e.request.request_id, (e.waited_s + e.behind_s + now - e.ready_at) * 1000.0) for e in batch))
                 if give_up is not None:
                     left = give_up - now
                     if left <= 0:

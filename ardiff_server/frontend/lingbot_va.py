@@ -56,12 +56,12 @@ class LingBotVAConnections:
         except EngineError as exc:
             return service._error_frame(exc, session_id)
         service.metrics.requests.labels("ok").inc()
-        service.metrics.infer_seconds.observe(reply.compute_ms / 1000.0)
+        service.metrics.infer_seconds.observe(reply.infer_ms / 1000.0)
         out: dict[str, Any] = {}
         if request.kind == "infer":
             layout = service.engine.info.details["action_layout"]
             out["action"] = action_reply(reply.actions, layout["channels"], layout["frames"], layout["per_frame"])
-        out["server_timing"] = _timing(started, reply.compute_ms, prev_total_ms)
+        out["server_timing"] = _timing(started, reply.infer_ms, prev_total_ms)  # its step and its own encodes
         return pack(out)
 
 

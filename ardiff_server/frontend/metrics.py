@@ -57,12 +57,12 @@ class Metrics:
         self.requests = Counter("ardiff_requests", "Requests by outcome", ["outcome"], registry=r)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
-        self.infer_seconds = Histogram("ardiff_infer_seconds", "Policy compute time per infer request", registry=r, buckets=_BUCKETS)
+        self.infer_seconds = Histogram("ardiff_infer_seconds", "Policy compute time per infer request (its step and its own encodes beside the batch)", registry=r, buckets=_BUCKETS)
         self.request_seconds = Histogram(
             "ardiff_request_seconds", "Server time per infer request (queue + compute + codec)", registry=r, buckets=_BUCKETS
         )
         self.queue_seconds = Histogram(
-            "ardiff_queue_seconds", "Time an infer request waited in the engine (its scheduler) behind other steps", registry=r, buckets=_BUCKETS
+            "ardiff_queue_seconds", "Time an infer request waited in the engine behind other robots' steps and encodes (not its own)", registry=r, buckets=_BUCKETS
         )
         self.connections = Gauge("ardiff_connections_open", "Open websocket connections", registry=r)
         self.closed = Counter("ardiff_connections_closed", "Connections the server closed, by reason", ["reason"], registry=r)
@@ -114,6 +114,7 @@ class EngineCollector(Collector):
         kv_free = GaugeMetricFamily("ardiff_kv_pages_free", "Free KV pages", labels=["replica", "rank"])
         kv_total = GaugeMetricFamily("ardiff_kv_pages_total", "KV pages in the pool", labels=["replica", "rank"])
         endings = CounterMetricFamily("ardiff_session_endings", "Sessions ended in the engine, by reason", labels=["replica", "reason"])
+        dropped = CounterMetricFamily("ardiff_recording_dropped_calls", "Calls not recorded: the recorder's queue was full (slow decode or disk)", labels=["replica"])
         batches = HistogramMetricFamily("ardiff_batch_size", "Sessions per engine step (a step runs the robots whose requests wait together)", labels=["replica"])
         for replica in replicas:
             label = str(replica.index)
@@ -127,6 +128,7 @@ class EngineCollector(Collector):
             first = replica.stats[0]
             sessions.add_metric([label], first.sessions)
             steps.add_metric([label], first.steps)
+            dropped.add_metric([label], first.recording_dropped)
             for reason, count in sorted(first.endings.items()):
                 endings.add_metric([label, reason], count)
             if first.batches:
@@ -137,7 +139,7 @@ class EngineCollector(Collector):
             for rank_stats in replica.stats:
                 kv_free.add_metric([label, str(rank_stats.rank)], rank_stats.kv_pages_free)
                 kv_total.add_metric([label, str(rank_stats.rank)], rank_stats.kv_pages_total)
-        yield from (up, state, restarts, restart_s, sessions, placed, steps, kv_free, kv_total, endings, batches)
+        yield from (up, state, restarts, restart_s, sessions, placed, steps, kv_free, kv_total, endings, batches, dropped)
 
 
 class _KeyCollector(Collector):

@@ -286,16 +286,14 @@ class PolicyService:
         now = time.perf_counter()
         total_ms, round_trip_ms = (now - started) * 1000.0, (now - sent) * 1000.0
         self.metrics.requests.labels("ok").inc()
-        self.metrics.infer_seconds.observe(reply.compute_ms / 1000.0)
+        self.metrics.infer_seconds.observe(reply.infer_ms / 1000.0)
         self.metrics.queue_seconds.observe(reply.queue_ms / 1000.0)
         self.metrics.request_seconds.observe(total_ms / 1000.0)
-        server_timing = {"infer_ms": reply.compute_ms, "queue_ms": max(0.0, round_trip_ms - reply.compute_ms)}
-        if prev_total_ms is not None:
-            server_timing["prev_total_ms"] = prev_total_ms
+        server_timing = _server_timing(reply, round_trip_ms, prev_total_ms)
         if logger.isEnabledFor(logging.INFO):
             logger.info(
-                "session %s call %d: infer %.0f ms, queue %.0f ms, %s",
-                session_id, reply.calls, reply.compute_ms, server_timing["queue_ms"],
+                "session %s call %d: infer %.0f ms (encode %.0f), queue %.0f ms, %s",
+                session_id, reply.calls, reply.infer_ms, reply.encode_ms, server_timing["queue_ms"],
                 " ".join(f"{k}={v:.0f}" for k, v in reply.timing_ms.items()),
             )  # fmt: skip
         actions = np.asarray(reply.actions, dtype=np.float32)
@@ -344,6 +342,19 @@ class IdleTimer:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+
+
+def _server_timing(reply: InferReply, round_trip_ms: float, prev_total_ms: float | None) -> dict[str, float]:
+    """``infer_ms``: this call's compute wherever it ran (its batched step, and its own encodes on the engine's
+    encoder thread, also as ``encode_ms`` when it had any); ``queue_ms``: the rest of the round trip to the engine,
+    waiting behind other robots' work (and the trip itself); ``prev_total_ms``: the connection's previous request
+    (docs/spec.md §3)."""
+    timing = {"infer_ms": reply.infer_ms, "queue_ms": max(0.0, round_trip_ms - reply.infer_ms)}
+    if reply.encode_ms:
+        timing["encode_ms"] = reply.encode_ms
+    if prev_total_ms is not None:
+        timing["prev_total_ms"] = prev_total_ms
+    return timing
 
 
 # Old names of the reply's ``session`` flags (before the glossary), still sent for one release.

@@ -63,6 +63,7 @@ from ardiff_policies.dreamzero.transforms import CROP_SCALE, NormStats, denormal
 from ardiff_policies.embodiment import Embodiment, ObservationSchema, metadata_frame
 from ardiff_policies.info import PolicyInfo, droid_server_config
 from ardiff_policies.observation import RobotObservation, UnsupportedObservation
+from ardiff_policies.streams import own_stream
 from ardiff_policies.wan.schedulers import FlowUniPCScheduler
 
 logger = logging.getLogger(__name__)
@@ -564,7 +565,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 **({"continuation": call.continuation} if call.continuation is not None else {}),
             },  # fmt: skip
         )
-        if self.options.record:  # references for the recorder; it decodes the video between requests
+        if self.options.record:  # references for the recorder; its thread decodes the video beside the steps
             seen = list(session.frames)[-(1 if session.calls == 1 else FRAMES_PER_CALL) :]
             call.result.recording = ChunkRecording(
                 canvas=np.stack(seen), predicted=call.latents.detach().to("cpu"), raw_actions=call.actions[0].float().cpu().numpy(),
@@ -578,10 +579,12 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
 
         The chunk's latents are decoded on their own (without the window's earlier latents as the
         causal VAE's context), so the first frame is a reconstruction of the chunk's first latent:
-        a faithful view of what the model predicted, not bit-equal to a decode of the whole window."""
-        frames = self.model.vae.decode(predicted.to(self.device, self.dtype))  # (1, 3, T, H, W) in [-1, 1]
-        frames = ((frames[0].float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
-        return frames.permute(1, 2, 3, 0).cpu().numpy()
+        a faithful view of what the model predicted, not bit-equal to a decode of the whole window. On the recorder's
+        thread beside the steps: its own CUDA stream, the VAE's decode cache (never waiting for the steps' encodes)."""
+        with own_stream(self.device):
+            frames = self.model.vae.decode(predicted.to(self.device, self.dtype))  # (1, 3, T, H, W) in [-1, 1]
+            frames = ((frames[0].float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
+            return frames.permute(1, 2, 3, 0).cpu().numpy()
 
     def _advance_session(self, session: DreamZeroSession, observation: RobotObservation, canvas: np.ndarray | None = None) -> dict[str, bool]:
         """Buffer the new frames (``canvas``: already stitched) and apply upstream's reset rules. Returns what happened."""

@@ -22,7 +22,7 @@ them to upstream's (channels, frames, actions per frame) (``PolicyInfo.details['
 Recordings (``server.record_dir``): every call is a recorded call with its kind in ``info['call']`` (``infer``,
 ``compute_kv_cache``, or ``commit+infer`` on the OpenPI wire); its canvas is the frames it brought, laid out as the
 model sees them (the T layout: the wrists side by side above the high camera); an infer's prediction is its denoised
-video latents, decoded by the Wan VAE between requests (:meth:`LingBotVAServing.decode_prediction`).
+video latents, decoded by the Wan VAE on the recorder's thread (:meth:`LingBotVAServing.decode_prediction`).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from ardiff_policies.lingbot_va.model import TextKV
 from ardiff_policies.lingbot_va.policy import MAX_GUIDANCE, CommitRequest, EpisodeError, InferRequest, LingBotVAPolicy, LingBotVASession
 from ardiff_policies.lingbot_va.settings import BUILTIN_TINY, SYNTHETIC_PREFIX, LingBotVAConfig
 from ardiff_policies.observation import RobotObservation, UnsupportedObservation
+from ardiff_policies.streams import own_stream
 
 logger = logging.getLogger(__name__)
 
@@ -336,17 +337,18 @@ class LingBotVAServing(Policy[ServedSession]):
         """An infer's denoised latents (1, 48, F, h, w) -> (T, H, W, 3) uint8 frames in the canvas layout (None for a
         commit: nothing predicted). The chunk is decoded on its own (no earlier latents as the causal VAE's context)
         and the T layout's three views as one image, so the seams between them are blurred: a view of what the model
-        predicted, not its exact pixels. Runs between requests, on the engine thread (the VAE's decode cache is the
-        module's; encodes carry their own)."""
+        predicted, not its exact pixels. Runs on the recorder's thread beside the steps, on its own CUDA stream (the
+        VAE's decode cache is the module's and only decodes use it: encodes carry their own, ``StreamingEncoder``)."""
         if predicted is None:
             return None
         episodes = self.episodes
         shape = (1, -1, 1, 1, 1)
-        latents = predicted.to(episodes.device, torch.float32)
-        latents = latents * episodes.latents_std.to(latents.device).view(shape) + episodes.latents_mean.to(latents.device).view(shape)
-        frames = episodes.vae.decode(latents.to(episodes.dtype)).sample  # (1, 3, T, H, W) in [-1, 1]
-        frames = ((frames[0].float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
-        return frames.permute(1, 2, 3, 0).cpu().numpy()
+        with own_stream(episodes.device):
+            latents = predicted.to(episodes.device, torch.float32)
+            latents = latents * episodes.latents_std.to(latents.device).view(shape) + episodes.latents_mean.to(latents.device).view(shape)
+            frames = episodes.vae.decode(latents.to(episodes.dtype)).sample  # (1, 3, T, H, W) in [-1, 1]
+            frames = ((frames[0].float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
+            return frames.permute(1, 2, 3, 0).cpu().numpy()
 
     def warmup_observations(self) -> Iterator[RobotObservation]:
         """One episode over the OpenPI wire: the first frame, then the key frames of the first and of a later chunk."""

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -110,18 +111,24 @@ class VideoVAE(nn.Module):
             if type(module) is WanRMS_norm:
                 module.__class__ = UpstreamRMSNorm
         self.model = model
-        # diffusers' Wan VAE keeps its causal feature cache on the module (clear_cache, _enc_feat_map): one call at a
+        # diffusers' Wan VAE keeps its causal feature cache on the module (clear_cache, _enc_feat_map): one encode at a
         # time, whichever thread (the engine's encoder thread encodes window starts beside the batched re-encode).
+        # Decodes (the recorder's thread) use a view of the same modules with a cache of its own (`_decoder`), one
+        # decode at a time: they never wait for an encode.
         self._lock = threading.Lock()
+        self._decode_lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:  # copies and pickles get a lock of their own
         state = dict(self.__dict__)
         state.pop("_lock", None)
+        state.pop("_decode_lock", None)
+        state.pop("_decoding", None)  # made again on first use, over the copy's own modules
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._lock = threading.Lock()
+        self._decode_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | None = None, base: Mapping[str, Any] = WAN21_VAE_CONFIG) -> VideoVAE:
@@ -170,8 +177,19 @@ class VideoVAE(nn.Module):
         shape = (1, -1, 1, 1, 1)
         mean = torch.tensor(config.latents_mean, dtype=latents.dtype, device=latents.device).view(shape)
         std = torch.tensor(config.latents_std, dtype=latents.dtype, device=latents.device).view(shape)
-        with self._lock:
-            return self.model.decode(latents * std + mean).sample
+        with self._decode_lock:
+            return self._decoder().decode(latents * std + mean).sample
+
+    def _decoder(self) -> AutoencoderKLWan:
+        """``model`` with a causal cache of its own: the same submodules and weights (a shallow copy shares them; not
+        a registered submodule, so no second copy in the state dict), its own ``clear_cache`` state. A decode then
+        never waits for an encode nor disturbs one."""
+        source, view = self.__dict__.get("_decoding", (None, None))
+        if source is not self.model:
+            view = copy.copy(self.model)
+            self.__dict__["_decoding"] = (self.model, view)
+        view.training = self.model.training
+        return view
 
 
 def check_vae_config(vae_config: Mapping[str, Any]) -> None:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import os
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -10,8 +15,11 @@ import numpy as np
 import pytest
 import torch
 
+from ardiff_policies.base import RuntimeOptions
 from ardiff_server.config import ConfigError, preflight, validate_config
+from ardiff_server.engine.inproc_client import InprocClient
 from ardiff_server.engine.recorder import Chunk, Recorder, session_folder
+from tests.helpers.fake_policy import FakeConfig, FakePolicy
 from tests.helpers.server_harness import droid_observation
 
 av = pytest.importorskip("av", reason="recordings need the viz extra (pip install -e '.[viz]')")
@@ -45,8 +53,7 @@ def test_a_tiny_session_is_recorded_end_to_end(tmp_path):
     calls = 5  # a window start, 3 steady calls, a window restart
     for call in range(calls):
         engine.infer("ep-1", observe(call), queued_ms=2.5 * call)  # as if it had waited that long for the worker
-    while engine.idle_work():  # what the worker does between requests
-        pass
+    engine.recorder.flush()  # its thread decodes and writes beside the steps
     engine.end("ep-1", "reset")
     engine.close()  # drains the writer
     folder = tmp_path / "ep-1"
@@ -71,15 +78,110 @@ def test_a_crash_loses_at_most_the_call_being_written(tmp_path):
     engine, observe = tiny_engine(tmp_path)
     for call in range(3):
         engine.infer("crash", observe(call))
-        while engine.idle_work():
-            pass
+        engine.recorder.flush()
     timings = tmp_path / "crash" / "timings.json"
-    deadline = time.monotonic() + 30  # the writer thread catches up
+    deadline = time.monotonic() + 30  # the recorder thread catches up
     while time.monotonic() < deadline and (not timings.exists() or len(json.loads(timings.read_text())["calls"]) < 3):
         time.sleep(0.1)
     # no end, no close: the process "crashed" here
     assert frames_in(tmp_path / "crash" / "rollout.mp4") >= 5 * 2
     assert np.load(tmp_path / "crash" / "actions.npz")["actions"].shape[0] == 3
+
+
+def test_a_slow_recording_decode_never_delays_the_next_reply_and_the_recording_is_complete(tmp_path):
+    """One robot on an engine served by its loop, 0.1 s between its calls, the recording's decode made slow (0.6 s a
+    chunk). Before: the loop decoded between requests on the engine thread, so every next request waited for the
+    previous chunk's decode (queue_ms ~600). Now the decode runs on the recorder's thread."""
+    engine, observe = tiny_engine(tmp_path)
+    decode = engine.recorder.decode
+
+    def slow_decode(predicted):
+        time.sleep(0.6)
+        return decode(predicted)
+
+    engine.recorder.decode = slow_decode
+    calls = 4
+
+    async def scenario():
+        client = InprocClient(engine)
+        await client.start()
+        replies = []
+        for call in range(calls):
+            replies.append(await client.infer("slow", observe(call)))
+            await asyncio.sleep(0.1)  # the robot executes its chunk; the previous chunk's decode has begun
+        await client.end("slow", "reset")
+        flushed = await asyncio.to_thread(engine.recorder.flush, 60)  # the session ended: its recording completes
+        await client.stop()
+        return replies, flushed
+
+    replies, flushed = asyncio.run(scenario())
+    waits = [r.queue_ms for r in replies[1:]]
+    assert max(waits) < 300, f"the next request waited {waits} ms (the slow decode is 600 ms)"
+    assert flushed
+    folder = tmp_path / "slow"
+    assert np.load(folder / "actions.npz")["calls"].tolist() == [1, 2, 3, 4]
+    assert frames_in(folder / "rollout.mp4") == 5 * calls
+    timings = json.loads((folder / "timings.json").read_text())
+    assert timings["ended"] == "reset" and "dropped_calls" not in timings and engine.stats().recording_dropped == 0
+
+
+def test_a_full_recording_queue_drops_calls_with_a_warning_and_never_blocks(tmp_path, caplog):
+    """The recorder's thread stuck (a slow disk, a slow decode): past its bound the engine's add() drops the call
+    with a WARNING and a counter at once instead of waiting or holding more; the recording says which calls it lacks."""
+    from ardiff_server.engine.core import SessionEngine
+
+    release = threading.Event()
+    recorder = Recorder(tmp_path, max_bytes=10**9, decode=lambda predicted: release.wait(30) and predicted, max_pending=2)
+    frames = np.zeros((4, 16, 16, 3), np.uint8)
+    started = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="ardiff_server.engine.recorder"):
+        accepted = [recorder.add("stuck", Chunk(call, "p", frames, frames, np.zeros((24, 8)), np.zeros((24, 32)), np.zeros(8), {}, 1.0))
+                    for call in range(1, 6)]  # fmt: skip
+        recorder.end("stuck", "reset")
+    assert time.perf_counter() - started < 0.5  # the engine never waited for the recorder
+    assert accepted == [True, True, False, False, False] and recorder.dropped == 3
+    assert [r.message for r in caplog.records].count(next(r.message for r in caplog.records if "dropped" in r.message)) == 1  # once a session
+    engine = SessionEngine(FakePolicy(FakeConfig(), RuntimeOptions()), None, max_sessions=1, recorder=recorder)
+    assert engine.stats().recording_dropped == 3  # ardiff_recording_dropped_calls_total
+    release.set()
+    assert recorder.flush(30)
+    timings = json.loads((tmp_path / "stuck" / "timings.json").read_text())
+    assert [t["call"] for t in timings["calls"]] == [1, 2] and timings["dropped_calls"] == [3, 4, 5] and timings["ended"] == "reset"
+    recorder.close()
+
+
+def test_shutdown_writes_every_queued_call_at_once_without_waiting_for_decodes(tmp_path):
+    """A backlog of slow decodes at shutdown (the front end kills the worker after server.shutdown_grace_s): the calls
+    still queued are written without their decoded prediction (a black right half), so none of their actions or
+    timings is lost and close() does not wait for the decodes. Before: close() decoded every one first."""
+    frames = np.zeros((4, 16, 16, 3), np.uint8)
+
+    def slow_decode(predicted):
+        time.sleep(1.0)
+        return predicted
+
+    recorder = Recorder(tmp_path, max_bytes=10**9, decode=slow_decode)
+    for call in range(1, 7):
+        recorder.add("busy", Chunk(call, "p", frames, frames, np.zeros((24, 8)), np.zeros((24, 32)), np.zeros(8), {}, 1.0))
+    started = time.perf_counter()
+    recorder.close()
+    assert time.perf_counter() - started < 3.0  # at most the decode in progress, not six
+    timings = json.loads((tmp_path / "busy" / "timings.json").read_text())
+    assert [t["call"] for t in timings["calls"]] == [1, 2, 3, 4, 5, 6] and timings["ended"] == "shutdown"
+    assert sum(not t["prediction_decoded"] for t in timings["calls"]) >= 4
+    assert frames_in(tmp_path / "busy" / "rollout.mp4") == 4 * 6
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's (setpriority on a thread id)")
+def test_the_recorder_thread_runs_at_the_lowest_cpu_priority_and_the_engine_thread_does_not(tmp_path):
+    recorder = Recorder(tmp_path, max_bytes=10**9, decode=lambda predicted: predicted)
+    recorder.flush()
+    deadline = time.monotonic() + 10
+    while os.getpriority(os.PRIO_PROCESS, recorder._thread.native_id) != 19 and time.monotonic() < deadline:
+        time.sleep(0.01)  # it lowers itself as it starts
+    assert os.getpriority(os.PRIO_PROCESS, recorder._thread.native_id) == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19  # this thread (the engine's) keeps its own
+    recorder.close()
 
 
 def test_ids_never_leave_the_folder_and_never_collide(tmp_path):
@@ -103,8 +205,7 @@ def test_disk_use_is_bounded_by_pruning_the_oldest_sessions(tmp_path):
         for call in range(1, 4):
             recorder.add(f"s{session}", chunk(call))
         recorder.end(f"s{session}", "reset")
-        while recorder.idle_work():
-            pass
+        recorder.flush()
     recorder.close()
     left = sorted(p.name for p in tmp_path.iterdir())
     assert "s5" in left and len(left) < 6, left  # the newest kept, the oldest pruned
@@ -160,8 +261,7 @@ def test_a_lingbot_va_episode_is_recorded_with_its_calls_resets_and_predicted_vi
     episode(1)  # the same robot's next episode: its own folder
     for frames in (1, 4):
         engine.infer("openpi", observe(frames, None))
-    while engine.idle_work():
-        pass
+    engine.recorder.flush()
     engine.close()
 
     folder = tmp_path / "robot"

@@ -229,6 +229,28 @@ def test_a_slow_first_call_encode_never_stalls_three_steady_robots():
           f"(max {max(during) * 1000:.0f} ms); the newcomer's first call {newcomer_s * 1000:.0f} ms")  # fmt: skip
 
 
+def test_a_calls_own_encode_is_its_compute_and_waiting_for_anothers_is_queueing():
+    """Two newcomers at once, each with 0.3 s of session-own encoding on the one encoder thread. Each reply's
+    encode_ms is its own encode; the second waited 0.3 s behind the first's: queueing. Before: encode_ms did not
+    exist and the wait for the encoder thread counted as neither."""
+    engine = fake_engine()
+
+    async def scenario() -> list[InferReply]:
+        client = InprocClient(engine)
+        await client.start()
+        first = asyncio.ensure_future(client.infer("a", RobotObservation(prompt="encode:0.3")))
+        await asyncio.sleep(0.05)  # a is on the encoder thread when b arrives
+        second = asyncio.ensure_future(client.infer("b", RobotObservation(prompt="encode:0.3")))
+        replies = [await first, await second]
+        await client.stop()
+        return replies
+
+    a, b = asyncio.run(scenario())
+    assert a.encode_ms >= 300 and b.encode_ms >= 300 and a.infer_ms == a.compute_ms + a.encode_ms
+    assert a.queue_ms < 100, a.queue_ms  # nothing in front of it
+    assert 150 < b.queue_ms < 450, b.queue_ms  # behind a's encode (0.3 s, less the 0.05 s it came later)
+
+
 def test_the_step_does_the_session_work_itself_when_it_did_not_run_beforehand():
     engine = fake_engine()
     started = time.perf_counter()

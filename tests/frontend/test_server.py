@@ -60,6 +60,20 @@ def test_openpi_client_metadata_infer_reset_and_session_switch(server):
     assert client.infer(droid_observation(session_id="ep1-A"))["actions"][0, 0] == 2.0
 
 
+def test_a_window_starts_own_encode_is_its_compute_not_queueing(server):
+    """An idle server; a first call whose session-own encode (the encoder thread's window-start work) takes 0.3 s.
+    Before: queue_ms was the round trip minus the batched step, so the encode showed as 0.3 s of queueing."""
+    client = WebsocketClientPolicy(host="127.0.0.1", port=server.port)
+    session = f"encode-{uuid.uuid4()}"
+    first = client.infer(droid_observation(session_id=session, prompt="encode:0.3"))["server_timing"]
+    assert first["encode_ms"] >= 300 and first["infer_ms"] >= first["encode_ms"]  # its own work, wherever it ran
+    assert first["queue_ms"] < 100, first  # nobody else's work was in front of it
+    steady = client.infer(droid_observation(4, session_id=session, prompt="encode:0.3"))["server_timing"]
+    assert "encode_ms" not in steady and steady["infer_ms"] < 300 and steady["queue_ms"] < 100  # no encode on a steady call
+    client.infer(droid_observation(session_id=session, endpoint="reset"))  # the module's server holds few sessions
+    client._ws.close()
+
+
 def test_connections_without_session_ids_get_their_own_sessions(server):
     a = WebsocketClientPolicy(host="127.0.0.1", port=server.port)
     b = WebsocketClientPolicy(host="127.0.0.1", port=server.port)

@@ -192,6 +192,60 @@ def test_vae_encode_returns_normalized_posterior_mean() -> None:
     torch.testing.assert_close(latents, expected, rtol=1e-6, atol=1e-6)
 
 
+def test_vae_decode_never_waits_for_an_encode_nor_disturbs_one() -> None:
+    """The recording decodes on its own thread while the batch and the encoder thread encode. diffusers keeps the
+    causal cache on the module (``clear_cache`` resets the decoder's too), so encodes hold the VAE's lock; a decode
+    carries a cache of its own: it runs while an encode is in progress, and both give what each gives alone.
+    Before: a decode waited for the encode's lock (and, without it, an encode's clear_cache broke the decode)."""
+    import threading
+
+    torch.manual_seed(0)
+    vae = VideoVAE.from_config(TINY_VAE).eval()
+    video = torch.rand(1, 3, 5, 16, 24) * 2 - 1
+    latents = torch.randn(1, 16, 3, 2, 3)
+
+    def in_thread(results: dict, key: str, fn: Callable[[], Tensor]) -> threading.Thread:
+        def run() -> None:
+            with torch.no_grad():  # grad mode is per thread
+                results[key] = fn()
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    with torch.no_grad():
+        alone_encode, alone_decode = vae.encode(video), vae.decode(latents)
+    inside, release = threading.Event(), threading.Event()
+    real_encode = vae.model.encode
+
+    def slow_encode(x):
+        out = real_encode(x)
+        inside.set()
+        assert release.wait(30)  # still holding the lock, the module's cache in use
+        return out
+
+    vae.model.encode = slow_encode
+    results: dict[str, Tensor] = {}
+    encoder = in_thread(results, "z", lambda: vae.encode(video))
+    assert inside.wait(30)
+    decoder = in_thread(results, "video", lambda: vae.decode(latents))
+    decoder.join(10)
+    done_while_encoding = not decoder.is_alive()
+    release.set()
+    encoder.join(30)
+    decoder.join(30)
+    assert done_while_encoding, "the decode waited for the encode"
+    assert torch.equal(results["video"], alone_decode) and torch.equal(results["z"], alone_encode)
+    vae.model.encode = real_encode
+    for _ in range(3):  # interleaved for real: each still equal to its lone result
+        results = {}
+        threads = [in_thread(results, "z", lambda: vae.encode(video)), in_thread(results, "video", lambda: vae.decode(latents))]
+        for thread in threads:
+            thread.join(60)
+        assert torch.equal(results["video"], alone_decode) and torch.equal(results["z"], alone_encode)
+    assert set(vae.state_dict()) == set(VideoVAE.from_config(TINY_VAE).state_dict())  # no second copy of the weights
+
+
 def test_vae_encode_rejects_frame_counts_it_would_truncate() -> None:
     vae = VideoVAE.from_config(TINY_VAE)
     with pytest.raises(ValueError, match="1 \\+ 4k"):

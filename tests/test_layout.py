@@ -17,7 +17,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-FLOORS = {"config": 0, "net": 0, "wire": 1, "tools": 2, "engine": 3, "frontend": 4, "ray": 5, "cli": 6, "__main__": 6, "ray_serve": 6}
+FLOORS = {"extras": 0, "config": 0, "net": 0, "wire": 1, "tools": 2, "engine": 3, "frontend": 4, "ray": 5, "cli": 6, "__main__": 6, "ray_serve": 6}
 
 NAMES = {"kv": "ardiff_kv", "policies": "ardiff_policies"}  # folders -> the names they install under (pyproject.toml)
 

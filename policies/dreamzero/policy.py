@@ -448,9 +448,6 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             call.action_scheduler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
         schedule = list(zip(calls[0].video_scheduler.timesteps, calls[0].action_scheduler.timesteps))
         for i, (t_video, t_action) in enumerate(schedule):
-            for call in calls:
-                if call.plan is not None:
-                    call.actions = chunking.before_step(call.plan, call.actions, float(call.action_scheduler.sigmas[i]))
             running = []
             for call in calls:
                 run, call.countdown = should_run(config.dit_step_cache, config.dit_step_mask, i, call.history, call.countdown)
@@ -462,11 +459,13 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 if any(c.plan is not None and c.plan.mode == "clean_prefix" for c in running):  # per-call token timesteps
                     timestep_action = torch.cat([chunking.action_timesteps(c.plan, timestep_action) for c in running])
                 guided = chunking.track_guided(running)  # RTC guidance: a VJP per step
+                # The continuation's replacement reaches the DiT here; the samplers keep the raw sample and apply it once themselves.
+                dit_actions = [chunking.dit_actions(c.plan, c.actions, c.action_scheduler.sigmas[i]) for c in running]
                 with torch.set_grad_enabled(guided):
                     try:
                         predictions, error = self._forward(
                             running, [c.latents for c in running], timestep, starts=[c.session.current_start_frame for c in running],
-                            commit=False, action=[c.actions for c in running], timestep_action=timestep_action,
+                            commit=False, action=dit_actions, timestep_action=timestep_action,
                             state=[c.state for c in running], differentiable=guided,
                         ), None  # fmt: skip
                     except Exception as exc:

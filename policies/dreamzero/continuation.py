@@ -15,7 +15,8 @@ Modes (``policy.continuation``), per denoising step at noise level sigma (x = (1
 
 * ``inpaint``: before each step the actions become ``x + w (x_target - x)``, ``x_target = (1 - sigma) a' +
   sigma eps`` with the call's own initial noise eps and RTC's soft mask ``w`` (1 on the first d actions,
-  decaying to 0 at ``H - s``); after the last step the same replacement at sigma 0 (the first d exactly ``a'``).
+  decaying to 0 at ``H - s``), applied once: the DiT's input and the sample the sampler converts to x0 are
+  the same (:func:`dit_actions`); after the last step the same replacement at sigma 0 (the first d exactly ``a'``).
 * ``clean_prefix``: the first d action tokens are ``a'`` at timestep 0 in every forward (a checkpoint
   trained with per-token action noise knows clean tokens); the rest denoise as usual.
 * ``guided`` (RTC's guidance, Black et al. 2025, eq. 2-4): the actions are left alone; the velocity becomes
@@ -118,7 +119,7 @@ def plan(
 
 
 def before_step(plan: ContinuationPlan, actions: torch.Tensor, sigma: float) -> torch.Tensor:
-    """The actions a denoising step starts from (see the module docstring)."""
+    """A step's sample with the continuation's replacement at noise level sigma (see the module docstring)."""
     if plan.mode == "guided":  # guidance acts on the velocity (guide_calls)
         return actions
     if plan.mode == "clean_prefix":
@@ -130,12 +131,21 @@ def before_step(plan: ContinuationPlan, actions: torch.Tensor, sigma: float) -> 
 
 
 def constraint(plan: ContinuationPlan | None, sigma: float | torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """What the action sampler applies to the sample it steps from (``FlowUniPCScheduler.step``'s ``constrain``):
-    under ``inpaint`` the replacement of :func:`before_step` at this step's noise level, so that it is what
-    the multistep solver carries on from (its corrector would otherwise recompute the rows without it)."""
-    if plan is None or plan.mode != "inpaint":
+    """What the action sampler applies to the raw sample it is handed (``FlowUniPCScheduler.step``'s ``constrain``):
+    the replacement of :func:`before_step` at this step's noise level (None under ``guided``, which replaces
+    nothing), so that it is what the multistep solver converts to x0 and carries on from (its corrector would
+    otherwise recompute the rows without it)."""
+    if plan is None or plan.mode == "guided":
         return None
     return partial(before_step, plan, sigma=float(sigma))
+
+
+def dit_actions(plan: ContinuationPlan | None, actions: torch.Tensor, sigma: float | torch.Tensor) -> torch.Tensor:
+    """The DiT's action input for a step from the sampler's raw sample: :func:`constraint` applied once. The
+    sampler gets the raw sample and applies the same constraint itself, so the sample it converts to x0 is
+    this one (handing it this one would apply the soft mask twice: x + (2w - w^2)(x_target - x))."""
+    constrain = constraint(plan, sigma)
+    return actions if constrain is None else constrain(actions)
 
 
 def after_denoising(plan: ContinuationPlan, actions: torch.Tensor) -> torch.Tensor:

@@ -472,7 +472,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                     failure = exc
             # One agreement per step, where the CFG ranks are about to meet in its exchange (_guide's collectives): it
             # covers everything either did since they last met (the last step's guidance and sampler steps, this step's
-            # before_step, step cache and forward), so a failure on one rank stops both here, never leaving the other in
+            # DiT input, step cache and forward), so a failure on one rank stops both here, never leaving the other in
             # a collective it waits in alone (one tiny all-gather per step; nothing in one process).
             if self.agree([failure is not None])[0]:
                 raise failure or OtherRankFailed("a batched denoise step failed on the other CFG-parallel rank")
@@ -491,13 +491,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             call.add("denoise", elapsed)
 
     def _step_forward(self, calls: list[Call], i: int, t_video: int, t_action: int) -> tuple[list[Call], LocalPredictions | None, bool]:
-        """A denoise step up to its CFG exchange: the continuations' before_step, the step cache's decision per call,
-        the forward of the calls that run the DiT. Returns those calls, this rank's predictions and whether the step
-        runs guided (RTC's guidance: a VJP per step)."""
+        """A denoise step up to its CFG exchange: the step cache's decision per call, the forward of the calls that run
+        the DiT (a continuation's replacement applied to the DiT's action input). Returns those calls, this rank's
+        predictions and whether the step runs guided (RTC's guidance: a VJP per step)."""
         dit, head, config = self.dit_config, self.action_head_config, self.config
-        for call in calls:
-            if call.plan is not None:
-                call.actions = chunking.before_step(call.plan, call.actions, float(call.action_scheduler.sigmas[i]))
         running = []
         for call in calls:
             run, call.countdown = should_run(config.dit_step_cache, config.dit_step_mask, i, call.history, call.countdown)
@@ -510,10 +507,12 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         if any(c.plan is not None and c.plan.mode == "clean_prefix" for c in running):  # per-call token timesteps
             timestep_action = torch.cat([chunking.action_timesteps(c.plan, timestep_action) for c in running])
         guided = chunking.track_guided(running)
+        # The continuation's replacement reaches the DiT here; the samplers keep the raw sample and apply it once themselves.
+        dit_actions = [chunking.dit_actions(c.plan, c.actions, c.action_scheduler.sigmas[i]) for c in running]
         with torch.set_grad_enabled(guided):
             predictions = self._forward(
                 running, [c.latents for c in running], timestep, starts=[c.session.current_start_frame for c in running],
-                commit=False, action=[c.actions for c in running], timestep_action=timestep_action,
+                commit=False, action=dit_actions, timestep_action=timestep_action,
                 state=[c.state for c in running], differentiable=guided,
             )  # fmt: skip
             return running, local_predictions(predictions, running, self.branches), guided

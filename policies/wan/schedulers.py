@@ -130,11 +130,14 @@ class FlowUniPCScheduler:
         leading batch dimension; same shape and dtype as ``sample``). Returns a new tensor with
         the shape and dtype of ``sample``. Steps must be taken in order 0, 1, ..., N - 1.
 
-        ``constrain`` (inpainting: pinned rows at this step's noise level) is applied to the sample the
-        step proceeds from. From the second step on UniPC's corrector recomputes that sample from the
-        previous one and the model outputs, discarding any edit the caller made to ``sample`` (which
-        only reached the model's input): the constraint must be applied again after the corrector,
-        inside diffusers' step, so that it is what the solver stores and predicts from.
+        ``constrain`` (inpainting: pinned rows at this step's noise level) is applied to ``sample``, which is
+        then the sample converted to x0 (``x0 = constrain(sample) - sigma * model_output``): pass the raw
+        sample and evaluate the model at ``constrain(sample)``. Handing in an already constrained sample
+        applies it twice, which only idempotent constraints (fully pinned rows) survive. From the second
+        step on UniPC's corrector recomputes the sample from the previous one and the model outputs,
+        discarding any edit the caller made to ``sample`` (which only reached the model's input): the
+        constraint is applied again after the corrector, inside diffusers' step, so that it is what the
+        solver stores and predicts from.
         """
         if self._next_step_index is None:
             raise RuntimeError("call set_timesteps before step")

@@ -137,6 +137,52 @@ def test_frozen_actions_come_back_as_the_robot_executes_them(policies, mode):
     assert session.last_chunk is None
 
 
+@pytest.mark.parametrize("mode", ["inpaint", "clean_prefix", "guided"])
+def test_the_action_sampler_converts_the_sample_the_dit_saw(policies, monkeypatch, mode):
+    """In every denoising step the sample UniPC converts to x0 (``x0 = x - sigma v``, diffusers'
+    ``convert_model_output``) is the DiT's action input. Under inpaint that is f(x), the soft-masked replacement
+    applied once, not f(f(x)): frozen (f idempotent) and free rows (f the identity) cannot tell the two apart,
+    the soft rows (0 < w < 1) can."""
+    from diffusers import UniPCMultistepScheduler
+
+    policy, cache = policies[mode]
+    obs = list(observations(2, seed=5))
+    session = policy.start_session(f"soft-{mode}", cache.open_session(f"soft-{mode}"))
+    policy.step(session, obs[0])
+    dit_inputs: list[torch.Tensor] = []
+    converted: list[torch.Tensor] = []
+
+    def record_dit_input(module, args, kwargs):
+        if kwargs.get("action") is not None:  # a denoise forward (the commit forward carries no actions)
+            dit_inputs.append(kwargs["action"].detach().clone())
+
+    convert = UniPCMultistepScheduler.convert_model_output
+
+    def record_converted(self, model_output, *args, sample=None, **kwargs):
+        if sample.ndim == 3:  # the action sampler's (1, H, action dim); the video sampler's latents are 5-d
+            converted.append(sample.detach().clone())
+        return convert(self, model_output, *args, sample=sample, **kwargs)
+
+    monkeypatch.setattr(UniPCMultistepScheduler, "convert_model_output", record_converted)
+    hook = policy.dit.register_forward_pre_hook(record_dit_input, with_kwargs=True)
+    try:
+        result = policy.step(session, continued(obs[1], executed=5, delay=4, chunk_id=1))
+    finally:
+        hook.remove()
+        policy.end_session(session)
+        cache.end_session(session.kv)
+    assert result.info["frozen"] == 4
+    weights = soft_mask(24, 4, 24 - 5)
+    soft = np.flatnonzero((weights > 0) & (weights < 1))
+    assert len(soft) == 15  # rows [4, 19) are soft
+    assert len(dit_inputs) == len(converted) == 4  # one forward and one conversion per step (step cache off)
+    for seen, stepped in zip(dit_inputs, converted, strict=True):
+        assert seen.shape == (len(policy.branches), 24, stepped.shape[-1])  # the call's actions, once per CFG branch
+    gaps = [round((seen - stepped).abs()[:, soft].max().item(), 4) for seen, stepped in zip(dit_inputs, converted)]
+    assert max(gaps) == 0.0, f"per step, the sample the sampler converted lies {gaps} from the DiT's action input on the soft rows"
+    assert all(torch.equal(seen, stepped.expand_as(seen)) for seen, stepped in zip(dit_inputs, converted))
+
+
 def test_guided_continues_by_the_velocity_not_by_replacing_the_actions(policies):
     """RTC's guidance (a VJP through the DiT per step) gives its own chunk: same frozen rows as inpaint, other free rows;
     a call without a continuation in a guided policy is today's chunk, bit for bit."""

@@ -30,16 +30,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="OpenPI-compatible websocket server for autoregressive video-diffusion robot policies.",
     )
     parser.add_argument("--config", default="tiny", help="config name in configs/ or a YAML path (default: tiny)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override any config value, e.g. --set engine.cfg_parallel_size=2 (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any config value, e.g. --set engine.cfg_parallel_size=2 (repeatable)",
+    )
     parser.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 to serve robots on the LAN)")
     parser.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one)")
-    parser.add_argument("--api-key", dest="api_keys", action="append", default=[],
-                        help="require 'Authorization: Api-Key <key>' or 'Bearer <key>' (repeatable; visible in the "
-                             f"process list: prefer --api-key-file or {ENV_VAR})")  # fmt: skip
+    parser.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        default=[],
+        help="require 'Authorization: Api-Key <key>' or 'Bearer <key>' (repeatable; visible in the "
+        f"process list: prefer --api-key-file or {ENV_VAR})",
+    )
     parser.add_argument("--api-key-file", help="file with one API key per line (# comments allowed)")
-    parser.add_argument("--tls-cert", metavar="FILE", help="serve wss:// and https:// with this PEM certificate chain (e.g. fullchain.pem; "
-                        "reloaded on SIGHUP)")  # fmt: skip
+    parser.add_argument(
+        "--tls-cert", metavar="FILE", help="serve wss:// and https:// with this PEM certificate chain (e.g. fullchain.pem; reloaded on SIGHUP)"
+    )
     parser.add_argument("--tls-key", metavar="FILE", help="the certificate's PEM private key (e.g. privkey.pem; default: in --tls-cert)")
     parser.add_argument("--record", metavar="DIR", help="record every session under DIR (rollout.mp4, actions.npz, ...; needs .[viz])")
     parser.add_argument("--ray", action="store_true", help="deploy on Ray Serve instead (pip install -e '.[ray]'; docs/deploy.md)")

@@ -62,7 +62,9 @@ class ServerConfig(_Section):
     # Per API key (frontend/sessions.py, "Per-key limits" in docs/design-notes.md). "fair": with two or
     # more keys, an equal share of engine.max_sessions x replicas (of max_connections); else no limit.
     max_sessions_per_key: int | Literal["fair"] | None = "fair"
-    max_connections_per_key: int | Literal["fair"] | None = "fair"  # per API key: a count, "fair" (a share of max_connections with two or more keys) or null
+    max_connections_per_key: int | Literal["fair"] | None = (
+        "fair"  # per API key: a count, "fair" (a share of max_connections with two or more keys) or null
+    )
     tls_cert: str | None = None  # PEM chain (fullchain.pem): serve wss:// and https:// on the port
     tls_key: str | None = None  # PEM key (privkey.pem); None: it is in tls_cert
     tls_handshake_timeout_s: float = pydantic.Field(10.0, gt=0)  # a plain or stalled client is dropped after this
@@ -125,9 +127,15 @@ class EngineConfig(_Section):
     max_sessions: int = pydantic.Field(8, ge=1)  # sessions per replica; a new one takes only an idle session's place, never one a robot is on
     max_batch: int = pydantic.Field(4, ge=1, le=64)  # sessions per forward when several robots' requests wait together
     batch_wait_ms: float = pydantic.Field(0.0, ge=0, le=1000)  # how long a partial batch waits for more (0: only what is queued)
-    kv_budget_gib: float | None = pydantic.Field(None, gt=0)  # GiB for the KV pool per rank; null: kv_memory_fraction of the free memory (set it when two servers share a GPU)
-    kv_memory_fraction: float = pydantic.Field(0.5, gt=0, le=1)  # of the memory free after loading the model, for the KV pool (configs/dreamzero_droid*: 0.8 / 0.75)
-    attention_backend: Literal["auto", "sdpa", "flash", "flex"] = "auto"  # sdpa (gather, CPU/GPU), flash (vLLM's block-table kernel: the gpu extra), flex (FlexAttention); auto: flash where installed, else sdpa
+    kv_budget_gib: float | None = pydantic.Field(
+        None, gt=0
+    )  # GiB for the KV pool per rank; null: kv_memory_fraction of the free memory (set it when two servers share a GPU)
+    kv_memory_fraction: float = pydantic.Field(
+        0.5, gt=0, le=1
+    )  # of the memory free after loading the model, for the KV pool (configs/dreamzero_droid*: 0.8 / 0.75)
+    attention_backend: Literal["auto", "sdpa", "flash", "flex"] = (
+        "auto"  # sdpa (gather, CPU/GPU), flash (vLLM's block-table kernel: the gpu extra), flex (FlexAttention); auto: flash where installed, else sdpa
+    )
     warmup: bool = True  # walk one full window + restart before serving (a restart after a crash skips it unless compiling)
     compile: bool = False  # torch.compile the DiT blocks (fullgraph)
     compile_backend: str = "inductor"  # torch.compile backend with compile: true (inductor; aot_eager to debug)
@@ -211,10 +219,16 @@ class EngineConfig(_Section):
         if self.replicas > 1 and self.device.startswith("cuda"):
             example = [[f"cuda:{r * ranks + k}" for k in range(ranks)] for r in range(2)]
             listed = "[" + ", ".join("[" + ",".join(d) + "]" for d in example) + ", ...]"
-            spread = "--set engine.devices=null (engine.device: cuda then spreads them" if self.devices is not None else (
-                "--set engine.device=cuda (to spread them")  # fmt: skip
-            what = f"engine.devices pins one replica's {ranks} rank(s) to {self.devices}" if self.devices is not None else (
-                f"engine.device {self.device} is one GPU")  # fmt: skip
+            spread = (
+                "--set engine.devices=null (engine.device: cuda then spreads them"
+                if self.devices is not None
+                else ("--set engine.device=cuda (to spread them")
+            )
+            what = (
+                f"engine.devices pins one replica's {ranks} rank(s) to {self.devices}"
+                if self.devices is not None
+                else (f"engine.device {self.device} is one GPU")
+            )
             raise ValueError(
                 f"engine.replicas={self.replicas} on CUDA, but {what}: {spread} over consecutive GPUs, "
                 f"{ranks} per replica) or give each replica its own with --set 'engine.replica_devices={listed}'"
@@ -304,9 +318,7 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     raise ConfigError(f"config {str(name_or_path)!r} not found (a YAML path, or one of {available} in {CONFIG_DIR})")
 
 
-def load_config(
-    name_or_path: str | Path, overrides: Sequence[str] = (), *, flags: Sequence[tuple[str, str]] = ()
-) -> AppConfig:
+def load_config(name_or_path: str | Path, overrides: Sequence[str] = (), *, flags: Sequence[tuple[str, str]] = ()) -> AppConfig:
     """The file, then each ``--set`` override, then ``flags``: (override, the command-line flag it
     came from, e.g. ``("server.port=70000", "--port 70000")``). An error in a value that came from
     the command line says which ``--set`` or flag gave it."""
@@ -433,9 +445,7 @@ def preflight(config: AppConfig, *, local: bool = True) -> None:
                 # what only CUDA has goes too (each is refused on the CPU with its own line otherwise)
                 on_cpu += " --set engine.dist_backend=auto" if config.engine.dist_backend == "nccl" else ""
                 on_cpu += " --set engine.attention_backend=auto" if config.engine.attention_backend == "flash" else ""
-                raise ConfigError(
-                    f"{config.source}: engine device {device}: this machine has {have}; serve {_cpu_twin(config)} or {on_cpu}"
-                )
+                raise ConfigError(f"{config.source}: engine device {device}: this machine has {have}; serve {_cpu_twin(config)} or {on_cpu}")
     if config.server.record_dir is not None:
         missing = [name for name in ("av", "matplotlib", "PIL") if importlib.util.find_spec(name) is None]
         if missing:
@@ -504,7 +514,11 @@ def cuda_device_count() -> int:
 
 
 def _describe(
-    source: str, exc: pydantic.ValidationError, prefix: str = "", *, model: type[pydantic.BaseModel] | None = None,
+    source: str,
+    exc: pydantic.ValidationError,
+    prefix: str = "",
+    *,
+    model: type[pydantic.BaseModel] | None = None,
     origins: Mapping[str, str] | None = None,
 ) -> str:
     lines = [f"{source}: invalid config"]

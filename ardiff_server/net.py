@@ -28,7 +28,9 @@ def bind_listeners(host: str, port: int) -> list[socket.socket]:
         # "" is every interface to asyncio (and to getaddrinfo, None)
         addresses = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise ListenError(f"cannot listen on {_address(host, port)}: cannot resolve {host} ({exc.strerror}); pick --host 127.0.0.1 or 0.0.0.0") from None
+        raise ListenError(
+            f"cannot listen on {_address(host, port)}: cannot resolve {host} ({exc.strerror}); pick --host 127.0.0.1 or 0.0.0.0"
+        ) from None
     sockets: list[socket.socket] = []
     try:
         for family, kind, proto, _, address in dict.fromkeys(addresses):
@@ -72,7 +74,9 @@ def server_tls_context(cert: str, key: str | None = None) -> ssl.SSLContext:
     key = str(Path(key).expanduser()) if key is not None else None
     cert_text = _read(cert, "server.tls_cert")
     if "-----BEGIN CERTIFICATE-----" not in cert_text:
-        raise TlsError(f"server.tls_cert: {cert} holds no PEM certificate (-----BEGIN CERTIFICATE-----); give the certificate chain, e.g. fullchain.pem")
+        raise TlsError(
+            f"server.tls_cert: {cert} holds no PEM certificate (-----BEGIN CERTIFICATE-----); give the certificate chain, e.g. fullchain.pem"
+        )
     key_text, key_option = (_read(key, "server.tls_key"), "server.tls_key") if key is not None else (cert_text, "server.tls_cert")
     key_file = key if key is not None else cert
     if "PRIVATE KEY-----" not in key_text:

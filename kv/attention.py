@@ -75,9 +75,7 @@ def sdpa_paged_attention(
         v = value_cache.index_select(0, pages).flatten(0, 1)[:kv_len]
         # (L, H, D) -> (1, H, L, D): CPU SDPA only takes its flash kernel for 4-D inputs; with
         # 3-D it falls back to the math kernel and materializes H x Lq x Lk scores (1.8x slower).
-        o = F.scaled_dot_product_attention(
-            query[None, q_start:q_end].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2), scale=scale
-        )
+        o = F.scaled_dot_product_attention(query[None, q_start:q_end].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2), scale=scale)
         out[q_start:q_end] = o[0].transpose(0, 1)
     return out
 
@@ -194,9 +192,15 @@ def _flex_block_mask(block_table: torch.Tensor, seq_lens: torch.Tensor, num_page
     full_num, full_idx = indices(full)
     kwargs = {"compute_q_blocks": False} if _FROM_KV_BLOCKS_HAS_Q_FLAG else {}  # q-side tables serve backward only
     return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK), mask_mod=mask_mod,
-        seq_lengths=(q_len, total), **kwargs,
-    )  # fmt: skip
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK),
+        mask_mod=mask_mod,
+        seq_lengths=(q_len, total),
+        **kwargs,
+    )
 
 
 def _from_kv_blocks_has_q_flag() -> bool:
@@ -325,9 +329,17 @@ def paged_attention(
         version = flash_attention_version(query.device.index or 0, key_cache.shape[1])
         if version is not None:
             return flash_paged_attention(
-                query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
-                max_seqlen_q, max_seqlen_k, scale, version,
-            )  # fmt: skip
+                query,
+                key_cache,
+                value_cache,
+                block_table,
+                cu_seqlens_q,
+                seq_lens,
+                max_seqlen_q,
+                max_seqlen_k,
+                scale,
+                version,
+            )
         if backend == "flash":
             raise RuntimeError("attention backend 'flash' requested but vLLM flash-attention is unavailable here")
     elif backend == "flash":
@@ -400,7 +412,20 @@ def paged_write_attend(
     ``query`` holds the video queries followed by the extra (action/state) queries.
     """
     return torch.ops.ardiff.paged_write_attend(
-        query, key, value, extra_key, extra_value, inputs.key_cache, inputs.value_cache,
-        inputs.video_slots, inputs.extra_slots, inputs.block_table, inputs.cu_seqlens_q, inputs.seq_lens,
-        inputs.max_seqlen_q, inputs.max_seqlen_k, scale, inputs.backend,
-    )  # fmt: skip
+        query,
+        key,
+        value,
+        extra_key,
+        extra_value,
+        inputs.key_cache,
+        inputs.value_cache,
+        inputs.video_slots,
+        inputs.extra_slots,
+        inputs.block_table,
+        inputs.cu_seqlens_q,
+        inputs.seq_lens,
+        inputs.max_seqlen_q,
+        inputs.max_seqlen_k,
+        scale,
+        inputs.backend,
+    )

@@ -67,9 +67,14 @@ class PagedKVCache:
         headroom = self.undo_headroom(spec, len(self.branches), max_batch)
         self.session_capacity = max(1, min(max_sessions, (self.pool.capacity - headroom) // self.reservation_per_session))
         self.storage = PagedStorage(
-            spec, pool_pages=num_pages, max_sessions=self.session_capacity, branches=self.branches,
-            device=torch.device(device), attention_backend=attention_backend, max_batch=max_batch,
-        )  # fmt: skip
+            spec,
+            pool_pages=num_pages,
+            max_sessions=self.session_capacity,
+            branches=self.branches,
+            device=torch.device(device),
+            attention_backend=attention_backend,
+            max_batch=max_batch,
+        )
         self._sessions: dict[str, SessionKV] = {}
 
     @staticmethod
@@ -87,8 +92,10 @@ class PagedKVCache:
         if pages < floor:
             logger.warning(
                 "KV budget %.1f MiB gives %d pages; raising to the %d-page floor one session needs",
-                budget_bytes / 2**20, pages, floor,
-            )  # fmt: skip
+                budget_bytes / 2**20,
+                pages,
+                floor,
+            )
         return max(pages, floor)
 
     @staticmethod

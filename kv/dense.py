@@ -59,9 +59,7 @@ class DenseLayerKV:
         if extra_key is not None:
             all_k = torch.cat([window_k, extra_key], dim=1)
             all_v = torch.cat([window_v, extra_value], dim=1)
-        out = F.scaled_dot_product_attention(
-            query.transpose(1, 2), all_k.transpose(1, 2), all_v.transpose(1, 2), scale=scale
-        ).transpose(1, 2)
+        out = F.scaled_dot_product_attention(query.transpose(1, 2), all_k.transpose(1, 2), all_v.transpose(1, 2), scale=scale).transpose(1, 2)
         if self.update:
             self.cache.keys[self.layer] = window_k.clone()
             self.cache.values[self.layer] = window_v.clone()

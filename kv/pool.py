@@ -49,9 +49,7 @@ class PagePool:
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
         if n > len(self._free):
-            raise CapacityError(
-                f"KV page pool exhausted: need {n} pages, {len(self._free)} of {self.capacity} free"
-            )
+            raise CapacityError(f"KV page pool exhausted: need {n} pages, {len(self._free)} of {self.capacity} free")
         pages = [self._free.pop() for _ in range(n)]
         for page in pages:
             self._allocated[page] = 1

@@ -47,6 +47,7 @@ from ardiff_kv.window import pages_to_evict, pages_to_fit, visible_pages
 
 logger = logging.getLogger(__name__)
 
+
 class ForwardContext:
     """One branch forward. Allocation is deferred to :meth:`prepare`, so building contexts for
     both branches costs nothing for a branch this rank never runs."""
@@ -67,13 +68,10 @@ class ForwardContext:
             raise ValueError("a provisional forward keeps its pages: it needs commit=True")
         if num_video_tokens <= 0 or num_video_tokens % spec.page_size:
             raise ValueError(
-                f"a forward must bring whole frames: num_video_tokens={num_video_tokens} is not a positive "
-                f"multiple of the page size {spec.page_size}"
+                f"a forward must bring whole frames: num_video_tokens={num_video_tokens} is not a positive multiple of the page size {spec.page_size}"
             )
         if num_video_tokens // spec.page_size > spec.max_new_pages:
-            raise ValueError(
-                f"a forward of {num_video_tokens // spec.page_size} frames exceeds max_new_pages={spec.max_new_pages}"
-            )
+            raise ValueError(f"a forward of {num_video_tokens // spec.page_size} frames exceeds max_new_pages={spec.max_new_pages}")
         if not 0 <= extra_tokens <= spec.max_extra_tokens:
             raise ValueError(f"extra_tokens={extra_tokens} outside [0, {spec.max_extra_tokens}]")
         self.session = session
@@ -266,10 +264,12 @@ class SessionKV:
             raise RuntimeError(f"session {self.session_id!r}: a snapshot is already held; rollback() or release() it first")
         if any(state.pending is not None and state.pending.prepared for state in self._branches.values()):
             raise RuntimeError(f"session {self.session_id!r}: snapshot() during a forward")
-        self._snapshot = KVSnapshot({
-            branch: (tuple(state.resident), tuple(state.provisional), state.committed_tokens, state.evicted_pages)
-            for branch, state in self._branches.items()
-        })  # fmt: skip
+        self._snapshot = KVSnapshot(
+            {
+                branch: (tuple(state.resident), tuple(state.provisional), state.committed_tokens, state.evicted_pages)
+                for branch, state in self._branches.items()
+            }
+        )
         self._snapshot_pages = self._snapshot.pages
         self._set_aside = []
         return self._snapshot
@@ -337,9 +337,14 @@ class SessionKV:
                 "committed; call complete() or abort() first"
             )
         state.pending = ForwardContext(
-            self, branch, num_video_tokens=num_video_tokens, commit=commit, extra_tokens=extra_tokens,
-            scratch_slot=scratch_slot, provisional=provisional,
-        )  # fmt: skip
+            self,
+            branch,
+            num_video_tokens=num_video_tokens,
+            commit=commit,
+            extra_tokens=extra_tokens,
+            scratch_slot=scratch_slot,
+            provisional=provisional,
+        )
         return state.pending
 
     def complete(self, branch: Branch) -> None:

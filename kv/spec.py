@@ -61,9 +61,7 @@ class KVSpec:
             if getattr(self, name) < 0:
                 raise ValueError(f"KVSpec.{name} must be >= 0, got {getattr(self, name)}")
         if self.max_new_pages > self.window_pages:
-            raise ValueError(
-                f"KVSpec: a forward's new pages ({self.max_new_pages}) must fit in the window ({self.window_pages})"
-            )
+            raise ValueError(f"KVSpec: a forward's new pages ({self.max_new_pages}) must fit in the window ({self.window_pages})")
         if self.window_pages % self.chunk_pages:
             raise ValueError(f"KVSpec: window_pages ({self.window_pages}) must be a whole number of chunks ({self.chunk_pages} pages)")
         if self.evict_to_fit and (self.sink_chunks or self.reset_at_boundary):

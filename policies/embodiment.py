@@ -152,7 +152,9 @@ class Embodiment:
         ]
 
     def schema(self, default_resolution: tuple[int, int]) -> ObservationSchema:
-        sizes = [r if r is not None else tuple(default_resolution) for r in self.camera_resolutions] or [tuple(default_resolution)] * len(self.cameras)
+        sizes = [r if r is not None else tuple(default_resolution) for r in self.camera_resolutions] or [tuple(default_resolution)] * len(
+            self.cameras
+        )
         return ObservationSchema(self.tag, self.cameras, self.states, tuple(sizes))  # type: ignore[arg-type]
 
     def raw_state(self, states: Mapping[str, Any]) -> np.ndarray:
@@ -208,8 +210,7 @@ def choose_tag(metadata: Mapping[str, Any], wanted: str | None, *, fallback: str
     if wanted is not None:
         if wanted not in tags:
             raise EmbodimentError(
-                f"policy.embodiment: experiment_cfg/metadata.json has no {wanted!r}; it holds {tags} "
-                f"(--set policy.embodiment=<one of them>)"
+                f"policy.embodiment: experiment_cfg/metadata.json has no {wanted!r}; it holds {tags} (--set policy.embodiment=<one of them>)"
             )
         return wanted
     if len(tags) == 1:
@@ -219,7 +220,9 @@ def choose_tag(metadata: Mapping[str, Any], wanted: str | None, *, fallback: str
     raise EmbodimentError(f"experiment_cfg/metadata.json holds {len(tags)} embodiments {tags}; choose one: --set policy.embodiment=<tag>")
 
 
-def read_statistics(metadata: Mapping[str, Any], tag: str, kind: Literal["state", "action"], keys: tuple[str, ...]) -> tuple[tuple[Part, ...], QuantileStats]:
+def read_statistics(
+    metadata: Mapping[str, Any], tag: str, kind: Literal["state", "action"], keys: tuple[str, ...]
+) -> tuple[tuple[Part, ...], QuantileStats]:
     """The keys' dimensions and concatenated q01 / q99 from ``metadata.json[tag].statistics[kind]``."""
     where = f"experiment_cfg/metadata.json {tag}.statistics.{kind}"
     try:

@@ -33,11 +33,12 @@ class EpisodeCall:
         if not isinstance(other, EpisodeCall):
             return NotImplemented
         same_actions = (self.executed_actions is None and other.executed_actions is None) or (
-            self.executed_actions is not None and other.executed_actions is not None
-            and np.array_equal(self.executed_actions, other.executed_actions)
-        )  # fmt: skip
+            self.executed_actions is not None and other.executed_actions is not None and np.array_equal(self.executed_actions, other.executed_actions)
+        )
         return (self.kind, self.video_guidance_scale, self.action_guidance_scale) == (
-            other.kind, other.video_guidance_scale, other.action_guidance_scale
-        ) and same_actions  # fmt: skip
+            other.kind,
+            other.video_guidance_scale,
+            other.action_guidance_scale,
+        ) and same_actions
 
     __hash__ = None  # holds an array

@@ -90,8 +90,14 @@ class RobotObservation:
 
     @property
     def __dict__(self) -> dict[str, Any]:  # dataclass-like: RobotObservation(**obs.__dict__) copies
-        return {"cameras": self.cameras, "states": self.states, "prompt": self.prompt, "episode": self.episode,
-                "continuation": self.continuation, "wire_keys": self.wire_keys}
+        return {
+            "cameras": self.cameras,
+            "states": self.states,
+            "prompt": self.prompt,
+            "episode": self.episode,
+            "continuation": self.continuation,
+            "wire_keys": self.wire_keys,
+        }
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RobotObservation):
@@ -134,7 +140,8 @@ class RobotObservation:
         unknown = set(arrays) - set(cameras) - set(states)
         if unknown:
             raise KeyError(f"no camera or state named {sorted(unknown)}")
-        return RobotObservation(cameras=cameras, states=states, prompt=self.prompt, episode=self.episode, continuation=self.continuation, wire_keys=self.wire_keys
+        return RobotObservation(
+            cameras=cameras, states=states, prompt=self.prompt, episode=self.episode, continuation=self.continuation, wire_keys=self.wire_keys
         )
 
 

@@ -48,8 +48,10 @@ class LoadProgress:
             line = f"{self.what}: shard {self.order.get(shard, len(self.seen))}/{len(self.shard_bytes)} {shard.name} ({_size(self.shard_bytes.get(shard, 0))})"
             if self.read_bytes and elapsed > 0:
                 left = max(0.0, self.total - self.read_bytes) / (self.read_bytes / elapsed)
-                line += (f"; {_size(self.read_bytes)} of {_size(self.total)} read in {elapsed:.1f} s "
-                         f"({_rate(self.read_bytes, elapsed)}), ~{left:.0f} s left")  # fmt: skip
+                line += (
+                    f"; {_size(self.read_bytes)} of {_size(self.total)} read in {elapsed:.1f} s "
+                    f"({_rate(self.read_bytes, elapsed)}), ~{left:.0f} s left"
+                )
             logger.info("%s", line)
         self.read_bytes += nbytes
 

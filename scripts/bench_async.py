@@ -37,8 +37,13 @@ from ardiff_server.wire.decode import decode_request  # noqa: E402
 # The bench's task model trains longer than the script's few-minute default: at 600 steps the chunks carry a per-row
 # jitter about twice the expert's step, and a seam can be no smoother than the chunk it continues (docs/performance.md).
 BENCH_TRAIN_STEPS = 1500
-ROWS = (("blocking", "blocking", None), ("async, no continuation", "async", None), ("inpaint", "continuation", "inpaint"),
-        ("clean_prefix", "continuation", "clean_prefix"), ("guided", "continuation", "guided"))  # fmt: skip
+ROWS = (
+    ("blocking", "blocking", None),
+    ("async, no continuation", "async", None),
+    ("inpaint", "continuation", "inpaint"),
+    ("clean_prefix", "continuation", "clean_prefix"),
+    ("guided", "continuation", "guided"),
+)
 
 
 def make_policy(model: DreamZeroModel, checkpoint: Path, mode: str) -> tuple[DreamZeroPolicy, PagedKVCache]:
@@ -63,16 +68,28 @@ def episode(policy: DreamZeroPolicy, cache: PagedKVCache, mode: str, latency: fl
     def observe() -> dict:
         view = tiny_task.render(robot["joints"], VIEW)
         return {
-            "observation/exterior_image_0_left": view, "observation/exterior_image_1_left": view, "observation/wrist_image_left": view,
-            "observation/joint_position": robot["joints"].astype(np.float32), "observation/gripper_position": np.array([robot["gripper"]], np.float32),
-        }  # fmt: skip
+            "observation/exterior_image_0_left": view,
+            "observation/exterior_image_1_left": view,
+            "observation/wrist_image_left": view,
+            "observation/joint_position": robot["joints"].astype(np.float32),
+            "observation/gripper_position": np.array([robot["gripper"]], np.float32),
+        }
 
     def act(action: np.ndarray) -> None:
         robot["joints"], robot["gripper"] = action[:7].astype(np.float64), float(action[7])
 
     clock = SimulatedClock()
-    runner = AsyncChunkRunner(DelayedRequester(infer, clock, latency), control_hz=hz, prompt=tiny_task.PROMPT, mode=mode,
-                              overlap=overlap, session_id=session_id, joint_columns=list(range(7)), clock=clock, sleep=clock.sleep)  # fmt: skip
+    runner = AsyncChunkRunner(
+        DelayedRequester(infer, clock, latency),
+        control_hz=hz,
+        prompt=tiny_task.PROMPT,
+        mode=mode,
+        overlap=overlap,
+        session_id=session_id,
+        joint_columns=list(range(7)),
+        clock=clock,
+        sleep=clock.sleep,
+    )
     report = runner.run(observe, act, steps)
     policy.end_session(session)
     cache.end_session(session.kv)
@@ -86,10 +103,16 @@ def main() -> None:
     parser.add_argument("--latencies", default="0.3,0.8", help="injected per-call latency in seconds, comma separated (default 0.3,0.8)")
     parser.add_argument("--hz", type=float, default=15.0, help="control rate (default 15: a 24-action chunk lasts 1.6 s)")
     parser.add_argument("--steps", type=int, default=180, help="control steps per episode (default 180)")
-    parser.add_argument("--overlap", type=float, default=0.5, help="async modes ask no later than when this fraction of a chunk is left (default 0.5, the runner's)")
+    parser.add_argument(
+        "--overlap", type=float, default=0.5, help="async modes ask no later than when this fraction of a chunk is left (default 0.5, the runner's)"
+    )
     parser.add_argument("--episodes", type=int, default=1, help="episodes per row (different start states)")
-    parser.add_argument("--train-steps", type=int, default=BENCH_TRAIN_STEPS,
-                        help=f"training steps of the task model (cached per value; default {BENCH_TRAIN_STEPS}, the script's own {DEFAULT_STEPS})")  # fmt: skip
+    parser.add_argument(
+        "--train-steps",
+        type=int,
+        default=BENCH_TRAIN_STEPS,
+        help=f"training steps of the task model (cached per value; default {BENCH_TRAIN_STEPS}, the script's own {DEFAULT_STEPS})",
+    )
     parser.add_argument("--checkpoint", type=Path, help="a trained task checkpoint (default: train / use the cached one)")
     args = parser.parse_args()
     started = time.perf_counter()
@@ -97,18 +120,33 @@ def main() -> None:
     model = DreamZeroModel.load(checkpoint)
     policies = {mode: make_policy(model, checkpoint, mode) for mode in ("inpaint", "clean_prefix", "guided")}
     latencies = [float(v) for v in args.latencies.split(",")]
-    print(f"checkpoint {checkpoint}; {args.hz:g} Hz, 24-action chunks ({24 / args.hz:.2f} s), {args.steps} steps x {args.episodes} episode(s), overlap {args.overlap:g}\n")
-    print("| mode | latency (s) | idle steps / chunk | steady idle / chunk | seam jump | inner step | seam / inner | old step there | chunks/s | frozen |")
+    print(
+        f"checkpoint {checkpoint}; {args.hz:g} Hz, 24-action chunks ({24 / args.hz:.2f} s), {args.steps} steps x {args.episodes} episode(s), overlap {args.overlap:g}\n"
+    )
+    print(
+        "| mode | latency (s) | idle steps / chunk | steady idle / chunk | seam jump | inner step | seam / inner | old step there | chunks/s | frozen |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for latency in latencies:
         for name, mode, policy_mode in ROWS:
             policy, cache = policies[policy_mode or "inpaint"]
             runs = [episode(policy, cache, mode, latency, args.hz, args.steps, seed, args.overlap) for seed in range(args.episodes)]
-            keys = ("idle_steps_per_chunk", "steady_idle_per_chunk", "seam_jump", "median_inner_step", "seam_ratio", "old_step_at_seam",
-                    "chunks_per_s", "frozen_mean")  # fmt: skip
+            keys = (
+                "idle_steps_per_chunk",
+                "steady_idle_per_chunk",
+                "seam_jump",
+                "median_inner_step",
+                "seam_ratio",
+                "old_step_at_seam",
+                "chunks_per_s",
+                "frozen_mean",
+            )
             mean = {k: float(np.mean([r[k] for r in runs])) for k in keys}
-            print(f"| {name} | {latency:g} | {mean['idle_steps_per_chunk']:.1f} | {mean['steady_idle_per_chunk']:.1f} | {mean['seam_jump']:.4f} | "
-                  f"{mean['median_inner_step']:.4f} | {mean['seam_ratio']:.2f} | {mean['old_step_at_seam']:.4f} | {mean['chunks_per_s']:.2f} | {mean['frozen_mean']:.1f} |", flush=True)  # fmt: skip
+            print(
+                f"| {name} | {latency:g} | {mean['idle_steps_per_chunk']:.1f} | {mean['steady_idle_per_chunk']:.1f} | {mean['seam_jump']:.4f} | "
+                f"{mean['median_inner_step']:.4f} | {mean['seam_ratio']:.2f} | {mean['old_step_at_seam']:.4f} | {mean['chunks_per_s']:.2f} | {mean['frozen_mean']:.1f} |",
+                flush=True,
+            )
     print(f"\n({time.perf_counter() - started:.0f} s)")
 
 

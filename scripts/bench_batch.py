@@ -66,15 +66,22 @@ def engine_only(config: str, robot_counts: list[int], calls: int, threads: int) 
     app = load_config(config)
     policy = build_policy(app.policy_name, app.policy_options(), RuntimeOptions())
     spec, top = policy.kv_spec(), max(robot_counts)
-    cache = PagedKVCache(spec, num_pages=2 * top * len(policy.branches) * spec.pages_per_branch + 1, max_sessions=2 * top,
-                         branches=policy.branches, max_batch=top)  # fmt: skip
+    cache = PagedKVCache(
+        spec, num_pages=2 * top * len(policy.branches) * spec.pages_per_branch + 1, max_sessions=2 * top, branches=policy.branches, max_batch=top
+    )
     rng = np.random.default_rng(0)
     frames = {n: rng.integers(0, 256, (n, 180, 320, 3), dtype=np.uint8) for n in (1, 4)}
 
     def observation(call: int) -> RobotObservation:
         f = frames[1 if call == 0 else 4]
-        return RobotObservation(exterior_left=f, exterior_right=f, wrist=f, joint_position=np.zeros(7, np.float32),
-                                gripper_position=np.zeros(1, np.float32), prompt="pick up the cup")  # fmt: skip
+        return RobotObservation(
+            exterior_left=f,
+            exterior_right=f,
+            wrist=f,
+            joint_position=np.zeros(7, np.float32),
+            gripper_position=np.zeros(1, np.float32),
+            prompt="pick up the cup",
+        )
 
     def run(robots: int, batched: bool) -> float:
         sessions = [policy.start_session(f"{batched}-{i}", cache.open_session(f"{batched}-{i}")) for i in range(robots)]
@@ -114,11 +121,22 @@ def main(argv: list[str] | None = None) -> int:
     servers = []
     for label in args.engines.split(","):
         max_batch, _, wait_ms = label.partition("@")
-        servers.append((label, [f"engine.max_batch={max_batch}", f"engine.batch_wait_ms={wait_ms or 0}",
-                                f"engine.threads={args.threads}", f"engine.max_sessions={max(8, max(robot_counts))}"]))  # fmt: skip
+        servers.append(
+            (
+                label,
+                [
+                    f"engine.max_batch={max_batch}",
+                    f"engine.batch_wait_ms={wait_ms or 0}",
+                    f"engine.threads={args.threads}",
+                    f"engine.max_sessions={max(8, max(robot_counts))}",
+                ],
+            )
+        )
     results, foreign, elapsed = robots_per_server(args.config, servers, robot_counts, args.warmup, args.calls)
-    print(f"\n{args.config} DreamZero, one replica, {args.threads} torch thread(s), {os.cpu_count()} CPU cores, "
-          f"{elapsed:.0f} s; other processes used {foreign or 0:.2f} cores meanwhile\n")  # fmt: skip
+    print(
+        f"\n{args.config} DreamZero, one replica, {args.threads} torch thread(s), {os.cpu_count()} CPU cores, "
+        f"{elapsed:.0f} s; other processes used {foreign or 0:.2f} cores meanwhile\n"
+    )
     print(table(results))
     if args.engine_only:
         print(f"\nengine only ({args.config}, this process, {args.threads} torch thread(s), {args.calls} calls per session after the first):\n")

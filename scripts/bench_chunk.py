@@ -79,10 +79,17 @@ def log(message: str) -> None:
 def droid_geometry_dit(dim: int, layers: int, heads: int) -> DiTConfig:
     """DROID token geometry, small width; everything else is the tiny model's (same encoders)."""
     return DiTConfig(
-        frame_seqlen=880, dim=dim, ffn_dim=max(64, round(dim * 13824 / 5120 / 64) * 64),  # DROID's ffn/dim ratio
-        text_dim=TINY_DIT.text_dim, num_heads=heads, num_layers=layers, hidden_size=TINY_DIT.hidden_size,
-        clip_dim=TINY_DIT.clip_dim, max_chunk_size=4, num_frame_per_block=2,
-    )  # fmt: skip
+        frame_seqlen=880,
+        dim=dim,
+        ffn_dim=max(64, round(dim * 13824 / 5120 / 64) * 64),  # DROID's ffn/dim ratio
+        text_dim=TINY_DIT.text_dim,
+        num_heads=heads,
+        num_layers=layers,
+        hidden_size=TINY_DIT.hidden_size,
+        clip_dim=TINY_DIT.clip_dim,
+        max_chunk_size=4,
+        num_frame_per_block=2,
+    )
 
 
 def write_droid_checkpoint(out: Path, dit_cfg: DiTConfig) -> Path:
@@ -185,9 +192,7 @@ def flop_counter_check(dit: CausalWanModel, dtype: torch.dtype) -> dict[str, dic
             with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=mapping) as counter:
                 dit(**common, **inputs)
             counts[name] = counter.get_total_flops()
-        counts["analytic"] = dit_forward_flops(
-            cfg, new_frames=nfpb, visible_frames=cfg.local_attn_size, with_actions=kind == "denoise"
-        )
+        counts["analytic"] = dit_forward_flops(cfg, new_frames=nfpb, visible_frames=cfg.local_attn_size, with_actions=kind == "denoise")
         out[kind] = counts
     return out
 
@@ -227,10 +232,13 @@ def observations(n: int, seed: int = 0) -> Iterator[RobotObservation]:
             return rng.integers(0, 256, shape, dtype=np.uint8)
 
         yield RobotObservation(
-            exterior_left=cam(), exterior_right=cam(), wrist=cam(),
-            joint_position=rng.uniform(-1, 1, 7).astype(np.float32), gripper_position=np.array([0.3], np.float32),
+            exterior_left=cam(),
+            exterior_right=cam(),
+            wrist=cam(),
+            joint_position=rng.uniform(-1, 1, 7).astype(np.float32),
+            gripper_position=np.array([0.3], np.float32),
             prompt="pick up the cup and put it in the bowl",
-        )  # fmt: skip
+        )
 
 
 @dataclass
@@ -252,15 +260,22 @@ class ConfigResult:
     flop_check: dict[str, int] = field(default_factory=dict)
 
 
-def run_config(name: str, description: str, checkpoint: Path, view_size: tuple[int, int], calls: int,
-               dtype: str, step_cache: str) -> ConfigResult:  # fmt: skip
+def run_config(name: str, description: str, checkpoint: Path, view_size: tuple[int, int], calls: int, dtype: str, step_cache: str) -> ConfigResult:
     # The serving path: the engine build_engine() makes for a one-session config (the KV pool is
     # raised to the one-session floor), driven request by request as the worker drives it.
-    config = validate_config({
-        "engine": {"dtype": dtype, "max_sessions": 1, "kv_budget_gib": 1e-6, "warmup": False},
-        "policy": {"name": "dreamzero", "checkpoint": str(checkpoint), "view_size": list(view_size),
-                   "image_resolution": list(CAMERA), "dit_step_cache": step_cache},
-    }, source=f"bench_chunk:{name}")  # fmt: skip
+    config = validate_config(
+        {
+            "engine": {"dtype": dtype, "max_sessions": 1, "kv_budget_gib": 1e-6, "warmup": False},
+            "policy": {
+                "name": "dreamzero",
+                "checkpoint": str(checkpoint),
+                "view_size": list(view_size),
+                "image_resolution": list(CAMERA),
+                "dit_step_cache": step_cache,
+            },
+        },
+        source=f"bench_chunk:{name}",
+    )
     engine = build_engine(config)
     policy = engine.policy
     result = ConfigResult(name, description, policy.dit_config, len(policy.branches))
@@ -270,16 +285,13 @@ def run_config(name: str, description: str, checkpoint: Path, view_size: tuple[i
         wall = (time.perf_counter() - start) * 1000.0
         info = step.info
         window_start = index == 0 or info["window_restart"] or info["prompt_change"]
-        log(f"[{name}] call {index + 1}/{calls}: {wall:.0f} ms ({'window start' if window_start else 'steady'}, "
-            f"{info['dit_forwards']} DiT steps)")  # fmt: skip
+        log(f"[{name}] call {index + 1}/{calls}: {wall:.0f} ms ({'window start' if window_start else 'steady'}, {info['dit_forwards']} DiT steps)")
         if index > 0:  # the first call is a warm-up (first-time allocations, prompt encodes)
             result.records.append(CallRecord(window_start, dict(step.timing_ms), wall, info["dit_forwards"], info["current_start_frame"]))
     engine.end("bench", "done")
     log(f"[{name}] FLOP count cross-check (FlopCounterMode)")
     result.flop_check = flop_counter_check(policy.dit, policy.dtype)
     return result
-
-
 
 
 # ------------------------------------------------------------------------------ report
@@ -292,8 +304,16 @@ def summarize(result: ConfigResult, peak_flops: float) -> dict[str, Any]:
         if not records:
             continue
         phases = {p: statistics.fmean(r.timing_ms.get(p, 0.0) for r in records) for p in PHASES}
-        flops = [call_flops(result.dit_cfg, window_start=r.window_start, start_frame_after=r.start_frame_after,
-                            denoise_forwards=r.dit_forwards, branches=result.branches) for r in records]  # fmt: skip
+        flops = [
+            call_flops(
+                result.dit_cfg,
+                window_start=r.window_start,
+                start_frame_after=r.start_frame_after,
+                denoise_forwards=r.dit_forwards,
+                branches=result.branches,
+            )
+            for r in records
+        ]
         dit_ms = [r.timing_ms["prefill"] + r.timing_ms["denoise"] for r in records]
         achieved = sum(flops) / (sum(dit_ms) / 1000.0)  # the DiT phases include the (cheap) scheduler steps
         out[group] = {
@@ -330,8 +350,7 @@ def print_config(summary: dict[str, Any], peak_flops: float) -> None:
     ]
     for label, key, fmt in rows:
         print(f"{label:<26}" + "".join(f"{fmt.format(summary[c][key]):>15}" for c in cols))
-    print("calls measured: " + ", ".join(f"{summary[c]['calls']} {c.replace('_', ' ')}" for c in cols)
-          + f"; mm peak {peak_flops / 1e9:.1f} GFLOP/s")  # fmt: skip
+    print("calls measured: " + ", ".join(f"{summary[c]['calls']} {c.replace('_', ' ')}" for c in cols) + f"; mm peak {peak_flops / 1e9:.1f} GFLOP/s")
     for kind, check in summary["flop_check"].items():
         print(
             f"FLOPs of one {kind} forward (full window, per branch): analytic {check['analytic'] / 1e9:.4f} G, "
@@ -349,8 +368,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--droid-layers", type=int, default=2)
     parser.add_argument("--droid-heads", type=int, default=1, help="heads (DROID's head_dim is 128)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--dit-step-cache", default="fixed", choices=("off", "fixed", "dynamic"),
-                        help="DiT step cache (fixed: upstream's default 8 of 16 steps)")  # fmt: skip
+    parser.add_argument(
+        "--dit-step-cache", default="fixed", choices=("off", "fixed", "dynamic"), help="DiT step cache (fixed: upstream's default 8 of 16 steps)"
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--quick", action="store_true", help="smoke run: the tiny model only, one window + restart")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
@@ -369,11 +389,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     log(f"measuring torch.mm {args.dtype} rate")
     peak = matmul_rate(dtype)
     report: dict[str, Any] = {
-        "bench": "chunk", "torch": torch.__version__, "threads": args.threads, "dtype": args.dtype,
-        "dit_step_cache": args.dit_step_cache, "mm_gflops": peak / 1e9, "configs": {},
-    }  # fmt: skip
-    print(f"bench_chunk: DreamZero policy per call by phase, {args.dtype}, {args.threads} threads, "
-          f"DiT step cache {args.dit_step_cache}, torch.mm 2048^2 peak {peak / 1e9:.1f} GFLOP/s")  # fmt: skip
+        "bench": "chunk",
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "dtype": args.dtype,
+        "dit_step_cache": args.dit_step_cache,
+        "mm_gflops": peak / 1e9,
+        "configs": {},
+    }
+    print(
+        f"bench_chunk: DreamZero policy per call by phase, {args.dtype}, {args.threads} threads, "
+        f"DiT step cache {args.dit_step_cache}, torch.mm 2048^2 peak {peak / 1e9:.1f} GFLOP/s"
+    )
     with tempfile.TemporaryDirectory(prefix="bench-chunk-") as tmp:
         for name in configs:
             if name == "tiny":
@@ -400,9 +427,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     report["foreign_load_cores"] = load.cores()
     report["contended"] = contended(report["foreign_load_cores"], args.threads)
     if report["contended"]:
-        print(f"\nWARNING: other processes kept {report['foreign_load_cores']:.1f} cores busy during the run; "
-              "with fewer free cores than threads, parallel ops stall at thread barriers and these numbers are "
-              "distorted (rerun on an idle machine, or with --threads 1)")  # fmt: skip
+        print(
+            f"\nWARNING: other processes kept {report['foreign_load_cores']:.1f} cores busy during the run; "
+            "with fewer free cores than threads, parallel ops stall at thread barriers and these numbers are "
+            "distorted (rerun on an idle machine, or with --threads 1)"
+        )
     if args.json:
         print(json.dumps(report))
 

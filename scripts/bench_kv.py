@@ -173,9 +173,15 @@ AttendFn = Callable[..., torch.Tensor]
 def kv_spec(setup: Setup) -> KVSpec:
     """Self-attention only: no cross-attention slots (they are the same for both paths)."""
     return KVSpec(
-        num_layers=setup.layers, num_heads=setup.heads, head_dim=HEAD_DIM, page_size=PAGE,
-        window_pages=WINDOW, max_new_pages=CHUNK, max_extra_tokens=EXTRA, dtype=setup.dtype,
-    )  # fmt: skip
+        num_layers=setup.layers,
+        num_heads=setup.heads,
+        head_dim=HEAD_DIM,
+        page_size=PAGE,
+        window_pages=WINDOW,
+        max_new_pages=CHUNK,
+        max_extra_tokens=EXTRA,
+        dtype=setup.dtype,
+    )
 
 
 def pool_pages(spec: KVSpec, num_branches: int) -> int:
@@ -191,9 +197,23 @@ def attend_op(cache: PagedKVCache, inputs: PagedLayerInputs, q, k, v, ek, ev, sc
 def attend_op_body(cache: PagedKVCache, inputs: PagedLayerInputs, q, k, v, ek, ev, scale: float) -> torch.Tensor:
     """What the custom op executes, called directly so a dispatch mode sees its aten ops."""
     return write_attend(
-        q, k, v, ek, ev, inputs.key_cache, inputs.value_cache, inputs.video_slots, inputs.extra_slots, inputs.block_table,
-        inputs.cu_seqlens_q, inputs.seq_lens, inputs.max_seqlen_q, inputs.max_seqlen_k, scale, inputs.backend,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        ek,
+        ev,
+        inputs.key_cache,
+        inputs.value_cache,
+        inputs.video_slots,
+        inputs.extra_slots,
+        inputs.block_table,
+        inputs.cu_seqlens_q,
+        inputs.seq_lens,
+        inputs.max_seqlen_q,
+        inputs.max_seqlen_k,
+        scale,
+        inputs.backend,
+    )
 
 
 class PagedPath:
@@ -202,9 +222,7 @@ class PagedPath:
     def __init__(self, setup: Setup, attend: AttendFn) -> None:
         spec = kv_spec(setup)
         self.setup = setup
-        self.cache = PagedKVCache(
-            spec, num_pages=pool_pages(spec, len(setup.branches)), max_sessions=1, branches=setup.branches
-        )
+        self.cache = PagedKVCache(spec, num_pages=pool_pages(spec, len(setup.branches)), max_sessions=1, branches=setup.branches)
         self.session = self.cache.open_session("bench")
         self.attend = attend
 
@@ -523,10 +541,23 @@ def probe_memory(name: str, setup: Setup) -> dict[str, float]:
 
 def measure_memory(name: str, setup: Setup, threads: int) -> dict[str, Any]:
     cmd = [
-        sys.executable, __file__, "--probe", name, "--dtypes", str(setup.dtype).removeprefix("torch."),
-        "--heads", str(setup.heads), "--layers", str(setup.layers), "--branches", str(len(setup.branches)),
-        "--denoise-steps", str(setup.denoise_steps), "--threads", str(threads),
-    ]  # fmt: skip
+        sys.executable,
+        __file__,
+        "--probe",
+        name,
+        "--dtypes",
+        str(setup.dtype).removeprefix("torch."),
+        "--heads",
+        str(setup.heads),
+        "--layers",
+        str(setup.layers),
+        "--branches",
+        str(len(setup.branches)),
+        "--denoise-steps",
+        str(setup.denoise_steps),
+        "--threads",
+        str(threads),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         return {"peak_mib": None, "method": f"probe failed: {proc.stderr.strip()[-200:]}"}
@@ -534,8 +565,6 @@ def measure_memory(name: str, setup: Setup, threads: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ the run
-
-
 
 
 @dataclass
@@ -571,8 +600,7 @@ def run_dtype(setup: Setup, paths: Sequence[str], calls: int, threads: int, memo
             for name in paths:
                 results[name].call_ms.append(ms[name])
                 results[name].copied.append(call_copy_bytes(name, call, setup))
-        log(f"[{dtype_name}] call {call.index + 1}/{len(plan)} (window {call.visible} frames): "
-            + "  ".join(f"{n} {ms[n]:.0f} ms" for n in paths))  # fmt: skip
+        log(f"[{dtype_name}] call {call.index + 1}/{len(plan)} (window {call.visible} frames): " + "  ".join(f"{n} {ms[n]:.0f} ms" for n in paths))
     del runners
     log(f"[{dtype_name}] profiling copy ops")
     copy_ms = profiled_copy_ms(paths, setup)
@@ -600,9 +628,7 @@ def _num(value: float | None, digits: int = 1) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def print_table(
-    dtype_name: str, results: dict[str, PathResult], positions: dict[str, dict[int, float]], foreign: float | None
-) -> None:
+def print_table(dtype_name: str, results: dict[str, PathResult], positions: dict[str, dict[int, float]], foreign: float | None) -> None:
     ref = results["concat"]
     header = (
         f"{'path':<13}{'ms/chunk':>10}{'median':>10}{'ratio':>7}{'peak MiB':>10}{'KV MiB':>8}"
@@ -619,9 +645,11 @@ def print_table(
             f"{statistics.fmean(res.copy_ms):>15.1f}"
         )
     frames = list(next(iter(positions.values())))
-    print("ms/chunk by window fill (frames seen by the denoise steps): " + ", ".join(
-        f"{v}f: " + " / ".join(f"{positions[n][v]:.0f}" for n in results) for v in frames
-    ) + f"  ({' / '.join(results)})")  # fmt: skip
+    print(
+        "ms/chunk by window fill (frames seen by the denoise steps): "
+        + ", ".join(f"{v}f: " + " / ".join(f"{positions[n][v]:.0f}" for n in results) for v in frames)
+        + f"  ({' / '.join(results)})"
+    )
 
 
 def summary_lines(report: dict[str, Any], setup: Setup) -> list[str]:
@@ -660,11 +688,12 @@ def summary_lines(report: dict[str, Any], setup: Setup) -> list[str]:
     for dtype_name in report["dtypes"][1:]:
         other = report["by_dtype"][dtype_name]
         lines.append(
-            f"- {dtype_name}: " + ", ".join(
-                f"{name} {row['ms_per_chunk']:.0f} ms ({row['ms_per_chunk'] / other['concat']['ms_per_chunk']:.2f}x)"
-                for name, row in other.items()
-            ) + " per chunk."
-        )  # fmt: skip
+            f"- {dtype_name}: "
+            + ", ".join(
+                f"{name} {row['ms_per_chunk']:.0f} ms ({row['ms_per_chunk'] / other['concat']['ms_per_chunk']:.2f}x)" for name, row in other.items()
+            )
+            + " per chunk."
+        )
     scale = 40 * 40 / (setup.heads * setup.layers) * 2 / torch.empty((), dtype=setup.dtype).element_size()
     lines.append(
         f"- at DreamZero-DROID scale (40 heads x 40 layers, bf16, same steps and branches) concat copies "
@@ -724,12 +753,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         "torch": torch.__version__,
         "threads": args.threads,
         "geometry": {"page_tokens": PAGE, "window_frames": WINDOW, "chunk_frames": CHUNK, "extra_tokens": EXTRA, "head_dim": HEAD_DIM},
-        "heads": args.heads, "layers": args.layers, "denoise_steps": args.denoise_steps, "branches": args.branches,
-        "calls": calls, "measured_calls": calls - 1,
-        "dtypes": [], "by_dtype": {}, "bf16_note": bf16_note,
-        "copy_count_verified": all(v["ok"] for v in verified.values()), "copy_count_check": verified,
-        "sdpa_kernel": {}, "foreign_load_cores_by_dtype": {},
-    }  # fmt: skip
+        "heads": args.heads,
+        "layers": args.layers,
+        "denoise_steps": args.denoise_steps,
+        "branches": args.branches,
+        "calls": calls,
+        "measured_calls": calls - 1,
+        "dtypes": [],
+        "by_dtype": {},
+        "bf16_note": bf16_note,
+        "copy_count_verified": all(v["ok"] for v in verified.values()),
+        "copy_count_check": verified,
+        "sdpa_kernel": {},
+        "foreign_load_cores_by_dtype": {},
+    }
     print(
         f"bench_kv: DiT self-attention + KV handling per AR call, DROID geometry ({PAGE} tokens/frame, {WINDOW}-frame "
         f"window, {CHUNK}-frame chunks, {EXTRA} action/state tokens), {args.heads} heads x {HEAD_DIM}, {args.layers} "
@@ -748,14 +785,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         report["sdpa_kernel"][dtype_name] = sdpa_kernels(dtype)
         report["by_dtype"][dtype_name] = {
             name: {
-                "ms_per_chunk": res.mean_ms, "ms_per_chunk_median": res.median_ms, "call_ms": res.call_ms,
-                "peak_mib": res.memory.get("peak_mib"), "peak_method": res.memory.get("method"),
-                "kv_peak_mib": res.kv_peak / MIB, "bytes_copied_per_chunk": res.copied_per_chunk,
+                "ms_per_chunk": res.mean_ms,
+                "ms_per_chunk_median": res.median_ms,
+                "call_ms": res.call_ms,
+                "peak_mib": res.memory.get("peak_mib"),
+                "peak_method": res.memory.get("method"),
+                "kv_peak_mib": res.kv_peak / MIB,
+                "bytes_copied_per_chunk": res.copied_per_chunk,
                 "copy_ms_per_chunk": statistics.fmean(res.copy_ms),
                 "ms_by_window_frames": positions[name],
             }
             for name, res in results.items()
-        }  # fmt: skip
+        }
         if dtype == dtypes[0]:
             report["block_table_kernel_bytes_per_chunk"] = statistics.fmean(block_table_kernel_bytes(c, setup) for c in measured)
     report["sdpa_kernel"] = report["sdpa_kernel"][report["dtypes"][0]]
@@ -775,11 +816,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     print()
     report["contended"] = contended(report["foreign_load_cores"], args.threads)
     if report["contended"]:
-        print(f"WARNING: other processes kept {report['foreign_load_cores']:.1f} cores busy during the run; "
-              "with fewer free cores than threads, parallel ops stall at thread barriers and these numbers are "
-              "distorted (rerun on an idle machine, or with --threads 1)")  # fmt: skip
-    print(f"copy count: analytic == instrumented for {', '.join(verified)}: {report['copy_count_verified']}"
-          + ("" if report["copy_count_verified"] else f" ({verified})"))  # fmt: skip
+        print(
+            f"WARNING: other processes kept {report['foreign_load_cores']:.1f} cores busy during the run; "
+            "with fewer free cores than threads, parallel ops stall at thread barriers and these numbers are "
+            "distorted (rerun on an idle machine, or with --threads 1)"
+        )
+    print(
+        f"copy count: analytic == instrumented for {', '.join(verified)}: {report['copy_count_verified']}"
+        + ("" if report["copy_count_verified"] else f" ({verified})")
+    )
     if bf16_note:
         print(f"bfloat16 skipped: {bf16_note}")
     print("\n".join(summary_lines(report, base)))

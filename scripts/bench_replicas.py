@@ -59,18 +59,34 @@ def recording(pool, manager, args) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="ardiff-bench-record-") as folder:
         for record in (False, True):
-            argv = [sys.executable, "-m", "ardiff_server", "--config", args.config, "--port", "0", "--log-level", "WARNING",
-                    "--set", "engine.threads=1"] + (["--record", folder] if record else [])  # fmt: skip
+            argv = [
+                sys.executable,
+                "-m",
+                "ardiff_server",
+                "--config",
+                args.config,
+                "--port",
+                "0",
+                "--log-level",
+                "WARNING",
+                "--set",
+                "engine.threads=1",
+            ] + (["--record", folder] if record else [])
             with ServerSubprocess(f"record={record}", argv) as server:
                 barrier = manager.Barrier(2)
                 future = pool.submit(openpi_robot, server.port, 0, args.warmup, args.calls, barrier, args.gap_ms)
                 barrier.wait(timeout=600)
                 run = future.result(timeout=1800)
             latency = run["latency_ms"]
-            rows.append({
-                "recording": record, "calls": len(latency), "p50_ms": statistics.median(latency), "p99_ms": percentile(latency, 99),
-                "queue_p50_ms": statistics.median(run["queue_ms"]),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "recording": record,
+                    "calls": len(latency),
+                    "p50_ms": statistics.median(latency),
+                    "p99_ms": percentile(latency, 99),
+                    "queue_p50_ms": statistics.median(run["queue_ms"]),
+                }
+            )
             print(f"  recording {'on' if record else 'off'}: p50 {rows[-1]['p50_ms']:.0f} ms", file=sys.stderr, flush=True)
         written = sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
         calls = [c for f in Path(folder).glob("*/timings.json") for c in json.loads(f.read_text())["calls"]]
@@ -102,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{args.config} DreamZero, 1 replica, 1 robot, {args.gap_ms:.0f} ms between calls; round trip and server_timing.queue_ms\n")
         print(f"{'recording':>9} {'calls':>5} {'p50 ms':>8} {'p99 ms':>8} {'queue p50':>9} {'recorded':>8} {'decoded':>7} {'MiB written':>12}")
         for r in rows:
-            print(f"{'on' if r['recording'] else 'off':>9} {r['calls']:>5} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['queue_p50_ms']:>9.1f} "
-                  f"{r['recorded_calls']:>8} {r['decoded_calls']:>7} {r['bytes_written'] / 2**20:>12.1f}")  # fmt: skip
+            print(
+                f"{'on' if r['recording'] else 'off':>9} {r['calls']:>5} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['queue_p50_ms']:>9.1f} "
+                f"{r['recorded_calls']:>8} {r['decoded_calls']:>7} {r['bytes_written'] / 2**20:>12.1f}"
+            )
         off, on = (next(r for r in rows if r["recording"] is flag) for flag in (False, True))
         print(f"\np50 with recording / without: {on['p50_ms'] / off['p50_ms']:.2f}x")
         if args.json:
@@ -111,11 +129,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     robot_counts = [int(x) for x in args.robots.split(",")]
     replica_counts = [int(x) for x in args.replicas.split(",")]
-    servers = [(str(replicas), [f"engine.replicas={replicas}", "engine.threads=1", "engine.max_sessions=8", "engine.max_batch=1"])
-               for replicas in replica_counts]  # fmt: skip
+    servers = [
+        (str(replicas), [f"engine.replicas={replicas}", "engine.threads=1", "engine.max_sessions=8", "engine.max_batch=1"])
+        for replicas in replica_counts
+    ]
     results, foreign, elapsed = robots_per_server(args.config, servers, robot_counts, args.warmup, args.calls)
-    print(f"\n{args.config} DreamZero, 1 torch thread per replica, {os.cpu_count()} CPU cores, "
-          f"{elapsed:.0f} s; other processes used {foreign or 0:.2f} cores meanwhile\n")  # fmt: skip
+    print(
+        f"\n{args.config} DreamZero, 1 torch thread per replica, {os.cpu_count()} CPU cores, "
+        f"{elapsed:.0f} s; other processes used {foreign or 0:.2f} cores meanwhile\n"
+    )
     print(table(results))
     if args.json:
         print(json.dumps({"cpu_cores": os.cpu_count(), "foreign_cores": foreign, "results": [asdict(r) for r in results]}))

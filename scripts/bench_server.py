@@ -62,10 +62,15 @@ from benchlib import ServerSubprocess, droid_request, percentile, process_tree_c
 
 ACTION_SHAPE = (24, 8)
 METADATA = {
-    "image_resolution": [180, 320], "needs_wrist_camera": True, "n_external_cameras": 2,
-    "needs_stereo_camera": False, "needs_session_id": True, "action_space": "joint_position",
-    "action_shape": list(ACTION_SHAPE), "model": "noop-reference",
-}  # fmt: skip
+    "image_resolution": [180, 320],
+    "needs_wrist_camera": True,
+    "n_external_cameras": 2,
+    "needs_stereo_camera": False,
+    "needs_session_id": True,
+    "action_space": "joint_position",
+    "action_shape": list(ACTION_SHAPE),
+    "model": "noop-reference",
+}
 
 
 # =========================================================================== reference server
@@ -242,9 +247,7 @@ class Result:
     server_cpu_ms: float  # CPU the server's processes (front end + workers) used per request
 
 
-def measure(
-    pool: ProcessPoolExecutor, manager: Any, server: ServerSubprocess, compute_ms: float, clients: int, warmup: int, requests: int
-) -> Result:
+def measure(pool: ProcessPoolExecutor, manager: Any, server: ServerSubprocess, compute_ms: float, clients: int, warmup: int, requests: int) -> Result:
     kind, port = server.name, server.port
     barrier = manager.Barrier(clients + 1)  # + this process, which starts the /healthz probe
     futures: list[Future] = [pool.submit(run_client, port, i, warmup, requests, barrier) for i in range(clients)]
@@ -265,11 +268,17 @@ def measure(
     overhead = [t - i for r in runs for t, i in zip(r["total_ms"], r["infer_ms"], strict=True)]
     elapsed = max(r["window"][1] for r in runs) - min(r["window"][0] for r in runs)
     return Result(
-        server=kind, compute_ms=compute_ms, clients=clients, requests=len(total),
-        overhead_p50_ms=statistics.median(overhead), overhead_p99_ms=percentile(overhead, 99),
-        latency_p50_ms=statistics.median(total), requests_per_s=len(total) / elapsed,
-        healthz_p99_ms=percentile(health, 99), server_cpu_ms=cpu_used * 1000.0 / len(total),
-    )  # fmt: skip
+        server=kind,
+        compute_ms=compute_ms,
+        clients=clients,
+        requests=len(total),
+        overhead_p50_ms=statistics.median(overhead),
+        overhead_p99_ms=percentile(overhead, 99),
+        latency_p50_ms=statistics.median(total),
+        requests_per_s=len(total) / elapsed,
+        healthz_p99_ms=percentile(health, 99),
+        server_cpu_ms=cpu_used * 1000.0 / len(total),
+    )
 
 
 # =========================================================================== report
@@ -283,20 +292,33 @@ def ratios(results: list[Result]) -> list[dict[str, float]]:
         ref = by_key.get(("reference", r.compute_ms, r.clients))
         if r.server != "ours" or ref is None:
             continue
-        out.append({
-            "compute_ms": r.compute_ms, "clients": r.clients,
-            "overhead_p50": r.overhead_p50_ms / ref.overhead_p50_ms, "overhead_p99": r.overhead_p99_ms / ref.overhead_p99_ms,
-            "requests_per_s": r.requests_per_s / ref.requests_per_s, "healthz_p99": r.healthz_p99_ms / ref.healthz_p99_ms,
-            "server_cpu": r.server_cpu_ms / ref.server_cpu_ms,
-        })  # fmt: skip
+        out.append(
+            {
+                "compute_ms": r.compute_ms,
+                "clients": r.clients,
+                "overhead_p50": r.overhead_p50_ms / ref.overhead_p50_ms,
+                "overhead_p99": r.overhead_p99_ms / ref.overhead_p99_ms,
+                "requests_per_s": r.requests_per_s / ref.requests_per_s,
+                "healthz_p99": r.healthz_p99_ms / ref.healthz_p99_ms,
+                "server_cpu": r.server_cpu_ms / ref.server_cpu_ms,
+            }
+        )
     return out
 
 
 def table(results: list[Result]) -> str:
     columns = [
-        ("compute", 7), ("clients", 7), ("server", 9), ("reqs", 5), ("ovh p50", 8),
-        ("ovh p99", 8), ("lat p50", 8), ("req/s", 7), ("hz p99", 7), ("cpu/req", 7),
-    ]  # fmt: skip
+        ("compute", 7),
+        ("clients", 7),
+        ("server", 9),
+        ("reqs", 5),
+        ("ovh p50", 8),
+        ("ovh p99", 8),
+        ("lat p50", 8),
+        ("req/s", 7),
+        ("hz p99", 7),
+        ("cpu/req", 7),
+    ]
     head = " ".join(f"{name:>{width}}" for name, width in columns)
     lines = [head, "-" * len(head)]
     by_key = {(r.server, r.compute_ms, r.clients): r for r in results}
@@ -365,8 +387,19 @@ def flood(pool: ProcessPoolExecutor, manager: Any, attackers: int, warmup: int, 
     every frame scanned in full on the event loop) and the new default (1024: refused at once)."""
     rows = []
     for items in (262144, 1024):
-        argv = [sys.executable, "-m", "ardiff_server", "--config", "noop", "--port", "0", "--log-level", "WARNING",
-                "--set", f"server.max_frame_items={items}"]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "ardiff_server",
+            "--config",
+            "noop",
+            "--port",
+            "0",
+            "--log-level",
+            "WARNING",
+            "--set",
+            f"server.max_frame_items={items}",
+        ]
         with ServerSubprocess(f"max_frame_items={items}", argv) as server:
             for n in (0, attackers):
                 stop = manager.Event()
@@ -378,10 +411,15 @@ def flood(pool: ProcessPoolExecutor, manager: Any, attackers: int, warmup: int, 
                 run = robot.result(timeout=600)
                 stop.set()
                 frames = sum(f.result(timeout=60) for f in floods)
-                rows.append({
-                    "max_frame_items": items, "attackers": n, "flood_frames": frames,
-                    "robot_p50_ms": statistics.median(run["total_ms"]), "robot_p99_ms": percentile(run["total_ms"], 99),
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "max_frame_items": items,
+                        "attackers": n,
+                        "flood_frames": frames,
+                        "robot_p50_ms": statistics.median(run["total_ms"]),
+                        "robot_p99_ms": percentile(run["total_ms"], 99),
+                    }
+                )
                 print(f"  max_frame_items={items} attackers={n}: robot p50 {rows[-1]['robot_p50_ms']:.2f} ms", file=sys.stderr, flush=True)
     return rows
 
@@ -398,15 +436,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clients", default="1,4,16", help="comma-separated concurrent client counts (default 1,4,16)")
     parser.add_argument("--compute-ms", default="0,50", help="comma-separated simulated policy compute times (default 0,50)")
     parser.add_argument("--requests", type=int, default=300, help="measured requests per client without compute (default 300)")
-    parser.add_argument("--requests-with-compute", type=int, default=25,
-                        help="measured requests per client when compute-ms > 0 (default 25: 16 clients x 25 x 50 ms = 20 s)")  # fmt: skip
+    parser.add_argument(
+        "--requests-with-compute",
+        type=int,
+        default=25,
+        help="measured requests per client when compute-ms > 0 (default 25: 16 clients x 25 x 50 ms = 20 s)",
+    )
     parser.add_argument("--warmup", type=int, default=10, help="unmeasured requests per client first (default 10)")
-    parser.add_argument("--flood", type=int, metavar="N", default=0,
-                        help="instead: one robot's latency while N clients flood ~780 KB frames of 260k msgpack items")  # fmt: skip
+    parser.add_argument(
+        "--flood", type=int, metavar="N", default=0, help="instead: one robot's latency while N clients flood ~780 KB frames of 260k msgpack items"
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: few requests (< 60 s)")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object on the last stdout line")
-    parser.add_argument("--no-front-only", action="store_true",
-                        help="skip the 'front-only' rows (our front end with an engine answering on its event loop)")  # fmt: skip
+    parser.add_argument(
+        "--no-front-only", action="store_true", help="skip the 'front-only' rows (our front end with an engine answering on its event loop)"
+    )
     parser.add_argument("--serve-reference", action="store_true", help=argparse.SUPPRESS)  # internal: the reference server
     parser.add_argument("--serve-front-only", action="store_true", help=argparse.SUPPRESS)  # internal: front end, no worker
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -450,8 +494,10 @@ def main(argv: list[str] | None = None) -> int:
                         progress = f"overhead p50 {result.overhead_p50_ms:.2f} ms, {result.requests_per_s:.0f} req/s"
                         print(f"  {kind:>9}  compute {compute_ms:.0f} ms  {clients:>2} clients: {progress}", file=sys.stderr, flush=True)
                         results.append(result)
-    print(f"\nardiff-server vs openpi reference server, {os.cpu_count()} CPU cores, "
-          f"DROID requests (3 x 180x320x3 uint8), {time.perf_counter() - started:.0f} s\n")  # fmt: skip
+    print(
+        f"\nardiff-server vs openpi reference server, {os.cpu_count()} CPU cores, "
+        f"DROID requests (3 x 180x320x3 uint8), {time.perf_counter() - started:.0f} s\n"
+    )
     print(table(results))
     if args.json:
         print(json.dumps({"cpu_cores": os.cpu_count(), "results": [asdict(r) for r in results], "ratios": ratios(results)}))

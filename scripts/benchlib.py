@@ -214,8 +214,14 @@ def measure_robots(pool, manager, port: int, label: str, robots: int, warmup: in
     batches = [x for r in runs for x in r["batch_sizes"]]
     elapsed = max(r["window"][1] for r in runs) - min(r["window"][0] for r in runs)
     return RobotsResult(
-        label, robots, len(latency), len(latency) / elapsed, float(np.median(latency)), percentile(latency, 99),
-        float(np.mean(batches)) if batches else 1.0, " ".join("/".join(map(str, r["replicas"])) for r in runs),
+        label,
+        robots,
+        len(latency),
+        len(latency) / elapsed,
+        float(np.median(latency)),
+        percentile(latency, 99),
+        float(np.mean(batches)) if batches else 1.0,
+        " ".join("/".join(map(str, r["replicas"])) for r in runs),
     )
 
 
@@ -234,7 +240,11 @@ def robots_per_server(
             with ServerSubprocess(label, argv) as server:
                 for robots in robot_counts:
                     result = measure_robots(pool, manager, server.port, label, robots, warmup, calls)
-                    print(f"  {label}, {robots} robot(s): {result.calls_per_s:.2f} calls/s, p50 {result.latency_p50_ms:.0f} ms, "
-                          f"mean batch {result.mean_batch:.2f}", file=sys.stderr, flush=True)  # fmt: skip
+                    print(
+                        f"  {label}, {robots} robot(s): {result.calls_per_s:.2f} calls/s, p50 {result.latency_p50_ms:.0f} ms, "
+                        f"mean batch {result.mean_batch:.2f}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     results.append(result)
     return results, load.cores(), time.perf_counter() - started

@@ -48,7 +48,11 @@ people need first.
 """
 
 SECTIONS: list[tuple[str, str, type[pydantic.BaseModel]]] = [
-    ("server", "The websocket front end (`ardiff-serve` flags `--host`, `--port`, `--api-key-file`, `--tls-cert`/`--tls-key` and `--record` set some).", ServerConfig),
+    (
+        "server",
+        "The websocket front end (`ardiff-serve` flags `--host`, `--port`, `--api-key-file`, `--tls-cert`/`--tls-key` and `--record` set some).",
+        ServerConfig,
+    ),
     ("engine", "The engine workers: devices, precision, KV cache, batching, replicas, warm-up.", EngineConfig),
     ("ray", "The Ray Serve deployment (`ardiff-serve --ray`, docs/deploy.md).", RayConfig),
 ]

@@ -79,9 +79,10 @@ FULL_CHECKPOINT = "synthetic:droid"
 REDUCED_CHECKPOINT = "synthetic:tiny,layers=2"
 # --family 5b: upstream's Wan2.2-TI2V-5B DreamZero (30 layers at dim 3072, 50 tokens per latent frame, the Wan2.2 VAE)
 FAMILY_CHECKPOINTS = {
-    "14b": (FULL_CHECKPOINT, REDUCED_CHECKPOINT), "5b": ("synthetic:droid_5b", "synthetic:tiny_5b,layers=2"),
+    "14b": (FULL_CHECKPOINT, REDUCED_CHECKPOINT),
+    "5b": ("synthetic:droid_5b", "synthetic:tiny_5b,layers=2"),
     "lingbot_va": ("synthetic:released", "synthetic:tiny"),  # policies/lingbot_va/synthetic.py
-}  # fmt: skip
+}
 PHASES = ("frames", "text", "vision", "vae", "prefill", "denoise", "decode")
 CAMERA = (180, 320)
 PROMPT = "pick up the cup and put it in the bowl"
@@ -115,8 +116,21 @@ def ensure_wheels(folder: Path) -> list[str]:
             f"scripts/fetch_device_wheels.sh where pip works and carry {folder.name}/ with the run"
         )
     target = Path(tempfile.gettempdir()) / "ardiff-device-site"
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
-           "--upgrade", "--target", str(target), *map(str, wheels)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--no-cache-dir",
+        "--upgrade",
+        "--target",
+        str(target),
+        *map(str, wheels),
+    ]
     subprocess.run(cmd, check=True)
     sys.path.insert(0, str(target))
     os.environ["PYTHONPATH"] = os.pathsep.join([str(target), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -185,11 +199,16 @@ def observations(calls: int, seed: int = 0):
     for call in range(calls):
         shape = (1 if call == 0 else 4, *CAMERA, 3)
         cams = [rng.integers(0, 256, shape, dtype=np.uint8) for _ in range(3)]
-        out.append(RobotObservation(
-            exterior_left=cams[0], exterior_right=cams[1], wrist=cams[2],
-            joint_position=rng.uniform(-1, 1, 7).astype(np.float32), gripper_position=np.array([0.3], np.float32),
-            prompt=PROMPT,
-        ))  # fmt: skip
+        out.append(
+            RobotObservation(
+                exterior_left=cams[0],
+                exterior_right=cams[1],
+                wrist=cams[2],
+                joint_position=rng.uniform(-1, 1, 7).astype(np.float32),
+                gripper_position=np.array([0.3], np.float32),
+                prompt=PROMPT,
+            )
+        )
     return out
 
 
@@ -220,16 +239,25 @@ def build_variant_engine(args, variant: Variant, budget_gib: float, max_sessions
     def raw(backend: str) -> dict[str, Any]:
         return {
             "engine": {
-                "device": args.device, "dtype": args.dtype, "max_sessions": max_sessions or args.max_sessions, "kv_budget_gib": budget_gib,
+                "device": args.device,
+                "dtype": args.dtype,
+                "max_sessions": max_sessions or args.max_sessions,
+                "kv_budget_gib": budget_gib,
                 "max_batch": max_batch,
-                "attention_backend": backend, "compile": variant.compile, "compile_backend": args.compile_backend,
-                "cuda_graphs": variant.graphs, "warmup": False,
+                "attention_backend": backend,
+                "compile": variant.compile,
+                "compile_backend": args.compile_backend,
+                "cuda_graphs": variant.graphs,
+                "warmup": False,
             },
             "policy": {
-                "name": "dreamzero", "checkpoint": args.checkpoint, "view_size": list(args.view_size),
-                "image_resolution": list(CAMERA), "dit_step_cache": "fixed",
+                "name": "dreamzero",
+                "checkpoint": args.checkpoint,
+                "view_size": list(args.view_size),
+                "image_resolution": list(CAMERA),
+                "dit_step_cache": "fixed",
             },
-        }  # fmt: skip
+        }
 
     from ardiff_server.engine.builder import build_engine
 
@@ -310,9 +338,11 @@ def run_variant(args, variant: Variant, obs: list, deadline: float | None) -> di
             }
             calls.append(record)
             actions.append(np.asarray(step.actions, dtype=np.float64))
-            log(f"[{variant.name}] call {index + 1}/{len(obs)}: {wall:.0f} ms "
+            log(
+                f"[{variant.name}] call {index + 1}/{len(obs)}: {wall:.0f} ms "
                 f"({'window start' if record['window_start'] else 'steady'}, {record['dit_forwards']} DiT steps, "
-                f"{record['pages_held']} pages held)")  # fmt: skip
+                f"{record['pages_held']} pages held)"
+            )
         if cuda:
             torch.cuda.synchronize()
             result["peak_alloc_gib"] = gib(torch.cuda.max_memory_allocated())
@@ -325,13 +355,16 @@ def run_variant(args, variant: Variant, obs: list, deadline: float | None) -> di
         cache = engine.cache
         stats = cache.stats()
         result["kv"] = {
-            "pool_pages": stats["pages_total"], "pool_gib": gib(cache.storage.nbytes),
+            "pool_pages": stats["pages_total"],
+            "pool_gib": gib(cache.storage.nbytes),
             "reserved_pages_per_session": cache.reservation_per_session,
             "max_pages_held": max((c["pages_held"] for c in calls), default=0),
             "scratch_pages": cache.storage.max_batch * len(cache.branches) * cache.spec.scratch_pages_per_branch,
-            "page_mib": cache.spec.page_bytes / 2**20, "page_tokens": cache.spec.page_size,
-            "cross_slot_mib": cache.spec.cross_slot_bytes / 2**20, "session_capacity": stats["session_capacity"],
-        }  # fmt: skip
+            "page_mib": cache.spec.page_bytes / 2**20,
+            "page_tokens": cache.spec.page_size,
+            "cross_slot_mib": cache.spec.cross_slot_bytes / 2**20,
+            "session_capacity": stats["session_capacity"],
+        }
         result["calls"] = calls
         result["actions"] = [a.tolist() for a in actions]
         result["actions_finite"] = bool(all(np.isfinite(a).all() for a in actions))
@@ -386,9 +419,14 @@ def run_batches(args, variant: Variant, sizes: list[int], calls: int, deadline: 
                     engine.end(sid, "gpu_check")
             steady = walls[1:] or walls
             row = {
-                "batch": size, "status": "ok", "calls": calls, "window_start_ms": walls[0], "steady_ms_median": statistics.median(steady),
-                "chunks_per_s": size / (statistics.median(steady) / 1000.0), "total_s": time.monotonic() - started,
-            }  # fmt: skip
+                "batch": size,
+                "status": "ok",
+                "calls": calls,
+                "window_start_ms": walls[0],
+                "steady_ms_median": statistics.median(steady),
+                "chunks_per_s": size / (statistics.median(steady) / 1000.0),
+                "total_s": time.monotonic() - started,
+            }
             if cuda:
                 row["peak_alloc_gib"] = gib(torch.cuda.max_memory_allocated())
             rows.append(row)
@@ -425,8 +463,10 @@ def print_batches(batches: dict[str, Any]) -> None:
         if row["status"] != "ok":
             print(f"{row['batch']:>6}  {row['status']}")
             continue
-        print(f"{row['batch']:>6}{row['window_start_ms']:>10.1f}{row['steady_ms_median']:>11.1f}{row['chunks_per_s']:>10.2f}"
-              f"{row.get('speedup_vs_batch_1', float('nan')):>7.2f}x{row.get('peak_alloc_gib', float('nan')):>7.1f}")  # fmt: skip
+        print(
+            f"{row['batch']:>6}{row['window_start_ms']:>10.1f}{row['steady_ms_median']:>11.1f}{row['chunks_per_s']:>10.2f}"
+            f"{row.get('speedup_vs_batch_1', float('nan')):>7.2f}x{row.get('peak_alloc_gib', float('nan')):>7.1f}"
+        )
 
 
 # ------------------------------------------------------------------------------ report
@@ -449,8 +489,12 @@ def summarize(result: dict[str, Any], dit_cfg, branches: int, peak_flops: float)
             continue
         result[f"{group}_ms_median"] = statistics.median(c["wall_ms"] for c in members)
         result["phase_ms"][group] = {p: statistics.fmean(c["phase_ms"][p] for c in members) for p in PHASES}
-    flops = [call_flops(dit_cfg, window_start=c["window_start"], start_frame_after=c["start_frame_after"],
-                        denoise_forwards=c["dit_forwards"], branches=branches) for c in calls]  # fmt: skip
+    flops = [
+        call_flops(
+            dit_cfg, window_start=c["window_start"], start_frame_after=c["start_frame_after"], denoise_forwards=c["dit_forwards"], branches=branches
+        )
+        for c in calls
+    ]
     dit_ms = [c["phase_ms"]["prefill"] + c["phase_ms"]["denoise"] for c in calls]
     result["dit_tflop_per_chunk"] = statistics.fmean(flops) / 1e12
     result["dit_tflops"] = sum(flops) / (sum(dit_ms) / 1e3) / 1e12 if sum(dit_ms) > 0 else 0.0
@@ -469,8 +513,14 @@ def compare(result: dict[str, Any], reference: dict[str, Any], tolerance: float)
     diffs = [np.abs(np.asarray(a) - np.asarray(b)) for a, b in zip(mine[:n], ref[:n])]
     max_abs = max(float(d.max()) for d in diffs)
     max_norm = max(float((d / scale).max()) for d in diffs)
-    result["vs_reference"] = {"reference": reference["name"], "calls": n, "max_abs": max_abs, "max_normalized": max_norm,
-                              "tolerance_normalized": tolerance, "ok": bool(max_norm <= tolerance and result["actions_finite"])}  # fmt: skip
+    result["vs_reference"] = {
+        "reference": reference["name"],
+        "calls": n,
+        "max_abs": max_abs,
+        "max_normalized": max_norm,
+        "tolerance_normalized": tolerance,
+        "ok": bool(max_norm <= tolerance and result["actions_finite"]),
+    }
 
 
 def print_variant(result: dict[str, Any]) -> None:
@@ -483,36 +533,50 @@ def print_variant(result: dict[str, Any]) -> None:
     if result["compile"]:
         extra.append("engine.compile")
     if result["cuda_graphs"]:
-        extra.append(f"CUDA graphs: {result.get('graphs_captured', 0)} captured"
-                     + (", capture FAILED (ran eagerly)" if result.get("graph_capture_failed") else ""))  # fmt: skip
-    print(f"\n{name}: attention {result['backend']}" + (f"; {'; '.join(extra)}" if extra else "")
-          + f"; build {result['build_s']:.1f} s, warm-up {result['warmup_s']:.1f} s", flush=True)  # fmt: skip
+        extra.append(
+            f"CUDA graphs: {result.get('graphs_captured', 0)} captured"
+            + (", capture FAILED (ran eagerly)" if result.get("graph_capture_failed") else "")
+        )
+    print(
+        f"\n{name}: attention {result['backend']}"
+        + (f"; {'; '.join(extra)}" if extra else "")
+        + f"; build {result['build_s']:.1f} s, warm-up {result['warmup_s']:.1f} s",
+        flush=True,
+    )
     header = f"{'phase (mean ms)':<22}" + "".join(f"{c.replace('_', ' '):>14}" for c in cols)
     print(header)
     for phase in PHASES:
         print(f"{phase:<22}" + "".join(f"{result['phase_ms'][c][phase]:>14.1f}" for c in cols))
     print(f"{'chunk median ms':<22}" + "".join(f"{result[c + '_ms_median']:>14.1f}" for c in cols))
     kv = result["kv"]
-    print(f"per chunk: median {result['ms_per_chunk_median']:.1f} ms, p99 {result['ms_per_chunk_p99']:.1f} ms over "
-          f"{len(result['calls'])} calls; DiT {result['dit_tflop_per_chunk']:.4g} TFLOP/chunk at {result['dit_tflops']:.3g} "
-          f"TFLOP/s = {result['dit_fraction_of_peak']:.1%} of peak (whole chunk {result['chunk_fraction_of_peak']:.1%})")  # fmt: skip
-    memory = (f"peak {result['peak_alloc_gib']:.1f} GiB allocated, {result['peak_reserved_gib']:.1f} GiB reserved"
-              if "peak_alloc_gib" in result else f"max RSS {result['max_rss_gib']:.1f} GiB")  # fmt: skip
-    print(f"memory: {memory}; KV pool {kv['pool_gib']:.3g} GiB = {kv['pool_pages']} pages x {kv['page_mib']:.1f} MiB "
-          f"({kv['page_tokens']} tokens) + {kv['scratch_pages']} scratch + cross slots; a session reserves "
-          f"{kv['reserved_pages_per_session']} pages, held at most {kv['max_pages_held']}")  # fmt: skip
+    print(
+        f"per chunk: median {result['ms_per_chunk_median']:.1f} ms, p99 {result['ms_per_chunk_p99']:.1f} ms over "
+        f"{len(result['calls'])} calls; DiT {result['dit_tflop_per_chunk']:.4g} TFLOP/chunk at {result['dit_tflops']:.3g} "
+        f"TFLOP/s = {result['dit_fraction_of_peak']:.1%} of peak (whole chunk {result['chunk_fraction_of_peak']:.1%})"
+    )
+    memory = (
+        f"peak {result['peak_alloc_gib']:.1f} GiB allocated, {result['peak_reserved_gib']:.1f} GiB reserved"
+        if "peak_alloc_gib" in result
+        else f"max RSS {result['max_rss_gib']:.1f} GiB"
+    )
+    print(
+        f"memory: {memory}; KV pool {kv['pool_gib']:.3g} GiB = {kv['pool_pages']} pages x {kv['page_mib']:.1f} MiB "
+        f"({kv['page_tokens']} tokens) + {kv['scratch_pages']} scratch + cross slots; a session reserves "
+        f"{kv['reserved_pages_per_session']} pages, held at most {kv['max_pages_held']}"
+    )
     if "vs_reference" in result:
         v = result["vs_reference"]
-        print(f"actions vs {v['reference']}: max |da| {v['max_abs']:.2e} (normalized {v['max_normalized']:.2e}, "
-              f"tolerance {v['tolerance_normalized']:.0e}) -> {'ok' if v['ok'] else 'DIFFERS'}; finite: {result['actions_finite']}")  # fmt: skip
+        print(
+            f"actions vs {v['reference']}: max |da| {v['max_abs']:.2e} (normalized {v['max_normalized']:.2e}, "
+            f"tolerance {v['tolerance_normalized']:.0e}) -> {'ok' if v['ok'] else 'DIFFERS'}; finite: {result['actions_finite']}"
+        )
     if result.get("partial"):
         print(f"PARTIAL: {result['partial']}")
 
 
 def print_summary(report: dict[str, Any]) -> None:
     print("\nsummary" + f" ({report['device']}, {report['dtype']}, {report['model']})")
-    header = (f"{'variant':<22}{'p50 ms':>9}{'p99 ms':>9}{'steady':>9}{'start':>9}{'TFLOP/s':>9}{'of peak':>9}"
-              f"{'GiB':>7}{'warm s':>8}  vs sdpa")  # fmt: skip
+    header = f"{'variant':<22}{'p50 ms':>9}{'p99 ms':>9}{'steady':>9}{'start':>9}{'TFLOP/s':>9}{'of peak':>9}{'GiB':>7}{'warm s':>8}  vs sdpa"
     print(header)
     print("-" * len(header))
     for name, r in report["variants"].items():
@@ -522,25 +586,34 @@ def print_summary(report: dict[str, Any]) -> None:
         v = r.get("vs_reference")
         check = "reference" if v is None else f"{v['max_normalized']:.1e} {'ok' if v['ok'] else 'DIFFERS'}"
         memory = r.get("peak_reserved_gib", r.get("max_rss_gib", float("nan")))
-        print(f"{name:<22}{r['ms_per_chunk_median']:>9.1f}{r['ms_per_chunk_p99']:>9.1f}{r.get('steady_ms_median', float('nan')):>9.1f}"
-              f"{r.get('window_start_ms_median', float('nan')):>9.1f}{r['dit_tflops']:>9.3g}{r['dit_fraction_of_peak']:>9.1%}"
-              f"{memory:>7.1f}{r['warmup_s']:>8.1f}  {check}")  # fmt: skip
+        print(
+            f"{name:<22}{r['ms_per_chunk_median']:>9.1f}{r['ms_per_chunk_p99']:>9.1f}{r.get('steady_ms_median', float('nan')):>9.1f}"
+            f"{r.get('window_start_ms_median', float('nan')):>9.1f}{r['dit_tflops']:>9.3g}{r['dit_fraction_of_peak']:>9.1%}"
+            f"{memory:>7.1f}{r['warmup_s']:>8.1f}  {check}"
+        )
     for name, reason in report["skipped"].items():
         print(f"{name:<22}skipped: {reason}")
     f = report["flops"]
-    print(f"\nGiB: peak reserved (CUDA) or max RSS (CPU). of peak: DiT FLOP/s over {f['peak_tflops']:.4g} TFLOP/s "
-          f"({f['peak_source']}).")  # fmt: skip
-    print(f"compute bound: a steady chunk at a full window is {f['steady_chunk_tflop']:.4g} TFLOP of DiT "
-          f"(8 of 16 steps x {report['branches']} branches + prefill) -> {f['compute_bound_ms']:.4g} ms at peak")  # fmt: skip
+    print(f"\nGiB: peak reserved (CUDA) or max RSS (CPU). of peak: DiT FLOP/s over {f['peak_tflops']:.4g} TFLOP/s ({f['peak_source']}).")
+    print(
+        f"compute bound: a steady chunk at a full window is {f['steady_chunk_tflop']:.4g} TFLOP of DiT "
+        f"(8 of 16 steps x {report['branches']} branches + prefill) -> {f['compute_bound_ms']:.4g} ms at peak"
+    )
     a = report["anchors"]
-    print(f"anchors: vLLM-Omni {a['vllm_omni_ms_one_h200']:.0f} ms/chunk on one H200 ({a['vllm_omni_ms_cfg_parallel_two_h200']:.0f} ms "
-          f"CFG-parallel on two), {a['vllm_omni_gib_per_gpu']} GiB/GPU; the issue's bound: ~1.1 PFLOP/chunk -> ~1.1 s at 989 TFLOP/s")  # fmt: skip
+    print(
+        f"anchors: vLLM-Omni {a['vllm_omni_ms_one_h200']:.0f} ms/chunk on one H200 ({a['vllm_omni_ms_cfg_parallel_two_h200']:.0f} ms "
+        f"CFG-parallel on two), {a['vllm_omni_gib_per_gpu']} GiB/GPU; the issue's bound: ~1.1 PFLOP/chunk -> ~1.1 s at 989 TFLOP/s"
+    )
     if report.get("contended"):
-        print(f"WARNING: other processes kept {report['foreign_load_cores']:.1f} cores busy during the run: CPU timings "
-              "are distorted (rerun on an idle machine)")  # fmt: skip
+        print(
+            f"WARNING: other processes kept {report['foreign_load_cores']:.1f} cores busy during the run: CPU timings "
+            "are distorted (rerun on an idle machine)"
+        )
     w = report["weights_gib"]
-    print("weights: " + ", ".join(f"{k} {v:.3g} GiB" for k, v in w.items()) + f" (total {sum(w.values()):.3g} GiB, "
-          f"{report['params_b']:.4g} B parameters); materialized in {report['materialize_s']:.1f} s")  # fmt: skip
+    print(
+        "weights: " + ", ".join(f"{k} {v:.3g} GiB" for k, v in w.items()) + f" (total {sum(w.values()):.3g} GiB, "
+        f"{report['params_b']:.4g} B parameters); materialized in {report['materialize_s']:.1f} s"
+    )
 
 
 # ------------------------------------------------------------------------------- main
@@ -550,26 +623,36 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full-size", action="store_true", help="the released DreamZero-DROID geometry (default on CUDA)")
     parser.add_argument("--reduced", action="store_true", help=f"the reduced model ({REDUCED_CHECKPOINT}; default without CUDA)")
-    parser.add_argument("--family", choices=sorted(FAMILY_CHECKPOINTS), default="14b",
-                        help="14b: DreamZero-DROID (synthetic:droid); 5b: the Wan2.2-5B DreamZero (synthetic:droid_5b); "
-                        "lingbot_va: LingBot-VA (synthetic:released)")
+    parser.add_argument(
+        "--family",
+        choices=sorted(FAMILY_CHECKPOINTS),
+        default="14b",
+        help="14b: DreamZero-DROID (synthetic:droid); 5b: the Wan2.2-5B DreamZero (synthetic:droid_5b); lingbot_va: LingBot-VA (synthetic:released)",
+    )
     parser.add_argument("--embodiment", choices=("robotwin", "franka", "tiny_robotwin"), help="--family lingbot_va: upstream's embodiment config")
     parser.add_argument("--checkpoint", help="a synthetic:<preset>[,key=value...] spec (overrides --full-size/--reduced/--family)")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--variants", help="comma-separated; default sdpa,flex,flex+graphs,flex+compile,flex+compile+graphs on CUDA, "
-                                           "sdpa,flex,flex+compile on CPU")  # fmt: skip
+    parser.add_argument(
+        "--variants", help="comma-separated; default sdpa,flex,flex+graphs,flex+compile,flex+compile+graphs on CUDA, sdpa,flex,flex+compile on CPU"
+    )
     parser.add_argument("--calls", type=int, default=6, help="measured calls per variant (6 = a full window + a restart)")
     parser.add_argument("--batches", default="1,2,4", help="robots per engine step to measure after the variants (empty: skip)")
     parser.add_argument("--batch-calls", type=int, default=4, help="calls per robot in the batch measurement (a window start + steady)")
     parser.add_argument("--batch-variant", default="flex", help="the variant the batch measurement runs (default flex)")
     parser.add_argument("--max-sessions", type=int, default=1, help="KV pool sized for exactly this many sessions")
     parser.add_argument("--compile-backend", help="torch.compile backend (default inductor on CUDA, eager on CPU)")
-    parser.add_argument("--peak-tflops", type=float, help=f"peak for 'of peak' (default: {H200_BF16_DENSE_TFLOPS:g} on CUDA "
-                                                          "(H200 bf16 dense), the measured matmul rate on CPU)")  # fmt: skip
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        help=f"peak for 'of peak' (default: {H200_BF16_DENSE_TFLOPS:g} on CUDA (H200 bf16 dense), the measured matmul rate on CPU)",
+    )
     parser.add_argument("--budget-s", type=float, default=0.0, help="skip remaining variants when this much wall time is used (0: none)")
-    parser.add_argument("--compile-estimate-s", type=float, help="budget guard: time the first torch.compile of the "
-                                                                  "DiT blocks may take (default 240 on CUDA, 30 on CPU)")  # fmt: skip
+    parser.add_argument(
+        "--compile-estimate-s",
+        type=float,
+        help="budget guard: time the first torch.compile of the DiT blocks may take (default 240 on CUDA, 30 on CPU)",
+    )
     parser.add_argument("--tolerance", type=float, help="max |a - a_sdpa| in normalized action units (default by dtype)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (CPU)")
     parser.add_argument("--pytest", action="store_true", help="also run the GPU-marked kernel tests at the end (budget permitting)")
@@ -619,28 +702,47 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args.view_size = spec.view_size
     dtype = getattr(torch, args.dtype)
     report: dict[str, Any] = {
-        "check": "gpu_check", "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-        "cuda": torch.version.cuda, "python": sys.version.split()[0], "size": "full" if full else "reduced",
-        "checkpoint": args.checkpoint, "model": spec.describe(), "dtype": args.dtype, "threads": torch.get_num_threads(),
-        "compile_backend": args.compile_backend, "wheels_installed": installed, "branches": 2,
-        "anchors": {"vllm_omni_ms_one_h200": VLLM_OMNI_MS_ONE_GPU, "vllm_omni_ms_cfg_parallel_two_h200": VLLM_OMNI_MS_CFG_PARALLEL,
-                    "vllm_omni_gib_per_gpu": VLLM_OMNI_GIB_PER_GPU},
-        "variants": {}, "skipped": {},
-    }  # fmt: skip
+        "check": "gpu_check",
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "size": "full" if full else "reduced",
+        "checkpoint": args.checkpoint,
+        "model": spec.describe(),
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "compile_backend": args.compile_backend,
+        "wheels_installed": installed,
+        "branches": 2,
+        "anchors": {
+            "vllm_omni_ms_one_h200": VLLM_OMNI_MS_ONE_GPU,
+            "vllm_omni_ms_cfg_parallel_two_h200": VLLM_OMNI_MS_CFG_PARALLEL,
+            "vllm_omni_gib_per_gpu": VLLM_OMNI_GIB_PER_GPU,
+        },
+        "variants": {},
+        "skipped": {},
+    }
     print(f"gpu_check: {report['device']}, torch {torch.__version__}, {args.dtype}, {args.checkpoint}: {spec.describe()}", flush=True)
 
     # peak rate for "fraction of peak"
     if cuda:
         measured = cuda_mm_rate(dtype)
         peak = (args.peak_tflops or H200_BF16_DENSE_TFLOPS) * 1e12
-        report["flops"] = {"peak_tflops": peak / 1e12, "peak_source": "--peak-tflops" if args.peak_tflops else "H200 bf16 dense datasheet",
-                           "mm_tflops_measured": measured / 1e12}  # fmt: skip
+        report["flops"] = {
+            "peak_tflops": peak / 1e12,
+            "peak_source": "--peak-tflops" if args.peak_tflops else "H200 bf16 dense datasheet",
+            "mm_tflops_measured": measured / 1e12,
+        }
         log(f"torch.mm 8192^3 {args.dtype}: {measured / 1e12:.0f} TFLOP/s measured")
     else:
         measured = matmul_rate(dtype)
         peak = args.peak_tflops * 1e12 if args.peak_tflops else measured
-        report["flops"] = {"peak_tflops": peak / 1e12, "peak_source": "--peak-tflops" if args.peak_tflops else "measured torch.mm 2048^2",
-                           "mm_tflops_measured": measured / 1e12}  # fmt: skip
+        report["flops"] = {
+            "peak_tflops": peak / 1e12,
+            "peak_source": "--peak-tflops" if args.peak_tflops else "measured torch.mm 2048^2",
+            "mm_tflops_measured": measured / 1e12,
+        }
     steady = call_flops(spec.dit, window_start=False, start_frame_after=spec.dit.local_attn_size, denoise_forwards=8, branches=2)
     report["flops"] |= {"steady_chunk_tflop": steady / 1e12, "compute_bound_ms": steady / peak * 1e3}
 
@@ -659,8 +761,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     budget = kv_budget_gib(kv_spec_for(args.checkpoint, args.dtype)[0], args.max_sessions)
     settings = memory.PlanSettings(args.device, dtype, max_sessions=args.max_sessions, kv_budget_gib=budget)
     plan = memory.plan_memory(memory.synthetic_geometry(args.checkpoint), settings).device(args.device)
-    report["memory_plan_gib"] = {"weights": gib(sum(plan.weights.values())), "kv": gib(plan.kv.pool_bytes), "activations": gib(plan.activations),
-                                 "reserve": gib(plan.reserve), "total": gib(plan.total)}  # fmt: skip
+    report["memory_plan_gib"] = {
+        "weights": gib(sum(plan.weights.values())),
+        "kv": gib(plan.kv.pool_bytes),
+        "activations": gib(plan.activations),
+        "reserve": gib(plan.reserve),
+        "total": gib(plan.total),
+    }
     log(f"memory plan: {report['memory_plan_gib']}")
 
     obs = observations(args.calls)
@@ -717,9 +824,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             except Exception as exc:  # report it and go on
                 report["capture_under_encoder"] = {"status": f"failed: {type(exc).__name__}: {exc}"[:2000], "ok": False}
             check = report["capture_under_encoder"]
-            print(f"\nCUDA-graph capture while the encoder thread works (capture_error_mode={check.get('capture_error_mode', '?')}): "
-                  f"{check['status']}; {check.get('graphs_captured_during', 0)} captured, encoder ran "
-                  f"{check.get('encoder_runs_during', 0)}x meanwhile", flush=True)  # fmt: skip
+            print(
+                f"\nCUDA-graph capture while the encoder thread works (capture_error_mode={check.get('capture_error_mode', '?')}): "
+                f"{check['status']}; {check.get('graphs_captured_during', 0)} captured, encoder ran "
+                f"{check.get('encoder_runs_during', 0)}x meanwhile",
+                flush=True,
+            )
         _write(out_dir, report)
 
     sizes = [int(b) for b in args.batches.split(",") if b.strip()]
@@ -779,16 +889,37 @@ def lingbot_va_check(args, cuda: bool, full: bool) -> dict[str, Any]:
     # the memory plan models the released networks (UMT5-XXL, the Wan2.2 VAE): held against the peak at full size only
     plan = lv_memory.plan(name, embodiment, dtype=dtype, max_batch=max(sizes), cfg=spec.transformer) if spec.preset == "released" else None
     raw = {
-        "engine": {"device": args.device, "dtype": args.dtype, "max_sessions": sessions, "max_batch": max(sizes), "kv_budget_gib": budget, "warmup": False},
+        "engine": {
+            "device": args.device,
+            "dtype": args.dtype,
+            "max_sessions": sessions,
+            "max_batch": max(sizes),
+            "kv_budget_gib": budget,
+            "warmup": False,
+        },
         "policy": {"name": "lingbot_va", "checkpoint": args.checkpoint, "embodiment": name},
-    }  # fmt: skip
+    }
     report: dict[str, Any] = {
-        "check": "gpu_check", "family": "lingbot_va", "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-        "size": "full" if full else "reduced", "checkpoint": args.checkpoint, "embodiment": name, "dtype": args.dtype, "kv_budget_gib": budget,
-    }  # fmt: skip
+        "check": "gpu_check",
+        "family": "lingbot_va",
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "torch": torch.__version__,
+        "size": "full" if full else "reduced",
+        "checkpoint": args.checkpoint,
+        "embodiment": name,
+        "dtype": args.dtype,
+        "kv_budget_gib": budget,
+    }
     if plan is not None:
-        report["memory_plan_gib"] = {"weights": gib(sum(plan.weights.values())), "kv_session": gib(plan.kv_session), "text_session": gib(plan.text_session),
-                                     "kv_reserved": gib(plan.kv_reserved), "activations": gib(plan.activations), "reserve": gib(plan.reserve), "one_session": gib(plan.total())}  # fmt: skip
+        report["memory_plan_gib"] = {
+            "weights": gib(sum(plan.weights.values())),
+            "kv_session": gib(plan.kv_session),
+            "text_session": gib(plan.text_session),
+            "kv_reserved": gib(plan.kv_reserved),
+            "activations": gib(plan.activations),
+            "reserve": gib(plan.reserve),
+            "one_session": gib(plan.total()),
+        }
     t = time.monotonic()
     engine = build_engine(validate_config(raw, source="gpu_check"))
     report["build_s"] = time.monotonic() - t
@@ -819,8 +950,12 @@ def lingbot_va_check(args, cuda: bool, full: bool) -> dict[str, Any]:
     episode = [step(["episode"], frames) for frames in counts]
     engine.end("episode", "gpu_check")
     steady = episode[2:] or episode[1:]
-    report["episode"] = {"calls_ms": [round(ms, 1) for ms in episode], "first_ms": episode[0],
-                         "steady_median_ms": statistics.median(steady) if steady else None, "steady_p99_ms": percentile(steady, 99) if steady else None}  # fmt: skip
+    report["episode"] = {
+        "calls_ms": [round(ms, 1) for ms in episode],
+        "first_ms": episode[0],
+        "steady_median_ms": statistics.median(steady) if steady else None,
+        "steady_p99_ms": percentile(steady, 99) if steady else None,
+    }
     log(f"episode: {report['episode']}")
     report["batches"] = {}
     for size in sizes:
@@ -863,8 +998,19 @@ def cuda_mm_rate(dtype, n: int = 8192, reps: int = 10) -> float:
 
 
 def run_gpu_tests(timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-           "tests/kv/test_paged_attention.py", "tests/kv/test_flex_attention.py", "tests/kv/test_batched_forward.py"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "gpu",
+        "-p",
+        "no:cacheprovider",
+        "tests/kv/test_paged_attention.py",
+        "tests/kv/test_flex_attention.py",
+        "tests/kv/test_batched_forward.py",
+    ]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

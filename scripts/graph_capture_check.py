@@ -64,11 +64,14 @@ def capture_under_encoder(engine, observations: list, *, tolerance: float) -> di
     scale = np.where(scale > 0, scale, 1.0)
     differences = [np.abs(a - b)[:, : scale.size] / scale for a, b in zip(held, new)]
     result = {
-        "graphs_captured_during": len(graphs.graphs) - captured_before, "capture_failed": bool(graphs.failed),
-        "encoder_runs_during": runs_during, "encoder_errors": errors,
-        "max_abs_normalized_vs_held": float(max(d.max() for d in differences)), "tolerance_normalized": tolerance,
+        "graphs_captured_during": len(graphs.graphs) - captured_before,
+        "capture_failed": bool(graphs.failed),
+        "encoder_runs_during": runs_during,
+        "encoder_errors": errors,
+        "max_abs_normalized_vs_held": float(max(d.max() for d in differences)),
+        "tolerance_normalized": tolerance,
         "actions_finite": bool(all(np.isfinite(a).all() for a in new)),
-    }  # fmt: skip
+    }
     problems = [
         *(["a capture failed: graphs are off"] if result["capture_failed"] else []),
         *(["the new session captured no graph"] if result["graphs_captured_during"] == 0 else []),
@@ -76,7 +79,7 @@ def capture_under_encoder(engine, observations: list, *, tolerance: float) -> di
         *([f"the encoder thread failed: {errors[0]}"] if errors else []),
         *(["actions differ from the first session's"] if result["max_abs_normalized_vs_held"] > tolerance else []),
         *(["actions not finite"] if not result["actions_finite"] else []),
-    ]  # fmt: skip
+    ]
     result["ok"] = not problems
     result["status"] = "ok" if not problems else "failed: " + "; ".join(problems)
     return result

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Write the tiny LingBot-VA checkpoint (the released diffusers-style layout, random weights).
 
-    python scripts/make_tiny_lingbot_va.py                  # into the cache (~/.cache/ardiff-server/tiny-lingbot-va-*)
-    python scripts/make_tiny_lingbot_va.py --out /tmp/tiny  # anywhere; same bytes every time
+python scripts/make_tiny_lingbot_va.py                  # into the cache (~/.cache/ardiff-server/tiny-lingbot-va-*)
+python scripts/make_tiny_lingbot_va.py --out /tmp/tiny  # anywhere; same bytes every time
 """
 
 from __future__ import annotations

@@ -91,20 +91,35 @@ def rows() -> list[Row]:
         for gpus in (1, 2):
             for text, image in (("engine", "engine"), ("cpu", "engine"), ("cpu", "cpu")):
                 settings = memory.PlanSettings(
-                    engine_device="cuda:0", dtype=torch.bfloat16, text_encoder_device=text, image_encoder_device=image,
-                    branches=2 // gpus, cfg_parallel_size=gpus, max_sessions=1,
-                )  # fmt: skip
+                    engine_device="cuda:0",
+                    dtype=torch.bfloat16,
+                    text_encoder_device=text,
+                    image_encoder_device=image,
+                    branches=2 // gpus,
+                    cfg_parallel_size=gpus,
+                    max_sessions=1,
+                )
                 gpu = memory.plan_memory(geometry, settings).device("cuda:0")
                 total, per_session = gpu.total, gpu.kv.session_bytes
                 fits = {}
                 for card in CARDS_GIB:
                     free = (card - CONTEXT_GIB) * GiB
                     fits[card] = 0 if total > free else 1 + int((free - total) // per_session)
-                out.append(Row(
-                    name, gpus, "GPU" if text == "engine" else "CPU", "GPU" if image == "engine" else "CPU",
-                    sum(gpu.weights.values()) / GiB, gpu.kv.pool_bytes / GiB, gpu.activations / GiB, gpu.reserve / GiB,
-                    total / GiB, per_session / GiB, fits,
-                ))  # fmt: skip
+                out.append(
+                    Row(
+                        name,
+                        gpus,
+                        "GPU" if text == "engine" else "CPU",
+                        "GPU" if image == "engine" else "CPU",
+                        sum(gpu.weights.values()) / GiB,
+                        gpu.kv.pool_bytes / GiB,
+                        gpu.activations / GiB,
+                        gpu.reserve / GiB,
+                        total / GiB,
+                        per_session / GiB,
+                        fits,
+                    )
+                )
     return out
 
 
@@ -139,10 +154,22 @@ def lingbot_va_table() -> tuple[str, list[dict]]:
         fits = {card: p.sessions_on(int((card - CONTEXT_GIB) * GiB)) for card in CARDS_GIB}
         lines.append(
             f"| {name} | {sum(p.weights.values()) / GiB:.1f} | {p.kv_session / GiB:.1f} | {p.text_session / GiB:.2f} | {p.kv_reserved / GiB:.2f} | {p.activations / GiB:.1f} "
-            f"| {p.reserve / GiB:.1f} | **{p.total() / GiB:.1f}** | {p.per_session / GiB:.2f} | " + " | ".join(str(n) if n else "-" for n in fits.values()) + " |"
+            f"| {p.reserve / GiB:.1f} | **{p.total() / GiB:.1f}** | {p.per_session / GiB:.2f} | "
+            + " | ".join(str(n) if n else "-" for n in fits.values())
+            + " |"
         )
-        out.append({"model": name, "weights": {k: v / GiB for k, v in p.weights.items()}, "kv_session": p.kv_session / GiB,
-                    "text_session": p.text_session / GiB, "kv_reserved": p.kv_reserved / GiB, "activations": p.activations / GiB, "total": p.total() / GiB, "sessions": fits})  # fmt: skip
+        out.append(
+            {
+                "model": name,
+                "weights": {k: v / GiB for k, v in p.weights.items()},
+                "kv_session": p.kv_session / GiB,
+                "text_session": p.text_session / GiB,
+                "kv_reserved": p.kv_reserved / GiB,
+                "activations": p.activations / GiB,
+                "total": p.total() / GiB,
+                "sessions": fits,
+            }
+        )
     return "\n".join(lines), out
 
 
@@ -151,6 +178,7 @@ def parameters() -> dict[str, dict[str, int]]:
 
 
 # ------------------------------------------------------------------------------ VAE calibration
+
 
 def peak_tensor_bytes(run) -> int:
     """The most bytes of CPU tensors alive at once while ``run()`` executes: the running sum of the
@@ -194,7 +222,9 @@ def measure_vae() -> list[dict]:
     out = []
     for name, h, w, config in VAE_CASES:
         peak, unit = vae_peak(h, w, config)
-        out.append({"vae": name, "input": f"{h}x{w}", "peak_mib": round(peak / 2**20), "unit_mib": round(unit / 2**20, 1), "ratio": round(peak / unit, 2)})
+        out.append(
+            {"vae": name, "input": f"{h}x{w}", "peak_mib": round(peak / 2**20), "unit_mib": round(unit / 2**20, 1), "ratio": round(peak / unit, 2)}
+        )
         print(out[-1], flush=True)
     return out
 

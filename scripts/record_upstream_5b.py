@@ -160,9 +160,15 @@ class _NoEvent:
 def upstream_on_cpu():
     """``cuda`` -> the CPU and no CUDA timers (see the module docstring), while upstream's modules are built and run."""
     saved = {
-        "tensor": torch.tensor, "zeros": torch.zeros, "ones": torch.ones, "randn": torch.randn, "Generator": torch.Generator,
-        "to": torch.Tensor.to, "Event": torch.cuda.Event, "synchronize": torch.cuda.synchronize,
-    }  # fmt: skip
+        "tensor": torch.tensor,
+        "zeros": torch.zeros,
+        "ones": torch.ones,
+        "randn": torch.randn,
+        "Generator": torch.Generator,
+        "to": torch.Tensor.to,
+        "Event": torch.cuda.Event,
+        "synchronize": torch.cuda.synchronize,
+    }
 
     def with_cpu(fn):
         def wrapped(*args, **kwargs):
@@ -250,10 +256,16 @@ def tiny_dit(**cfg: Any) -> torch.nn.Module:
 def tiny_text_encoder(text_encoder_pretrained_path: str, **_: Any) -> torch.nn.Module:
     t = _TINY["text"]
     return _UP.text_encoder.WanTextEncoder(
-        vocab=t["vocab_size"], dim=t["d_model"], dim_attn=t["num_heads"] * t["d_kv"], dim_ffn=t["d_ff"],
-        num_heads=t["num_heads"], num_layers=t["num_layers"], num_buckets=32, shared_pos=False,
+        vocab=t["vocab_size"],
+        dim=t["d_model"],
+        dim_attn=t["num_heads"] * t["d_kv"],
+        dim_ffn=t["d_ff"],
+        num_heads=t["num_heads"],
+        num_layers=t["num_layers"],
+        num_buckets=32,
+        shared_pos=False,
         text_encoder_pretrained_path=text_encoder_pretrained_path,
-    )  # fmt: skip
+    )
 
 
 def tiny_image_encoder(image_encoder_pretrained_path: str, **_: Any) -> torch.nn.Module:
@@ -262,10 +274,17 @@ def tiny_image_encoder(image_encoder_pretrained_path: str, **_: Any) -> torch.nn
     encoder = _UP.image_encoder.WanImageEncoder.__new__(_UP.image_encoder.WanImageEncoder)
     torch.nn.Module.__init__(encoder)
     encoder.model, encoder.transforms = _UP.image_encoder.clip_xlm_roberta_vit_h_14(
-        pretrained=False, return_transforms=True, return_tokenizer=False, dtype=torch.float32, device="cpu",
-        embed_dim=c["projection_dim"], vision_dim=c["hidden_size"], vision_mlp_ratio=c["intermediate_size"] // c["hidden_size"],
-        vision_heads=c["num_attention_heads"], vision_layers=c["num_hidden_layers"],
-    )  # fmt: skip
+        pretrained=False,
+        return_transforms=True,
+        return_tokenizer=False,
+        dtype=torch.float32,
+        device="cpu",
+        embed_dim=c["projection_dim"],
+        vision_dim=c["hidden_size"],
+        vision_mlp_ratio=c["intermediate_size"] // c["hidden_size"],
+        vision_heads=c["num_attention_heads"],
+        vision_layers=c["num_hidden_layers"],
+    )
     encoder.image_encoder_pretrained_path = image_encoder_pretrained_path
     return encoder
 
@@ -296,15 +315,19 @@ def build_head(checkpoint: Path, tensors: dict[str, torch.Tensor], files: Path) 
     torch.save(_strip(tensors, "action_head.text_encoder."), paths["text"])
     torch.save(_strip(tensors, "action_head.image_encoder.model."), paths["image"])
     torch.save(_strip(tensors, "action_head.vae.model."), paths["vae"])
-    _TINY.update(text=config["text_encoder_cfg"]["architecture"], image=config["image_encoder_cfg"]["architecture"],
-                 vae=config["vae_cfg"]["architecture"])  # fmt: skip
+    _TINY.update(
+        text=config["text_encoder_cfg"]["architecture"], image=config["image_encoder_cfg"]["architecture"], vae=config["vae_cfg"]["architecture"]
+    )
     config = {
         **config,
         "diffusion_model_cfg": {**config["diffusion_model_cfg"], "_target_": f"{me}.tiny_dit"},
         "text_encoder_cfg": {"_target_": f"{me}.tiny_text_encoder", "text_encoder_pretrained_path": str(paths["text"])},
         "image_encoder_cfg": {"_target_": f"{me}.tiny_image_encoder", "image_encoder_pretrained_path": str(paths["image"])},
-        "vae_cfg": {**{k: v for k, v in config["vae_cfg"].items() if k in ("z_dim", "dim")}, "_target_": f"{me}.tiny_vae",
-                    "vae_pretrained_path": str(paths["vae"])},  # fmt: skip
+        "vae_cfg": {
+            **{k: v for k, v in config["vae_cfg"].items() if k in ("z_dim", "dim")},
+            "_target_": f"{me}.tiny_vae",
+            "vae_pretrained_path": str(paths["vae"]),
+        },
         "skip_component_loading": True,  # the DiT comes with the whole checkpoint below, as in upstream's VLA
     }
     head = _UP.head.WANPolicyHead(_UP.head.WANPolicyHeadConfig(**config))
@@ -344,9 +367,17 @@ def record_dit(head: torch.nn.Module, out: dict[str, torch.Tensor]) -> list[dict
             }
         with torch.no_grad():
             video, action, updated = model(
-                x, timestep, context=context, seq_len=call["frames"] * (h // 2) * (w // 2), kv_cache=kv_cache,
-                crossattn_cache=None, current_start_frame=call["start"], y=None, clip_feature=clip, **extra,
-            )  # fmt: skip
+                x,
+                timestep,
+                context=context,
+                seq_len=call["frames"] * (h // 2) * (w // 2),
+                kv_cache=kv_cache,
+                crossattn_cache=None,
+                current_start_frame=call["start"],
+                y=None,
+                clip_feature=clip,
+                **extra,
+            )
         if call["update"]:
             kv_cache = [c.clone() for c in updated]
         out |= {f"dit.{i}.x": x, f"dit.{i}.timestep": timestep, f"dit.{i}.video_pred": video}
@@ -390,10 +421,17 @@ def record_policy(head: torch.nn.Module, checkpoint: Path, out: dict[str, torch.
         frames = canvas_frames(call["seed"], call["frames"], canvas)
         raw_state = np.array(call["joint_position"] + call["gripper_position"], dtype=np.float64)
         state = torch.from_numpy(normalize_state(raw_state, stats, 64)).float().view(1, 1, -1)
-        batch = BatchFeature(data={
-            "images": torch.from_numpy(frames[None]), "state": state, "embodiment_id": torch.tensor([0]),
-            "text": text, "text_attention_mask": text_mask, "text_negative": negative, "text_attention_mask_negative": negative_mask,
-        })  # fmt: skip
+        batch = BatchFeature(
+            data={
+                "images": torch.from_numpy(frames[None]),
+                "state": state,
+                "embodiment_id": torch.tensor([0]),
+                "text": text,
+                "text_attention_mask": text_mask,
+                "text_negative": negative,
+                "text_attention_mask_negative": negative_mask,
+            }
+        )
         with torch.no_grad():
             result = head.lazy_joint_video_action(None, batch)
         call["canvas_sha256"] = hashlib.sha256(frames.tobytes()).hexdigest()
@@ -442,8 +480,11 @@ def main() -> None:
             "policy": policy,
         }
     args.out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().float() if v.is_floating_point() else v.contiguous() for k, v in out.items()},
-              args.out / f"{NAME}.safetensors", metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        {k: v.detach().contiguous().float() if v.is_floating_point() else v.contiguous() for k, v in out.items()},
+        args.out / f"{NAME}.safetensors",
+        metadata={"format": "pt"},
+    )
     (args.out / f"{NAME}.json").write_text(json.dumps(meta, indent=1) + "\n")
     size = (args.out / f"{NAME}.safetensors").stat().st_size
     print(f"wrote {args.out / NAME}.safetensors ({size / 1e3:.0f} kB, {len(out)} tensors) and .json")

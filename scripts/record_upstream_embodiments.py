@@ -89,11 +89,18 @@ def compose(upstream: Path, tag: str, tokenizer: Path):
         load(configs / "model" / "dreamzero" / "transform" / "dreamzero_cotrain.yaml"),
         load(configs / "data" / "dreamzero" / "base_48_wan_fine_aug_relative.yaml"),
         load(configs / "data" / "dreamzero" / data_yaml),
-        OmegaConf.create({  # the training scripts' command line (scripts/train/<tag>_training.sh), toy view size
-            "num_frames": 33, "action_horizon": 24, "num_views": 3, "image_resolution_height": VIEW_SIZE[0],
-            "image_resolution_width": VIEW_SIZE[1], "tokenizer_path": str(tokenizer), f"{tag}_data_root": "/nonexistent",
-            "droid_data_root": "/nonexistent",
-        }),  # fmt: skip
+        OmegaConf.create(
+            {  # the training scripts' command line (scripts/train/<tag>_training.sh), toy view size
+                "num_frames": 33,
+                "action_horizon": 24,
+                "num_views": 3,
+                "image_resolution_height": VIEW_SIZE[0],
+                "image_resolution_width": VIEW_SIZE[1],
+                "tokenizer_path": str(tokenizer),
+                f"{tag}_data_root": "/nonexistent",
+                "droid_data_root": "/nonexistent",
+            }
+        ),
     ]
     return OmegaConf.merge(*parts)
 
@@ -111,7 +118,10 @@ def metadata_for(checkpoint: Path, tag: str, states: list[str], actions: list[st
 
     def table(kind: str, keys: list[str]) -> dict:
         given = modalities.get(kind) if isinstance(modalities.get(kind), dict) else {}
-        return {k: given.get(k) or {"absolute": True, "rotation_type": None, "shape": [len(entry["statistics"][kind][k]["q01"])], "continuous": True} for k in keys}
+        return {
+            k: given.get(k) or {"absolute": True, "rotation_type": None, "shape": [len(entry["statistics"][kind][k]["q01"])], "continuous": True}
+            for k in keys
+        }
 
     entry["modalities"] = {"video": video, "state": table("state", states), "action": table("action", actions)}
     entry["embodiment_tag"] = tag
@@ -133,17 +143,25 @@ def record_embodiment(upstream: Path, tag: str, checkpoint: Path, out: dict[str,
     transform_cfg = cfg.transforms[tag]
     steps = {str(t._target_).rsplit(".", 1)[-1]: t for t in transform_cfg.transforms}
     facts[tag] = {
-        "cameras": [k.split(".", 1)[1] for k in video_keys], "states": state_keys, "actions": action_keys,
-        "relative_action": bool(cfg.relative_action), "relative_action_keys": list(cfg.relative_action_keys),
+        "cameras": [k.split(".", 1)[1] for k in video_keys],
+        "states": state_keys,
+        "actions": action_keys,
+        "relative_action": bool(cfg.relative_action),
+        "relative_action_keys": list(cfg.relative_action_keys),
         "relative_action_per_horizon": bool(cfg.relative_action_per_horizon),
-        "normalization_modes": {str(k): str(v) for t in transform_cfg.transforms if str(t._target_).endswith("StateActionTransform")
-                                for k, v in t.normalization_modes.items()},
-        "crop_scale": float(steps["VideoCrop"].scale), "view_size": [int(steps["VideoResize"].height), int(steps["VideoResize"].width)],
+        "normalization_modes": {
+            str(k): str(v)
+            for t in transform_cfg.transforms
+            if str(t._target_).endswith("StateActionTransform")
+            for k, v in t.normalization_modes.items()
+        },
+        "crop_scale": float(steps["VideoCrop"].scale),
+        "view_size": [int(steps["VideoResize"].height), int(steps["VideoResize"].width)],
         "embodiment_id": int(cfg.embodiment_tag_to_projector_index[tag]),
         "embodiment_tag_to_projector_index": {str(k): int(v) for k, v in cfg.embodiment_tag_to_projector_index.items()},
         "default_instruction": str(steps["DreamTransform"].default_instruction),
         "max_state_dim": int(steps["DreamTransform"].max_state_dim),
-    }  # fmt: skip
+    }
 
     metadata = DatasetMetadata.model_validate(metadata_for(checkpoint, tag, state_keys, action_keys))
     state_dims = {k: int(metadata.modalities.state[k].shape[0]) for k in state_keys}

@@ -66,9 +66,18 @@ PROMPT_TOKENS = (7, 1)  # real tokens of the prompt and of the negative prompt "
 SINGLE = {"frames": 2, "height": 4, "width": 8, "actions_per_frame": 4, "start": 6, "t": 723.4, "seed": 100}
 # the episode: 4 x 4 latents (4 tokens per frame, 8 per chunk), 2 actions per frame (4 per chunk): gcd 4 -> pages of
 # 4 tokens, a video group is 2 pages, an action group 1; attn_window 4 -> the cache holds 2 chunks (24 tokens)
-EPISODE = {"frames": 2, "height": 4, "width": 4, "actions_per_frame": 2, "attn_window": 4,
-           "video_steps": 2, "action_steps": 2, "video_shift": 5.0, "action_shift": 1.0,
-           "chunks": [{"infers": 1}, {"infers": 2}, {"infers": 1}, {"infers": 1}]}  # fmt: skip
+EPISODE = {
+    "frames": 2,
+    "height": 4,
+    "width": 4,
+    "actions_per_frame": 2,
+    "attn_window": 4,
+    "video_steps": 2,
+    "action_steps": 2,
+    "video_shift": 5.0,
+    "action_shift": 1.0,
+    "chunks": [{"infers": 1}, {"infers": 2}, {"infers": 1}, {"infers": 1}],
+}
 
 
 def randn(shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -223,15 +232,29 @@ def upstream_server(path: Path, checkpoint: Path, embodiment: Any, save_root: Pa
     for i, j in enumerate(used):
         inverse[j] = i
     config = EasyDict(
-        env_type=e.layout, height=e.height, width=e.width, frame_chunk_size=e.frame_chunk_size,
-        action_per_frame=e.action_per_frame, attn_window=e.attn_window, action_dim=e.action_dim,
-        obs_cam_keys=list(e.cameras), guidance_scale=e.guidance_scale, action_guidance_scale=e.action_guidance_scale,
-        num_inference_steps=e.num_inference_steps, video_exec_step=-1,
-        action_num_inference_steps=e.action_num_inference_steps, snr_shift=e.snr_shift,
-        action_snr_shift=e.action_snr_shift, used_action_channel_ids=used, inverse_used_action_channel_ids=inverse,
-        action_norm_method="quantiles", norm_stat={"q01": list(e.q01), "q99": list(e.q99)}, patch_size=(1, 2, 2),
-        param_dtype=torch.float32, save_root=str(save_root),
-    )  # fmt: skip
+        env_type=e.layout,
+        height=e.height,
+        width=e.width,
+        frame_chunk_size=e.frame_chunk_size,
+        action_per_frame=e.action_per_frame,
+        attn_window=e.attn_window,
+        action_dim=e.action_dim,
+        obs_cam_keys=list(e.cameras),
+        guidance_scale=e.guidance_scale,
+        action_guidance_scale=e.action_guidance_scale,
+        num_inference_steps=e.num_inference_steps,
+        video_exec_step=-1,
+        action_num_inference_steps=e.action_num_inference_steps,
+        snr_shift=e.snr_shift,
+        action_snr_shift=e.action_snr_shift,
+        used_action_channel_ids=used,
+        inverse_used_action_channel_ids=inverse,
+        action_norm_method="quantiles",
+        norm_stat={"q01": list(e.q01), "q99": list(e.q99)},
+        patch_size=(1, 2, 2),
+        param_dtype=torch.float32,
+        save_root=str(save_root),
+    )
     srv = object.__new__(server_module.VA_Server)
     srv.cache_name, srv.job_config, srv.save_root = "pos", config, config.save_root
     srv.dtype, srv.device = torch.float32, torch.device("cpu")
@@ -314,15 +337,18 @@ def main() -> None:
         calls = episode_calls(video_timesteps, action_timesteps)
         tokens_per_chunk = ep["frames"] * (ep["height"] // patch[1]) * (ep["width"] // patch[2])
         actions_per_chunk = ep["frames"] * ep["actions_per_frame"]
-        model.create_empty_cache("pos", ep["attn_window"], tokens_per_chunk, actions_per_chunk,
-                                 device="cpu", dtype=torch.float32, batch_size=2)  # fmt: skip
+        model.create_empty_cache("pos", ep["attn_window"], tokens_per_chunk, actions_per_chunk, device="cpu", dtype=torch.float32, batch_size=2)
         for n, call in enumerate(calls):
             if call.get("clear_pred"):
                 model.clear_pred_cache("pos")
                 continue
             x = call_input(call, ep, cfg.action_dim, cfg.in_channels)
-            y = model(upstream_input(up, x, call["mode"], call["timesteps"], call["start"], text, patch),
-                      update_cache=call["update"], cache_name="pos", action_mode=call["mode"] == "action")  # fmt: skip
+            y = model(
+                upstream_input(up, x, call["mode"], call["timesteps"], call["start"], text, patch),
+                update_cache=call["update"],
+                cache_name="pos",
+                action_mode=call["mode"] == "action",
+            )
             out[f"episode.{n}"] = upstream_output(up, model, y, call["mode"], x, patch)
             inputs[f"episode.{n}"] = sha(x)
         policy = record_policy(args.upstream.resolve(), checkpoint, Path(tmp) / "visualization", out)

@@ -77,8 +77,14 @@ def statistics(samples: int = 4000, seed: int = 0) -> dict:
 
     def stats(values: np.ndarray) -> dict:
         q01, q99 = np.quantile(values, 0.01, axis=0), np.quantile(values, 0.99, axis=0)
-        return {"q01": q01.tolist(), "q99": q99.tolist(), "mean": values.mean(0).tolist(), "std": values.std(0).tolist(),
-                "min": values.min(0).tolist(), "max": values.max(0).tolist()}  # fmt: skip
+        return {
+            "q01": q01.tolist(),
+            "q99": q99.tolist(),
+            "mean": values.mean(0).tolist(),
+            "std": values.std(0).tolist(),
+            "min": values.min(0).tolist(),
+            "max": values.max(0).tolist(),
+        }
 
     return {
         "state": {"joint_position": stats(states), "gripper_position": stats(np.linspace(0.0, 1.0, 101)[:, None])},

@@ -102,8 +102,14 @@ def conditioning(policy: DreamZeroPolicy, rng: np.random.Generator, views: int =
     out = []
     for i in range(views):
         image = tiny_task.render(tiny_task.random_state(rng), VIEW)[None]
-        obs = RobotObservation(exterior_left=image, exterior_right=image, wrist=image, joint_position=np.zeros(7, np.float32),
-                               gripper_position=np.zeros(1, np.float32), prompt=tiny_task.PROMPT)  # fmt: skip
+        obs = RobotObservation(
+            exterior_left=image,
+            exterior_right=image,
+            wrist=image,
+            joint_position=np.zeros(7, np.float32),
+            gripper_position=np.zeros(1, np.float32),
+            prompt=tiny_task.PROMPT,
+        )
         session = policy.start_session(f"c{i}", _KV())
         policy._advance_session(session, obs)
         video = policy.inputs.video_tensor(session)
@@ -131,8 +137,11 @@ def batch(policy: DreamZeroPolicy, rng: np.random.Generator, size: int) -> tuple
     actions[..., :8] = 2.0 * (chunks - stats.q01) / (stats.q99 - stats.q01) - 1.0
     states = np.stack([policy._model_state(np.concatenate([j, [g]])) for j, g in zip(joints, grippers, strict=True)])
     prefix = np.where(rng.random(size) < 0.5, rng.integers(0, tiny_task.HORIZON, size), 0)
-    return (torch.tensor(np.array(states), dtype=torch.float32)[:, None], torch.tensor(np.array(actions), dtype=torch.float32),
-            torch.from_numpy(prefix))  # fmt: skip
+    return (
+        torch.tensor(np.array(states), dtype=torch.float32)[:, None],
+        torch.tensor(np.array(actions), dtype=torch.float32),
+        torch.from_numpy(prefix),
+    )
 
 
 def action_loss(dit: torch.nn.Module, policy: DreamZeroPolicy, cond: dict, rng: np.random.Generator, size: int) -> torch.Tensor:
@@ -151,9 +160,16 @@ def action_loss(dit: torch.nn.Module, policy: DreamZeroPolicy, cond: dict, rng: 
     latents = torch.randn(size, cfg.out_dim, nfpb, lh, lw)
     ys = cond["ys"][:, :, start : start + nfpb].expand(size, -1, -1, -1, -1)
     _, pred = dit(
-        latents, (video_sigma * 1000).long().expand(-1, nfpb), current_start_frame=start, self_kv=None, y=ys,
-        cross_kv=[(layer,) * size for layer in cond["cross"]], action=noisy, timestep_action=(sigma_tokens * 1000).long(), state=state,
-    )  # fmt: skip
+        latents,
+        (video_sigma * 1000).long().expand(-1, nfpb),
+        current_start_frame=start,
+        self_kv=None,
+        y=ys,
+        cross_kv=[(layer,) * size for layer in cond["cross"]],
+        action=noisy,
+        timestep_action=(sigma_tokens * 1000).long(),
+        state=state,
+    )
     # Every column (the padding ones learn to flow to 0, so they stay in distribution as the DiT's inputs); clean prefix
     # tokens carry no loss.
     weight = (sigma_tokens > 0).float()[..., None]

@@ -22,7 +22,9 @@ def held_port():
 
 
 def _in_use(port: int) -> str:
-    return f"ardiff-serve: cannot listen on 127.0.0.1:{port}: address already in use; stop the other server or pick another --port (0 picks a free one)"
+    return (
+        f"ardiff-serve: cannot listen on 127.0.0.1:{port}: address already in use; stop the other server or pick another --port (0 picks a free one)"
+    )
 
 
 def test_a_port_in_use_fails_in_one_line_before_any_worker_is_spawned(held_port, monkeypatch, capsys):

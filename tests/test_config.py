@@ -126,7 +126,9 @@ def test_a_config_error_never_echoes_api_keys():
 
 
 def test_cfg_parallel_ranks_get_a_gpu_each_or_the_config_is_refused():
-    assert load_config("tiny", ["engine.device=cuda", "engine.cfg_parallel_size=2", "policy.cfg_scale=5"]).engine.replica_device_lists() == [["cuda:0", "cuda:1"]]
+    assert load_config("tiny", ["engine.device=cuda", "engine.cfg_parallel_size=2", "policy.cfg_scale=5"]).engine.replica_device_lists() == [
+        ["cuda:0", "cuda:1"]
+    ]
     with pytest.raises(ConfigError, match=r"engine.cfg_parallel_size=2 puts 2 CFG ranks on cuda:0 .*engine.devices=\[cuda:0,cuda:1\]"):
         preflight(load_config("tiny", ["engine.device=cuda:0", "engine.cfg_parallel_size=2", "policy.cfg_scale=5"]), local=False)
 
@@ -145,7 +147,10 @@ def test_an_embodiment_a_checkpoint_lacks_is_refused_in_one_line_by_a_worker_too
     ("override", "line"),
     [
         ("engine.max_sesions=4", "engine.max_sesions: unknown key (from --set engine.max_sesions=4); did you mean engine.max_sessions?"),
-        ("policy.num_inference_step=4", "policy.num_inference_step: unknown key (from --set policy.num_inference_step=4); did you mean policy.num_inference_steps?"),
+        (
+            "policy.num_inference_step=4",
+            "policy.num_inference_step: unknown key (from --set policy.num_inference_step=4); did you mean policy.num_inference_steps?",
+        ),
         ("engin.device=cpu", "engin: unknown key (from --set engin.device=cpu); did you mean engine?"),
         ("server.zzz=1", "server.zzz: unknown key (from --set server.zzz=1)"),  # nothing close: no guess
     ],

@@ -108,9 +108,15 @@ def test_kv_has_no_import_cycle():
 
 def test_front_end_modules_never_load_torch():
     front = [
-        "ardiff_server.cli", "ardiff_server.frontend.server", "ardiff_server.engine.replicas", "ardiff_server.engine.inproc_client",
-        "ardiff_server.tools.replay", "ardiff_server.ray.run", "ardiff_server.ray.client", "ardiff_policies.dreamzero.config",
-    ]  # fmt: skip
+        "ardiff_server.cli",
+        "ardiff_server.frontend.server",
+        "ardiff_server.engine.replicas",
+        "ardiff_server.engine.inproc_client",
+        "ardiff_server.tools.replay",
+        "ardiff_server.ray.run",
+        "ardiff_server.ray.client",
+        "ardiff_policies.dreamzero.config",
+    ]
     code = f"import sys; import {', '.join(front)}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "False"

@@ -49,11 +49,17 @@ def settings(config, rank: int = 0) -> memory.PlanSettings:
     device = engine.replica_device_lists()[0][rank]
     branches = (1 if engine.cfg_parallel_size == 2 else 2) if policy.cfg_scale != 1 else 1
     return memory.PlanSettings(
-        engine_device=device, dtype=getattr(torch, engine.dtype), text_encoder_device=policy.text_encoder_device,
-        image_encoder_device=policy.image_encoder_device, branches=branches, cfg_parallel_size=engine.cfg_parallel_size,
-        max_sessions=engine.max_sessions, kv_budget_gib=engine.kv_budget_gib, kv_memory_fraction=engine.kv_memory_fraction,
+        engine_device=device,
+        dtype=getattr(torch, engine.dtype),
+        text_encoder_device=policy.text_encoder_device,
+        image_encoder_device=policy.image_encoder_device,
+        branches=branches,
+        cfg_parallel_size=engine.cfg_parallel_size,
+        max_sessions=engine.max_sessions,
+        kv_budget_gib=engine.kv_budget_gib,
+        kv_memory_fraction=engine.kv_memory_fraction,
         max_batch=engine.batch_limit,
-    )  # fmt: skip
+    )
 
 
 def plan_on(geometry, config, card_gib: float, *, rank: int = 0, used_gib: float = 0.0) -> memory.MemoryPlan:

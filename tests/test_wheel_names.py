@@ -40,8 +40,9 @@ def fresh_venv(tmp_path_factory) -> Path:
     site = Path(_run(str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
     # the dependencies (torch, pydantic, ...) from this venv, searched after the fresh one's own packages
     (site / "zz_borrowed_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    namesakes = _run(str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *PYPI_NAMESAKES,
-                     env={**os.environ, "PIP_DEFAULT_TIMEOUT": "15"})  # fmt: skip
+    namesakes = _run(
+        str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *PYPI_NAMESAKES, env={**os.environ, "PIP_DEFAULT_TIMEOUT": "15"}
+    )
     if namesakes.returncode != 0:
         pytest.skip(f"PyPI's {' and '.join(PYPI_NAMESAKES)} could not be installed (is PyPI reachable?): {namesakes.stderr.strip()[-300:]}")
     ours = _run(str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", str(wheel))

@@ -47,40 +47,59 @@ def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> Se
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     options = RuntimeOptions(
-        device=str(device), dtype=engine_config.dtype,
+        device=str(device),
+        dtype=engine_config.dtype,
         guidance=Guidance.single() if world_size == 1 else Guidance.parallel(rank),
-        compile=engine_config.compile, compile_backend=engine_config.compile_backend, cuda_graphs=engine_config.cuda_graphs,
-        record=config.server.record_dir is not None and rank == 0, max_sessions=engine_config.max_sessions,
-        kv_budget_gib=engine_config.kv_budget_gib, kv_memory_fraction=engine_config.kv_memory_fraction,
+        compile=engine_config.compile,
+        compile_backend=engine_config.compile_backend,
+        cuda_graphs=engine_config.cuda_graphs,
+        record=config.server.record_dir is not None and rank == 0,
+        max_sessions=engine_config.max_sessions,
+        kv_budget_gib=engine_config.kv_budget_gib,
+        kv_memory_fraction=engine_config.kv_memory_fraction,
         max_batch=engine_config.batch_limit,
-    )  # fmt: skip
+    )
     policy = build_policy(config.policy_name, config.policy_options(), options)
     max_batch = wanted_batch = engine_config.batch_for(policy.info.max_batch)
     spec = policy.kv_spec()
     cache = None
     if spec is not None:
-        most = PagedKVCache.bytes_for_sessions(spec, max_sessions=engine_config.max_sessions, num_branches=len(policy.branches), max_batch=wanted_batch)
+        most = PagedKVCache.bytes_for_sessions(
+            spec, max_sessions=engine_config.max_sessions, num_branches=len(policy.branches), max_batch=wanted_batch
+        )
         budget = kv_budget_bytes(engine_config.kv_budget_gib, engine_config.kv_memory_fraction, device_free_bytes(device), most=most)
         if world_size > 1:  # both ranks must make the same batching and admission decisions: agree on the budget
             agreed = torch.tensor([budget], dtype=torch.int64)
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control)
             budget = int(agreed)
         cache = PagedKVCache.from_budget(
-            spec, budget, max_sessions=engine_config.max_sessions, branches=policy.branches,
-            device=device, attention_backend=engine_config.attention_backend, max_batch=wanted_batch,
-        )  # fmt: skip
+            spec,
+            budget,
+            max_sessions=engine_config.max_sessions,
+            branches=policy.branches,
+            device=device,
+            attention_backend=engine_config.attention_backend,
+            max_batch=wanted_batch,
+        )
         max_batch = cache.storage.max_batch  # fewer if the pool cannot hold wanted_batch sessions at once
         if max_batch < wanted_batch:
             logger.warning(
                 "engine.max_batch %d -> %d: the KV pool holds %d session(s) at once, and a batch only runs if all its members fit "
                 "(a larger engine.kv_budget_gib / kv_memory_fraction, or fewer branches per GPU, batches more)",
-                wanted_batch, max_batch, max_batch,
-            )  # fmt: skip
+                wanted_batch,
+                max_batch,
+                max_batch,
+            )
         logger.info(
             "KV cache: %d pages of %d tokens (%.1f MiB each), %d sessions, branches %s, scratch for %d per forward, %.1f MiB in all",
-            cache.pool.capacity, spec.page_size, spec.page_bytes / 2**20, cache.session_capacity,
-            [b.name for b in policy.branches], max_batch, cache.storage.nbytes / 2**20,
-        )  # fmt: skip
+            cache.pool.capacity,
+            spec.page_size,
+            spec.page_bytes / 2**20,
+            cache.session_capacity,
+            [b.name for b in policy.branches],
+            max_batch,
+            cache.storage.nbytes / 2**20,
+        )
     recorder = None
     if options.record:
         from ardiff_server.engine.recorder import Recorder
@@ -89,9 +108,15 @@ def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> Se
     # A compiled forward (engine.compile, the flex kernel) is a graph per batch shape: warm-up walks them all.
     compiled = engine_config.compile or engine_config.attention_backend == "flex"
     return SessionEngine(
-        policy, cache, max_sessions=engine_config.max_sessions, max_batch=max_batch, batch_wait_s=engine_config.batch_wait_s,
-        rank=rank, recorder=recorder, warmup_batches=max_batch if compiled else 1,
-    )  # fmt: skip
+        policy,
+        cache,
+        max_sessions=engine_config.max_sessions,
+        max_batch=max_batch,
+        batch_wait_s=engine_config.batch_wait_s,
+        rank=rank,
+        recorder=recorder,
+        warmup_batches=max_batch if compiled else 1,
+    )
 
 
 def set_threads(config, world_size: int) -> None:

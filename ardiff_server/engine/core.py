@@ -19,6 +19,7 @@ the session's KV back to the cache (every page and cross-attention slot back to 
 
 :meth:`SessionEngine.handle` turns one typed request into its typed reply and never raises.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -97,9 +98,17 @@ class _Admitted:
 
 class SessionEngine:
     def __init__(
-        self, policy: Policy, cache: PagedKVCache | None, *, max_sessions: int, max_batch: int = 1, batch_wait_s: float = 0.0,
-        rank: int = 0, recorder=None, warmup_batches: int = 1,
-    ) -> None:  # fmt: skip
+        self,
+        policy: Policy,
+        cache: PagedKVCache | None,
+        *,
+        max_sessions: int,
+        max_batch: int = 1,
+        batch_wait_s: float = 0.0,
+        rank: int = 0,
+        recorder=None,
+        warmup_batches: int = 1,
+    ) -> None:
         self.policy = policy
         self.cache = cache
         self.max_sessions = max_sessions
@@ -268,10 +277,21 @@ class SessionEngine:
             self.steps += 1
             if self.recorder is not None and result.recording is not None and not request.session_id.startswith(WARMUP_SESSION):
                 self._record(session, request.observation, result, compute_ms, queued_ms, admitted.encode_ms)
-            replies.append(InferReply(
-                request.request_id, request.session_id, result.actions, result.timing_ms, result.info, new, session.calls,
-                compute_ms, batch_size=len(members), queue_ms=queued_ms, encode_ms=admitted.encode_ms,
-            ))  # fmt: skip
+            replies.append(
+                InferReply(
+                    request.request_id,
+                    request.session_id,
+                    result.actions,
+                    result.timing_ms,
+                    result.info,
+                    new,
+                    session.calls,
+                    compute_ms,
+                    batch_size=len(members),
+                    queue_ms=queued_ms,
+                    encode_ms=admitted.encode_ms,
+                )
+            )
         return replies
 
     def infer(self, session_id: str, observation: RobotObservation, *, queued_ms: float = 0.0) -> StepOutcome:
@@ -288,16 +308,34 @@ class SessionEngine:
         return StepOutcome(result, session_id, reply.new_session, reply.calls, reply.compute_ms)
 
     def _record(
-        self, session: SessionState, observation: RobotObservation, result: StepResult, compute_ms: float, queued_ms: float, encode_ms: float,
-    ) -> None:  # fmt: skip
+        self,
+        session: SessionState,
+        observation: RobotObservation,
+        result: StepResult,
+        compute_ms: float,
+        queued_ms: float,
+        encode_ms: float,
+    ) -> None:
         from ardiff_server.engine.recorder import Chunk
 
         rec = result.recording
-        self.recorder.add(session.session_id, Chunk(
-            call=session.calls, prompt=observation.prompt, canvas=rec.canvas, predicted=rec.predicted,
-            actions=result.actions, raw_actions=rec.raw_actions, state=rec.state, policy_timing=dict(result.timing_ms),
-            compute_ms=compute_ms, queue_ms=queued_ms, encode_ms=encode_ms, info=dict(result.info),
-        ))  # fmt: skip
+        self.recorder.add(
+            session.session_id,
+            Chunk(
+                call=session.calls,
+                prompt=observation.prompt,
+                canvas=rec.canvas,
+                predicted=rec.predicted,
+                actions=result.actions,
+                raw_actions=rec.raw_actions,
+                state=rec.state,
+                policy_timing=dict(result.timing_ms),
+                compute_ms=compute_ms,
+                queue_ms=queued_ms,
+                encode_ms=encode_ms,
+                info=dict(result.info),
+            ),
+        )
 
     def close(self) -> None:
         """End every session and finish background work (shutdown)."""

@@ -13,9 +13,13 @@ from ardiff_server.engine.scheduler import Round
 
 
 def serve(
-    engine, send: Callable[[Reply], None], *, execute: Callable[[Round], list[Reply]] | None = None,
-    share: Callable[[Round], None] | None = None, running: Callable[[tuple[int, ...] | None], None] | None = None,
-) -> None:  # fmt: skip
+    engine,
+    send: Callable[[Reply], None],
+    *,
+    execute: Callable[[Round], list[Reply]] | None = None,
+    share: Callable[[Round], None] | None = None,
+    running: Callable[[tuple[int, ...] | None], None] | None = None,
+) -> None:
     """Serve ``engine.scheduler``'s rounds until a :class:`Shutdown`.
 
     ``execute`` carries a round out (default ``engine.execute``); ``share`` hands each round to the

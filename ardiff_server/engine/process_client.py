@@ -119,10 +119,14 @@ class ProcessClient:
     async def _launch(self, *, warmup: bool) -> None:
         started = time.perf_counter()
         group, ready = await WorkerGroup.launch(
-            self.raw_config, world_size=self.world_size, replica=self.replica, log_level=self.log_level,
-            arena_name=self._arena.name if self._arena is not None else None, warmup=warmup,
+            self.raw_config,
+            world_size=self.world_size,
+            replica=self.replica,
+            log_level=self.log_level,
+            arena_name=self._arena.name if self._arena is not None else None,
+            warmup=warmup,
             startup_timeout_s=self.config.engine.startup_timeout_s,
-        )  # fmt: skip
+        )
         self._group = group
         self.info, self.stats, self.warmup_ms = ready.info, ready.stats, ready.warmup_ms
         self._last_progress = self._last_pong = time.monotonic()
@@ -132,8 +136,11 @@ class ProcessClient:
         self._ready.set()
         logger.info(
             "replica %d: worker ready in %.1f s (pids %s, devices %s)",
-            self.replica, time.perf_counter() - started, group.pids, self.devices,
-        )  # fmt: skip
+            self.replica,
+            time.perf_counter() - started,
+            group.pids,
+            self.devices,
+        )
 
     async def stop(self, grace_s: float = 3.0) -> None:
         """Ask the worker to finish, kill it after ``grace_s``; pending requests fail at once."""

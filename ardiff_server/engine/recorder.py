@@ -103,8 +103,13 @@ class Recorder:
     at the lowest CPU priority."""
 
     def __init__(
-        self, root: str | os.PathLike, *, max_bytes: int, decode: Callable[[Any], np.ndarray | None], max_pending: int = MAX_PENDING_CHUNKS,
-    ) -> None:  # fmt: skip
+        self,
+        root: str | os.PathLike,
+        *,
+        max_bytes: int,
+        decode: Callable[[Any], np.ndarray | None],
+        max_pending: int = MAX_PENDING_CHUNKS,
+    ) -> None:
         self.root = Path(root).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
@@ -138,8 +143,12 @@ class Recorder:
         if len(calls) == 1:
             logger.warning(
                 "recording: dropped call %d of session %s: %d calls already wait for the recorder's decode and disk "
-                "(%d dropped in all; the session's timings.json lists its dropped_calls)", chunk.call, session_id, self.max_pending, self.dropped,
-            )  # fmt: skip
+                "(%d dropped in all; the session's timings.json lists its dropped_calls)",
+                chunk.call,
+                session_id,
+                self.max_pending,
+                self.dropped,
+            )
         return False
 
     def end(self, session_id: str, reason: str) -> None:
@@ -257,20 +266,22 @@ class _SessionFiles:
         self.actions.append(chunk.actions)
         self.raw_actions.append(chunk.raw_actions)
         self.states.append(chunk.state)
-        self.timings.append({
-            "call": chunk.call,
-            "time": chunk.wall_time,
-            "prompt": chunk.prompt,
-            "policy_timing": chunk.policy_timing,
-            "server_timing": _server_timing(chunk),
-            "prediction_decoded": chunk.predicted is not None,  # false: decode failed, shutdown, or no video predicted
-            "window_restart": bool(chunk.info.get("window_restart", False)),
-            "prompt_change": bool(chunk.info.get("prompt_change", False)),
-            # deprecated names of the two above, kept for one release
-            "window_reset": bool(chunk.info.get("window_restart", False)),
-            "prompt_changed": bool(chunk.info.get("prompt_change", False)),
-            "info": scalar_info(chunk.info),
-        })  # fmt: skip
+        self.timings.append(
+            {
+                "call": chunk.call,
+                "time": chunk.wall_time,
+                "prompt": chunk.prompt,
+                "policy_timing": chunk.policy_timing,
+                "server_timing": _server_timing(chunk),
+                "prediction_decoded": chunk.predicted is not None,  # false: decode failed, shutdown, or no video predicted
+                "window_restart": bool(chunk.info.get("window_restart", False)),
+                "prompt_change": bool(chunk.info.get("prompt_change", False)),
+                # deprecated names of the two above, kept for one release
+                "window_reset": bool(chunk.info.get("window_restart", False)),
+                "prompt_changed": bool(chunk.info.get("prompt_change", False)),
+                "info": scalar_info(chunk.info),
+            }
+        )
         self._write_arrays()
         self._write_timings()
 
@@ -298,8 +309,12 @@ class _SessionFiles:
 
             states = np.stack([state for _, state in chunks])
             try:
-                plot_actions(_pad([a for a, _ in chunks]), self.folder / "actions.png", state=states if states.size else None,
-                             title=f"session {self.session_id} ({len(chunks)} chunks in {len(self.actions)} calls, ended: {reason})")  # fmt: skip
+                plot_actions(
+                    _pad([a for a, _ in chunks]),
+                    self.folder / "actions.png",
+                    state=states if states.size else None,
+                    title=f"session {self.session_id} ({len(chunks)} chunks in {len(self.actions)} calls, ended: {reason})",
+                )
             except Exception:
                 logger.exception("recording: plotting session %s failed", self.session_id)
         logger.info("recording of session %s finished (%s): %d calls in %s", self.session_id, reason, len(self.actions), self.folder)
@@ -308,9 +323,13 @@ class _SessionFiles:
         path = self.folder / "actions.npz"
         tmp = path.with_suffix(".tmp.npz")
         np.savez(
-            tmp, calls=np.asarray(self.calls), actions=_pad(self.actions), raw_actions=_pad(self.raw_actions),
-            state=np.stack(self.states), horizons=np.asarray([len(a) for a in self.actions]),
-        )  # fmt: skip
+            tmp,
+            calls=np.asarray(self.calls),
+            actions=_pad(self.actions),
+            raw_actions=_pad(self.raw_actions),
+            state=np.stack(self.states),
+            horizons=np.asarray([len(a) for a in self.actions]),
+        )
         os.replace(tmp, path)
 
     def _add_video(self, chunk: Chunk) -> None:
@@ -322,8 +341,9 @@ class _SessionFiles:
             height, width = frames.shape[1:3]
             # Fragmented MP4, one fragment per call (a key frame starts each call), flushed as it
             # is written: everything but the call being written survives a crash.
-            self.video = av.open(str(self.folder / "rollout.mp4"), "w",
-                                 options={"movflags": "frag_keyframe+empty_moov+default_base_moof", "flush_packets": "1"})  # fmt: skip
+            self.video = av.open(
+                str(self.folder / "rollout.mp4"), "w", options={"movflags": "frag_keyframe+empty_moov+default_base_moof", "flush_packets": "1"}
+            )
             codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
             self.stream = self.video.add_stream(codec, rate=FPS, options={"tune": "zerolatency", "preset": "veryfast"} if codec == "libx264" else {})
             self.stream.width, self.stream.height, self.stream.pix_fmt = width - width % 2, height - height % 2, "yuv420p"

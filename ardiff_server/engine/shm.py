@@ -179,6 +179,8 @@ def create_arena(size_mib: int) -> SharedArena | None:
     except OSError as exc:
         logger.warning(
             "no %d MiB of shared memory for camera frames (%s); observations go through the pipe instead "
-            "(slower). Raise /dev/shm (docker run --shm-size=1g) or lower engine.shm_mib.", size_mib, exc,
-        )  # fmt: skip
+            "(slower). Raise /dev/shm (docker run --shm-size=1g) or lower engine.shm_mib.",
+            size_mib,
+            exc,
+        )
         return None

@@ -46,8 +46,9 @@ class WorkerGroup:
             ctx.Process(
                 target=worker_main,
                 args=(rank, world_size, raw_config, child if rank == 0 else None, port, log_level, arena_name, warmup),
-                name=f"ardiff-worker-r{replica}-{rank}", daemon=True,
-            )  # fmt: skip
+                name=f"ardiff-worker-r{replica}-{rank}",
+                daemon=True,
+            )
             for rank in range(world_size)
         ]
         await asyncio.to_thread(_start_all, procs)

@@ -20,9 +20,25 @@ SCHEMES = ("api-key", "bearer")
 # others. Anything else may be a key sent without a scheme (a short alphabetic key looks like a
 # scheme), so only its length is logged.
 KNOWN_SCHEMES = frozenset(
-    ("basic", "digest", "negotiate", "ntlm", "hoba", "mutual", "oauth", "scram-sha-1", "scram-sha-256", "vapid",
-     "privatetoken", "concealed", "dpop", "gnap", "token", "aws4-hmac-sha256")
-)  # fmt: skip
+    (
+        "basic",
+        "digest",
+        "negotiate",
+        "ntlm",
+        "hoba",
+        "mutual",
+        "oauth",
+        "scram-sha-1",
+        "scram-sha-256",
+        "vapid",
+        "privatetoken",
+        "concealed",
+        "dpop",
+        "gnap",
+        "token",
+        "aws4-hmac-sha256",
+    )
+)
 
 
 class Unauthorized(Exception):

@@ -33,8 +33,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 OUTCOMES = (
-    "ok", "reset", "bad_request", "forbidden", "policy_error", "capacity", "worker_died", "timeout", "unavailable",
-)  # fmt: skip
+    "ok",
+    "reset",
+    "bad_request",
+    "forbidden",
+    "policy_error",
+    "capacity",
+    "worker_died",
+    "timeout",
+    "unavailable",
+)
 CLOSE_REASONS = ("idle", "write_limit")
 KEY_LIMITS = ("sessions", "connections")  # what a key was refused: a new session, a new connection
 # A failed TLS handshake: a ws:// or http:// request to the TLS port, an old TLS version, a client
@@ -57,12 +65,20 @@ class Metrics:
         self.requests = Counter("ardiff_requests", "Requests by outcome", ["outcome"], registry=r)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
-        self.infer_seconds = Histogram("ardiff_infer_seconds", "Policy compute time per infer request (its step and its own encodes beside the batch)", registry=r, buckets=_BUCKETS)
+        self.infer_seconds = Histogram(
+            "ardiff_infer_seconds",
+            "Policy compute time per infer request (its step and its own encodes beside the batch)",
+            registry=r,
+            buckets=_BUCKETS,
+        )
         self.request_seconds = Histogram(
             "ardiff_request_seconds", "Server time per infer request (queue + compute + codec)", registry=r, buckets=_BUCKETS
         )
         self.queue_seconds = Histogram(
-            "ardiff_queue_seconds", "Time an infer request waited in the engine behind other robots' steps and encodes (not its own)", registry=r, buckets=_BUCKETS
+            "ardiff_queue_seconds",
+            "Time an infer request waited in the engine behind other robots' steps and encodes (not its own)",
+            registry=r,
+            buckets=_BUCKETS,
         )
         self.connections = Gauge("ardiff_connections_open", "Open websocket connections", registry=r)
         self.closed = Counter("ardiff_connections_closed", "Connections the server closed, by reason", ["reason"], registry=r)
@@ -114,8 +130,12 @@ class EngineCollector(Collector):
         kv_free = GaugeMetricFamily("ardiff_kv_pages_free", "Free KV pages", labels=["replica", "rank"])
         kv_total = GaugeMetricFamily("ardiff_kv_pages_total", "KV pages in the pool", labels=["replica", "rank"])
         endings = CounterMetricFamily("ardiff_session_endings", "Sessions ended in the engine, by reason", labels=["replica", "reason"])
-        dropped = CounterMetricFamily("ardiff_recording_dropped_calls", "Calls not recorded: the recorder's queue was full (slow decode or disk)", labels=["replica"])
-        batches = HistogramMetricFamily("ardiff_batch_size", "Sessions per engine step (a step runs the robots whose requests wait together)", labels=["replica"])
+        dropped = CounterMetricFamily(
+            "ardiff_recording_dropped_calls", "Calls not recorded: the recorder's queue was full (slow decode or disk)", labels=["replica"]
+        )
+        batches = HistogramMetricFamily(
+            "ardiff_batch_size", "Sessions per engine step (a step runs the robots whose requests wait together)", labels=["replica"]
+        )
         for replica in replicas:
             label = str(replica.index)
             up.add_metric([label], 1.0 if replica.state == "ready" else 0.0)

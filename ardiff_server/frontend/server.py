@@ -70,9 +70,7 @@ class _WebsocketTransport:
 
 
 class PolicyServer:
-    def __init__(
-        self, config: AppConfig, client: EngineClient | None = None, listen_sockets: list[socket.socket] | None = None
-    ) -> None:
+    def __init__(self, config: AppConfig, client: EngineClient | None = None, listen_sockets: list[socket.socket] | None = None) -> None:
         """``listen_sockets``: ``net.bind_listeners``' sockets for ``server.host``/``port``, bound
         before the engine starts (``cli.py``); None binds when :meth:`start` listens."""
         self.config = config
@@ -88,9 +86,11 @@ class PolicyServer:
             return None
         self.metrics.watch_tls()
         return ServerTls(
-            cert, key, on_failure=lambda kind: self.metrics.tls_handshake_failures.labels(kind).inc(),
+            cert,
+            key,
+            on_failure=lambda kind: self.metrics.tls_handshake_failures.labels(kind).inc(),
             on_reload=lambda ok: self.metrics.tls_reloads.labels("ok" if ok else "failed").inc(),
-        )  # fmt: skip
+        )
 
     @property
     def sessions(self):
@@ -108,10 +108,14 @@ class PolicyServer:
         where = {"sock": self._listen_sockets[0]} if len(self._listen_sockets) == 1 else {"host": server_config.host, "port": server_config.port}
         if len(self._listen_sockets) != 1:
             self._close_listen_sockets()
-        connection_class = type("Connection", (BoundedConnection,), {
-            "write_limit_bytes": server_config.write_limit_bytes,
-            "on_abuse": staticmethod(lambda: self.metrics.closed.labels("write_limit").inc()),
-        })  # fmt: skip
+        connection_class = type(
+            "Connection",
+            (BoundedConnection,),
+            {
+                "write_limit_bytes": server_config.write_limit_bytes,
+                "on_abuse": staticmethod(lambda: self.metrics.closed.labels("write_limit").inc()),
+            },
+        )
         tls = {"ssl": self.tls.context, "ssl_handshake_timeout": server_config.tls_handshake_timeout_s} if self.tls else {}
         try:
             self._server = await self._serve(connection_class, tls, **where)
@@ -179,9 +183,7 @@ class PolicyServer:
 
     async def _handle(self, ws: ServerConnection) -> None:
         try:
-            await self.service.serve_connection(
-                _WebsocketTransport(ws), key=getattr(ws, "ardiff_key", None), remote=str(ws.remote_address)
-            )
+            await self.service.serve_connection(_WebsocketTransport(ws), key=getattr(ws, "ardiff_key", None), remote=str(ws.remote_address))
         finally:
             _forget_parser_traceback(ws)
 

@@ -77,12 +77,16 @@ class PolicyService:
         self.metrics = metrics or Metrics(engine)
         self.keys = ApiKeys(config.server.api_keys)
         self.sessions = SessionTable(
-            engine, ttl_s=config.server.session_ttl_s, on_refused=lambda key: self.metrics.key_refusals.labels(key, "sessions").inc(),
+            engine,
+            ttl_s=config.server.session_ttl_s,
+            on_refused=lambda key: self.metrics.key_refusals.labels(key, "sessions").inc(),
             limits=KeyLimits(
-                config.sessions_per_key(replicas), shared=len(set(config.server.api_keys)) > 1, max_sessions=config.engine.max_sessions,
+                config.sessions_per_key(replicas),
+                shared=len(set(config.server.api_keys)) > 1,
+                max_sessions=config.engine.max_sessions,
                 fair_keys=len(set(config.server.api_keys)) if config.server.max_sessions_per_key == "fair" else 0,
             ),
-        )  # fmt: skip
+        )
         self.connections_per_key = config.connections_per_key()
         self.key_connections: Counter[str] = Counter()  # open connections per key id
         if self.keys.enabled:
@@ -164,10 +168,16 @@ class PolicyService:
             "continuations": continuations.describe(self._continuation_refusal(info)) if info is not None else None,
             "replicas": [
                 {
-                    "index": r.index, "devices": r.devices, "state": r.state, "pids": r.pids, "restarts": r.restarts,
-                    "sessions": r.stats[0].sessions if r.stats else 0, "sessions_placed": r.sessions_placed,
-                    "kv_pages_free": [s.kv_pages_free for s in r.stats], "kv_pages_total": [s.kv_pages_total for s in r.stats],
-                }  # fmt: skip
+                    "index": r.index,
+                    "devices": r.devices,
+                    "state": r.state,
+                    "pids": r.pids,
+                    "restarts": r.restarts,
+                    "sessions": r.stats[0].sessions if r.stats else 0,
+                    "sessions_placed": r.sessions_placed,
+                    "kv_pages_free": [s.kv_pages_free for s in r.stats],
+                    "kv_pages_total": [s.kv_pages_total for s in r.stats],
+                }
                 for r in self.engine.replicas()
             ],
             "limits": {"max_sessions_per_key": self.sessions.sessions_per_key()[0], "max_connections_per_key": self.connections_per_key},
@@ -252,9 +262,12 @@ class PolicyService:
             return decode_lingbot_va(payload, info.observation_schema.cameras, budget)
         guidance = info is not None and "guidance" in info.server_config  # a policy that advertises per-request guidance takes it
         return decode_request(
-            payload, info.observation_schema if info is not None else None, guidance=guidance, budget=budget,
+            payload,
+            info.observation_schema if info is not None else None,
+            guidance=guidance,
+            budget=budget,
             continuation_refused=self._continuation_refusal(info),
-        )  # fmt: skip
+        )
 
     def _continuation_refusal(self, info) -> str | None:
         return continuations.continuation_refusal(self.config.policy_name, info, self.config.server.reply_format)
@@ -293,19 +306,25 @@ class PolicyService:
         if logger.isEnabledFor(logging.INFO):
             logger.info(
                 "session %s call %d: infer %.0f ms (encode %.0f), queue %.0f ms, %s",
-                session_id, reply.calls, reply.infer_ms, reply.encode_ms, server_timing["queue_ms"],
+                session_id,
+                reply.calls,
+                reply.infer_ms,
+                reply.encode_ms,
+                server_timing["queue_ms"],
                 " ".join(f"{k}={v:.0f}" for k, v in reply.timing_ms.items()),
-            )  # fmt: skip
+            )
         actions = np.asarray(reply.actions, dtype=np.float32)
         if self.config.server.reply_format == "array":
             return pack(actions)
-        return pack({
-            "actions": actions,
-            "server_timing": server_timing,
-            "policy_timing": reply.timing_ms,
-            "session": _session_info(session_id, reply),
-            **_chunk_info(reply),
-        })  # fmt: skip
+        return pack(
+            {
+                "actions": actions,
+                "server_timing": server_timing,
+                "policy_timing": reply.timing_ms,
+                "session": _session_info(session_id, reply),
+                **_chunk_info(reply),
+            }
+        )
 
     def _error_frame(self, exc: EngineError, session_id: str) -> str:
         self.metrics.requests.labels(exc.kind.value).inc()
@@ -373,4 +392,3 @@ def _session_info(session_id: str, reply: InferReply) -> dict[str, Any]:
     extra = {k: v for k, v in scalar_info(reply.info).items() if k not in ("id", "new", "calls", "replica", "batch_size")}
     extra.update({old: extra[new] for old, new in DEPRECATED_SESSION_KEYS.items() if new in extra})
     return {"id": session_id, "new": reply.new_session, "calls": reply.calls, "replica": reply.replica, "batch_size": reply.batch_size, **extra}
-

@@ -247,9 +247,10 @@ class SessionTable:
         robot switched away from, least recently used first."""
         engine_sessions = self._engine_sessions()
         idle = [
-            e for e in self._entries.values()
+            e
+            for e in self._entries.values()
             if e.owner == key and e.session_id not in tried and self._idle(e, conn) and self._counts(e, engine_sessions)
-        ]  # fmt: skip
+        ]
         return min(idle, key=lambda e: (bool(e.holders), e.last_used), default=None)
 
     @staticmethod

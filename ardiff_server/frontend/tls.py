@@ -42,8 +42,14 @@ def failure_kind(exc: ssl.SSLError) -> str:
 class ServerTls:
     """The listener's context and the certificate it currently serves."""
 
-    def __init__(self, cert: str, key: str | None, *, on_failure: Callable[[str], None] = lambda kind: None,
-                 on_reload: Callable[[bool], None] = lambda ok: None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cert: str,
+        key: str | None,
+        *,
+        on_failure: Callable[[str], None] = lambda kind: None,
+        on_reload: Callable[[bool], None] = lambda ok: None,
+    ) -> None:
         self.cert, self.key = cert, key
         self.on_reload = on_reload
         self.current = server_tls_context(cert, key)  # raises TlsError (preflight has said it in one line)

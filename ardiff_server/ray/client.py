@@ -135,12 +135,15 @@ class RayEngineClient:
             self._lost_at.pop(index, None)
             ident = seen.identity
             statuses[index] = ReplicaStatus(
-                index=index, devices=list(ident.get("devices", [])), state=ident.get("state", "ready"),
-                pids=list(ident.get("pids", [])), stats=seen.stats,
+                index=index,
+                devices=list(ident.get("devices", [])),
+                state=ident.get("state", "ready"),
+                pids=list(ident.get("pids", [])),
+                stats=seen.stats,
                 restarts=self._restarts.get(index, 0) + int(ident.get("restarts", 0)),
                 last_restart_s=self._last_restart_s.get(index, float(ident.get("last_restart_s", 0.0))),
                 sessions_placed=view.sessions_placed,
-            )  # fmt: skip
+            )
         for index in range(self.expected_replicas):  # a fixed-size deployment's missing replicas are being replaced
             if index not in statuses and not unknown and self._state != "starting":
                 self._lost_at.setdefault(index, now)

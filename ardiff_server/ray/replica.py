@@ -57,14 +57,16 @@ class EngineReplica:
             from ardiff_server.engine.inproc_client import InprocClient  # noqa: PLC0415
 
             engine = await asyncio.to_thread(start_engine, self.config, warmup=self.config.engine.warmup)
-            self.client = InprocClient(
-                engine, replica=index, devices=self.devices, step_timeout_s=self.config.server.request_timeout_s
-            )
+            self.client = InprocClient(engine, replica=index, devices=self.devices, step_timeout_s=self.config.server.request_timeout_s)
         await self.client.start()
         logger.info(
             "model replica %s (index %s, pid %d) ready in %.1f s on %s",
-            self.replica_id, index, os.getpid(), time.perf_counter() - started, ", ".join(self.devices),
-        )  # fmt: skip
+            self.replica_id,
+            index,
+            os.getpid(),
+            time.perf_counter() - started,
+            ", ".join(self.devices),
+        )
 
     def config_devices(self) -> list[str]:
         return [self.config.engine.rank_device(k) for k in range(self.plan.world_size)]
@@ -131,10 +133,17 @@ class EngineReplica:
         client = self.client
         pids = list(getattr(client, "pids", None) or [os.getpid()])
         ident = {
-            "replica_id": self.replica_id, "index": self._index(), "incarnation": self.incarnation, "pid": os.getpid(),
-            "pids": pids, "devices": self.devices, "state": client.state, "restarts": getattr(client, "restarts", 0),
-            "last_restart_s": getattr(client, "last_restart_s", 0.0), "version": self.version,
-        }  # fmt: skip
+            "replica_id": self.replica_id,
+            "index": self._index(),
+            "incarnation": self.incarnation,
+            "pid": os.getpid(),
+            "pids": pids,
+            "devices": self.devices,
+            "state": client.state,
+            "restarts": getattr(client, "restarts", 0),
+            "last_restart_s": getattr(client, "last_restart_s", 0.0),
+            "version": self.version,
+        }
         return ident
 
     def _stats(self) -> tuple[EngineStats, ...]:

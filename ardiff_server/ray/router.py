@@ -155,9 +155,11 @@ class SessionAffinityRouter(RequestRouter):
             reported = stats.get("num_sessions")
             free = sum(int(s.get("kv_pages_free", 0)) for s in stats.get("stats", []) if isinstance(s, dict))
             loads[replica.replica_id] = ReplicaLoad(
-                sessions_placed=counts.get(replica.replica_id, 0), sessions_open=reported if isinstance(reported, int) else 0,
-                kv_pages_free=free, queue_len=self._queue_len(replica),
-            )  # fmt: skip
+                sessions_placed=counts.get(replica.replica_id, 0),
+                sessions_open=reported if isinstance(reported, int) else 0,
+                kv_pages_free=free,
+                queue_len=self._queue_len(replica),
+            )
         return loads
 
     def _forget_replicas(self, gone, why: str) -> None:

@@ -100,8 +100,6 @@ def app_builder(args: dict[str, Any]) -> Any:
     return build_app(config, plan_deployment(config))
 
 
-
-
 def run_ray(config: AppConfig) -> int:
     """``ardiff-serve --ray``: deploy on Ray Serve, print the banner once a model replica
     answers, serve until SIGINT/SIGTERM, then take the application down. Returns the exit code."""
@@ -228,8 +226,11 @@ def _deploy(serve: Any, app: Any, config: AppConfig, stop: threading.Event) -> A
     if "error" in outcome:
         print(f"ardiff-serve: the Ray Serve application failed to start: {outcome['error']}", file=sys.stderr)
         return None
-    print(f"ardiff-serve: the model replicas were not running after {config.engine.startup_timeout_s:.0f} s "
-          f"(engine.startup_timeout_s): {_status_message(serve, config.ray.app_name)}", file=sys.stderr)  # fmt: skip
+    print(
+        f"ardiff-serve: the model replicas were not running after {config.engine.startup_timeout_s:.0f} s "
+        f"(engine.startup_timeout_s): {_status_message(serve, config.ray.app_name)}",
+        file=sys.stderr,
+    )
     return None
 
 

@@ -311,9 +311,15 @@ class AsyncChunkRunner:
         return _InFlight(executed, "continuation" in request)
 
     def _splice(
-        self, reply: Any, latency: float, in_flight: _InFlight, executed: int, old: _Chunk | None,
-        last_action: np.ndarray | None, report: EpisodeReport,
-    ) -> _Chunk:  # fmt: skip
+        self,
+        reply: Any,
+        latency: float,
+        in_flight: _InFlight,
+        executed: int,
+        old: _Chunk | None,
+        last_action: np.ndarray | None,
+        report: EpisodeReport,
+    ) -> _Chunk:
         parsed = parse_chunk_reply(reply, report.chunks + 1)
         actions = parsed.actions
         report.latencies_s.append(latency)

@@ -48,15 +48,23 @@ def summary_lines(report: EpisodeReport) -> list[str]:
     if math.isnan(s["seam_ratio"]):
         row("seam", "no splice to measure (fewer than two chunks executed)")
     else:
-        row("seam", f"{s['seam_ratio']:.2f}x the median step inside a chunk (1x: as smooth as within a chunk): a jump of "
-                    f"{s['seam_jump']:.4f} against {s['median_inner_step']:.4f}, median L2 over the joint columns in action units")  # fmt: skip
+        row(
+            "seam",
+            f"{s['seam_ratio']:.2f}x the median step inside a chunk (1x: as smooth as within a chunk): a jump of "
+            f"{s['seam_jump']:.4f} against {s['median_inner_step']:.4f}, median L2 over the joint columns in action units",
+        )
     if not math.isnan(s["old_step_at_seam"]):
-        row("old step at seam", f"{s['old_step_at_seam']:.4f}: the old chunk's own next step there, the seam of a continuation that follows it exactly")
+        row(
+            "old step at seam",
+            f"{s['old_step_at_seam']:.4f}: the old chunk's own next step there, the seam of a continuation that follows it exactly",
+        )
     if report.frozen:
         row("frozen", f"{sum(report.frozen) / len(report.frozen):.1f} leading actions per chunk equal to what the robot executed meanwhile")
     if report.continuations_asked:
         fresh = sum(report.fresh_reasons.values())
-        why = "; ".join(f"{reason} {count} ({FRESH_MEANINGS.get(reason, 'the reason the server gave')})" for reason, count in sorted(report.fresh_reasons.items()))
+        why = "; ".join(
+            f"{reason} {count} ({FRESH_MEANINGS.get(reason, 'the reason the server gave')})" for reason, count in sorted(report.fresh_reasons.items())
+        )
         served = f": {why}" if why else ""
         row("fresh chunks", f"{fresh} of {report.continuations_asked} continuations asked for were served as fresh chunks (frozen 0){served}")
     return lines

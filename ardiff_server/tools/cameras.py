@@ -47,9 +47,7 @@ class SyntheticCamera:
         cx = 0.5 + 0.35 * math.cos(2 * math.pi * self._orbit[1] * t)
         blob = np.outer(np.exp(-((self._y - cy) ** 2) / 0.01), np.exp(-((self._x - cx) ** 2) / 0.01))
         image = np.empty((self._y.size, self._x.size, 3), dtype=np.float32)
-        for c, ((fy, fx), speed, phase, colour) in enumerate(
-            zip(self._waves, self._speed, self._phase, self._colour, strict=True)
-        ):
+        for c, ((fy, fx), speed, phase, colour) in enumerate(zip(self._waves, self._speed, self._phase, self._colour, strict=True)):
             ay = 2 * math.pi * fy * self._y
             bx = 2 * math.pi * (fx * self._x + speed * t) + phase
             wave = np.outer(np.sin(ay), np.cos(bx)) + np.outer(np.cos(ay), np.sin(bx))  # sin(ay + bx)
@@ -119,17 +117,13 @@ def camera_keys(metadata: Mapping[str, Any], camera_index: int) -> dict[str, str
         return {str(c["name"]): str(c["key"]) for c in schema["cameras"]}
     n_external = metadata.get("n_external_cameras", 2)
     n_external = n_external if isinstance(n_external, int) and not isinstance(n_external, bool) else 2
-    keys = {
-        f"exterior_image_{i + 1}_left": f"observation/exterior_image_{i + camera_index}_left" for i in range(n_external)
-    }
+    keys = {f"exterior_image_{i + 1}_left": f"observation/exterior_image_{i + camera_index}_left" for i in range(n_external)}
     if metadata.get("needs_wrist_camera", True) is not False:
         keys["wrist_image_left"] = "observation/wrist_image_left"
     return keys
 
 
-def open_cameras(
-    keys: Mapping[str, str], size: tuple[int, int], args: argparse.Namespace, warn: Callable[[str], None]
-) -> dict[str, Camera]:
+def open_cameras(keys: Mapping[str, str], size: tuple[int, int], args: argparse.Namespace, warn: Callable[[str], None]) -> dict[str, Camera]:
     """Request key -> frame source. A camera missing from --video-dir is left out (the server
     renders it black) with a warning, since DROID episodes sometimes lack a view."""
     if args.video_dir is None:
@@ -162,5 +156,3 @@ def take_frames(cameras: Mapping[str, Camera], count: int) -> dict[str, np.ndarr
             return None
         images[key] = frames[0] if count == 1 else np.stack(frames)
     return images
-
-

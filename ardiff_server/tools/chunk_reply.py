@@ -56,7 +56,9 @@ def parse_chunk_reply(reply: Any, number: int) -> ChunkReply:
     chunk_id = reply.get("chunk_id")
     if chunk_id is not None:
         # the bound the server accepts back in continuation.chunk_id: a larger id could never be named
-        chunk_id = _integer(chunk_id, f"{where}: chunk_id", MAX_CHUNK_ID, "", "the largest chunk_id a continuation can name back (2**63 - 1 = {bound})")
+        chunk_id = _integer(
+            chunk_id, f"{where}: chunk_id", MAX_CHUNK_ID, "", "the largest chunk_id a continuation can name back (2**63 - 1 = {bound})"
+        )
     frozen = reply.get("frozen")
     frozen = 0 if frozen is None else _integer(frozen, f"{where}: frozen", len(actions), " (the chunk's actions)", "the chunk's {bound} actions")
     continuation = reply.get("continuation")

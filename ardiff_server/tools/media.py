@@ -38,8 +38,10 @@ __all__ = [
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mkv", ".mov", ".webm")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 
+
 def _video_packages() -> str:
     return f"reading video files needs PyAV (the viz extra): {install_hint('viz')}"
+
 
 # DROID's action layout: 7 absolute joint positions, then the gripper.
 _DROID_LABELS = (*(f"joint {i}" for i in range(7)), "gripper")
@@ -243,8 +245,7 @@ def plot_actions(
     steps = np.arange(horizon)
     for d, ax in enumerate(axes[:dim]):
         for c in range(calls):
-            ax.plot(c * horizon + steps, actions[c, :, d], color=f"C{c % 2}", linewidth=1.2,
-                    label="action chunk" if c == 0 else None)  # fmt: skip
+            ax.plot(c * horizon + steps, actions[c, :, d], color=f"C{c % 2}", linewidth=1.2, label="action chunk" if c == 0 else None)
         if state is not None and d < state.shape[1]:
             ax.plot(np.arange(calls) * horizon, state[:, d], "k.", markersize=4, label="state sent")
         if 1 < calls <= 200:  # past that the alternating colours alone separate chunks

@@ -19,7 +19,6 @@ class ServerError(ReplayError):
     """The server answered a request with a text frame: its error message."""
 
 
-
 @dataclass
 class CallRecord:
     """What one infer call sent and got back."""
@@ -68,7 +67,6 @@ class Episode:
     reset_reply: Any = None
 
 
-
 def jsonable(value: Any) -> Any:
     """Decoded msgpack values (numpy arrays/scalars, bytes, nested maps) -> JSON values."""
     if isinstance(value, dict):
@@ -84,5 +82,3 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
-
-

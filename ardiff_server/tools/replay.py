@@ -77,9 +77,7 @@ READY_JOINTS = np.array([0.0, -math.pi / 4, 0.0, -3 * math.pi / 4, 0.0, math.pi 
 RESET_TIMEOUT_S = 10.0  # DreamZero's server may not answer a reset at all
 # Replies come from the server we chose to talk to, not from an untrusted robot: decode them with
 # room for large extras (debug arrays, predicted frames, long lists) the server-side limits refuse.
-REPLY_LIMITS = DecodeLimits(
-    max_message_bytes=1 << 30, max_array_bytes=1 << 30, max_list_len=1 << 20, max_map_len=1 << 16, max_items=1 << 22
-)
+REPLY_LIMITS = DecodeLimits(max_message_bytes=1 << 30, max_array_bytes=1 << 30, max_list_len=1 << 20, max_map_len=1 << 16, max_items=1 << 22)
 # DreamZero's client keepalive: its server may hold the event loop while it computes a chunk.
 PING_INTERVAL_S, PING_TIMEOUT_S = 60.0, 600.0
 
@@ -106,25 +104,55 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--port", type=int, default=8000, help="server port (default 8000)")
     add("--path", default="/", help="websocket path (default /; vLLM-Omni: /v1/realtime/robot/openpi)")
     add("--api-key", help="send 'Authorization: Api-Key <key>'")
-    add("--calls", type=_positive_int, help=f"infer calls (default: until the videos end; {DEFAULT_SYNTHETIC_CALLS} with synthetic frames)")  # fmt: skip
-    add("--video-dir", type=Path, help="per-camera videos or frame folders, named as in DROID (exterior_image_1_left.mp4, ...); default: synthetic frames")  # fmt: skip
+    add("--calls", type=_positive_int, help=f"infer calls (default: until the videos end; {DEFAULT_SYNTHETIC_CALLS} with synthetic frames)")
+    add(
+        "--video-dir",
+        type=Path,
+        help="per-camera videos or frame folders, named as in DROID (exterior_image_1_left.mp4, ...); default: synthetic frames",
+    )
     add("--frame-stride", type=_positive_int, default=1, help="use every N-th video frame (default 1)")
-    add("--frames-per-call", type=_positive_int, default=4, help="frames per camera on calls after the first, as a (T, H, W, 3) stack; 1 sends single frames like openpi clients (default 4, DreamZero)")  # fmt: skip
+    add(
+        "--frames-per-call",
+        type=_positive_int,
+        default=4,
+        help="frames per camera on calls after the first, as a (T, H, W, 3) stack; 1 sends single frames like openpi clients (default 4, DreamZero)",
+    )
     add("--loop", action="store_true", help="start the videos over when they end (default: end the episode)")
     add("--prompt", default=DEFAULT_PROMPT, help=f"task instruction (default {DEFAULT_PROMPT!r})")
-    add("--camera-index", type=int, choices=(0, 1), default=0, help="exterior camera keys: 0 -> _0_left, _1_left (RoboArena server test, DreamZero); 1 -> _1_left, _2_left (RoboArena evaluator, openpi DROID) (default 0)")  # fmt: skip
+    add(
+        "--camera-index",
+        type=int,
+        choices=(0, 1),
+        default=0,
+        help="exterior camera keys: 0 -> _0_left, _1_left (RoboArena server test, DreamZero); 1 -> _1_left, _2_left (RoboArena evaluator, openpi DROID) (default 0)",
+    )
     add("--size", type=_parse_size, help="frame size HxW sent (default: the server's image_resolution)")
-    add("--feedback", choices=("end", "first", "hold"), default="end", help="joint state fed back from each chunk (default end; see below)")  # fmt: skip
+    add("--feedback", choices=("end", "first", "hold"), default="end", help="joint state fed back from each chunk (default end; see below)")
     add("--seed", type=int, default=0, help="synthetic frame pattern seed (default 0)")
     add("--timeout", type=float, help="seconds to wait for each reply (default: no limit)")
-    add("--record", type=Path, metavar="OUT.npz", help="save actions (calls, N, 8), the states sent and per-call timings")  # fmt: skip
-    add("--plot", type=Path, metavar="actions.png", help="plot joint and gripper trajectories, one subplot per dimension")  # fmt: skip
-    add("--json", action="store_true", help="print one JSON object (summary and per-call records) instead of the table")  # fmt: skip
+    add("--record", type=Path, metavar="OUT.npz", help="save actions (calls, N, 8), the states sent and per-call timings")
+    add("--plot", type=Path, metavar="actions.png", help="plot joint and gripper trajectories, one subplot per dimension")
+    add("--json", action="store_true", help="print one JSON object (summary and per-call records) instead of the table")
     add("--quiet", action="store_true", help="no progress output")
-    add("--async", dest="async_mode", action="store_true", help="run a robot loop at --control-hz that asks for the next chunk while executing this one (ardiff_server/tools/async_client.py) and report idle steps, latency, seam jumps")  # fmt: skip
-    add("--mode", choices=("continuation", "async", "blocking"), default="continuation", help="with --async: send continuations (default), ask early without them, or block (the baseline)")  # fmt: skip
+    add(
+        "--async",
+        dest="async_mode",
+        action="store_true",
+        help="run a robot loop at --control-hz that asks for the next chunk while executing this one (ardiff_server/tools/async_client.py) and report idle steps, latency, seam jumps",
+    )
+    add(
+        "--mode",
+        choices=("continuation", "async", "blocking"),
+        default="continuation",
+        help="with --async: send continuations (default), ask early without them, or block (the baseline)",
+    )
     add("--control-hz", type=float, default=15.0, help="with --async: control rate (default 15, DROID)")
-    add("--overlap", type=float, default=0.5, help="with --async: ask for the next chunk no later than when this fraction of the chunk is left (default 0.5; 0: only as the latency requires)")  # fmt: skip
+    add(
+        "--overlap",
+        type=float,
+        default=0.5,
+        help="with --async: ask for the next chunk no later than when this fraction of the chunk is left (default 0.5; 0: only as the latency requires)",
+    )
     add("--steps", type=_positive_int, default=120, help="with --async: control steps (default 120)")
     add("--version", action="version", version=f"ardiff-client {__version__}")
     args = parser.parse_args(argv)
@@ -164,9 +192,13 @@ def _connect(url: str, api_key: str | None) -> ClientConnection:
     headers = {"Authorization": f"Api-Key {api_key}"} if api_key else None
     try:
         return connect(
-            url, compression=None, max_size=None, additional_headers=headers,
-            ping_interval=PING_INTERVAL_S, ping_timeout=PING_TIMEOUT_S,
-        )  # fmt: skip
+            url,
+            compression=None,
+            max_size=None,
+            additional_headers=headers,
+            ping_interval=PING_INTERVAL_S,
+            ping_timeout=PING_TIMEOUT_S,
+        )
     except InvalidStatus as exc:
         status = exc.response.status_code
         body = exc.response.body.decode(errors="replace").strip() if exc.response.body else ""
@@ -206,9 +238,7 @@ class PolicyClient:
         return reply, (time.perf_counter() - started) * 1000.0
 
 
-def build_request(
-    images: Mapping[str, np.ndarray], joints: np.ndarray, gripper: np.ndarray, prompt: str, session_id: str
-) -> dict[str, Any]:
+def build_request(images: Mapping[str, np.ndarray], joints: np.ndarray, gripper: np.ndarray, prompt: str, session_id: str) -> dict[str, Any]:
     return {
         **images,
         "observation/joint_position": joints,
@@ -276,16 +306,20 @@ def parse_reply(reply: bytes | str, call: int) -> CallRecord:
         raise ReplayError(f"call {call}: expected actions of shape (N, 8), got {actions.shape}")
     session = obj.get("session")
     return CallRecord(
-        call=call, frames=0, rtt_ms=0.0, actions=actions,
-        joint_position=np.zeros(7), gripper_position=np.zeros(1), reply_format=reply_format,
-        server_timing=_numbers(obj.get("server_timing")), policy_timing=_numbers(obj.get("policy_timing")),
+        call=call,
+        frames=0,
+        rtt_ms=0.0,
+        actions=actions,
+        joint_position=np.zeros(7),
+        gripper_position=np.zeros(1),
+        reply_format=reply_format,
+        server_timing=_numbers(obj.get("server_timing")),
+        policy_timing=_numbers(obj.get("policy_timing")),
         session=session if isinstance(session, dict) else None,
-    )  # fmt: skip
+    )
 
 
-def next_state(
-    actions: np.ndarray, feedback: Feedback, joints: np.ndarray, gripper: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
+def next_state(actions: np.ndarray, feedback: Feedback, joints: np.ndarray, gripper: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The state a robot following ``actions`` reports next (see ``--feedback``).
 
     Joints are columns 0-6 and the gripper column 7 (DROID's absolute joint-position action
@@ -299,9 +333,7 @@ def next_state(
     return joints, gripper
 
 
-def run_episode(
-    client: PolicyClient, cameras: Mapping[str, Camera], episode: Episode, args: argparse.Namespace, progress: Progress
-) -> None:
+def run_episode(client: PolicyClient, cameras: Mapping[str, Camera], episode: Episode, args: argparse.Namespace, progress: Progress) -> None:
     """Run the infer calls of one episode, then reset its session; fills ``episode`` in place
     (so what completed before an error or Ctrl-C is still reported)."""
     joints, gripper = READY_JOINTS.copy(), np.zeros(1)
@@ -456,9 +488,16 @@ def _run_async(client: PolicyClient, cameras: Mapping[str, Camera], episode: Epi
     def progress(event: ChunkEvent) -> None:
         print(progress_line(event, args.steps, args.control_hz), file=sys.stderr, flush=True)
 
-    runner = AsyncChunkRunner(infer, control_hz=args.control_hz, prompt=args.prompt, mode=args.mode, session_id=episode.session_id,
-                              overlap=args.overlap, joint_columns=joint_columns(episode.metadata),
-                              on_chunk=None if args.quiet else progress)  # fmt: skip
+    runner = AsyncChunkRunner(
+        infer,
+        control_hz=args.control_hz,
+        prompt=args.prompt,
+        mode=args.mode,
+        session_id=episode.session_id,
+        overlap=args.overlap,
+        joint_columns=joint_columns(episode.metadata),
+        on_chunk=None if args.quiet else progress,
+    )
     try:
         report = runner.run(observe, act, args.steps)
     except (ReplayError, ConnectionClosed, TimeoutError) as exc:  # ReplyError (a malformed reply) is a ReplayError
@@ -471,8 +510,11 @@ def _run_async(client: PolicyClient, cameras: Mapping[str, Camera], episode: Epi
     else:
         print("\n".join(summary_lines(report)))
     if report.chunks == 0:
-        print(f"ardiff-client: error: no chunk arrived in {args.steps} control steps ({args.steps / args.control_hz:.1f} s at "
-              f"{args.control_hz:g} Hz): the first reply took longer; raise --steps or check the server", file=sys.stderr)  # fmt: skip
+        print(
+            f"ardiff-client: error: no chunk arrived in {args.steps} control steps ({args.steps / args.control_hz:.1f} s at "
+            f"{args.control_hz:g} Hz): the first reply took longer; raise --steps or check the server",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -522,7 +564,5 @@ def _numbers(value: Any) -> dict[str, float]:
     if not isinstance(value, dict):
         return {}
     return {
-        str(k): float(v)
-        for k, v in value.items()
-        if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+        str(k): float(v) for k, v in value.items() if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
     }

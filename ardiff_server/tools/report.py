@@ -39,8 +39,11 @@ class Progress:
         total = f"/{self._total}" if self._total else ""
         timing = ", ".join(f"{k.removesuffix('_ms')} {v:.1f}" for k, v in record.server_timing.items())
         shape = "x".join(map(str, record.actions.shape))
-        print(f"call {record.call}{total}: actions {shape} in {record.rtt_ms:.1f} ms"
-              + (f" (server {timing})" if timing else ""), file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"call {record.call}{total}: actions {shape} in {record.rtt_ms:.1f} ms" + (f" (server {timing})" if timing else ""),
+            file=sys.stderr,
+            flush=True,
+        )
 
     def close(self) -> None:
         if self._bar is not None:
@@ -76,9 +79,7 @@ def format_table(summary: Mapping[str, Mapping[str, float]]) -> str:
     width = max(len("latency (ms)"), *(len(name) for name in summary))
     lines = [f"{'latency (ms)':<{width}} {'n':>5} {'mean':>9} {'p50':>9} {'p99':>9} {'max':>9}"]
     for name, s in summary.items():
-        lines.append(
-            f"{name:<{width}} {s['n']:>5} {s['mean']:>9.1f} {s['p50']:>9.1f} {s['p99']:>9.1f} {s['max']:>9.1f}"
-        )
+        lines.append(f"{name:<{width}} {s['n']:>5} {s['mean']:>9.1f} {s['p50']:>9.1f} {s['p99']:>9.1f} {s['max']:>9.1f}")
     return "\n".join(lines)
 
 
@@ -106,9 +107,11 @@ def print_report(episode: Episode) -> None:
     shapes = sorted({"x".join(map(str, r.actions.shape)) for r in episode.records})
     formats = sorted({r.reply_format for r in episode.records})
     print(f"{episode.url}  session {episode.session_id}")
-    print(f"{len(episode.records)} calls ({_ENDED[episode.ended]}), frames {episode.size[0]}x{episode.size[1]}, "
-          f"cameras {', '.join(episode.camera_keys)}, actions {', '.join(shapes) or '-'}, "
-          f"replies {', '.join(formats) or '-'}")  # fmt: skip
+    print(
+        f"{len(episode.records)} calls ({_ENDED[episode.ended]}), frames {episode.size[0]}x{episode.size[1]}, "
+        f"cameras {', '.join(episode.camera_keys)}, actions {', '.join(shapes) or '-'}, "
+        f"replies {', '.join(formats) or '-'}"
+    )
     print(f"reset: {episode.reset_reply}")
     if episode.records:
         print(format_table(summarize(episode.records)))
@@ -167,8 +170,6 @@ def plot_episode(path: Path, episode: Episode) -> Path:
     if records and records[0].state is not None:
         state = np.array([_state_vector(r) for r in records])
     else:
-        state = np.concatenate(
-            [np.array([r.joint_position for r in records]), np.array([r.gripper_position for r in records])], axis=1
-        )
+        state = np.concatenate([np.array([r.joint_position for r in records]), np.array([r.gripper_position for r in records])], axis=1)
     title = f"{episode.prompt!r}: {len(records)} calls, session {episode.session_id}"
     return media.plot_actions(_stack_chunks([r.actions for r in records]), path, state=state, title=title)

@@ -137,9 +137,13 @@ def decode_request(
     call = _decode_guidance(request, guidance)
     if continuation is not None or call is not None:
         observation = RobotObservation(
-            cameras=observation.cameras, states=observation.states, prompt=observation.prompt, episode=call, continuation=continuation,
+            cameras=observation.cameras,
+            states=observation.states,
+            prompt=observation.prompt,
+            episode=call,
+            continuation=continuation,
             wire_keys=observation.wire_keys,
-        )  # fmt: skip
+        )
     return PolicyRequest(endpoint="infer", session_id=session_id, observation=observation)
 
 
@@ -200,9 +204,7 @@ def _require_request_map(payload: Any) -> dict[str, Any]:
         raise RequestError(f"request must be a map of observation keys, got {_describe(payload)}")
     for key in payload:
         if not isinstance(key, str):
-            raise RequestError(
-                f"request keys must be strings, got a key of type {type(key).__name__}: {short_repr(key)}"
-            )
+            raise RequestError(f"request keys must be strings, got a key of type {type(key).__name__}: {short_repr(key)}")
     return payload
 
 
@@ -284,11 +286,14 @@ def _decode_prompt(value: Any) -> str:
 def _decode_observation(request: dict[str, Any], budget: PixelBudget | None) -> RobotObservation:
     left_key, right_key = _exterior_camera_keys(request)
     states = {field: _decode_state(key, request.get(key), length) for field, (key, length) in STATE_KEYS.items()}
-    images = decode_images({
-        "exterior_left": read_image(left_key, request.get(left_key), budget),
-        "exterior_right": read_image(right_key, request.get(right_key), budget) if right_key else None,
-        "wrist": read_image(WRIST_IMAGE_KEY, request.get(WRIST_IMAGE_KEY), budget),
-    }, budget)  # fmt: skip
+    images = decode_images(
+        {
+            "exterior_left": read_image(left_key, request.get(left_key), budget),
+            "exterior_right": read_image(right_key, request.get(right_key), budget) if right_key else None,
+            "wrist": read_image(WRIST_IMAGE_KEY, request.get(WRIST_IMAGE_KEY), budget),
+        },
+        budget,
+    )
     wire_keys = {"exterior_left": left_key, "wrist": WRIST_IMAGE_KEY, **{field: key for field, (key, _) in STATE_KEYS.items()}}
     if right_key is not None:
         wire_keys["exterior_right"] = right_key
@@ -301,12 +306,13 @@ def _decode_observation(request: dict[str, Any], budget: PixelBudget | None) -> 
     if observation.joint_position is None:
         key, length = STATE_KEYS["joint_position"]
         raise RequestError(
-            f"{key}: missing; expected {_state_expected(length)}, the arm's joint positions (DROID actions are joint "
-            f"positions relative to them)"
+            f"{key}: missing; expected {_state_expected(length)}, the arm's joint positions (DROID actions are joint positions relative to them)"
         )
     if observation.gripper_position is None:
         key, length = STATE_KEYS["gripper_position"]
-        raise RequestError(f"{key}: missing; expected {_state_expected(length)}, the gripper's position (0 open, 1 closed; part of the model's state)")
+        raise RequestError(
+            f"{key}: missing; expected {_state_expected(length)}, the gripper's position (0 open, 1 closed; part of the model's state)"
+        )
     return observation
 
 

@@ -71,8 +71,10 @@ def decode_lingbot_va(payload: dict[str, Any], cameras: tuple[str, ...], budget:
         call = EpisodeCall("compute_kv_cache", executed_actions=np.array(state, dtype=np.float32))
         return LingBotVARequest("compute_kv_cache", observation=_observation(payload["obs"], cameras, call, budget))
     call = EpisodeCall(
-        "infer", decode_guidance_scale(payload, "video_guidance_scale"), decode_guidance_scale(payload, "action_guidance_scale"),
-    )  # fmt: skip
+        "infer",
+        decode_guidance_scale(payload, "video_guidance_scale"),
+        decode_guidance_scale(payload, "action_guidance_scale"),
+    )
     return LingBotVARequest("infer", observation=_observation(payload["obs"], cameras, call, budget))
 
 
@@ -114,7 +116,9 @@ def _image(key: str, value: Any) -> np.ndarray:
     if value is None:
         raise RequestError(f"{key}: missing; expected {expected}")
     if not isinstance(value, np.ndarray) or value.dtype != np.uint8 or value.ndim != 3 or value.shape[-1] != 3:
-        raise RequestError(f"{key}: expected {expected}, got {short_repr(value) if not isinstance(value, np.ndarray) else f'{value.dtype} {value.shape}'}")
+        raise RequestError(
+            f"{key}: expected {expected}, got {short_repr(value) if not isinstance(value, np.ndarray) else f'{value.dtype} {value.shape}'}"
+        )
     if not (1 <= value.shape[0] <= MAX_IMAGE_SIDE and 1 <= value.shape[1] <= MAX_IMAGE_SIDE):
         raise RequestError(f"{key}: expected height and width of 1 to {MAX_IMAGE_SIDE} pixels, got {value.shape}")
     return value

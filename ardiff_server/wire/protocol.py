@@ -52,9 +52,7 @@ _ALLOWED_CODES = ("b1", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f
 # ``dtype.str`` writes "<" (little-endian) or "|" (byte order not applicable); "=" (native)
 # is accepted from non-numpy clients. Big-endian (">") is refused. The table is built from
 # these fixed strings so ``np.dtype`` never parses an untrusted one.
-_WIRE_DTYPES: dict[str, np.dtype] = {
-    prefix + code: np.dtype(prefix + code) for code in _ALLOWED_CODES for prefix in "<|="
-}
+_WIRE_DTYPES: dict[str, np.dtype] = {prefix + code: np.dtype(prefix + code) for code in _ALLOWED_CODES for prefix in "<|="}
 _ALLOWED_DTYPES = frozenset(_WIRE_DTYPES.values())
 _ALLOWED_DTYPE_NAMES = "bool, int8..int64, uint8..uint64, float16/32/64, fixed-width strings U<n>/S<n>"
 # Fixed-width strings (a session id sent as ``np.array(["ep-1"])``): "<U12", "|S12"; n is bounded
@@ -130,16 +128,12 @@ def _encode_numpy(obj: Any) -> dict[bytes, Any]:
         return {b"__npgeneric__": True, b"data": obj.item(), b"dtype": obj.dtype.str}
     if isinstance(obj, int):  # msgpack hands back ints it cannot fit in 64 bits
         raise ProtocolError(f"cannot encode integer {short_repr(obj)}: msgpack integers are limited to 64 bits")
-    raise ProtocolError(
-        f"cannot encode object of type {type(obj).__name__}: expected dict, list, str, bytes, number, None or ndarray"
-    )
+    raise ProtocolError(f"cannot encode object of type {type(obj).__name__}: expected dict, list, str, bytes, number, None or ndarray")
 
 
 def _check_encodable_dtype(dtype: np.dtype, what: str) -> None:
     if dtype not in _ALLOWED_DTYPES or dtype.byteorder == ">":
-        raise ProtocolError(
-            f"cannot encode {what} of dtype {dtype.str!r} ({dtype}): allowed are {_ALLOWED_DTYPE_NAMES}, little-endian"
-        )
+        raise ProtocolError(f"cannot encode {what} of dtype {dtype.str!r} ({dtype}): allowed are {_ALLOWED_DTYPE_NAMES}, little-endian")
 
 
 # ---------------------------------------------------------------------------------------
@@ -179,9 +173,7 @@ def unpack(data: bytes | bytearray | memoryview, limits: DecodeLimits = DecodeLi
     except ProtocolError:
         raise
     except UnicodeDecodeError as exc:
-        raise ProtocolError(
-            f"malformed message: a string is not valid UTF-8 ({exc.reason} at byte {exc.start})"
-        ) from None
+        raise ProtocolError(f"malformed message: a string is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     except (ValueError, TypeError, OverflowError, MemoryError, msgpack.UnpackException) as exc:
         # The scan accepted the structure, so this is unexpected; still a protocol error.
         raise ProtocolError(f"malformed message: {type(exc).__name__}: {exc}") from None
@@ -263,9 +255,7 @@ def _scan_structure(data: bytes, limits: DecodeLimits) -> None:
         if kind <= 1:
             if kind == 0:
                 raise ProtocolError(f"malformed message: byte 0x{tag:02x} at offset {pos} is not a msgpack type")
-            raise ProtocolError(
-                f"msgpack ExtType (byte 0x{tag:02x} at offset {pos}) is not allowed: arrays use openpi's map encoding"
-            )
+            raise ProtocolError(f"msgpack ExtType (byte 0x{tag:02x} at offset {pos}) is not allowed: arrays use openpi's map encoding")
         if in_map and remaining % 2 and kind != _STR and kind != _BIN:  # a map key: odd count left after it
             raise ProtocolError(f"map key at offset {pos} must be a string, got msgpack {_HEADERS[tag][0]}")
         length_bytes = tag_length_bytes[tag]
@@ -292,9 +282,7 @@ def _scan_structure(data: bytes, limits: DecodeLimits) -> None:
         if kind == _BIN and value > max_bin:
             raise ProtocolError(f"binary of {value} bytes at offset {pos} is over the limit of {max_bin} bytes")
         if pos + value > end:
-            raise ProtocolError(
-                f"truncated message: {_HEADERS[tag][0]} of {value} bytes at offset {pos} runs past the end ({end} bytes)"
-            )
+            raise ProtocolError(f"truncated message: {_HEADERS[tag][0]} of {value} bytes at offset {pos} runs past the end ({end} bytes)")
         pos += value
     if pos != end:
         raise ProtocolError(f"malformed message: {end - pos} trailing bytes after the message ends at offset {pos}")
@@ -310,9 +298,7 @@ def _check_container(kind: str, length: int, count: int, pos: int, end: int, dep
     # Every element takes at least one byte: a count the rest of the frame cannot hold is a
     # truncated (or lying) frame; catching it here avoids building a huge list first.
     if count > end - pos:
-        raise ProtocolError(
-            f"truncated message: {kind} at offset {pos} declares {length} entries but only {end - pos} bytes remain"
-        )
+        raise ProtocolError(f"truncated message: {kind} at offset {pos} declares {length} entries but only {end - pos} bytes remain")
 
 
 def _decode_marker_map(obj: dict[Any, Any], limits: DecodeLimits, copy: bool = True) -> Any:
@@ -337,9 +323,7 @@ def _decode_ndarray(obj: dict[Any, Any], limits: DecodeLimits, copy: bool = True
     nbytes = math.prod(shape) * dtype.itemsize  # exact: Python ints, no overflow
     if nbytes > limits.max_array_bytes:
         limit = limits.max_array_bytes
-        raise ProtocolError(
-            f"array of shape {shape} and dtype {dtype.str} is {nbytes} bytes, over the limit of {limit}"
-        )
+        raise ProtocolError(f"array of shape {shape} and dtype {dtype.str} is {nbytes} bytes, over the limit of {limit}")
     if nbytes != len(data):
         raise ProtocolError(f"array of shape {shape} and dtype {dtype.str} needs {nbytes} data bytes, got {len(data)}")
     if dtype.kind == "b" and nbytes and np.frombuffer(data, dtype=np.uint8).max() > 1:

@@ -31,6 +31,7 @@ from ardiff_policies.progress import LoadProgress
 
 logger = logging.getLogger(__name__)
 
+
 class CheckpointError(RuntimeError):
     """The checkpoint directory is incomplete, corrupted or does not fit the model."""
 
@@ -195,9 +196,7 @@ class CheckpointDir:
             self.action_head: dict[str, Any] = root["action_head_cfg"]["config"]
             self.diffusion_model_cfg: dict[str, Any] = self.action_head["diffusion_model_cfg"]
         except (KeyError, TypeError):
-            raise CheckpointError(
-                f"{self.path / 'config.json'}: expected action_head_cfg.config.diffusion_model_cfg"
-            ) from None
+            raise CheckpointError(f"{self.path / 'config.json'}: expected action_head_cfg.config.diffusion_model_cfg") from None
         self.root_config = root
         self.metadata: dict[str, Any] = _read_json(self.path / "experiment_cfg" / "metadata.json")
         self.weights = WeightFiles.from_directory(self.path)

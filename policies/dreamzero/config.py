@@ -31,9 +31,14 @@ SYNTHETIC_PREFIX = "synthetic:"  # random weights in a released geometry, made o
 
 # What the server reads from a checkpoint (checkpoint.py), and so all it fetches of a hub repo.
 CHECKPOINT_FILES = (
-    "config.json", "model.safetensors", "model.safetensors.index.json", "model-*.safetensors",
-    "experiment_cfg/metadata.json", "experiment_cfg/conf.yaml", "vae/config.json",
-)  # fmt: skip
+    "config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "model-*.safetensors",
+    "experiment_cfg/metadata.json",
+    "experiment_cfg/conf.yaml",
+    "vae/config.json",
+)
 CHECKPOINT_TOKENIZER_FILES = ("tokenizer/*",)  # only when policy.tokenizer is not given
 # A tokenizer repo (google/umt5-xxl) without its model weights.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "spiece.model", "config.json")
@@ -71,8 +76,12 @@ class DreamZeroConfig(pydantic.BaseModel):
     sigma_shift: float = pydantic.Field(5.0, gt=0)  # flow-matching schedule shift (upstream: 5.0)
     cfg_scale: float = pydantic.Field(5.0, ge=1.0)  # classifier-free guidance on the video (1: no negative branch; upstream: 5.0)
     seed: int = 1140  # the sampler's noise seed (upstream's)
-    dit_step_cache: Literal["off", "fixed", "dynamic"] = "fixed"  # reuse the last velocity on some steps: off, fixed (dit_step_mask), dynamic (cosine 0.95/0.93 -> skip 4/2)
-    dit_step_mask: list[bool] = pydantic.Field(default_factory=lambda: list(UPSTREAM_STEP_MASK))  # with dit_step_cache fixed: which steps run the DiT (upstream's 8 of 16)
+    dit_step_cache: Literal["off", "fixed", "dynamic"] = (
+        "fixed"  # reuse the last velocity on some steps: off, fixed (dit_step_mask), dynamic (cosine 0.95/0.93 -> skip 4/2)
+    )
+    dit_step_mask: list[bool] = pydantic.Field(
+        default_factory=lambda: list(UPSTREAM_STEP_MASK)
+    )  # with dit_step_cache fixed: which steps run the DiT (upstream's 8 of 16)
     embodiment: str | None = pydantic.Field(
         None, description="embodiment tag in the checkpoint's metadata.json (default: its only one; oxe_droid among several)"
     )
@@ -88,7 +97,9 @@ class DreamZeroConfig(pydantic.BaseModel):
         "denoising step; CPU path only, refused at start-up elsewhere)",
     )
     continuation_execution_horizon: int | None = pydantic.Field(
-        None, ge=0, description="RTC's s: the soft mask reaches 0 at horizon - s (default: each request's executed count, the whole overlap); "
+        None,
+        ge=0,
+        description="RTC's s: the soft mask reaches 0 at horizon - s (default: each request's executed count, the whole overlap); "
         "inpaint and guided only (refused with clean_prefix, which has no soft mask)",
     )
 
@@ -105,7 +116,7 @@ class DreamZeroConfig(pydantic.BaseModel):
             raise ValueError(
                 f"continuation_execution_horizon: {self.continuation_execution_horizon} sets RTC's soft mask, which continuation "
                 f"clean_prefix does not use (it pins the frozen actions only); unset it, or use continuation inpaint or guided"
-            )  # fmt: skip
+            )
         return self
 
     @pydantic.model_validator(mode="after")

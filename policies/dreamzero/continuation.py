@@ -97,9 +97,18 @@ def reanchor(last: LastChunk, executed: int, raw_state: np.ndarray, stats: NormS
 
 
 def plan(
-    continuation: Continuation, last: LastChunk, raw_state: np.ndarray, *, mode: str, horizon: int, execution_horizon: int | None,
-    stats: NormStats, relative: RelativeSlices, device: torch.device, dtype: torch.dtype,
-) -> ContinuationPlan:  # fmt: skip
+    continuation: Continuation,
+    last: LastChunk,
+    raw_state: np.ndarray,
+    *,
+    mode: str,
+    horizon: int,
+    execution_horizon: int | None,
+    stats: NormStats,
+    relative: RelativeSlices,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> ContinuationPlan:
     e, d = continuation.executed, continuation.delay
     remaining = reanchor(last, e, raw_state, stats, relative)
     target = np.zeros((horizon, remaining.shape[1]), dtype=np.float64)
@@ -111,11 +120,12 @@ def plan(
         weights = np.zeros(horizon)
         weights[:d] = 1.0
     return ContinuationPlan(
-        frozen=d, mode=mode,
+        frozen=d,
+        mode=mode,
         target=torch.from_numpy(target).reshape(1, horizon, -1).to(device, dtype),
         weights=torch.from_numpy(weights).reshape(1, horizon, 1).to(device, dtype),
         executed_actions=last.actions[e : e + d].copy(),
-    )  # fmt: skip
+    )
 
 
 def before_step(plan: ContinuationPlan, actions: torch.Tensor, sigma: float) -> torch.Tensor:
@@ -173,8 +183,16 @@ def check_mode(mode: str, *, device: torch.device, cfg_parallel: bool, cuda_grap
     """Refuse, at start-up, a continuation mode this process cannot serve (ValueError naming the setting and the fix)."""
     if mode != "guided":
         return
-    blockers = [name for name, on in (("a CUDA device", device.type != "cpu"), ("CFG-parallel", cfg_parallel),
-                                       ("CUDA graphs", cuda_graphs), ("torch.compile", compiled)) if on]  # fmt: skip
+    blockers = [
+        name
+        for name, on in (
+            ("a CUDA device", device.type != "cpu"),
+            ("CFG-parallel", cfg_parallel),
+            ("CUDA graphs", cuda_graphs),
+            ("torch.compile", compiled),
+        )
+        if on
+    ]
     if blockers:
         raise ValueError(
             f"policy.continuation: guided runs on the CPU path only (a backward through the DiT per denoising step, "

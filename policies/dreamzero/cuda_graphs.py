@@ -64,11 +64,13 @@ class DenoiseGraphs:
         self.failed = False
         logger.info(
             "CUDA graphs: the denoise forward is captured per (branch, cross slot, window position) on first use, "
-            "capture_error_mode=%s (the encoder thread's CUDA work may run during a capture)", CAPTURE_ERROR_MODE,
-        )  # fmt: skip
+            "capture_error_mode=%s (the encoder thread's CUDA work may run during a capture)",
+            CAPTURE_ERROR_MODE,
+        )
 
-    def run(self, key: GraphKey, *, layer_inputs: list[PagedLayerInputs], cross_kv, current_start_frame: list[int],
-            **tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    def run(
+        self, key: GraphKey, *, layer_inputs: list[PagedLayerInputs], cross_kv, current_start_frame: list[int], **tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Replay (capturing first if needed). None: graphs are unusable here, run eagerly."""
         if self.failed:
             return None
@@ -98,10 +100,16 @@ class DenoiseGraphs:
 
         def forward() -> tuple[torch.Tensor, torch.Tensor]:
             return self.dit(
-                inputs["x"], inputs["timestep"], current_start_frame=current_start_frame, self_kv=static_layers,
-                y=inputs.get("y"), cross_kv=cross_kv, action=inputs["action"], timestep_action=inputs["timestep_action"],
+                inputs["x"],
+                inputs["timestep"],
+                current_start_frame=current_start_frame,
+                self_kv=static_layers,
+                y=inputs.get("y"),
+                cross_kv=cross_kv,
+                action=inputs["action"],
+                timestep_action=inputs["timestep_action"],
                 state=inputs["state"],
-            )  # fmt: skip
+            )
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -77,10 +77,16 @@ class DiTConfig:
     concat_first_frame_latent: bool = True
 
     # Training-time keys of the upstream config that do not change the inference network.
-    _IGNORED = frozenset({
-        "_target_", "_convert_", "diffusion_model_pretrained_path", "num_registers",
-        "max_num_embodiments", "sink_size",
-    })  # fmt: skip
+    _IGNORED = frozenset(
+        {
+            "_target_",
+            "_convert_",
+            "diffusion_model_pretrained_path",
+            "num_registers",
+            "max_num_embodiments",
+            "sink_size",
+        }
+    )
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DiTConfig:
@@ -216,9 +222,7 @@ class WanAttentionProjections(nn.Module):
 
 
 class CausalWanSelfAttention(WanAttentionProjections):
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], num_extra: int, self_kv: LayerKV
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], num_extra: int, self_kv: LayerKV) -> torch.Tensor:
         shape = (*x.shape[:2], self.num_heads, self.head_dim)
         q = apply_rope(self.norm_q(self.q(x)).view(shape), *rope)
         k = apply_rope(self.norm_k(self.k(x)).view(shape), *rope)
@@ -229,9 +233,14 @@ class CausalWanSelfAttention(WanAttentionProjections):
         scale = self.head_dim**-0.5
         if isinstance(self_kv, PagedLayerInputs):  # B sequences, each over its own pages (block-table rows)
             out = paged_write_attend(
-                self_kv, q.flatten(0, 1), k_video.flatten(0, 1), v_video.flatten(0, 1),
-                None if k_extra is None else k_extra.flatten(0, 1), None if v_extra is None else v_extra.flatten(0, 1), scale,
-            ).view(shape)  # fmt: skip
+                self_kv,
+                q.flatten(0, 1),
+                k_video.flatten(0, 1),
+                v_video.flatten(0, 1),
+                None if k_extra is None else k_extra.flatten(0, 1),
+                None if v_extra is None else v_extra.flatten(0, 1),
+                scale,
+            ).view(shape)
         elif self_kv is None:  # full attention over this call's tokens
             out = _attention(q, k, v, scale)
         else:
@@ -330,9 +339,7 @@ class MLPProj(nn.Module):
 
     def __init__(self, in_dim: int, out_dim: int) -> None:
         super().__init__()
-        self.proj = nn.Sequential(
-            nn.LayerNorm(in_dim), nn.Linear(in_dim, in_dim), nn.GELU(), nn.Linear(in_dim, out_dim), nn.LayerNorm(out_dim)
-        )
+        self.proj = nn.Sequential(nn.LayerNorm(in_dim), nn.Linear(in_dim, in_dim), nn.GELU(), nn.Linear(in_dim, out_dim), nn.LayerNorm(out_dim))
 
     def forward(self, image_tokens: torch.Tensor) -> torch.Tensor:
         return self.proj(image_tokens)
@@ -469,9 +476,7 @@ class CausalWanModel(nn.Module):
         if action is not None:
             if timestep_action is None or state is None:
                 raise ValueError("action needs timestep_action and state")
-            register = torch.cat(
-                [self.action_encoder(action, timestep_action, category), self.state_encoder(state, category)], dim=1
-            )
+            register = torch.cat([self.action_encoder(action, timestep_action, category), self.state_encoder(state, category)], dim=1)
             num_extra = register.shape[1]
             if num_extra != cfg.action_register_length:
                 raise ValueError(f"action register of {num_extra} tokens, expected {cfg.action_register_length}")

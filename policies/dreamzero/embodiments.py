@@ -75,18 +75,45 @@ UPSTREAM_TEMPLATES: tuple[tuple[str, str, bool], ...] = (
 # upstream's embodiment_tag_to_projector_index (several tags share an id; collate compares ids, so e.g. "lapa"
 # gets MECKA hands' template).
 PROJECTOR_INDEX: dict[str, int] = {
-    "real_gr1_arms_only": 0, "real_gr1_arms_only_annotated": 1, "real_gr1_arms_waist": 2,
-    "real_gr1_arms_waist_annotated": 3, "dexmg_gr1_arms_only_inspire": 4, "dexmg_gr1_arms_only_fourier": 5,
-    "dexmg_gr1_arms_waist_fourier": 6, "robocasa_single_arm": 7, "onex_eve_gripper": 8,
-    "robocasa_gr1_arms_only_inspire_hands": 9, "robocasa_gr1_arms_only_fourier_hands": 10,
-    "robocasa_gr1_fixed_lower_body_inspire_hands": 11, "robocasa_gr1_fixed_lower_body_fourier_hands": 12,
-    "robocasa_panda_omron": 13, "robocasa_bimanual_panda_parallel_gripper": 15, "robocasa_bimanual_panda_inspire_hand": 16,
-    "oxe_droid": 17, "oxe_fractal": 18, "oxe_language_table": 19, "oxe_bridge": 20, "real_panda_single_arm": 21,
-    "hot3d_hands_only": 23, "gr1_unified": 24, "robocasa_gr1_arms_waist_fourier_hands": 25, "agibot": 26, "lapa": 27,
-    "oxe_mutex": 28, "oxe_roboset": 29, "oxe_plex": 30, "dream": 31, "yam": 32, "xdof": 22,
-    "gr1_unified_segmentation": 14, "language_table_sim": 7, "gr1_isaac": 0, "sim_behavior_r1_pro": 31,
-    "mecka_hands": 27, "real_r1_pro_sharpa": 28,
-}  # fmt: skip
+    "real_gr1_arms_only": 0,
+    "real_gr1_arms_only_annotated": 1,
+    "real_gr1_arms_waist": 2,
+    "real_gr1_arms_waist_annotated": 3,
+    "dexmg_gr1_arms_only_inspire": 4,
+    "dexmg_gr1_arms_only_fourier": 5,
+    "dexmg_gr1_arms_waist_fourier": 6,
+    "robocasa_single_arm": 7,
+    "onex_eve_gripper": 8,
+    "robocasa_gr1_arms_only_inspire_hands": 9,
+    "robocasa_gr1_arms_only_fourier_hands": 10,
+    "robocasa_gr1_fixed_lower_body_inspire_hands": 11,
+    "robocasa_gr1_fixed_lower_body_fourier_hands": 12,
+    "robocasa_panda_omron": 13,
+    "robocasa_bimanual_panda_parallel_gripper": 15,
+    "robocasa_bimanual_panda_inspire_hand": 16,
+    "oxe_droid": 17,
+    "oxe_fractal": 18,
+    "oxe_language_table": 19,
+    "oxe_bridge": 20,
+    "real_panda_single_arm": 21,
+    "hot3d_hands_only": 23,
+    "gr1_unified": 24,
+    "robocasa_gr1_arms_waist_fourier_hands": 25,
+    "agibot": 26,
+    "lapa": 27,
+    "oxe_mutex": 28,
+    "oxe_roboset": 29,
+    "oxe_plex": 30,
+    "dream": 31,
+    "yam": 32,
+    "xdof": 22,
+    "gr1_unified_segmentation": 14,
+    "language_table_sim": 7,
+    "gr1_isaac": 0,
+    "sim_behavior_r1_pro": 31,
+    "mecka_hands": 27,
+    "real_r1_pro_sharpa": 28,
+}
 
 
 def instruction(prompt: str | None) -> str:
@@ -146,16 +173,37 @@ class Modalities:
 BUILTIN_MODALITIES: dict[str, Modalities] = {
     "oxe_droid": Modalities(
         ("exterior_image_1_left", "exterior_image_2_left", "wrist_image_left"),
-        ("joint_position", "gripper_position"), ("joint_position", "gripper_position"), ("joint_position",),
+        ("joint_position", "gripper_position"),
+        ("joint_position", "gripper_position"),
+        ("joint_position",),
     ),
     "agibot": Modalities(
         ("top_head", "hand_left", "hand_right"),
-        ("left_arm_joint_position", "right_arm_joint_position", "left_effector_position", "right_effector_position",
-         "head_position", "waist_position"),
-        ("left_arm_joint_position", "right_arm_joint_position", "left_effector_position", "right_effector_position",
-         "head_position", "waist_position", "robot_velocity"),
-        ("left_arm_joint_position", "right_arm_joint_position", "left_effector_position", "right_effector_position",
-         "head_position", "waist_position"),
+        (
+            "left_arm_joint_position",
+            "right_arm_joint_position",
+            "left_effector_position",
+            "right_effector_position",
+            "head_position",
+            "waist_position",
+        ),
+        (
+            "left_arm_joint_position",
+            "right_arm_joint_position",
+            "left_effector_position",
+            "right_effector_position",
+            "head_position",
+            "waist_position",
+            "robot_velocity",
+        ),
+        (
+            "left_arm_joint_position",
+            "right_arm_joint_position",
+            "left_effector_position",
+            "right_effector_position",
+            "head_position",
+            "waist_position",
+        ),
     ),
     "yam": Modalities(
         ("top_camera-images-rgb", "left_camera-images-rgb", "right_camera-images-rgb"),
@@ -163,7 +211,7 @@ BUILTIN_MODALITIES: dict[str, Modalities] = {
         ("left_joint_pos", "left_gripper_pos", "right_joint_pos", "right_gripper_pos"),
         ("left_joint_pos", "left_gripper_pos", "right_joint_pos", "right_gripper_pos"),
     ),
-}  # fmt: skip
+}
 # DROID is served on RoboArena's keys: its dataset cameras under the names the decoder gives them.
 DROID_CAMERAS = {"exterior_image_1_left": "exterior_left", "exterior_image_2_left": "exterior_right", "wrist_image_left": "wrist"}
 BUILTIN_TAGS = tuple(sorted({*BUILTIN_MODALITIES, *(tag for tag, _, _ in UPSTREAM_TEMPLATES)}))
@@ -194,6 +242,7 @@ class RunConfig:
         modalities = None
         section = (config.get("modality_configs") or {}).get(tag)
         if isinstance(section, Mapping):
+
             def keys(kind: str) -> tuple[str, ...]:
                 listed = (section.get(kind) or {}).get("modality_keys") or []
                 return tuple(str(k).split(".", 1)[1] if str(k).startswith(f"{kind}.") else str(k) for k in listed)
@@ -315,13 +364,24 @@ def resolve(
         resolutions = camera_resolutions(metadata, tag, cameras)
     default_instruction = run.default_instruction if run.default_instruction is not None else DEFAULT_INSTRUCTION
     return Embodiment(
-        tag=tag, cameras=cameras, states=states, actions=actions, relative_action_keys=relative,
-        state_stats=state_stats, action_stats=action_stats, embodiment_id=embodiment_id, prompt_template=template,
+        tag=tag,
+        cameras=cameras,
+        states=states,
+        actions=actions,
+        relative_action_keys=relative,
+        state_stats=state_stats,
+        action_stats=action_stats,
+        embodiment_id=embodiment_id,
+        prompt_template=template,
         # upstream's DROID server sends "" for a missing prompt (see transforms.py); the eval transform's default otherwise
         default_instruction="" if wire == "roboarena" else default_instruction,
-        layout=layout, wire=wire, camera_resolutions=resolutions,
-        crop_scale=run.crop_scale if run.crop_scale is not None else 0.95, trained_view_size=run.view_size, sources=sources,
-    )  # fmt: skip
+        layout=layout,
+        wire=wire,
+        camera_resolutions=resolutions,
+        crop_scale=run.crop_scale if run.crop_scale is not None else 0.95,
+        trained_view_size=run.view_size,
+        sources=sources,
+    )
 
 
 def _check_normalization(tag: str, modalities: Modalities, run: RunConfig) -> None:

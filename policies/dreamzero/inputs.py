@@ -49,9 +49,18 @@ class InputEncoder:
     """Turns one session's observation and prompt into what the DiT reads (the model's VAE, CLIP and UMT5)."""
 
     def __init__(
-        self, model: DreamZeroModel, embodiment: Embodiment, *, view_size: tuple[int, int], camera_sizes: Sequence[tuple[int, int]],
-        negative_prompt: str, device: torch.device, dtype: torch.dtype, text_device: torch.device, image_device: torch.device,
-    ) -> None:  # fmt: skip
+        self,
+        model: DreamZeroModel,
+        embodiment: Embodiment,
+        *,
+        view_size: tuple[int, int],
+        camera_sizes: Sequence[tuple[int, int]],
+        negative_prompt: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        text_device: torch.device,
+        image_device: torch.device,
+    ) -> None:
         self.model = model
         self.embodiment = embodiment
         self.view_size = view_size
@@ -106,8 +115,13 @@ class InputEncoder:
     def tokenize(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(input ids, attention mask) padded to the DiT's text length, on the text encoder's device."""
         tokens = self.model.tokenizer(
-            text, max_length=self.text_len, padding="max_length", truncation=True, return_tensors="pt", add_special_tokens=True,
-        )  # fmt: skip
+            text,
+            max_length=self.text_len,
+            padding="max_length",
+            truncation=True,
+            return_tensors="pt",
+            add_special_tokens=True,
+        )
         return tokens["input_ids"].to(self.text_device), tokens["attention_mask"].to(self.text_device)
 
     def encode_text(self, text: str) -> torch.Tensor:

@@ -503,13 +503,18 @@ def check_plan(geometry: ModelGeometry, config: Any, options: RuntimeOptions, de
     if device.type == "cuda" and device.index is None:  # "cuda": this process's current GPU, named like the placements
         device = torch.device("cuda", torch.cuda.current_device())
     settings = PlanSettings(
-        engine_device=str(device), dtype=getattr(torch, options.dtype),
-        text_encoder_device=config.text_encoder_device, image_encoder_device=config.image_encoder_device,
+        engine_device=str(device),
+        dtype=getattr(torch, options.dtype),
+        text_encoder_device=config.text_encoder_device,
+        image_encoder_device=config.image_encoder_device,
         branches=len(options.guidance.local_branches) if config.cfg_scale != 1.0 else 1,
-        cfg_parallel_size=2 if options.guidance.is_parallel else 1, max_sessions=options.max_sessions,
-        kv_budget_gib=options.kv_budget_gib, kv_memory_fraction=options.kv_memory_fraction, max_batch=options.max_batch,
+        cfg_parallel_size=2 if options.guidance.is_parallel else 1,
+        max_sessions=options.max_sessions,
+        kv_budget_gib=options.kv_budget_gib,
+        kv_memory_fraction=options.kv_memory_fraction,
+        max_batch=options.max_batch,
         host_processes=2 if options.guidance.is_parallel else 1,
-    )  # fmt: skip
+    )
     used = {settings.device_of(c) for c in COMPONENTS}
     check_devices_exist(sorted(used), torch.cuda.device_count() if any(d.startswith("cuda") for d in used) else 0)
     free = {d: free_bytes(d) for d in used | {"cpu"}}

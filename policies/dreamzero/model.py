@@ -40,12 +40,30 @@ logger = logging.getLogger(__name__)
 # a key missing from ``diffusion_model_cfg`` gets these upstream, so it gets them here too. (DiTConfig's own
 # defaults are the released model's values; they agree with these on every key the released file leaves out.)
 UPSTREAM_DIT_DEFAULTS: dict[str, Any] = {
-    "model_type": "t2v", "patch_size": (1, 2, 2), "frame_seqlen": 220, "text_len": 512, "in_dim": 16, "dim": 2048,
-    "ffn_dim": 8192, "freq_dim": 256, "text_dim": 4096, "out_dim": 16, "num_heads": 16, "num_layers": 32,
-    "max_chunk_size": -1, "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6, "num_frame_per_block": 1,
-    "action_dim": 32, "max_state_dim": 64, "hidden_size": 1024, "num_action_per_block": 32, "num_state_per_block": 1,
+    "model_type": "t2v",
+    "patch_size": (1, 2, 2),
+    "frame_seqlen": 220,
+    "text_len": 512,
+    "in_dim": 16,
+    "dim": 2048,
+    "ffn_dim": 8192,
+    "freq_dim": 256,
+    "text_dim": 4096,
+    "out_dim": 16,
+    "num_heads": 16,
+    "num_layers": 32,
+    "max_chunk_size": -1,
+    "qk_norm": True,
+    "cross_attn_norm": True,
+    "eps": 1e-6,
+    "num_frame_per_block": 1,
+    "action_dim": 32,
+    "max_state_dim": 64,
+    "hidden_size": 1024,
+    "num_action_per_block": 32,
+    "num_state_per_block": 1,
     "concat_first_frame_latent": True,
-}  # fmt: skip
+}
 
 # action_head_cfg.config keys whose value changes inference and that run at one value only:
 # key -> (the supported value, upstream's value when the key is absent: WANPolicyHeadConfig's field default).
@@ -54,33 +72,76 @@ FIXED_ACTION_HEAD_KEYS: dict[str, tuple[Any, Any]] = {
     "train_architecture": ("full", "lora"),  # "lora": un-merged LoRA tensors that upstream merges after loading
 }
 # action_head_cfg.config keys this project reads (besides FIXED_ACTION_HEAD_KEYS and the sub-sections).
-READ_ACTION_HEAD_KEYS = frozenset({
-    "num_frames", "num_frame_per_block", "action_horizon", "action_dim", "max_state_dim",
-    "decouple_inference_noise", "video_inference_final_noise",
-    "target_video_height", "target_video_width",  # the video is resized to this before the VAE (the 5B's 160x320)
-})  # fmt: skip
+READ_ACTION_HEAD_KEYS = frozenset(
+    {
+        "num_frames",
+        "num_frame_per_block",
+        "action_horizon",
+        "action_dim",
+        "max_state_dim",
+        "decouple_inference_noise",
+        "video_inference_final_noise",
+        "target_video_height",
+        "target_video_width",  # the video is resized to this before the VAE (the 5B's 160x320)
+    }
+)
 SECTIONS = ("diffusion_model_cfg", "text_encoder_cfg", "image_encoder_cfg", "vae_cfg")
 # action_head_cfg.config keys (released ones and other WANPolicyHeadConfig fields) that do not change inference:
-IGNORED_ACTION_HEAD_KEYS = frozenset({
-    # hydra bookkeeping
-    "_target_", "_recursive_", "_convert_",
-    # only used when tiled=True / train_architecture="lora" (both refused)
-    "tile_size_height", "tile_size_width", "tile_stride_height", "tile_stride_width",
-    "lora_rank", "lora_alpha", "lora_target_modules", "init_lora_weights", "defer_lora_injection",
-    # upstream's action head hard-codes 16 steps (the server setting num_inference_steps applies); training dtype
-    "num_inference_timesteps", "model_dtype",
-    # pads training actions; the head's hidden_size is not the DiT's (diffusion_model_cfg.hidden_size)
-    "max_action_dim", "hidden_size",
-    # training: loss, noise sampling, trainable parts, checkpointing, weight loading
-    "action_loss_embodiment_ids", "noise_beta_alpha", "noise_beta_beta", "noise_s", "num_timestep_buckets",
-    "decouple_video_action_noise", "video_noise_beta_alpha", "video_noise_beta_beta", "use_high_noise_emphasis",
-    "high_noise_beta_alpha", "tune_projector", "tune_diffusion_model", "use_gradient_checkpointing",
-    "skip_component_loading", "load_pretrained_det_decode_layer_path", "freeze_decode_layer", "detection_coeff",
-    "repa_layer", "repa_coeff", "expand_batch",
-    # GR00T N1.5 leftovers that build nothing in WANPolicyHead
-    "add_pos_embed", "input_embedding_dim", "backbone_embedding_dim", "use_vlln", "vl_self_attention_cfg",
-    "backbone_features_projector_cfg", "qformer_cfg", "max_seq_len", "max_num_embodiments",
-})  # fmt: skip
+IGNORED_ACTION_HEAD_KEYS = frozenset(
+    {
+        # hydra bookkeeping
+        "_target_",
+        "_recursive_",
+        "_convert_",
+        # only used when tiled=True / train_architecture="lora" (both refused)
+        "tile_size_height",
+        "tile_size_width",
+        "tile_stride_height",
+        "tile_stride_width",
+        "lora_rank",
+        "lora_alpha",
+        "lora_target_modules",
+        "init_lora_weights",
+        "defer_lora_injection",
+        # upstream's action head hard-codes 16 steps (the server setting num_inference_steps applies); training dtype
+        "num_inference_timesteps",
+        "model_dtype",
+        # pads training actions; the head's hidden_size is not the DiT's (diffusion_model_cfg.hidden_size)
+        "max_action_dim",
+        "hidden_size",
+        # training: loss, noise sampling, trainable parts, checkpointing, weight loading
+        "action_loss_embodiment_ids",
+        "noise_beta_alpha",
+        "noise_beta_beta",
+        "noise_s",
+        "num_timestep_buckets",
+        "decouple_video_action_noise",
+        "video_noise_beta_alpha",
+        "video_noise_beta_beta",
+        "use_high_noise_emphasis",
+        "high_noise_beta_alpha",
+        "tune_projector",
+        "tune_diffusion_model",
+        "use_gradient_checkpointing",
+        "skip_component_loading",
+        "load_pretrained_det_decode_layer_path",
+        "freeze_decode_layer",
+        "detection_coeff",
+        "repa_layer",
+        "repa_coeff",
+        "expand_batch",
+        # GR00T N1.5 leftovers that build nothing in WANPolicyHead
+        "add_pos_embed",
+        "input_embedding_dim",
+        "backbone_embedding_dim",
+        "use_vlln",
+        "vl_self_attention_cfg",
+        "backbone_features_projector_cfg",
+        "qformer_cfg",
+        "max_seq_len",
+        "max_num_embodiments",
+    }
+)
 # Keys of the encoder sections: upstream's (class, weight path) and this project's ``architecture`` overrides.
 ENCODER_SECTION_KEYS = frozenset({"_target_", "_convert_", "architecture"})
 # Constructor arguments upstream's VAE classes take from vae_cfg: WanVideoVAE(z_dim) and WanVideoVAE38(z_dim, dim).
@@ -158,8 +219,7 @@ def _target_video_size(raw: dict[str, Any], dit: DiTConfig) -> tuple[int, int] |
     height, width = raw.get("target_video_height"), raw.get("target_video_width")
     if height is None or width is None:
         if (height is None) != (width is None):
-            logger.warning("config.json sets only one of target_video_height / target_video_width; upstream then "
-                           "ignores it, and so does this server")  # fmt: skip
+            logger.warning("config.json sets only one of target_video_height / target_video_width; upstream then ignores it, and so does this server")
         return (176, 320) if dit.frame_seqlen in (50, 55) else None
     if type(height) is not int or type(width) is not int or height < 1 or width < 1:
         raise CheckpointError(f"config.json target_video_height / target_video_width must be positive integers, got {height!r} x {width!r}")
@@ -184,7 +244,9 @@ def read_vae_config(ckpt: CheckpointDir) -> dict[str, Any]:
     config = {**(WAN22_VAE_CONFIG if wan22 else WAN21_VAE_CONFIG), **arguments, **(ckpt.component_config("vae_cfg") or {})}
     if len(config["latents_mean"]) != config["z_dim"]:
         # upstream normalizes with fixed statistics: 16 channels (WanVideoVAE), 48 (WanVideoVAE38)
-        raise CheckpointError(f"config.json vae_cfg: z_dim {config['z_dim']} does not fit the {len(config['latents_mean'])} latent statistics of its VAE")
+        raise CheckpointError(
+            f"config.json vae_cfg: z_dim {config['z_dim']} does not fit the {len(config['latents_mean'])} latent statistics of its VAE"
+        )
     return config
 
 

@@ -52,7 +52,7 @@ from ardiff_policies.dreamzero.batch import (
     run_each,
     run_phase,
     seeded_noise,
-)  # fmt: skip
+)
 from ardiff_policies.dreamzero.config import SYNTHETIC_PREFIX, DreamZeroConfig
 from ardiff_policies.dreamzero.embodiments import DROID_CAMERAS, embodiment_prompt, resolve
 from ardiff_policies.dreamzero.inputs import FRAMES_PER_CALL, InputEncoder, Prepared
@@ -115,14 +115,26 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         head = self.action_head_config
         target = head.target_video_size
         geometry.check_canvas(
-            self.canvas_size, what=f"target_video_height/width {target[0]}x{target[1]}" if target else f"view_size {list(self.view_size)} ({self.embodiment.layout} layout)",
-            spatial_compression=model.vae.spatial_compression, patch_size=self.dit_config.patch_size, frame_seqlen=self.dit_config.frame_seqlen,
-        )  # fmt: skip
+            self.canvas_size,
+            what=f"target_video_height/width {target[0]}x{target[1]}"
+            if target
+            else f"view_size {list(self.view_size)} ({self.embodiment.layout} layout)",
+            spatial_compression=model.vae.spatial_compression,
+            patch_size=self.dit_config.patch_size,
+            frame_seqlen=self.dit_config.frame_seqlen,
+        )
         geometry.check_embodiment(self.embodiment, max_action_dim=head.max_action_dim, max_state_dim=head.max_state_dim, view_size=config.view_size)
         self.inputs = InputEncoder(
-            model, self.embodiment, view_size=self.view_size, camera_sizes=self.camera_sizes, negative_prompt=config.negative_prompt,
-            device=self.device, dtype=self.dtype, text_device=self.text_device, image_device=self.image_device,
-        )  # fmt: skip
+            model,
+            self.embodiment,
+            view_size=self.view_size,
+            camera_sizes=self.camera_sizes,
+            negative_prompt=config.negative_prompt,
+            device=self.device,
+            dtype=self.dtype,
+            text_device=self.text_device,
+            image_device=self.image_device,
+        )
         self.action_stats = NormStats.from_quantiles(self.embodiment.action_stats)
         self.state_stats = NormStats.from_quantiles(self.embodiment.state_stats)
         state_slices = self.embodiment.state_slices
@@ -130,8 +142,9 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         self.use_guidance = config.cfg_scale != 1.0
         if self.guidance.is_parallel and not self.use_guidance:
             raise ValueError("CFG-parallel needs cfg_scale != 1 (there is no second branch to run)")
-        chunking.check_mode(config.continuation, device=self.device, cfg_parallel=self.guidance.is_parallel,
-                            cuda_graphs=options.cuda_graphs, compiled=options.compile)  # fmt: skip
+        chunking.check_mode(
+            config.continuation, device=self.device, cfg_parallel=self.guidance.is_parallel, cuda_graphs=options.cuda_graphs, compiled=options.compile
+        )
         self.graphs = None
         if options.cuda_graphs:
             from ardiff_policies.dreamzero.cuda_graphs import DenoiseGraphs
@@ -200,13 +213,13 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 "backbone": "wan2.2-ti2v-5b" if self.model.vae.is_wan22 else "wan2.1-i2v-14b",
                 "embodiment": {**e.describe(resolution), **({"observation": schema.describe()} if schema is not None else {})},
                 "frames_per_call": FRAMES_CONTRACT,
-                "continuation": {**CONTRACT, "mode": self.config.continuation,
-                                 "execution_horizon": self.config.continuation_execution_horizon},
-            },  # fmt: skip
+                "continuation": {**CONTRACT, "mode": self.config.continuation, "execution_horizon": self.config.continuation_execution_horizon},
+            },
             max_batch=64,  # step_batch runs any number of sessions in one forward; engine.max_batch caps it
             observation_schema=schema,
             continuations=True,
-            max_frames_per_call=FRAMES_PER_CALL, keeps_newest_frames=True,  # InputEncoder.canvas: the newest are used
+            max_frames_per_call=FRAMES_PER_CALL,
+            keeps_newest_frames=True,  # InputEncoder.canvas: the newest are used
         )
 
     def check_observation(self, observation: RobotObservation) -> None:
@@ -358,10 +371,17 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         call.continuation = chunking.decide(asked, call.session.last_chunk, call.events)
         if call.continuation == APPLIED:
             call.plan = chunking.plan(
-                asked, call.session.last_chunk, call.raw_state, mode=self.config.continuation,
-                horizon=self.action_head_config.action_horizon, execution_horizon=self.config.continuation_execution_horizon,
-                stats=self.action_stats, relative=self._relative, device=self.device, dtype=self.dtype,
-            )  # fmt: skip
+                asked,
+                call.session.last_chunk,
+                call.raw_state,
+                mode=self.config.continuation,
+                horizon=self.action_head_config.action_horizon,
+                execution_horizon=self.config.continuation_execution_horizon,
+                stats=self.action_stats,
+                relative=self._relative,
+                device=self.device,
+                dtype=self.dtype,
+            )
 
     def _encode_observed(self, group: list[Call]) -> None:
         """Upstream's re-encode of the newly observed frames: one VAE encode for sessions whose frame stacks have one shape."""
@@ -386,9 +406,19 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 call.session.current_start_frame = 1
             call.add("prefill", elapsed)
 
-    def _forward(self, calls: list[Call], latents: list[torch.Tensor], timestep: torch.Tensor, *, starts: list[int], commit: bool,
-                 action: list[torch.Tensor] | None = None, timestep_action: torch.Tensor | None = None,
-                 state: list[torch.Tensor] | None = None, differentiable: bool = False) -> list[dict[Branch, tuple[torch.Tensor, torch.Tensor | None]]]:  # fmt: skip
+    def _forward(
+        self,
+        calls: list[Call],
+        latents: list[torch.Tensor],
+        timestep: torch.Tensor,
+        *,
+        starts: list[int],
+        commit: bool,
+        action: list[torch.Tensor] | None = None,
+        timestep_action: torch.Tensor | None = None,
+        state: list[torch.Tensor] | None = None,
+        differentiable: bool = False,
+    ) -> list[dict[Branch, tuple[torch.Tensor, torch.Tensor | None]]]:
         """One DiT forward over every call x local branch (a sequence each, own pages, own scratch).
         Returns, per call, each branch's (video, action) prediction. ``differentiable``: a denoise forward that
         reads the pages and writes nothing, with a backward (guided continuations)."""
@@ -511,10 +541,16 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         dit_actions = [chunking.dit_actions(c.plan, c.actions, c.action_scheduler.sigmas[i]) for c in running]
         with torch.set_grad_enabled(guided):
             predictions = self._forward(
-                running, [c.latents for c in running], timestep, starts=[c.session.current_start_frame for c in running],
-                commit=False, action=dit_actions, timestep_action=timestep_action,
-                state=[c.state for c in running], differentiable=guided,
-            )  # fmt: skip
+                running,
+                [c.latents for c in running],
+                timestep,
+                starts=[c.session.current_start_frame for c in running],
+                commit=False,
+                action=dit_actions,
+                timestep_action=timestep_action,
+                state=[c.state for c in running],
+                differentiable=guided,
+            )
             return running, local_predictions(predictions, running, self.branches), guided
 
     def _step_apply(self, calls: list[Call], i: int, running: list[Call], local: LocalPredictions | None, guided: bool) -> None:
@@ -526,7 +562,9 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 chunking.guide_calls(running, float(calls[0].action_scheduler.sigmas[i]))
         for call in calls:
             call.latents = call.video_scheduler.step(call.velocity, call.latents, i)
-            call.actions = call.action_scheduler.step(call.action_velocity, call.actions, i, constrain=chunking.constraint(call.plan, call.action_scheduler.sigmas[i]))
+            call.actions = call.action_scheduler.step(
+                call.action_velocity, call.actions, i, constrain=chunking.constraint(call.plan, call.action_scheduler.sigmas[i])
+            )
 
     def _guide(self, calls: list[Call], local: LocalPredictions) -> None:
         """Each call's new video velocity (CFG) and action velocity (conditional branch) from one step's forward
@@ -562,14 +600,16 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 "chunk_id": session.chunks,
                 "frozen": frozen,
                 **({"continuation": call.continuation} if call.continuation is not None else {}),
-            },  # fmt: skip
+            },
         )
         if self.options.record:  # references for the recorder; its thread decodes the video beside the steps
             seen = list(session.frames)[-(1 if session.calls == 1 else FRAMES_PER_CALL) :]
             call.result.recording = ChunkRecording(
-                canvas=np.stack(seen), predicted=call.latents.detach().to("cpu"), raw_actions=call.actions[0].float().cpu().numpy(),
+                canvas=np.stack(seen),
+                predicted=call.latents.detach().to("cpu"),
+                raw_actions=call.actions[0].float().cpu().numpy(),
                 state=call.raw_state,
-            )  # fmt: skip
+            )
         call.add("decode", (time.perf_counter() - started) * 1000.0)
 
     @torch.no_grad()

@@ -64,9 +64,16 @@ DROID_HEAD = ActionHeadConfig(num_frames=33, num_frame_per_block=2, action_horiz
 DROID_5B_HEAD = replace(DROID_HEAD, target_video_size=(160, 320))
 # Wan2.2-TI2V-5B's DiT (docs/WAN22_BACKBONE.md of upstream; the yaml's diffusion_model_cfg).
 DROID_5B_DIT = DiTConfig(
-    model_type="ti2v", dim=3072, ffn_dim=14336, num_heads=24, num_layers=30, in_dim=48, out_dim=48, frame_seqlen=50,
+    model_type="ti2v",
+    dim=3072,
+    ffn_dim=14336,
+    num_heads=24,
+    num_layers=30,
+    in_dim=48,
+    out_dim=48,
+    frame_seqlen=50,
     concat_first_frame_latent=False,
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True)
@@ -110,15 +117,24 @@ PRESETS: dict[str, SyntheticSpec] = {
         "droid-small", DiTConfig(**_TOY_DIT), text_encoder=dict(_TOY_TEXT), image_encoder=dict(_TOY_CLIP), vae=dict(_TOY_VAE)
     ),
     "tiny": SyntheticSpec(
-        "tiny", DiTConfig(**_TOY_DIT, frame_seqlen=60), text_encoder=dict(_TOY_TEXT), image_encoder=dict(_TOY_CLIP),
-        vae=dict(_TOY_VAE), view_size=(48, 80),
-    ),  # fmt: skip
+        "tiny",
+        DiTConfig(**_TOY_DIT, frame_seqlen=60),
+        text_encoder=dict(_TOY_TEXT),
+        image_encoder=dict(_TOY_CLIP),
+        vae=dict(_TOY_VAE),
+        view_size=(48, 80),
+    ),
     "droid_5b": SyntheticSpec("droid_5b", DROID_5B_DIT, view_size=(160, 320), head=DROID_5B_HEAD, vae_base=dict(WAN22_VAE_CONFIG)),
     "tiny_5b": SyntheticSpec(
-        "tiny_5b", replace(DROID_5B_DIT, **_TOY_DIT, frame_seqlen=18), text_encoder=dict(_TOY_TEXT), image_encoder=dict(_TOY_CLIP),
-        vae={"base_dim": 4, "decoder_base_dim": 8}, view_size=(96, 192), head=replace(DROID_HEAD, target_video_size=(96, 192)),
+        "tiny_5b",
+        replace(DROID_5B_DIT, **_TOY_DIT, frame_seqlen=18),
+        text_encoder=dict(_TOY_TEXT),
+        image_encoder=dict(_TOY_CLIP),
+        vae={"base_dim": 4, "decoder_base_dim": 8},
+        view_size=(96, 192),
+        head=replace(DROID_HEAD, target_video_size=(96, 192)),
         vae_base=dict(WAN22_VAE_CONFIG),
-    ),  # fmt: skip
+    ),
 }
 
 _DIT_KEYS = {"layers": "num_layers", "dim": "dim", "heads": "num_heads", "ffn": "ffn_dim"}
@@ -229,8 +245,9 @@ def build_model(
         if module_device.type == "cuda":
             torch.cuda.synchronize(module_device)
     params = sum(p.numel() for m in (dit, text_encoder, image_encoder, vae) for p in m.parameters())
-    logger.info("synthetic DreamZero %s: %.2f B parameters on %s (%s) in %.1f s", spec.preset, params / 1e9, device, dtype,
-                time.perf_counter() - start)  # fmt: skip
+    logger.info(
+        "synthetic DreamZero %s: %.2f B parameters on %s (%s) in %.1f s", spec.preset, params / 1e9, device, dtype, time.perf_counter() - start
+    )
     check_dit_fits_vae(spec.dit, vae)
     # the cameras' recorded resolution, as a 5B run writes it (DROID's 320 x 180); the 5B is served at its target size
     metadata = droid_metadata((320, 180) if vae.is_wan22 else None)

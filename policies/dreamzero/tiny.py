@@ -48,16 +48,36 @@ TINY_5B_VIEW_SIZE = (96, 192)
 TINY_5B_TARGET_VIDEO = (96, 192)  # target_video_height/width: the 192x384 canvas is resized to it (the 5B: 160x320)
 
 TINY_DIT = DiTConfig(
-    frame_seqlen=60, dim=64, ffn_dim=128, text_dim=32, num_heads=4, num_layers=2, hidden_size=32,
-    clip_dim=32, max_chunk_size=4, num_frame_per_block=2,
-)  # fmt: skip
+    frame_seqlen=60,
+    dim=64,
+    ffn_dim=128,
+    text_dim=32,
+    num_heads=4,
+    num_layers=2,
+    hidden_size=32,
+    clip_dim=32,
+    max_chunk_size=4,
+    num_frame_per_block=2,
+)
 TINY_IMAGE_ENCODER = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "projection_dim": 32}
 TINY_VAE = {"base_dim": 4, "num_res_blocks": 1}
 
 TINY_5B_DIT = DiTConfig(
-    model_type="ti2v", in_dim=48, out_dim=48, concat_first_frame_latent=False, frame_seqlen=18, dim=64, ffn_dim=128,
-    text_dim=32, num_heads=4, num_layers=2, hidden_size=32, clip_dim=32, max_chunk_size=4, num_frame_per_block=2,
-)  # fmt: skip
+    model_type="ti2v",
+    in_dim=48,
+    out_dim=48,
+    concat_first_frame_latent=False,
+    frame_seqlen=18,
+    dim=64,
+    ffn_dim=128,
+    text_dim=32,
+    num_heads=4,
+    num_layers=2,
+    hidden_size=32,
+    clip_dim=32,
+    max_chunk_size=4,
+    num_frame_per_block=2,
+)
 # The Wan2.2 VAE at toy width (z_dim stays 48: upstream normalizes with its 48 fixed statistics); the decoder at its
 # own width, as upstream's (160 / 256).
 TINY_5B_VAE = {"is_residual": True, "base_dim": 4, "decoder_base_dim": 8, "num_res_blocks": 1}
@@ -144,17 +164,22 @@ def agibot_metadata() -> dict:
     arm_abs = ([-2.9, -2.0, -2.9, -2.6, -2.9, -1.6, -2.9], [2.9, 2.0, 2.9, 0.1, 2.9, 1.6, 2.9])
     arm_rel = ([-0.3, -0.25, -0.3, -0.35, -0.3, -0.2, -0.4], [0.3, 0.25, 0.3, 0.35, 0.3, 0.2, 0.4])
     state = {
-        "left_arm_joint_position": (*arm_abs, True), "right_arm_joint_position": (*arm_abs, True),
-        "left_effector_position": ([0.0], [1.0], True), "right_effector_position": ([0.0], [1.0], True),
+        "left_arm_joint_position": (*arm_abs, True),
+        "right_arm_joint_position": (*arm_abs, True),
+        "left_effector_position": ([0.0], [1.0], True),
+        "right_effector_position": ([0.0], [1.0], True),
         "head_position": ([-0.5, -0.3], [0.5, 0.4], True),
         "waist_position": ([0.2, 0.0], [0.2, 0.6], True),  # the first waist joint is locked: q01 == q99
     }
     action = {
-        "left_arm_joint_position": (*arm_rel, False), "right_arm_joint_position": (*arm_rel, False),
-        "left_effector_position": ([-0.5], [0.5], False), "right_effector_position": ([-0.5], [0.5], False),
-        "head_position": ([-0.05, -0.05], [0.05, 0.05], False), "waist_position": ([0.0, -0.04], [0.0, 0.04], False),
+        "left_arm_joint_position": (*arm_rel, False),
+        "right_arm_joint_position": (*arm_rel, False),
+        "left_effector_position": ([-0.5], [0.5], False),
+        "right_effector_position": ([-0.5], [0.5], False),
+        "head_position": ([-0.05, -0.05], [0.05, 0.05], False),
+        "waist_position": ([0.0, -0.04], [0.0, 0.04], False),
         "robot_velocity": ([-0.3, -0.6], [0.3, 0.6], True),
-    }  # fmt: skip
+    }
     return _embodiment_metadata("agibot", ["top_head", "hand_left", "hand_right"], state, action)
 
 
@@ -162,10 +187,18 @@ def yam_metadata() -> dict:
     """YAM: 3 cameras, bimanual 6 joints + gripper per arm (14 dims), every action key relative."""
     joints_abs = ([-2.6, -0.1, -0.1, -1.6, -1.6, -2.0], [2.6, 3.1, 3.1, 1.6, 1.6, 2.0])
     joints_rel = ([-0.2, -0.2, -0.25, -0.3, -0.3, -0.35], [0.2, 0.2, 0.25, 0.3, 0.3, 0.35])
-    state = {"left_joint_pos": (*joints_abs, True), "left_gripper_pos": ([0.0], [1.0], True),
-             "right_joint_pos": (*joints_abs, True), "right_gripper_pos": ([0.0], [1.0], True)}  # fmt: skip
-    action = {"left_joint_pos": (*joints_rel, False), "left_gripper_pos": ([-0.9], [0.9], False),
-              "right_joint_pos": (*joints_rel, False), "right_gripper_pos": ([-0.9], [0.9], False)}  # fmt: skip
+    state = {
+        "left_joint_pos": (*joints_abs, True),
+        "left_gripper_pos": ([0.0], [1.0], True),
+        "right_joint_pos": (*joints_abs, True),
+        "right_gripper_pos": ([0.0], [1.0], True),
+    }
+    action = {
+        "left_joint_pos": (*joints_rel, False),
+        "left_gripper_pos": ([-0.9], [0.9], False),
+        "right_joint_pos": (*joints_rel, False),
+        "right_gripper_pos": ([-0.9], [0.9], False),
+    }
     return _embodiment_metadata("yam", ["top_camera-images-rgb", "left_camera-images-rgb", "right_camera-images-rgb"], state, action)
 
 
@@ -185,33 +218,86 @@ def run_config(tag: str, language_key: str, view_size: tuple[int, int] = TINY_VI
     state = [f"state.{k}" for k in mod.states]
     action = [f"action.{k}" for k in mod.actions]
     return {
-        "relative_action": True, "relative_action_per_horizon": False, "relative_action_keys": list(mod.relative_action_keys),
-        "max_state_dim": 64, "action_horizon": 24, "state_horizon": 1, "num_frames": 33,
-        "image_resolution_height": view_size[0], "image_resolution_width": view_size[1],
+        "relative_action": True,
+        "relative_action_per_horizon": False,
+        "relative_action_keys": list(mod.relative_action_keys),
+        "max_state_dim": 64,
+        "action_horizon": 24,
+        "state_horizon": 1,
+        "num_frames": 33,
+        "image_resolution_height": view_size[0],
+        "image_resolution_width": view_size[1],
         "embodiment_tag_to_projector_index": dict(PROJECTOR_INDEX),
-        "modality_configs": {tag: {
-            "video": {"_target_": "groot.vla.data.dataset.ModalityConfig", "delta_indices": list(range(25)), "eval_delta_indices": VIDEO_EVAL_DELTA_INDICES[tag], "modality_keys": video},
-            "state": {"_target_": "groot.vla.data.dataset.ModalityConfig", "delta_indices": [0], "modality_keys": state},
-            "action": {"_target_": "groot.vla.data.dataset.ModalityConfig", "delta_indices": list(range(24)), "modality_keys": action},
-            "language": {"_target_": "groot.vla.data.dataset.ModalityConfig", "delta_indices": [0], "modality_keys": [language_key]},
-        }},
-        "transforms": {tag: {"_target_": "groot.vla.data.transform.ComposedModalityTransform", "transforms": [
-            {"_target_": "groot.vla.data.transform.VideoToTensor", "apply_to": video},
-            {"_target_": "groot.vla.data.transform.VideoCrop", "apply_to": video, "scale": 0.95, "mode": "random"},
-            {"_target_": "groot.vla.data.transform.VideoResize", "apply_to": video, "height": view_size[0], "width": view_size[1], "interpolation": "linear"},
-            {"_target_": "groot.vla.data.transform.VideoColorJitter", "apply_to": video, "brightness": 0.3, "contrast": 0.4, "saturation": 0.5, "hue": 0.08},
-            {"_target_": "groot.vla.data.transform.VideoToNumpy", "apply_to": video},
-            {"_target_": "groot.vla.data.transform.StateActionToTensor", "apply_to": state},
-            {"_target_": "groot.vla.data.transform.StateActionTransform", "apply_to": state, "normalization_modes": dict.fromkeys(state, "q99")},
-            {"_target_": "groot.vla.data.transform.StateActionToTensor", "apply_to": action},
-            {"_target_": "groot.vla.data.transform.StateActionTransform", "apply_to": action, "normalization_modes": dict.fromkeys(action, "q99")},
-            {"_target_": "groot.vla.data.transform.ConcatTransform", "video_concat_order": video, "state_concat_order": state, "action_concat_order": action},
-            {"_target_": "groot.vla.model.dreamzero.transform.dreamzero_cotrain.DreamTransform", "default_instruction": DEFAULT_INSTRUCTION,
-             "language_dropout_prob": 0.0, "always_use_default_instruction": False, "max_state_dim": 64, "max_action_dim": 32,
-             "max_length": 512, "state_horizon": 1, "action_horizon": 24, "embodiment_tag_mapping": dict(PROJECTOR_INDEX),
-             "tokenizer_path": "google/umt5-xxl"},
-        ]}},
-    }  # fmt: skip
+        "modality_configs": {
+            tag: {
+                "video": {
+                    "_target_": "groot.vla.data.dataset.ModalityConfig",
+                    "delta_indices": list(range(25)),
+                    "eval_delta_indices": VIDEO_EVAL_DELTA_INDICES[tag],
+                    "modality_keys": video,
+                },
+                "state": {"_target_": "groot.vla.data.dataset.ModalityConfig", "delta_indices": [0], "modality_keys": state},
+                "action": {"_target_": "groot.vla.data.dataset.ModalityConfig", "delta_indices": list(range(24)), "modality_keys": action},
+                "language": {"_target_": "groot.vla.data.dataset.ModalityConfig", "delta_indices": [0], "modality_keys": [language_key]},
+            }
+        },
+        "transforms": {
+            tag: {
+                "_target_": "groot.vla.data.transform.ComposedModalityTransform",
+                "transforms": [
+                    {"_target_": "groot.vla.data.transform.VideoToTensor", "apply_to": video},
+                    {"_target_": "groot.vla.data.transform.VideoCrop", "apply_to": video, "scale": 0.95, "mode": "random"},
+                    {
+                        "_target_": "groot.vla.data.transform.VideoResize",
+                        "apply_to": video,
+                        "height": view_size[0],
+                        "width": view_size[1],
+                        "interpolation": "linear",
+                    },
+                    {
+                        "_target_": "groot.vla.data.transform.VideoColorJitter",
+                        "apply_to": video,
+                        "brightness": 0.3,
+                        "contrast": 0.4,
+                        "saturation": 0.5,
+                        "hue": 0.08,
+                    },
+                    {"_target_": "groot.vla.data.transform.VideoToNumpy", "apply_to": video},
+                    {"_target_": "groot.vla.data.transform.StateActionToTensor", "apply_to": state},
+                    {
+                        "_target_": "groot.vla.data.transform.StateActionTransform",
+                        "apply_to": state,
+                        "normalization_modes": dict.fromkeys(state, "q99"),
+                    },
+                    {"_target_": "groot.vla.data.transform.StateActionToTensor", "apply_to": action},
+                    {
+                        "_target_": "groot.vla.data.transform.StateActionTransform",
+                        "apply_to": action,
+                        "normalization_modes": dict.fromkeys(action, "q99"),
+                    },
+                    {
+                        "_target_": "groot.vla.data.transform.ConcatTransform",
+                        "video_concat_order": video,
+                        "state_concat_order": state,
+                        "action_concat_order": action,
+                    },
+                    {
+                        "_target_": "groot.vla.model.dreamzero.transform.dreamzero_cotrain.DreamTransform",
+                        "default_instruction": DEFAULT_INSTRUCTION,
+                        "language_dropout_prob": 0.0,
+                        "always_use_default_instruction": False,
+                        "max_state_dim": 64,
+                        "max_action_dim": 32,
+                        "max_length": 512,
+                        "state_horizon": 1,
+                        "action_horizon": 24,
+                        "embodiment_tag_mapping": dict(PROJECTOR_INDEX),
+                        "tokenizer_path": "google/umt5-xxl",
+                    },
+                ],
+            }
+        },
+    }
 
 
 @dataclass(frozen=True)
@@ -249,10 +335,18 @@ def write_tiny_checkpoint(out: str | Path, seed: int | None = None, variant: str
     else:
         dit, vae, target, version = TINY_DIT, TINY_VAE, None, ("ardiff_tiny_version", TINY_VERSION)
     return write_checkpoint(
-        out, dit, TINY_TEXT_ENCODER, TINY_IMAGE_ENCODER, vae, seed=spec.seed if seed is None else seed,
-        metadata=spec.metadata(), run_config=spec.run_config() if spec.run_config else None, corpus=corpus,
-        target_video_size=target, version=version,
-    )  # fmt: skip
+        out,
+        dit,
+        TINY_TEXT_ENCODER,
+        TINY_IMAGE_ENCODER,
+        vae,
+        seed=spec.seed if seed is None else seed,
+        metadata=spec.metadata(),
+        run_config=spec.run_config() if spec.run_config else None,
+        corpus=corpus,
+        target_video_size=target,
+        version=version,
+    )
 
 
 def write_checkpoint(
@@ -313,8 +407,16 @@ def write_checkpoint(
 def _definition_digest(variant: str = "tiny") -> str:
     """Changes whenever anything that shapes the checkpoint's bytes changes (cache key)."""
     if TINY_VARIANTS[variant].wan22:
-        spec = [TINY_5B_VERSION, TINY_5B_DIT.to_dict(), TINY_TEXT_ENCODER, TINY_IMAGE_ENCODER, TINY_5B_VAE,
-                TINY_5B_TARGET_VIDEO, CORPUS, droid_metadata((320, 180))]  # fmt: skip
+        spec = [
+            TINY_5B_VERSION,
+            TINY_5B_DIT.to_dict(),
+            TINY_TEXT_ENCODER,
+            TINY_IMAGE_ENCODER,
+            TINY_5B_VAE,
+            TINY_5B_TARGET_VIDEO,
+            CORPUS,
+            droid_metadata((320, 180)),
+        ]
         return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
     spec = [TINY_VERSION, TINY_DIT.to_dict(), TINY_TEXT_ENCODER, TINY_IMAGE_ENCODER, TINY_VAE, CORPUS, droid_metadata()]
     if variant != "tiny":  # (the DROID checkpoint keeps the digest it always had)

@@ -32,10 +32,21 @@ from ardiff_policies.dreamzero.embodiments import DROID_TEMPLATE, instruction, r
 from ardiff_policies.embodiment import Layout, QuantileStats
 
 __all__ = [
-    "CROP_SCALE", "DROID_TEMPLATE", "NormStats", "canvas_size", "crop_and_resize", "denormalize_actions",
-    "droid_instruction", "droid_prompt", "normalize_state", "resize_like_opencv", "stitch_canvas", "stitch_views", "to_absolute",
+    "CROP_SCALE",
+    "DROID_TEMPLATE",
+    "NormStats",
+    "canvas_size",
+    "crop_and_resize",
+    "denormalize_actions",
+    "droid_instruction",
+    "droid_prompt",
+    "normalize_state",
+    "resize_like_opencv",
+    "stitch_canvas",
+    "stitch_views",
+    "to_absolute",
     "to_absolute_joints",
-]  # fmt: skip
+]
 
 CROP_SCALE = 0.95
 

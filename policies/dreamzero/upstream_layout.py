@@ -243,27 +243,93 @@ UPSTREAM_VAE38_TARGET = "groot.vla.model.dreamzero.modules.wan_video_vae.WanVide
 # overrides. ``decouple_inference_noise`` / ``video_inference_final_noise`` are no longer in that yaml, but the
 # released file has them: vLLM-Omni's DreamZero pipeline (vllm_omni/diffusion/models/dreamzero/pipeline_dreamzero.py)
 # reads both as required keys of it. transformers' own bookkeeping (``transformers_version``) is left out.
-RELEASED_ROOT_KEYS = frozenset({
-    "architectures", "model_type", "model_dtype", "hidden_size", "action_horizon", "action_dim", "backbone_cfg",
-    "action_head_cfg",
-})  # fmt: skip
+RELEASED_ROOT_KEYS = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "model_dtype",
+        "hidden_size",
+        "action_horizon",
+        "action_dim",
+        "backbone_cfg",
+        "action_head_cfg",
+    }
+)
 RELEASED_HEAD_WRAPPER_KEYS = frozenset({"_target_", "_convert_", "config"})  # action_head_cfg
-RELEASED_ACTION_HEAD_KEYS = frozenset({  # action_head_cfg.config
-    "_target_", "_recursive_", "tiled", "tile_size_height", "tile_size_width", "tile_stride_height", "tile_stride_width",
-    "lora_rank", "lora_alpha", "num_frames", "num_frame_per_block", "lora_target_modules", "init_lora_weights",
-    "train_architecture", "use_gradient_checkpointing", "add_pos_embed", "model_dtype", "max_state_dim", "max_action_dim",
-    "action_loss_embodiment_ids", "hidden_size", "input_embedding_dim", "backbone_embedding_dim", "repa_layer",
-    "repa_coeff", "load_pretrained_det_decode_layer_path", "freeze_decode_layer", "expand_batch", "use_vlln",
-    "vl_self_attention_cfg", "diffusion_model_cfg", "text_encoder_cfg", "image_encoder_cfg", "vae_cfg", "action_dim",
-    "action_horizon", "num_inference_timesteps", "noise_beta_alpha", "noise_beta_beta", "noise_s", "num_timestep_buckets",
-    "decouple_video_action_noise", "video_noise_beta_alpha", "video_noise_beta_beta", "tune_projector",
-    "tune_diffusion_model", "backbone_features_projector_cfg", "decouple_inference_noise", "video_inference_final_noise",
-})  # fmt: skip
-RELEASED_DIT_KEYS = frozenset({  # action_head_cfg.config.diffusion_model_cfg
-    "_target_", "_convert_", "diffusion_model_pretrained_path", "model_type", "frame_seqlen", "dim", "in_dim", "ffn_dim",
-    "out_dim", "freq_dim", "eps", "num_heads", "num_layers", "max_chunk_size", "num_frame_per_block",
-    "num_action_per_block", "num_state_per_block",
-})  # fmt: skip
+RELEASED_ACTION_HEAD_KEYS = frozenset(
+    {  # action_head_cfg.config
+        "_target_",
+        "_recursive_",
+        "tiled",
+        "tile_size_height",
+        "tile_size_width",
+        "tile_stride_height",
+        "tile_stride_width",
+        "lora_rank",
+        "lora_alpha",
+        "num_frames",
+        "num_frame_per_block",
+        "lora_target_modules",
+        "init_lora_weights",
+        "train_architecture",
+        "use_gradient_checkpointing",
+        "add_pos_embed",
+        "model_dtype",
+        "max_state_dim",
+        "max_action_dim",
+        "action_loss_embodiment_ids",
+        "hidden_size",
+        "input_embedding_dim",
+        "backbone_embedding_dim",
+        "repa_layer",
+        "repa_coeff",
+        "load_pretrained_det_decode_layer_path",
+        "freeze_decode_layer",
+        "expand_batch",
+        "use_vlln",
+        "vl_self_attention_cfg",
+        "diffusion_model_cfg",
+        "text_encoder_cfg",
+        "image_encoder_cfg",
+        "vae_cfg",
+        "action_dim",
+        "action_horizon",
+        "num_inference_timesteps",
+        "noise_beta_alpha",
+        "noise_beta_beta",
+        "noise_s",
+        "num_timestep_buckets",
+        "decouple_video_action_noise",
+        "video_noise_beta_alpha",
+        "video_noise_beta_beta",
+        "tune_projector",
+        "tune_diffusion_model",
+        "backbone_features_projector_cfg",
+        "decouple_inference_noise",
+        "video_inference_final_noise",
+    }
+)
+RELEASED_DIT_KEYS = frozenset(
+    {  # action_head_cfg.config.diffusion_model_cfg
+        "_target_",
+        "_convert_",
+        "diffusion_model_pretrained_path",
+        "model_type",
+        "frame_seqlen",
+        "dim",
+        "in_dim",
+        "ffn_dim",
+        "out_dim",
+        "freq_dim",
+        "eps",
+        "num_heads",
+        "num_layers",
+        "max_chunk_size",
+        "num_frame_per_block",
+        "num_action_per_block",
+        "num_state_per_block",
+    }
+)
 RELEASED_ENCODER_KEYS: dict[str, frozenset[str]] = {
     section: frozenset({"_target_", "_convert_", f"{section.removesuffix('_cfg')}_pretrained_path"})
     for section in ("text_encoder_cfg", "image_encoder_cfg", "vae_cfg")
@@ -302,34 +368,70 @@ def checkpoint_config(
         elif arch is not None:
             encoders[section]["architecture"] = dict(arch)
     head = {
-        "_target_": UPSTREAM_TARGETS["action_head_cfg.config"], "_recursive_": False,
+        "_target_": UPSTREAM_TARGETS["action_head_cfg.config"],
+        "_recursive_": False,
         # what the action head computes with
-        "num_frames": num_frames, "num_frame_per_block": dit.num_frame_per_block, "action_horizon": dit.num_action_per_block,
-        "action_dim": dit.action_dim, "max_action_dim": dit.action_dim, "max_state_dim": dit.max_state_dim,
-        "tiled": False, "train_architecture": "full", "decouple_inference_noise": False, "video_inference_final_noise": 0.8,
+        "num_frames": num_frames,
+        "num_frame_per_block": dit.num_frame_per_block,
+        "action_horizon": dit.num_action_per_block,
+        "action_dim": dit.action_dim,
+        "max_action_dim": dit.action_dim,
+        "max_state_dim": dit.max_state_dim,
+        "tiled": False,
+        "train_architecture": "full",
+        "decouple_inference_noise": False,
+        "video_inference_final_noise": 0.8,
         "num_inference_timesteps": 4,  # the released value; upstream's action head runs 16 steps regardless
-        "tile_size_height": 34, "tile_size_width": 34, "tile_stride_height": 18, "tile_stride_width": 16,
+        "tile_size_height": 34,
+        "tile_size_width": 34,
+        "tile_stride_height": 18,
+        "tile_stride_width": 16,
         # training only (released values)
-        "lora_rank": 4, "lora_alpha": 4, "lora_target_modules": "q,k,v,o,ffn.0,ffn.2", "init_lora_weights": "kaiming",
-        "use_gradient_checkpointing": True, "add_pos_embed": True, "model_dtype": "float32",
-        "action_loss_embodiment_ids": [26, 17, 32], "hidden_size": 64, "input_embedding_dim": 1536,
-        "backbone_embedding_dim": 0, "repa_layer": 8, "repa_coeff": 1.0, "load_pretrained_det_decode_layer_path": None,
-        "freeze_decode_layer": False, "expand_batch": None, "use_vlln": True, "backbone_features_projector_cfg": None,
+        "lora_rank": 4,
+        "lora_alpha": 4,
+        "lora_target_modules": "q,k,v,o,ffn.0,ffn.2",
+        "init_lora_weights": "kaiming",
+        "use_gradient_checkpointing": True,
+        "add_pos_embed": True,
+        "model_dtype": "float32",
+        "action_loss_embodiment_ids": [26, 17, 32],
+        "hidden_size": 64,
+        "input_embedding_dim": 1536,
+        "backbone_embedding_dim": 0,
+        "repa_layer": 8,
+        "repa_coeff": 1.0,
+        "load_pretrained_det_decode_layer_path": None,
+        "freeze_decode_layer": False,
+        "expand_batch": None,
+        "use_vlln": True,
+        "backbone_features_projector_cfg": None,
         "vl_self_attention_cfg": {
             "_target_": "groot.vla.model.n1_5.modules.cross_attention_dit.SelfAttentionTransformer",
-            "positional_embeddings": None, "num_layers": 4, "num_attention_heads": 24, "attention_head_dim": 64,
-            "dropout": 0.2, "final_dropout": True,
+            "positional_embeddings": None,
+            "num_layers": 4,
+            "num_attention_heads": 24,
+            "attention_head_dim": 64,
+            "dropout": 0.2,
+            "final_dropout": True,
         },
-        "noise_beta_alpha": 1.5, "noise_beta_beta": 1.0, "noise_s": 0.999, "num_timestep_buckets": 1000,
-        "decouple_video_action_noise": False, "video_noise_beta_alpha": 3.0, "video_noise_beta_beta": 1.0,
-        "tune_projector": True, "tune_diffusion_model": True,
+        "noise_beta_alpha": 1.5,
+        "noise_beta_beta": 1.0,
+        "noise_s": 0.999,
+        "num_timestep_buckets": 1000,
+        "decouple_video_action_noise": False,
+        "video_noise_beta_alpha": 3.0,
+        "video_noise_beta_beta": 1.0,
+        "tune_projector": True,
+        "tune_diffusion_model": True,
         # sections
         "diffusion_model_cfg": {
-            "_target_": UPSTREAM_TARGETS["diffusion_model_cfg"], "_convert_": "object",
-            "diffusion_model_pretrained_path": None, **dit.to_dict(),
+            "_target_": UPSTREAM_TARGETS["diffusion_model_cfg"],
+            "_convert_": "object",
+            "diffusion_model_pretrained_path": None,
+            **dit.to_dict(),
         },
         **encoders,
-    }  # fmt: skip
+    }
     if target_video_size is not None:
         head["target_video_height"], head["target_video_width"] = target_video_size
     return {

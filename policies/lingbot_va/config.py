@@ -53,8 +53,18 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         if len(self.patch_size) != 3 or any(int(p) != p or p < 1 for p in self.patch_size):
             raise ValueError(f"transformer config: patch_size must be 3 positive integers, got {list(self.patch_size)}")
-        for name in ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "action_dim",
-                     "text_dim", "freq_dim", "ffn_dim", "num_layers", "rope_max_seq_len"):  # fmt: skip
+        for name in (
+            "num_attention_heads",
+            "attention_head_dim",
+            "in_channels",
+            "out_channels",
+            "action_dim",
+            "text_dim",
+            "freq_dim",
+            "ffn_dim",
+            "num_layers",
+            "rope_max_seq_len",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"transformer config: {name} must be a positive integer, got {value!r}")
@@ -65,8 +75,7 @@ class TransformerConfig:
             # RoPE splits the head into frame / height / width parts of d - 2 (d // 3), d // 3, d // 3 dimensions,
             # each rotated in pairs: upstream's complex view fails on an odd part.
             raise ValueError(
-                f"transformer config: attention_head_dim {d} splits into RoPE parts {d - 2 * (d // 3)}/{d // 3}/{d // 3}; "
-                "each must be even"
+                f"transformer config: attention_head_dim {d} splits into RoPE parts {d - 2 * (d // 3)}/{d // 3}/{d // 3}; each must be even"
             )
         if self.attn_mode not in ATTN_MODES:
             raise ValueError(f"transformer config: attn_mode {self.attn_mode!r} is not one of {sorted(ATTN_MODES)}")
@@ -98,9 +107,7 @@ class TransformerConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ValueError(
-                f"transformer config: unknown key(s) {unknown}; LingBot-VA's WanTransformer3DModel takes {sorted(known)}"
-            )
+            raise ValueError(f"transformer config: unknown key(s) {unknown}; LingBot-VA's WanTransformer3DModel takes {sorted(known)}")
         if "patch_size" in raw:
             raw["patch_size"] = tuple(raw["patch_size"])
         return cls(**raw)
@@ -195,26 +202,104 @@ def _channels() -> tuple[int, ...]:
 ROBOTWIN = Embodiment(
     layout="robotwin_tshape",
     cameras=("observation.images.cam_high", "observation.images.cam_left_wrist", "observation.images.cam_right_wrist"),
-    height=256, width=320, frame_chunk_size=2, action_per_frame=16, attn_window=72,
+    height=256,
+    width=320,
+    frame_chunk_size=2,
+    action_per_frame=16,
+    attn_window=72,
     used_action_channel_ids=_channels(),
-    q01=(-0.06172713458538055, -3.6716461181640625e-05, -0.08783501386642456, -1, -1, -1, -1, -0.3547105032205582,
-         -1.3113021850585938e-06, -0.11975435614585876, -1, -1, -1, -1, *[0.0] * 16),
-    q99=(0.3462600058317184, 0.39966784834861746, 0.14745532035827624, 1, 1, 1, 1, 0.034201726913452024,
-         0.39142737388610793, 0.1792279863357542, 1, 1, 1, 1, *[0.0] * 14, 1.0, 1.0),
-    guidance_scale=5.0, action_guidance_scale=1.0, num_inference_steps=25, action_num_inference_steps=50,
-    snr_shift=5.0, action_snr_shift=1.0,
-)  # fmt: skip
+    q01=(
+        -0.06172713458538055,
+        -3.6716461181640625e-05,
+        -0.08783501386642456,
+        -1,
+        -1,
+        -1,
+        -1,
+        -0.3547105032205582,
+        -1.3113021850585938e-06,
+        -0.11975435614585876,
+        -1,
+        -1,
+        -1,
+        -1,
+        *[0.0] * 16,
+    ),
+    q99=(
+        0.3462600058317184,
+        0.39966784834861746,
+        0.14745532035827624,
+        1,
+        1,
+        1,
+        1,
+        0.034201726913452024,
+        0.39142737388610793,
+        0.1792279863357542,
+        1,
+        1,
+        1,
+        1,
+        *[0.0] * 14,
+        1.0,
+        1.0,
+    ),
+    guidance_scale=5.0,
+    action_guidance_scale=1.0,
+    num_inference_steps=25,
+    action_num_inference_steps=50,
+    snr_shift=5.0,
+    action_snr_shift=1.0,
+)
 FRANKA = Embodiment(
     layout="none",
     cameras=("observation.images.cam_high", "observation.images.cam_left_wrist", "observation.images.cam_right_wrist"),
-    height=224, width=320, frame_chunk_size=4, action_per_frame=20, attn_window=30,
+    height=224,
+    width=320,
+    frame_chunk_size=4,
+    action_per_frame=20,
+    attn_window=30,
     used_action_channel_ids=_channels(),
-    q01=(0.3051295876502991, -0.22647984325885773, 0.19957000017166138, -0.022680532187223434, -0.05553057789802551,
-         -0.2693849802017212, -0.29341773986816405, 0.2935442328453064, -0.4431332051753998, 0.21256473660469055,
-         -0.7962440848350525, -0.40816226601600647, -0.28359392285346985, -0.44507765769958496, *[0.0] * 16),
-    q99=(0.7572150230407715, 0.47736290097236633, 0.6428080797195435, 0.9835678935050964, 0.9927203059196472,
-         0.28041139245033264, 0.47529348731040877, 0.7564866304397571, 0.04082797020673729, 0.5355993628501885,
-         0.9976375699043274, 0.8973174452781656, 0.6016915678977965, 0.5027598619461056, *[0.0] * 14, 1.0, 1.0),
-    guidance_scale=5.0, action_guidance_scale=1.0, num_inference_steps=5, action_num_inference_steps=10,
-    snr_shift=5.0, action_snr_shift=1.0,
-)  # fmt: skip
+    q01=(
+        0.3051295876502991,
+        -0.22647984325885773,
+        0.19957000017166138,
+        -0.022680532187223434,
+        -0.05553057789802551,
+        -0.2693849802017212,
+        -0.29341773986816405,
+        0.2935442328453064,
+        -0.4431332051753998,
+        0.21256473660469055,
+        -0.7962440848350525,
+        -0.40816226601600647,
+        -0.28359392285346985,
+        -0.44507765769958496,
+        *[0.0] * 16,
+    ),
+    q99=(
+        0.7572150230407715,
+        0.47736290097236633,
+        0.6428080797195435,
+        0.9835678935050964,
+        0.9927203059196472,
+        0.28041139245033264,
+        0.47529348731040877,
+        0.7564866304397571,
+        0.04082797020673729,
+        0.5355993628501885,
+        0.9976375699043274,
+        0.8973174452781656,
+        0.6016915678977965,
+        0.5027598619461056,
+        *[0.0] * 14,
+        1.0,
+        1.0,
+    ),
+    guidance_scale=5.0,
+    action_guidance_scale=1.0,
+    num_inference_steps=5,
+    action_num_inference_steps=10,
+    snr_shift=5.0,
+    action_snr_shift=1.0,
+)

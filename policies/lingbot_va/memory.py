@@ -68,8 +68,9 @@ def weight_counts(cfg: TransformerConfig = RELEASED) -> dict[str, int]:
     return counts
 
 
-def plan(name: str, embodiment: Embodiment, *, dtype: torch.dtype = torch.bfloat16, max_batch: int = 1,
-         cfg: TransformerConfig = RELEASED) -> LingBotVAPlan:  # fmt: skip
+def plan(
+    name: str, embodiment: Embodiment, *, dtype: torch.dtype = torch.bfloat16, max_batch: int = 1, cfg: TransformerConfig = RELEASED
+) -> LingBotVAPlan:
     b = itemsize(dtype)
     branches = 2 if (embodiment.guidance_scale > 1 or embodiment.action_guidance_scale > 1) else 1
     spec = kv_spec(embodiment, cfg, dtype)
@@ -91,10 +92,14 @@ def plan(name: str, embodiment: Embodiment, *, dtype: torch.dtype = torch.bfloat
 
     counts = weight_counts(cfg)
     return LingBotVAPlan(
-        name, {k: v * b for k, v in counts.items()}, kv_session, text_session, PagedKVCache.reserved_pages(spec, branches, max_batch) * spec.page_bytes,
+        name,
+        {k: v * b for k, v in counts.items()},
+        kv_session,
+        text_session,
+        PagedKVCache.reserved_pages(spec, branches, max_batch) * spec.page_bytes,
         max(transformer, vae_bytes, text_bytes),
         CUDA_RESERVE_BYTES,
-    )  # fmt: skip
+    )
 
 
 def describe_loaded(episodes: LingBotVAPolicy, max_sessions: int) -> str:

@@ -56,9 +56,7 @@ UNUSED_PREFIXES = ("condition_embedder_action.text_embedder.",)
 
 def video_grid(frames: int, height: int, width: int, start_frame: int) -> torch.Tensor:
     """(3, frames * height * width) token positions of a patched latent chunk: frame, row, column."""
-    f, h, w = torch.meshgrid(
-        torch.arange(start_frame, start_frame + frames), torch.arange(height), torch.arange(width), indexing="ij"
-    )
+    f, h, w = torch.meshgrid(torch.arange(start_frame, start_frame + frames), torch.arange(height), torch.arange(width), indexing="ij")
     return torch.stack([f, h, w]).flatten(1).float()
 
 
@@ -137,9 +135,7 @@ class Attention(nn.Module):
         """Cross-attention K/V of projected text tokens (B, T, dim): computed once per prompt."""
         return self._heads(self.norm_k(self.to_k(text))), self._heads(self.to_v(text))
 
-    def self_attention(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], self_kv: LayerKV
-    ) -> torch.Tensor:
+    def self_attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], self_kv: LayerKV) -> torch.Tensor:
         q = apply_rope(self._heads(self.norm_q(self.to_q(x))), *rope)
         k = apply_rope(self._heads(self.norm_k(self.to_k(x))), *rope)
         v = self._heads(self.to_v(x))

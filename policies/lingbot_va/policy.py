@@ -66,10 +66,16 @@ def kv_spec(embodiment: Embodiment, model_cfg, dtype: torch.dtype) -> KVSpec:
     video, action = embodiment.video_tokens_per_chunk, embodiment.action_tokens_per_chunk
     page = math.gcd(video, action)
     return KVSpec(
-        num_layers=model_cfg.num_layers, num_heads=model_cfg.num_attention_heads, head_dim=model_cfg.attention_head_dim,
-        page_size=page, window_pages=(embodiment.attn_window // 2) * (video + action) // page,
-        max_new_pages=max(video, action) // page, evict_to_fit=True, undo_pages=(video + action) // page, dtype=dtype,
-    )  # fmt: skip
+        num_layers=model_cfg.num_layers,
+        num_heads=model_cfg.num_attention_heads,
+        head_dim=model_cfg.attention_head_dim,
+        page_size=page,
+        window_pages=(embodiment.attn_window // 2) * (video + action) // page,
+        max_new_pages=max(video, action) // page,
+        evict_to_fit=True,
+        undo_pages=(video + action) // page,
+        dtype=dtype,
+    )
 
 
 @dataclass(frozen=True)
@@ -248,9 +254,14 @@ class LingBotVAPolicy:
 
     def _encode_text(self, prompts: list[str]) -> torch.Tensor:
         tokens = self.tokenizer(
-            [clean_prompt(p) for p in prompts], padding="max_length", max_length=TEXT_LENGTH, truncation=True,
-            add_special_tokens=True, return_attention_mask=True, return_tensors="pt",
-        )  # fmt: skip
+            [clean_prompt(p) for p in prompts],
+            padding="max_length",
+            max_length=TEXT_LENGTH,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
         return self.text_encoder(tokens.input_ids.to(self.device), tokens.attention_mask.to(self.device)).to(self.dtype)
 
     # -- observations ------------------------------------------------------------------------
@@ -311,15 +322,19 @@ class LingBotVAPolicy:
         branches = self.branches
         n = len(branches)
         contexts = [
-            s.kv.begin_forward(b, num_video_tokens=grids.shape[2], commit=update > 0, provisional=update == 1,
-                               scratch_slot=slot)
-            for slot, s in enumerate(sessions) for b in branches
-        ]  # fmt: skip
+            s.kv.begin_forward(b, num_video_tokens=grids.shape[2], commit=update > 0, provisional=update == 1, scratch_slot=slot)
+            for slot, s in enumerate(sessions)
+            for b in branches
+        ]
         try:
             out = self.transformer(
-                x.repeat_interleave(n, dim=0), timesteps.repeat_interleave(n, dim=0), grids.repeat_interleave(n, dim=0),
-                text_kv, action_mode=action_mode, self_kv=prepare_batch(contexts, self.device),
-            )  # fmt: skip
+                x.repeat_interleave(n, dim=0),
+                timesteps.repeat_interleave(n, dim=0),
+                grids.repeat_interleave(n, dim=0),
+                text_kv,
+                action_mode=action_mode,
+                self_kv=prepare_batch(contexts, self.device),
+            )
         except BaseException:
             for s in sessions:
                 for b in branches:
@@ -477,8 +492,9 @@ class LingBotVAPolicy:
         except Exception as exc:
             for entry in saved:
                 entry.restore()
-            logger.warning("a batched %s of %d sessions failed (%s: %s); retrying each alone", run.__name__.strip("_"),
-                           len(items), type(exc).__name__, exc)  # fmt: skip
+            logger.warning(
+                "a batched %s of %d sessions failed (%s: %s); retrying each alone", run.__name__.strip("_"), len(items), type(exc).__name__, exc
+            )
             return [self._alone(run, item) for item in items]
         for entry in saved:
             entry.release()
@@ -508,8 +524,10 @@ class LingBotVAPolicy:
                 "the KV pool has %d free pages, a batch of %d needs %d spare to be undone member by member if it fails; "
                 "such batches run one session at a time (the pool keeps that room free when sized from a budget: "
                 "PagedKVCache.undo_headroom)",
-                pool.num_free, len(sessions), per_session * len(sessions),
-            )  # fmt: skip
+                pool.num_free,
+                len(sessions),
+                per_session * len(sessions),
+            )
         return False
 
     def _check_infer(self, request: InferRequest) -> tuple[float, float]:
@@ -531,9 +549,7 @@ class LingBotVAPolicy:
             self._check_frames(frames, "obs")
         return video_g, action_g
 
-    def compute_kv_cache(
-        self, session: LingBotVASession, frames: Sequence[Mapping[str, np.ndarray]], state: np.ndarray
-    ) -> None:
+    def compute_kv_cache(self, session: LingBotVASession, frames: Sequence[Mapping[str, np.ndarray]], state: np.ndarray) -> None:
         """What the robot saw and did: the prediction's pages are dropped, these written as committed."""
         result = self.compute_kv_cache_batch([CommitRequest(session, frames, state)])[0]
         if isinstance(result, BaseException):

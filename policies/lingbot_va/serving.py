@@ -103,7 +103,8 @@ class LingBotVAServing(Policy[ServedSession]):
             "observation": self.schema.describe(),
             "frames_per_call": {"first": 1, "after_first_chunk": commit_frames["first_chunk"], "later": commit_frames["later_chunks"]},
             "actions": {
-                "horizon": self.frames * self.per_frame, "dim": self.channels,
+                "horizon": self.frames * self.per_frame,
+                "dim": self.channels,
                 "layout": "time-major (frames x actions per frame, channels); LingBot-VA's own wire: (channels, frames, actions per frame)",
                 "execute_from": "the reply's session.execute_from: the first chunk's first frame of actions conditions the model and is not executed",
             },
@@ -111,16 +112,25 @@ class LingBotVAServing(Policy[ServedSession]):
             "image_resolution": list(self.schema.resolutions[0]),
             "protocols": ["openpi", "lingbot_va"],
             "guidance": {"video_guidance_scale": e.guidance_scale, "action_guidance_scale": e.action_guidance_scale, "max": MAX_GUIDANCE},
-        }  # fmt: skip
+        }
         return PolicyInfo(
-            frame, action_horizon=self.frames * self.per_frame, action_dim=self.channels, model=self.tag, checkpoint=self.checkpoint,
+            frame,
+            action_horizon=self.frames * self.per_frame,
+            action_dim=self.channels,
+            model=self.tag,
+            checkpoint=self.checkpoint,
             details={
                 "action_layout": {"channels": self.channels, "frames": self.frames, "per_frame": self.per_frame},
-                "commit_frames": commit_frames, "layout": e.layout, "attn_window": e.attn_window, "seed": self.config.seed,
+                "commit_frames": commit_frames,
+                "layout": e.layout,
+                "attn_window": e.attn_window,
+                "seed": self.config.seed,
             },
-            max_batch=MAX_BATCH, observation_schema=self.schema, native_protocol="lingbot_va",
+            max_batch=MAX_BATCH,
+            observation_schema=self.schema,
+            native_protocol="lingbot_va",
             max_frames_per_call=max(commit_frames.values()),  # every frame sent is read; check_observation refuses other counts
-        )  # fmt: skip
+        )
 
     @property
     def info(self) -> PolicyInfo:
@@ -148,7 +158,9 @@ class LingBotVAServing(Policy[ServedSession]):
         (count,) = counts
         commit_counts = {FRAMES_PER_LATENT * (self.frames - 1), FRAMES_PER_LATENT * self.frames}
         if _openpi(call) and count not in {1, *commit_counts}:  # a session's first call (one frame), or the chunk out's key frames
-            raise UnsupportedObservation(f"observation: {count} frames per camera; send 1 on a session's first call, then {sorted(commit_counts)} (4 per latent frame)")
+            raise UnsupportedObservation(
+                f"observation: {count} frames per camera; send 1 on a session's first call, then {sorted(commit_counts)} (4 per latent frame)"
+            )
         if call is None:
             return
         if call.kind in ("infer", "chunk"):
@@ -222,7 +234,7 @@ class LingBotVAServing(Policy[ServedSession]):
                         f"observation: {len(frames)} frame{'s' * (len(frames) != 1)} per camera; this session has a chunk out, "
                         f"which the {expected} key frames seen while executing it commit (4 per latent frame); a new episode "
                         f"is a new session_id or a reset"
-                    )  # fmt: skip
+                    )
                     continue
                 commits.append((i, CommitRequest(session.episode, frames, session.last_actions)))
                 infers.append(i)

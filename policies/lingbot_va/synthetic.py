@@ -50,7 +50,9 @@ def parse_spec(checkpoint: str) -> SyntheticSpec:
         spec = SyntheticSpec(preset, TransformerConfig(), dict(UMT5_XXL_ENCODER_CONFIG), dict(WAN22_VAE_CONFIG))
     else:
         vocab = 8 * math.ceil(len(tiny_tokenizer(CORPUS)) / 8)
-        spec = SyntheticSpec(preset, TINY_TRANSFORMER, {**UMT5_XXL_ENCODER_CONFIG, **TINY_TEXT_ENCODER, "vocab_size": vocab}, {**WAN22_VAE_CONFIG, **TINY_VAE})
+        spec = SyntheticSpec(
+            preset, TINY_TRANSFORMER, {**UMT5_XXL_ENCODER_CONFIG, **TINY_TEXT_ENCODER, "vocab_size": vocab}, {**WAN22_VAE_CONFIG, **TINY_VAE}
+        )
     for option in options:
         key, _, value = option.partition("=")
         if key not in ("layers", "seed") or not value.isdigit():

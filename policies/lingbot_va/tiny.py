@@ -32,16 +32,18 @@ from ardiff_policies.wan.vae import WAN22_VAE_CONFIG, VideoVAE
 TINY_VERSION = 1
 TINY_SEED = 27
 TINY_TRANSFORMER = TransformerConfig(
-    num_attention_heads=4, attention_head_dim=24, text_dim=TINY_TEXT_ENCODER["d_model"], freq_dim=32, ffn_dim=192,
+    num_attention_heads=4,
+    attention_head_dim=24,
+    text_dim=TINY_TEXT_ENCODER["d_model"],
+    freq_dim=32,
+    ffn_dim=192,
     num_layers=2,
-)  # fmt: skip
+)
 TINY_VAE = {"base_dim": 4, "decoder_base_dim": 8, "num_res_blocks": 1}
 # RoboTwin's embodiment at toy size and few steps: the T layout (64x96 high camera, 32x48 wrists -> a 6x6 latent
 # frame, 9 tokens), 2-frame chunks of 16 actions (pages of gcd(18, 32) = 2 tokens), a window of two chunks, 2 video
 # and 2 action steps.
-TINY_EMBODIMENT = dataclasses.replace(
-    ROBOTWIN, height=64, width=96, attn_window=4, num_inference_steps=2, action_num_inference_steps=2
-)
+TINY_EMBODIMENT = dataclasses.replace(ROBOTWIN, height=64, width=96, attn_window=4, num_inference_steps=2, action_num_inference_steps=2)
 
 # Words of the tiny tokenizer: RoboTwin-style instructions.
 CORPUS = """
@@ -78,8 +80,7 @@ def write_tiny_checkpoint(out: str | Path, cfg: TransformerConfig = TINY_TRANSFO
 
     (out / "transformer").mkdir(parents=True, exist_ok=True)
     write_json(out / "transformer" / "config.json", cfg.to_dict())
-    save_file(_transformer_state(cfg, generator), out / "transformer" / "diffusion_pytorch_model.safetensors",
-              metadata={"format": "pt"})  # fmt: skip
+    save_file(_transformer_state(cfg, generator), out / "transformer" / "diffusion_pytorch_model.safetensors", metadata={"format": "pt"})
 
     tokenizer = tiny_tokenizer(CORPUS)
     tokenizer.save_pretrained(out / "tokenizer")
@@ -101,8 +102,17 @@ def definition_digest() -> str:
     import diffusers
     import transformers
 
-    spec = [TINY_VERSION, TINY_SEED, TINY_TRANSFORMER.to_dict(), TINY_TEXT_ENCODER, TINY_VAE, CORPUS,
-            diffusers.__version__, transformers.__version__, torch.__version__.split("+")[0]]  # fmt: skip
+    spec = [
+        TINY_VERSION,
+        TINY_SEED,
+        TINY_TRANSFORMER.to_dict(),
+        TINY_TEXT_ENCODER,
+        TINY_VAE,
+        CORPUS,
+        diffusers.__version__,
+        transformers.__version__,
+        torch.__version__.split("+")[0],
+    ]
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
 
 

@@ -122,8 +122,12 @@ class FlowUniPCScheduler:
         self._next_step_index = 0
 
     def step(
-        self, model_output: torch.Tensor, sample: torch.Tensor, step_index: int, constrain: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        model_output: torch.Tensor,
+        sample: torch.Tensor,
+        step_index: int,
+        constrain: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Advances ``sample`` from ``sigmas[step_index]`` to ``sigmas[step_index + 1]``.
 
         ``model_output`` is the predicted velocity ``noise - x0`` at ``sample`` (any shape with a

@@ -22,11 +22,15 @@ def _residual_outputs(name: str) -> bool:
     """Projections that write into a residual stream (scaled down with depth)."""
     return name.endswith(
         (
-            "self_attn.o.weight", "cross_attn.o.weight", "ffn.2.weight",  # DreamZero's DiT (LingBot-VA's blocks are not listed: unscaled)
-            "SelfAttention.o.weight", "DenseReluDense.wo.weight",  # UMT5
-            "self_attn.out_proj.weight", "mlp.fc2.weight",  # CLIP
+            "self_attn.o.weight",
+            "cross_attn.o.weight",
+            "ffn.2.weight",  # DreamZero's DiT (LingBot-VA's blocks are not listed: unscaled)
+            "SelfAttention.o.weight",
+            "DenseReluDense.wo.weight",  # UMT5
+            "self_attn.out_proj.weight",
+            "mlp.fc2.weight",  # CLIP
         )
-    )  # fmt: skip
+    )
 
 
 @torch.no_grad()

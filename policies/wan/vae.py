@@ -23,7 +23,8 @@ from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, WanRMS_norm, patchify
 from torch import Tensor, nn
 
-# Per-channel statistics of Wan2.1 VAE latents (upstream `WanVideoVAE.mean` / `.std`).
+# Per-channel statistics of Wan2.1 VAE latents (upstream `WanVideoVAE.mean` / `.std`); kept unformatted (fmt: off):
+# rows of numbers read and compare against upstream better aligned than one per line.
 # fmt: off
 WAN21_LATENTS_MEAN = (
     -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,

@@ -130,8 +130,13 @@ def test_the_contract_on_the_wire_and_in_info(server):
     assert contract["mode"] == "inpaint" and set(contract["request"]["continuation"]) == {"executed", "delay", "chunk_id"}
     assert {"chunk_id", "frozen", "continuation"} <= set(contract["reply"])
     image = np.full((48, 80, 3), 90, np.uint8)
-    base = {"observation/exterior_image_0_left": image, "observation/joint_position": np.zeros(7), "observation/gripper_position": np.zeros(1),
-            "prompt": "stack", "session_id": "wire"}
+    base = {
+        "observation/exterior_image_0_left": image,
+        "observation/joint_position": np.zeros(7),
+        "observation/gripper_position": np.zeros(1),
+        "prompt": "stack",
+        "session_id": "wire",
+    }
     with connect(server.url, compression=None) as ws:
         ws.recv()  # metadata
 

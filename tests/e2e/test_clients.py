@@ -50,9 +50,12 @@ def test_roboarena_server_test_builds_the_dataclass_and_runs_an_episode(server):
                 "observation/exterior_image_0_left": np.zeros((h, w, 3), np.uint8),
                 "observation/exterior_image_1_left": np.zeros((h, w, 3), np.uint8),
                 "observation/wrist_image_left": np.zeros((h, w, 3), np.uint8),
-                "observation/joint_position": np.zeros(7), "observation/gripper_position": np.zeros(1),
-                "prompt": "pick up the cup", "session_id": "38DSA3hd3", "endpoint": "infer",
-            }  # fmt: skip
+                "observation/joint_position": np.zeros(7),
+                "observation/gripper_position": np.zeros(1),
+                "prompt": "pick up the cup",
+                "session_id": "38DSA3hd3",
+                "endpoint": "infer",
+            }
             assert call(ws, obs)["actions"][0, 0] == n
         assert call(ws, {"endpoint": "reset", "session_id": "38DSA3hd3"})["status"] == "reset successful"
 
@@ -94,10 +97,16 @@ def test_isaaclab_arena_interleaves_ids_on_one_connection_and_resets_them(server
 
 
 SESSION_ID_FORMS = {
-    "str": str, "int": int, "np.int32": np.int32, "np.uint64": np.uint64, "array[int]": lambda n: np.array([n]),
-    "array[str]": lambda n: np.array([str(n)]), "bytes": lambda n: str(n).encode(), "np.str_": lambda n: np.str_(str(n)),
+    "str": str,
+    "int": int,
+    "np.int32": np.int32,
+    "np.uint64": np.uint64,
+    "array[int]": lambda n: np.array([n]),
+    "array[str]": lambda n: np.array([str(n)]),
+    "bytes": lambda n: str(n).encode(),
+    "np.str_": lambda n: np.str_(str(n)),
     "list": lambda n: [n],
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("form", SESSION_ID_FORMS)

@@ -38,8 +38,7 @@ def test_interleaved_robots_get_what_each_gets_alone(tmp_path):
         alone = {robot: run(process.port, f"alone-{robot}", obs) for robot, obs in episodes.items()}
         together: dict[int, list[dict]] = {}
         threads = [
-            threading.Thread(target=lambda r=robot: together.__setitem__(r, run(process.port, f"together-{r}", episodes[r])))
-            for robot in episodes
+            threading.Thread(target=lambda r=robot: together.__setitem__(r, run(process.port, f"together-{r}", episodes[r]))) for robot in episodes
         ]
         for t in threads:
             t.start()
@@ -153,8 +152,14 @@ def test_the_front_end_process_never_loads_torch(tmp_path):
     ("overrides", "needle"),
     [
         ([], "this machine has no CUDA device"),
-        (["--set", "engine.device=cpu", "--set", "engine.dtype=float32"], "policy.checkpoint: GEAR-Dreams/DreamZero-DROID is not in the Hugging Face cache"),
-        (["--set", "engine.device=cpu", "--set", "policy.checkpoint=/models/DreamZero-DROID"], "policy.checkpoint: /models/DreamZero-DROID does not exist"),
+        (
+            ["--set", "engine.device=cpu", "--set", "engine.dtype=float32"],
+            "policy.checkpoint: GEAR-Dreams/DreamZero-DROID is not in the Hugging Face cache",
+        ),
+        (
+            ["--set", "engine.device=cpu", "--set", "policy.checkpoint=/models/DreamZero-DROID"],
+            "policy.checkpoint: /models/DreamZero-DROID does not exist",
+        ),
     ],
 )
 def test_dreamzero_droid_without_its_machine_fails_fast_with_one_line(tmp_path, overrides, needle):
@@ -172,8 +177,14 @@ def test_dreamzero_droid_without_its_machine_fails_fast_with_one_line(tmp_path, 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}  # an empty hub cache, no network
     env.pop("HF_HUB_CACHE", None)
-    out = subprocess.run([sys.executable, "-m", "ardiff_server", "--config", "dreamzero_droid", *overrides],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "ardiff_server", "--config", "dreamzero_droid", *overrides],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     elapsed = time.monotonic() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime

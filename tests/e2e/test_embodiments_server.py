@@ -36,7 +36,10 @@ def request_from_schema(metadata: dict, frames: int, *, seed: int = 0, batch_axi
 
 @pytest.fixture(scope="module")
 def agibot():
-    config = {"engine": {"warmup": False, "kv_budget_gib": 0.05}, "policy": {"name": "dreamzero", "checkpoint": "builtin:tiny_agibot", "view_size": [48, 80]}}
+    config = {
+        "engine": {"warmup": False, "kv_budget_gib": 0.05},
+        "policy": {"name": "dreamzero", "checkpoint": "builtin:tiny_agibot", "view_size": [48, 80]},
+    }
     with InprocServer(config) as running:
         yield running
 
@@ -50,10 +53,13 @@ def test_agibot_metadata_frame_and_info_say_what_to_send_and_what_comes_back(agi
     assert all(c["resolution"] == [96, 160] for c in cameras)  # metadata.json's modalities.video
     state = {p["key"]: p["dim"] for p in metadata["observation"]["state"]}
     assert state == {
-        "observation/left_arm_joint_position": 7, "observation/right_arm_joint_position": 7,
-        "observation/left_effector_position": 1, "observation/right_effector_position": 1,
-        "observation/head_position": 2, "observation/waist_position": 2,
-    }  # fmt: skip
+        "observation/left_arm_joint_position": 7,
+        "observation/right_arm_joint_position": 7,
+        "observation/left_effector_position": 1,
+        "observation/right_effector_position": 1,
+        "observation/head_position": 2,
+        "observation/waist_position": 2,
+    }
     actions = metadata["actions"]
     assert actions["horizon"] == 24 and actions["dim"] == 22
     split = {s["name"]: (s["start"], s["stop"], s["relative_to_state"]) for s in actions["split"]}
@@ -80,10 +86,14 @@ def test_agibot_episode_over_openpi_client_and_bad_requests_name_the_key(agibot)
     bad = request_from_schema(metadata, 4, seed=2)
     del bad["observation/head_position"]
     bad["observation/head_pos"] = np.zeros(2)
-    with pytest.raises(RuntimeError, match=r"bad request: observation/head_position: missing; expected 2 numbers .*unknown keys \['observation/head_pos'\]"):
+    with pytest.raises(
+        RuntimeError, match=r"bad request: observation/head_position: missing; expected 2 numbers .*unknown keys \['observation/head_pos'\]"
+    ):
         client.infer({**bad, "session_id": "agi"})
     wrong = {**request_from_schema(metadata, 4, seed=2), "observation/waist_position": np.zeros((2, 2))}  # a real batch
-    with pytest.raises(RuntimeError, match=r"bad request: observation/waist_position: expected 2 numbers \(float array or list\), got shape \(2, 2\)"):
+    with pytest.raises(
+        RuntimeError, match=r"bad request: observation/waist_position: expected 2 numbers \(float array or list\), got shape \(2, 2\)"
+    ):
         client.infer({**wrong, "session_id": "agi"})
     with pytest.raises(RuntimeError, match=r"bad request: observation/top_head: missing; expected a uint8 RGB image"):
         client.infer({k: v for k, v in request_from_schema(metadata, 4).items() if k != "observation/top_head"} | {"session_id": "agi"})
@@ -101,8 +111,14 @@ def test_ardiff_client_drives_the_agibot_schema_with_synthetic_frames(agibot, ca
     assert report["image_size"] == [96, 160] and report["calls"] == 3 and report["ended"] == "calls"
     assert all(r["actions_shape"] == [24, 22] for r in report["records"])
     sent = [r["state"] for r in report["records"]]
-    assert set(sent[0]) == {"left_arm_joint_position", "right_arm_joint_position", "left_effector_position",
-                            "right_effector_position", "head_position", "waist_position"}  # fmt: skip
+    assert set(sent[0]) == {
+        "left_arm_joint_position",
+        "right_arm_joint_position",
+        "left_effector_position",
+        "right_effector_position",
+        "head_position",
+        "waist_position",
+    }
     assert sent[0]["head_position"] == [0.0, 0.0] and sent[1]["head_position"] != [0.0, 0.0]  # fed back from the chunk
     with np.load(record) as data:
         assert data["state"].shape == (3, 20) and data["actions"].shape == (3, 24, 22)
@@ -115,10 +131,17 @@ def test_tiny_yam_config_serves_openpi_clients_from_its_own_process(tmp_path):
         client = WebsocketClientPolicy(host="127.0.0.1", port=process.port)
         metadata = client.get_server_metadata()
         assert metadata["embodiment"] == "yam" and metadata["actions"]["dim"] == 14
-        assert [c["name"] for c in metadata["observation"]["cameras"]] == ["top_camera-images-rgb", "left_camera-images-rgb", "right_camera-images-rgb"]
+        assert [c["name"] for c in metadata["observation"]["cameras"]] == [
+            "top_camera-images-rgb",
+            "left_camera-images-rgb",
+            "right_camera-images-rgb",
+        ]
         assert [(p["name"], p["dim"]) for p in metadata["observation"]["state"]] == [
-            ("left_joint_pos", 6), ("left_gripper_pos", 1), ("right_joint_pos", 6), ("right_gripper_pos", 1)
-        ]  # fmt: skip
+            ("left_joint_pos", 6),
+            ("left_gripper_pos", 1),
+            ("right_joint_pos", 6),
+            ("right_gripper_pos", 1),
+        ]
         flat = client.infer({**request_from_schema(metadata, 1, seed=5), "session_id": "flat"})
         batched = client.infer({**request_from_schema(metadata, 1, seed=5, batch_axis=True), "session_id": "batched"})
         assert flat["actions"].shape == (24, 14)
@@ -127,8 +150,11 @@ def test_tiny_yam_config_serves_openpi_clients_from_its_own_process(tmp_path):
         assert later["session"]["calls"] == 2
         status, body = process.http("/info")
         assert status == 200 and json.loads(body)["policy"]["embodiment"]["relative_action_keys"] == [
-            "left_joint_pos", "left_gripper_pos", "right_joint_pos", "right_gripper_pos"
-        ]  # fmt: skip
+            "left_joint_pos",
+            "left_gripper_pos",
+            "right_joint_pos",
+            "right_gripper_pos",
+        ]
         reply = client.infer({"endpoint": "reset", "session_ids": ["flat", "batched"]})
         assert reply["status"] == "reset successful"
         assert process.metric('ardiff_kv_blocks_total{rank="0"}') == process.metric('ardiff_kv_blocks_free{rank="0"}')

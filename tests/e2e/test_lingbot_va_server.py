@@ -73,7 +73,11 @@ def test_openpi_sessions_interleave_and_equal_the_robotwin_protocol(server):
         client.call({"reset": True, "prompt": "done"})
     policy = WebsocketClientPolicy(host="127.0.0.1", port=server.port)
     metadata = policy.get_server_metadata()
-    assert [c["key"] for c in metadata["observation"]["cameras"]] == ["observation/cam_high", "observation/cam_left_wrist", "observation/cam_right_wrist"]
+    assert [c["key"] for c in metadata["observation"]["cameras"]] == [
+        "observation/cam_high",
+        "observation/cam_left_wrist",
+        "observation/cam_right_wrist",
+    ]
     assert metadata["actions"]["horizon"] == 32 and metadata["actions"]["dim"] == 16
     other = [[robotwin_frame(np.random.default_rng(9), *SIZE, "")] * len(f) for f in frames]
     for chunk in range(5):

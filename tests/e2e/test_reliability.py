@@ -293,9 +293,14 @@ class Robot:
         self.note("malformed frame")
 
     ACTIONS = (
-        ("infer", 0.74), ("switch", 0.05), ("reset", 0.04), ("drop_mid_request", 0.04),
-        ("reconnect", 0.03), ("malformed", 0.06), ("explode", 0.04),
-    )  # fmt: skip
+        ("infer", 0.74),
+        ("switch", 0.05),
+        ("reset", 0.04),
+        ("drop_mid_request", 0.04),
+        ("reconnect", 0.03),
+        ("malformed", 0.06),
+        ("explode", 0.04),
+    )
 
     def run(self) -> None:
         try:
@@ -358,8 +363,7 @@ def test_soak_robots_sessions_resets_drops_and_a_worker_kill(tmp_path):
             return server.metric("ardiff_sessions_open") == 0 and server.metric(KV_FREE) == server.metric(KV_TOTAL)
 
         assert wait_for(drained, TTL_S + 15), (
-            f"leak: {server.metric('ardiff_sessions_open')} sessions active, "
-            f"{server.metric(KV_FREE)} of {server.metric(KV_TOTAL)} KV pages free"
+            f"leak: {server.metric('ardiff_sessions_open')} sessions active, {server.metric(KV_FREE)} of {server.metric(KV_TOTAL)} KV pages free"
         )
         rss_after = {"server": rss_mib(server.proc.pid), "worker": rss_mib(new_pid)}
 
@@ -462,8 +466,10 @@ def never_reads_stalls_nobody(server: ServerProcess) -> None:
         slow.close()
         assert not errors, errors
         during = [lat for i, v in latencies.items() for lat in v[before[i] :]]
-        print(f"slow client wedged after {sent} requests; others: {len(during)} replies in 2 s, "
-              f"p99 {np.percentile(during, 99) * 1000:.1f} ms; server RSS {rss_before:.0f} -> {rss_wedged:.0f} MiB")  # fmt: skip
+        print(
+            f"slow client wedged after {sent} requests; others: {len(during)} replies in 2 s, "
+            f"p99 {np.percentile(during, 99) * 1000:.1f} ms; server RSS {rss_before:.0f} -> {rss_wedged:.0f} MiB"
+        )
         assert all(len(v) - before[i] >= 10 for i, v in latencies.items()), {i: len(v) - before[i] for i, v in latencies.items()}
         assert np.percentile(during, 99) < 0.5 and max(health) < 0.2
         assert rss_wedged - rss_before < RSS_BOUND_MIB

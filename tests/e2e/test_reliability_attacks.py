@@ -177,8 +177,10 @@ def test_keys_from_a_file_and_the_environment_and_every_header_form(tmp_path):
 
 def test_malformed_credentials_get_401_without_a_traceback(tmp_path):
     with ServerProcess(fake_config(), tmp_path, args=["--api-key", "s3cret"]) as server:
-        handshake = b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n" \
-                    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"  # fmt: skip
+        handshake = (
+            b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+        )
         cases = [
             handshake + b"Authorization: Api-Key s3cret\r\nAuthorization: Api-Key s3cret\r\n\r\n",  # duplicated
             handshake + "Authorization: Api-Key s3crét\r\n\r\n".encode(),  # non-ASCII
@@ -288,8 +290,10 @@ def test_decoy_jpegs_are_refused_from_their_headers_and_move_neither_memory_nor_
         stop.set()
         thread.join(30)
         grown = [peak_rss_mib(pid) - before for pid, before in zip(pids, rss)]
-        print(f"decoys: peak RSS +{grown[0]:.1f} MiB front end, +{grown[1]:.1f} MiB worker; robot's slowest of {len(latencies)} "
-              f"requests {max(latencies) * 1000:.0f} ms")
+        print(
+            f"decoys: peak RSS +{grown[0]:.1f} MiB front end, +{grown[1]:.1f} MiB worker; robot's slowest of {len(latencies)} "
+            f"requests {max(latencies) * 1000:.0f} ms"
+        )
         assert max(grown) < 16, grown  # nothing decoded (the victim's own frames and the attacker's are a few MiB)
         assert set(health) == {200} and max(latencies) < 1.0  # /healthz and the robot never waited on a decode
 

@@ -37,9 +37,13 @@ def observation(rng: np.random.Generator, first: bool, prompt: str = "pick up th
     shape = (1 if first else 4, 48, 80, 3)
     cam = lambda: rng.integers(0, 256, shape, dtype=np.uint8)  # noqa: E731
     return RobotObservation(
-        exterior_left=cam(), exterior_right=cam(), wrist=cam(),
-        joint_position=rng.uniform(-1, 1, 7).astype(np.float32), gripper_position=np.array([0.3], np.float32), prompt=prompt,
-    )  # fmt: skip
+        exterior_left=cam(),
+        exterior_right=cam(),
+        wrist=cam(),
+        joint_position=rng.uniform(-1, 1, 7).astype(np.float32),
+        gripper_position=np.array([0.3], np.float32),
+        prompt=prompt,
+    )
 
 
 def serve(engine: SessionEngine, requests: list[Infer]) -> dict[str, InferReply | ErrorReply]:

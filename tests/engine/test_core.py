@@ -66,7 +66,10 @@ def test_a_session_with_a_robot_attached_is_never_evicted_and_the_newcomer_is_to
     engine = make_engine(sessions_in_pool=8, max_sessions=2)
     calls(engine, "a")
     calls(engine, "b")
-    with pytest.raises(CapacityError, match=r"server at capacity: 2 sessions open \(engine.max_sessions: 2\) and a robot is attached to each.*larger engine.max_sessions"):
+    with pytest.raises(
+        CapacityError,
+        match=r"server at capacity: 2 sessions open \(engine.max_sessions: 2\) and a robot is attached to each.*larger engine.max_sessions",
+    ):
         engine.infer("intruder", obs())
     assert set(engine.sessions) == {"a", "b"} and not engine.endings
     assert calls(engine, "a") == 2 and calls(engine, "b") == 2  # both robots carry on

@@ -30,11 +30,13 @@ def tiny_engine(record_dir: Path):
     from ardiff_server.engine.builder import build_engine
     from ardiff_server.wire.decode import decode_request
 
-    config = validate_config({
-        "server": {"record_dir": str(record_dir)},
-        "engine": {"warmup": False, "kv_budget_gib": 0.05, "max_sessions": 2},
-        "policy": {"name": "dreamzero", "view_size": [48, 80]},
-    })  # fmt: skip
+    config = validate_config(
+        {
+            "server": {"record_dir": str(record_dir)},
+            "engine": {"warmup": False, "kv_budget_gib": 0.05, "max_sessions": 2},
+            "policy": {"name": "dreamzero", "view_size": [48, 80]},
+        }
+    )
     engine = build_engine(config)
 
     def observe(call: int, prompt: str = "pick up the cup"):
@@ -135,8 +137,10 @@ def test_a_full_recording_queue_drops_calls_with_a_warning_and_never_blocks(tmp_
     frames = np.zeros((4, 16, 16, 3), np.uint8)
     started = time.perf_counter()
     with caplog.at_level(logging.WARNING, logger="ardiff_server.engine.recorder"):
-        accepted = [recorder.add("stuck", Chunk(call, "p", frames, frames, np.zeros((24, 8)), np.zeros((24, 32)), np.zeros(8), {}, 1.0))
-                    for call in range(1, 6)]  # fmt: skip
+        accepted = [
+            recorder.add("stuck", Chunk(call, "p", frames, frames, np.zeros((24, 8)), np.zeros((24, 32)), np.zeros(8), {}, 1.0))
+            for call in range(1, 6)
+        ]
         recorder.end("stuck", "reset")
     assert time.perf_counter() - started < 0.5  # the engine never waited for the recorder
     assert accepted == [True, True, False, False, False] and recorder.dropped == 3
@@ -219,7 +223,9 @@ def test_record_dir_without_the_viz_extra_fails_at_start_up(monkeypatch, tmp_pat
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "av" else real(name, *a))
     config = validate_config({"server": {"record_dir": str(tmp_path)}, "policy": {"name": "noop"}})
-    with pytest.raises(ConfigError, match=r"server.record_dir needs av: \S+/bin/pip install -e '.\[viz\]' \(bash scripts/serve.sh --record DIR installs it too\)"):
+    with pytest.raises(
+        ConfigError, match=r"server.record_dir needs av: \S+/bin/pip install -e '.\[viz\]' \(bash scripts/serve.sh --record DIR installs it too\)"
+    ):
         preflight(config)
 
 

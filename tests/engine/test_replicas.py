@@ -94,8 +94,11 @@ def test_replica_devices_default_and_validation():
 
     assert config(replicas=2).engine.replica_device_lists() == [["cpu"], ["cpu"]]
     assert config(replicas=4, device="cuda", cfg_parallel_size=2).engine.replica_device_lists() == [
-        ["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"], ["cuda:4", "cuda:5"], ["cuda:6", "cuda:7"],
-    ]  # fmt: skip
+        ["cuda:0", "cuda:1"],
+        ["cuda:2", "cuda:3"],
+        ["cuda:4", "cuda:5"],
+        ["cuda:6", "cuda:7"],
+    ]
     explicit = config(replicas=2, replica_devices=[["cuda:3"], ["cuda:1"]])
     assert explicit.engine.replica_device_lists() == [["cuda:3"], ["cuda:1"]]
     with pytest.raises(ValueError, match="replica_devices lists 1 replicas for replicas=2"):

@@ -97,7 +97,13 @@ def test_victims_are_idle_sessions_disconnected_first_never_attached_waiting_or_
         def __init__(self, status: str, waiting: int = 0) -> None:
             self.status, self.waiting = status, waiting
 
-    table = {"old-switched": S("switched"), "attached": S("attached"), "gone-waiting": S("disconnected", 1), "gone": S("disconnected"), "peer": S("switched")}
+    table = {
+        "old-switched": S("switched"),
+        "attached": S("attached"),
+        "gone-waiting": S("disconnected", 1),
+        "gone": S("disconnected"),
+        "peer": S("switched"),
+    }
     assert choose_victims(table, 1, protect=()) == ["gone"]
     assert choose_victims(table, 2, protect=()) == ["gone", "old-switched"]
     assert choose_victims(table, 2, protect={"old-switched"}) == ["gone", "peer"]
@@ -225,8 +231,10 @@ def test_a_slow_first_call_encode_never_stalls_three_steady_robots():
     assert newcomer_s >= encode_s  # its encode did run
     assert len(during) >= 6, during  # the steady robots kept being served while it encoded
     assert max(during) < encode_s / 3, f"a steady robot waited {max(during):.2f} s behind the newcomer's encode"
-    print(f"steady robots' calls: before {np.median(before) * 1000:.0f} ms, during the encode {np.median(during) * 1000:.0f} ms "
-          f"(max {max(during) * 1000:.0f} ms); the newcomer's first call {newcomer_s * 1000:.0f} ms")  # fmt: skip
+    print(
+        f"steady robots' calls: before {np.median(before) * 1000:.0f} ms, during the encode {np.median(during) * 1000:.0f} ms "
+        f"(max {max(during) * 1000:.0f} ms); the newcomer's first call {newcomer_s * 1000:.0f} ms"
+    )
 
 
 def test_a_calls_own_encode_is_its_compute_and_waiting_for_anothers_is_queueing():

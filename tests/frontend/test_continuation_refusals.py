@@ -39,9 +39,14 @@ def exchange(server: InprocServer, requests: list[dict]) -> list:
 
 def test_a_policy_that_does_not_continue_chunks_refuses_a_continuation_by_name():
     with InprocServer({"engine": {"warmup": False}, "policy": {"name": "noop"}}) as server:
-        before, refused, after = exchange(server, [
-            {**DROID, "session_id": "s"}, {**DROID, "session_id": "s", "continuation": CONTINUATION}, {**DROID, "session_id": "s"},
-        ])  # fmt: skip
+        before, refused, after = exchange(
+            server,
+            [
+                {**DROID, "session_id": "s"},
+                {**DROID, "session_id": "s", "continuation": CONTINUATION},
+                {**DROID, "session_id": "s"},
+            ],
+        )
         assert refused == "bad request: continuation: policy noop does not continue chunks (its replies carry no chunk_id/frozen); leave it out"
         assert before["session"]["calls"] == 1 and after["session"]["calls"] == 2  # the session went on
         status, body = server.http("/info")
@@ -58,9 +63,14 @@ def test_the_bare_array_reply_refuses_a_continuation_it_could_not_say_is_frozen(
     """``server.reply_format: array`` (DreamZero's own client, which asks for no continuation) has no room for
     ``chunk_id`` / ``frozen``: a continuation there is refused per request naming the setting; plain requests are served
     as bare arrays, so DreamZero's client still runs."""
-    first, refused, second = exchange(dreamzero_array, [
-        {**DROID, "session_id": "a"}, {**DROID, "session_id": "a", "continuation": CONTINUATION}, {**DROID, "session_id": "a"},
-    ])  # fmt: skip
+    first, refused, second = exchange(
+        dreamzero_array,
+        [
+            {**DROID, "session_id": "a"},
+            {**DROID, "session_id": "a", "continuation": CONTINUATION},
+            {**DROID, "session_id": "a"},
+        ],
+    )
     assert isinstance(first, np.ndarray) and first.shape == (24, 8) and isinstance(second, np.ndarray)
     assert refused.startswith("bad request: continuation: server.reply_format is array") and "reply_format=dict" in refused
     status, body = dreamzero_array.http("/info")
@@ -72,6 +82,8 @@ def test_the_bare_array_reply_refuses_a_continuation_it_could_not_say_is_frozen(
 
 def test_a_dict_reply_from_a_policy_that_continues_chunks_accepts_them():
     with InprocServer({"engine": {"warmup": False}, "policy": TINY_DREAMZERO}) as server:
-        first, continued = exchange(server, [{**DROID, "session_id": "c"}, {**DROID, "session_id": "c", "continuation": {**CONTINUATION, "chunk_id": 1}}])
+        first, continued = exchange(
+            server, [{**DROID, "session_id": "c"}, {**DROID, "session_id": "c", "continuation": {**CONTINUATION, "chunk_id": 1}}]
+        )
         assert (first["chunk_id"], continued["chunk_id"], continued["frozen"], continued["continuation"]) == (1, 2, 3, "applied")
         assert json.loads(server.http("/info")[1])["continuations"] == {"accepted": True}

@@ -39,9 +39,13 @@ def test_openpi_client_metadata_infer_reset_and_session_switch(server):
     client = WebsocketClientPolicy(host="127.0.0.1", port=server.port)
     meta = client.get_server_metadata()
     assert meta == {
-        "image_resolution": [180, 320], "needs_wrist_camera": True, "n_external_cameras": 2,
-        "needs_stereo_camera": False, "needs_session_id": True, "action_space": "joint_position",
-    }  # fmt: skip
+        "image_resolution": [180, 320],
+        "needs_wrist_camera": True,
+        "n_external_cameras": 2,
+        "needs_stereo_camera": False,
+        "needs_session_id": True,
+        "action_space": "joint_position",
+    }
 
     first = client.infer(droid_observation(session_id="ep1-A", joint0=0.5))
     assert first["actions"].dtype == np.float32 and first["actions"].shape == (4, 8)
@@ -93,8 +97,10 @@ def test_roboarena_style_client_episodes(server):
                 reply = infer(ws, droid_observation(1 if call == 1 else 4, session_id=session, one_indexed=True, endpoint="infer"))
                 assert reply["actions"][0, 0] == call and reply["actions"][0, 2] == session_tag(session)
             assert infer(ws, {"endpoint": "reset", "session_id": session}) == {
-                "status": "reset successful", "session_ids": [session], "session_id": session,
-            }  # fmt: skip
+                "status": "reset successful",
+                "session_ids": [session],
+                "session_id": session,
+            }
 
 
 def test_policy_failure_is_an_error_frame_and_the_session_starts_over(server):
@@ -110,22 +116,26 @@ def test_policy_failure_is_an_error_frame_and_the_session_starts_over(server):
 BAD_FRAMES = st.one_of(
     st.text(max_size=40),  # text frames
     st.binary(max_size=200),  # garbage bytes
-    st.sampled_from([
-        msgpack.packb([1, 2, 3]),
-        msgpack.packb("just a string"),
-        msgpack.packb({"observation/joint_position": [1.0, 2.0]}),
-        msgpack.packb({"observation/wrist_image_left": {b"__ndarray__": True, b"data": b"\x00" * 10, b"dtype": "|u1", b"shape": [10**9, 10**9, 3]}}),
-        msgpack.packb({"observation/wrist_image_left": {b"__ndarray__": True, b"data": b"", b"dtype": "|O", b"shape": [0]}}),
-        msgpack.packb({"observation/wrist_image_left": {b"__ndarray__": True, b"data": b"\x00" * 7, b"dtype": "<f4", b"shape": [2]}}),
-        msgpack_numpy.packb({"observation/wrist_image_left": np.zeros((4, 4), np.uint8)}),
-        msgpack_numpy.packb({"observation/exterior_image_0_left": np.zeros((8, 8, 3), np.float32)}),
-        msgpack_numpy.packb({"prompt": 5}),
-        msgpack_numpy.packb({"session_id": ["x"]}),
-        msgpack_numpy.packb({"endpoint": "explode"}),
-        msgpack_numpy.packb(droid_observation())[:-7],  # truncated
-        msgpack.packb(msgpack.ExtType(1, b"x")),
-    ]),
-)  # fmt: skip
+    st.sampled_from(
+        [
+            msgpack.packb([1, 2, 3]),
+            msgpack.packb("just a string"),
+            msgpack.packb({"observation/joint_position": [1.0, 2.0]}),
+            msgpack.packb(
+                {"observation/wrist_image_left": {b"__ndarray__": True, b"data": b"\x00" * 10, b"dtype": "|u1", b"shape": [10**9, 10**9, 3]}}
+            ),
+            msgpack.packb({"observation/wrist_image_left": {b"__ndarray__": True, b"data": b"", b"dtype": "|O", b"shape": [0]}}),
+            msgpack.packb({"observation/wrist_image_left": {b"__ndarray__": True, b"data": b"\x00" * 7, b"dtype": "<f4", b"shape": [2]}}),
+            msgpack_numpy.packb({"observation/wrist_image_left": np.zeros((4, 4), np.uint8)}),
+            msgpack_numpy.packb({"observation/exterior_image_0_left": np.zeros((8, 8, 3), np.float32)}),
+            msgpack_numpy.packb({"prompt": 5}),
+            msgpack_numpy.packb({"session_id": ["x"]}),
+            msgpack_numpy.packb({"endpoint": "explode"}),
+            msgpack_numpy.packb(droid_observation())[:-7],  # truncated
+            msgpack.packb(msgpack.ExtType(1, b"x")),
+        ]
+    ),
+)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

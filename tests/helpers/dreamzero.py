@@ -22,10 +22,13 @@ def observations(n: int, seed: int = 0, prompt: str = "pick up the cup"):
         shape = (1 if call == 0 else 4, 90, 160, 3)
         cam = lambda: rng.integers(0, 256, shape, dtype=np.uint8)  # noqa: E731, B023 (used at once)
         yield RobotObservation(
-            exterior_left=cam(), exterior_right=cam(), wrist=cam(),
-            joint_position=rng.uniform(-1, 1, 7).astype(np.float32), gripper_position=np.array([0.3], np.float32),
+            exterior_left=cam(),
+            exterior_right=cam(),
+            wrist=cam(),
+            joint_position=rng.uniform(-1, 1, 7).astype(np.float32),
+            gripper_position=np.array([0.3], np.float32),
             prompt=prompt,
-        )  # fmt: skip
+        )
 
 
 def make_policy(tiny_model, branches=None, guidance=None, **overrides) -> tuple[DreamZeroPolicy, PagedKVCache]:

@@ -54,10 +54,15 @@ def run_episode(client: LingBotVAClient, prompt: str, chunks: int, *, seed: int,
     first = robotwin_frame(rng, *size, prompt)
     actions, sent = [], [[first]]
     for chunk in range(chunks):
-        reply = client.call({
-            "obs": first, "prompt": prompt, "save_visualization": True,
-            "video_guidance_scale": guidance[0], "action_guidance_scale": guidance[1],
-        })  # fmt: skip
+        reply = client.call(
+            {
+                "obs": first,
+                "prompt": prompt,
+                "save_visualization": True,
+                "video_guidance_scale": guidance[0],
+                "action_guidance_scale": guidance[1],
+            }
+        )
         action = reply["action"]
         actions.append(action)
         per_frame = action.shape[2] // 4  # a key frame every action_per_frame / 4 actions

@@ -39,8 +39,12 @@ class ServerProcess:
         environ = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ardiff_server", "--config", config, "--port", "0", *args],
-            cwd=REPO, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            cwd=REPO,
+            env=environ,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self._ready = threading.Event()
         threading.Thread(target=self._pump, daemon=True).start()
 

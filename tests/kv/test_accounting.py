@@ -8,8 +8,18 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from ardiff_kv import Branch, CapacityError, KVSpec, PagedKVCache
 
-SPEC = KVSpec(num_layers=1, num_heads=1, head_dim=8, page_size=2, window_pages=4, max_new_pages=2,
-              max_extra_tokens=3, chunk_pages=2, cross_text_tokens=2, cross_image_tokens=1)  # fmt: skip
+SPEC = KVSpec(
+    num_layers=1,
+    num_heads=1,
+    head_dim=8,
+    page_size=2,
+    window_pages=4,
+    max_new_pages=2,
+    max_extra_tokens=3,
+    chunk_pages=2,
+    cross_text_tokens=2,
+    cross_image_tokens=1,
+)
 
 
 class KVLifecycle(RuleBasedStateMachine):
@@ -30,8 +40,13 @@ class KVLifecycle(RuleBasedStateMachine):
         self.counter += 1
 
     @precondition(lambda self: self.sessions)
-    @rule(data=st.data(), branch=st.sampled_from(list(Branch)), frames=st.integers(1, 2),
-          commit=st.booleans(), outcome=st.sampled_from(["complete", "abort", "leave"]))  # fmt: skip
+    @rule(
+        data=st.data(),
+        branch=st.sampled_from(list(Branch)),
+        frames=st.integers(1, 2),
+        commit=st.booleans(),
+        outcome=st.sampled_from(["complete", "abort", "leave"]),
+    )
     def forward(self, data, branch, frames, commit, outcome):
         s = self.sessions[data.draw(st.sampled_from(sorted(self.sessions)))]
         try:

@@ -26,7 +26,9 @@ def rand(n: int) -> torch.Tensor:
 
 
 def dense(q, k, v):
-    return torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=SCALE)[0].transpose(0, 1)
+    return torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=SCALE)[
+        0
+    ].transpose(0, 1)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
@@ -86,11 +88,19 @@ def test_a_batch_needs_one_cache_and_equal_query_lengths():
     cache, other = make("sdpa"), make("sdpa")
     a, b = cache.open_session("a"), cache.open_session("b")
     with pytest.raises(ValueError, match="equal query lengths"):
-        prepare_batch([a.begin_forward(Branch.COND, num_video_tokens=PAGE, commit=False),
-                       b.begin_forward(Branch.COND, num_video_tokens=2 * PAGE, commit=False, scratch_slot=1)])  # fmt: skip
+        prepare_batch(
+            [
+                a.begin_forward(Branch.COND, num_video_tokens=PAGE, commit=False),
+                b.begin_forward(Branch.COND, num_video_tokens=2 * PAGE, commit=False, scratch_slot=1),
+            ]
+        )
     with pytest.raises(ValueError, match="one cache"):
-        prepare_batch([a.begin_forward(Branch.UNCOND, num_video_tokens=PAGE, commit=False),
-                       other.open_session("x").begin_forward(Branch.COND, num_video_tokens=PAGE, commit=False)])  # fmt: skip
+        prepare_batch(
+            [
+                a.begin_forward(Branch.UNCOND, num_video_tokens=PAGE, commit=False),
+                other.open_session("x").begin_forward(Branch.COND, num_video_tokens=PAGE, commit=False),
+            ]
+        )
     with pytest.raises(ValueError, match="at least one"):
         prepare_batch([])
 

@@ -8,9 +8,16 @@ import torch
 from ardiff_kv import Branch, CapacityError, KVSpec, PagedKVCache
 
 SPEC = KVSpec(
-    num_layers=2, num_heads=4, head_dim=16, page_size=8, window_pages=9, max_new_pages=2,
-    max_extra_tokens=25, cross_text_tokens=12, cross_image_tokens=5,
-)  # fmt: skip
+    num_layers=2,
+    num_heads=4,
+    head_dim=16,
+    page_size=8,
+    window_pages=9,
+    max_new_pages=2,
+    max_extra_tokens=25,
+    cross_text_tokens=12,
+    cross_image_tokens=5,
+)
 
 
 def test_storage_views_share_memory_for_slot_writes_and_block_table_reads():

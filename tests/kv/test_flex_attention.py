@@ -18,8 +18,9 @@ SCALE = DIM**-0.5
 
 
 def make(page=4, window=2, layers=1, extra=3, backend="flex", dtype=torch.float32, device="cpu", heads=HEADS, dim=DIM):
-    spec = KVSpec(num_layers=layers, num_heads=heads, head_dim=dim, page_size=page, window_pages=window,
-                  max_new_pages=2, max_extra_tokens=extra, dtype=dtype)  # fmt: skip
+    spec = KVSpec(
+        num_layers=layers, num_heads=heads, head_dim=dim, page_size=page, window_pages=window, max_new_pages=2, max_extra_tokens=extra, dtype=dtype
+    )
     cache = PagedKVCache(spec, num_pages=2 * spec.pages_per_branch + 1, max_sessions=1, device=device, attention_backend=backend)
     return cache, cache.open_session("s")
 
@@ -35,8 +36,14 @@ def fill_pool(cache, dtype=torch.float32):
 
 
 def both_backends(cache, inputs, q):
-    args = dict(block_table=inputs.block_table, cu_seqlens_q=inputs.cu_seqlens_q, seq_lens=inputs.seq_lens,
-                max_seqlen_q=q.shape[0], max_seqlen_k=inputs.max_seqlen_k, scale=SCALE)  # fmt: skip
+    args = dict(
+        block_table=inputs.block_table,
+        cu_seqlens_q=inputs.cu_seqlens_q,
+        seq_lens=inputs.seq_lens,
+        max_seqlen_q=q.shape[0],
+        max_seqlen_k=inputs.max_seqlen_k,
+        scale=SCALE,
+    )
     flex = paged_attention(q, inputs.key_cache, inputs.value_cache, backend="flex", **args)
     sdpa = paged_attention(q, inputs.key_cache, inputs.value_cache, backend="sdpa", **args)
     return flex, sdpa
@@ -80,8 +87,7 @@ def test_rollout_with_flex_matches_upstream_concat_and_slice_across_window_resta
                 q, k, v = rand(new * page + extra), rand(new * page), rand(new * page)
                 ek, ev = (rand(extra), rand(extra)) if extra else (None, None)
                 out = paged_write_attend(inputs[layer], q, k, v, ek, ev, SCALE)
-                ref = layers[layer].attend(q[None], k[None], v[None], None if ek is None else ek[None],
-                                           None if ev is None else ev[None], SCALE)[0]  # fmt: skip
+                ref = layers[layer].attend(q[None], k[None], v[None], None if ek is None else ek[None], None if ev is None else ev[None], SCALE)[0]
                 torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
             s.complete(Branch.COND)
         frames += new
@@ -227,11 +233,16 @@ def test_compiled_flex_kernel_on_cpu_matches_sdpa_at_droid_page_size():
     _, s = droid_cache(torch.float32, "cpu")
     for inputs in droid_forwards(s):
         q = rand(1785, heads=1, dim=16)
-        args = dict(block_table=inputs.block_table, cu_seqlens_q=inputs.cu_seqlens_q, seq_lens=inputs.seq_lens,
-                    max_seqlen_q=1785, max_seqlen_k=inputs.max_seqlen_k, scale=0.25)  # fmt: skip
+        args = dict(
+            block_table=inputs.block_table,
+            cu_seqlens_q=inputs.cu_seqlens_q,
+            seq_lens=inputs.seq_lens,
+            max_seqlen_q=1785,
+            max_seqlen_k=inputs.max_seqlen_k,
+            scale=0.25,
+        )
         sdpa = paged_attention(q, inputs.key_cache, inputs.value_cache, backend="sdpa", **args)
-        flex = attention.flex_paged_attention(q, inputs.key_cache, inputs.value_cache, inputs.block_table, inputs.seq_lens,
-                                              0.25, compiled=True)  # fmt: skip
+        flex = attention.flex_paged_attention(q, inputs.key_cache, inputs.value_cache, inputs.block_table, inputs.seq_lens, 0.25, compiled=True)
         torch.testing.assert_close(flex, sdpa, atol=1e-4, rtol=1e-4)
 
 

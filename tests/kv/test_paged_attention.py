@@ -15,8 +15,9 @@ SCALE = DIM**-0.5
 
 
 def make(window=2, layers=1, extra=3, dtype=torch.float32, device="cpu"):
-    spec = KVSpec(num_layers=layers, num_heads=HEADS, head_dim=DIM, page_size=PAGE, window_pages=window,
-                  max_new_pages=2, max_extra_tokens=extra, dtype=dtype)  # fmt: skip
+    spec = KVSpec(
+        num_layers=layers, num_heads=HEADS, head_dim=DIM, page_size=PAGE, window_pages=window, max_new_pages=2, max_extra_tokens=extra, dtype=dtype
+    )
     cache = PagedKVCache(spec, num_pages=2 * spec.pages_per_branch + 1, max_sessions=1, device=device)
     return cache, cache.open_session("s")
 
@@ -132,8 +133,14 @@ def test_fullgraph_compile_does_not_recompile_when_values_change():
 def test_unknown_backend_and_flash_on_cpu_are_clear_errors():
     cache, s = make()
     inputs = s.begin_forward(Branch.COND, num_video_tokens=PAGE, commit=False).prepare()[0]
-    kwargs = dict(block_table=inputs.block_table, cu_seqlens_q=inputs.cu_seqlens_q, seq_lens=inputs.seq_lens,
-                  max_seqlen_q=PAGE, max_seqlen_k=inputs.max_seqlen_k, scale=SCALE)  # fmt: skip
+    kwargs = dict(
+        block_table=inputs.block_table,
+        cu_seqlens_q=inputs.cu_seqlens_q,
+        seq_lens=inputs.seq_lens,
+        max_seqlen_q=PAGE,
+        max_seqlen_k=inputs.max_seqlen_k,
+        scale=SCALE,
+    )
     with pytest.raises(ValueError, match="unknown attention backend"):
         paged_attention(rand(PAGE), cache.storage.key_cache(0), cache.storage.value_cache(0), backend="magic", **kwargs)
     with pytest.raises(RuntimeError, match="needs CUDA"):
@@ -180,8 +187,7 @@ def test_gpu_paged_attention_matches_dense(history, extra):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _flash_available(), reason="needs CUDA and vLLM's flash-attention (the GPU install: bash scripts/serve.sh --gpu)")
 def test_gpu_flash_backend_matches_sdpa_backend_at_droid_page_size():
-    spec = KVSpec(num_layers=1, num_heads=4, head_dim=128, page_size=880, window_pages=9, max_new_pages=2,
-                  max_extra_tokens=25, dtype=torch.bfloat16)  # fmt: skip
+    spec = KVSpec(num_layers=1, num_heads=4, head_dim=128, page_size=880, window_pages=9, max_new_pages=2, max_extra_tokens=25, dtype=torch.bfloat16)
     cache = PagedKVCache(spec, num_pages=2 * spec.pages_per_branch + 1, max_sessions=1, device="cuda")
     s = cache.open_session("s")
     for frames in (1, 2, 2):
@@ -192,8 +198,14 @@ def test_gpu_flash_backend_matches_sdpa_backend_at_droid_page_size():
         s.complete(Branch.COND)
     inputs = s.begin_forward(Branch.COND, num_video_tokens=1760, commit=False, extra_tokens=25).prepare()[0]
     q = torch.randn(1785, 4, 128, dtype=torch.bfloat16, device="cuda")
-    args = dict(block_table=inputs.block_table, cu_seqlens_q=inputs.cu_seqlens_q, seq_lens=inputs.seq_lens,
-                max_seqlen_q=1785, max_seqlen_k=inputs.max_seqlen_k, scale=128**-0.5)  # fmt: skip
+    args = dict(
+        block_table=inputs.block_table,
+        cu_seqlens_q=inputs.cu_seqlens_q,
+        seq_lens=inputs.seq_lens,
+        max_seqlen_q=1785,
+        max_seqlen_k=inputs.max_seqlen_k,
+        scale=128**-0.5,
+    )
     flash = paged_attention(q, cache.storage.key_cache(0), cache.storage.value_cache(0), backend="flash", **args)
     sdpa = paged_attention(q, cache.storage.key_cache(0), cache.storage.value_cache(0), backend="sdpa", **args)
     torch.testing.assert_close(flash.float(), sdpa.float(), atol=2e-2, rtol=2e-2)

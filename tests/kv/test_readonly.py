@@ -20,8 +20,9 @@ def rand(*shape: int) -> torch.Tensor:
 
 def test_read_only_attention_equals_the_paged_op_writes_nothing_and_has_the_dense_gradient():
     torch.manual_seed(0)
-    spec = KVSpec(num_layers=1, num_heads=HEADS, head_dim=DIM, page_size=PAGE, window_pages=5, max_new_pages=2, max_extra_tokens=3,
-                  dtype=torch.float64)  # fmt: skip
+    spec = KVSpec(
+        num_layers=1, num_heads=HEADS, head_dim=DIM, page_size=PAGE, window_pages=5, max_new_pages=2, max_extra_tokens=3, dtype=torch.float64
+    )
     cache = PagedKVCache(spec, num_pages=4 * 2 * spec.pages_per_branch + 1, max_sessions=4, attention_backend="sdpa", max_batch=2)
     sessions = {name: cache.open_session(name) for name in ("a", "b")}
     history: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"a": [], "b": []}
@@ -34,8 +35,10 @@ def test_read_only_attention_equals_the_paged_op_writes_nothing_and_has_the_dens
             history[name].append((k, v))
 
     def denoise_inputs():
-        contexts = [sessions[name].begin_forward(Branch.COND, num_video_tokens=2 * PAGE, commit=False, extra_tokens=3, scratch_slot=slot)
-                    for slot, name in enumerate(("a", "b"))]  # fmt: skip
+        contexts = [
+            sessions[name].begin_forward(Branch.COND, num_video_tokens=2 * PAGE, commit=False, extra_tokens=3, scratch_slot=slot)
+            for slot, name in enumerate(("a", "b"))
+        ]
         return prepare_batch(contexts)[0]
 
     q, k, v, ke, ve = rand(2, 2 * PAGE + 3), rand(2, 2 * PAGE), rand(2, 2 * PAGE), rand(2, 3), rand(2, 3)

@@ -9,9 +9,16 @@ from ardiff_kv import Branch, KVSpec, PagedKVCache
 
 PAGE = 4
 SPEC = KVSpec(
-    num_layers=2, num_heads=2, head_dim=8, page_size=PAGE, window_pages=4, max_new_pages=2,
-    max_extra_tokens=3, cross_text_tokens=6, cross_image_tokens=2,
-)  # fmt: skip
+    num_layers=2,
+    num_heads=2,
+    head_dim=8,
+    page_size=PAGE,
+    window_pages=4,
+    max_new_pages=2,
+    max_extra_tokens=3,
+    cross_text_tokens=6,
+    cross_image_tokens=2,
+)
 
 
 def make(branches=(Branch.COND, Branch.UNCOND), spec=SPEC, sessions=4):

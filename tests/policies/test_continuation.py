@@ -34,9 +34,11 @@ ATOL = 1e-5
 
 def continued(observation: RobotObservation, executed: int, delay: int, chunk_id: int | None = None) -> RobotObservation:
     return RobotObservation(
-        cameras=observation.cameras, states=observation.states, prompt=observation.prompt,
+        cameras=observation.cameras,
+        states=observation.states,
+        prompt=observation.prompt,
         continuation=Continuation(executed, delay, chunk_id),
-    )  # fmt: skip
+    )
 
 
 # ----------------------------------------------------------------------------- torch-free parts
@@ -203,8 +205,12 @@ def test_guided_is_refused_where_its_backward_cannot_run():
     cpu = torch.device("cpu")
     chunking.check_mode("guided", device=cpu, cfg_parallel=False, cuda_graphs=False, compiled=False)
     chunking.check_mode("inpaint", device=torch.device("cuda"), cfg_parallel=True, cuda_graphs=True, compiled=True)
-    for blocker, kwargs in (("a CUDA device", {"device": torch.device("cuda")}), ("CFG-parallel", {"cfg_parallel": True}),
-                            ("CUDA graphs", {"cuda_graphs": True}), ("torch.compile", {"compiled": True})):  # fmt: skip
+    for blocker, kwargs in (
+        ("a CUDA device", {"device": torch.device("cuda")}),
+        ("CFG-parallel", {"cfg_parallel": True}),
+        ("CUDA graphs", {"cuda_graphs": True}),
+        ("torch.compile", {"compiled": True}),
+    ):
         settings = {"device": cpu, "cfg_parallel": False, "cuda_graphs": False, "compiled": False, **kwargs}
         with pytest.raises(ValueError, match=f"^policy.continuation: guided runs on the CPU path only .* not with {blocker}; use"):
             chunking.check_mode("guided", **settings)
@@ -261,8 +267,11 @@ def test_continuations_batch_with_ordinary_calls_and_equal_their_unbatched_resul
     from ardiff_policies.base import RuntimeOptions
     from ardiff_policies.dreamzero.policy import DreamZeroPolicy
 
-    policy = DreamZeroPolicy(DreamZeroConfig(view_size=(48, 80), continuation=mode, num_inference_steps=4, dit_step_mask=[True, False, True, True]),
-                             RuntimeOptions(max_batch=3), model=tiny_model)  # fmt: skip
+    policy = DreamZeroPolicy(
+        DreamZeroConfig(view_size=(48, 80), continuation=mode, num_inference_steps=4, dit_step_mask=[True, False, True, True]),
+        RuntimeOptions(max_batch=3),
+        model=tiny_model,
+    )
     spec = policy.kv_spec()
     cache = PagedKVCache(spec, num_pages=6 * len(policy.branches) * spec.pages_per_branch + 1, max_sessions=6, branches=policy.branches, max_batch=3)
     episodes = {name: list(observations(2, seed=seed)) for seed, name in enumerate("abc")}

@@ -54,8 +54,11 @@ def captures(monkeypatch) -> list[dict]:
 def layer_inputs() -> list[PagedLayerInputs]:
     pool = torch.zeros(2, 4, 1, 8)
     ints = lambda n: torch.zeros(n, dtype=torch.int32)  # noqa: E731
-    return [PagedLayerInputs(pool, pool, torch.zeros(3, dtype=torch.long), torch.zeros(0, dtype=torch.long), ints(2).view(1, 2),
-                             ints(2), ints(1), 3, 3, "flex")]  # fmt: skip
+    return [
+        PagedLayerInputs(
+            pool, pool, torch.zeros(3, dtype=torch.long), torch.zeros(0, dtype=torch.long), ints(2).view(1, 2), ints(2), ints(1), 3, 3, "flex"
+        )
+    ]
 
 
 def test_a_denoise_graph_is_captured_in_thread_local_error_mode_and_the_start_up_log_says_so(captures, caplog):
@@ -68,8 +71,13 @@ def test_a_denoise_graph_is_captured_in_thread_local_error_mode_and_the_start_up
     with caplog.at_level(logging.INFO, logger=cuda_graphs.__name__):
         graphs = cuda_graphs.DenoiseGraphs(dit, warmup_runs=1)
     assert any("capture_error_mode=thread_local" in r.getMessage() for r in caplog.records), caplog.text
-    tensors = {"x": torch.ones(1, 2, 2, 3, 3), "timestep": torch.zeros(1, 2, dtype=torch.long), "action": torch.ones(1, 4, 2),
-               "timestep_action": torch.zeros(1, 4, dtype=torch.long), "state": torch.zeros(1, 1, 5)}  # fmt: skip
+    tensors = {
+        "x": torch.ones(1, 2, 2, 3, 3),
+        "timestep": torch.zeros(1, 2, dtype=torch.long),
+        "action": torch.ones(1, 4, 2),
+        "timestep_action": torch.zeros(1, 4, dtype=torch.long),
+        "state": torch.zeros(1, 1, 5),
+    }
     key = ((0, 1, 3),)
     video, action = graphs.run(key, layer_inputs=layer_inputs(), cross_kv=[], current_start_frame=[3], **tensors)
     assert len(captures) == 1 and captures[0]["capture_error_mode"] == "thread_local" and captures[0]["pool"] == "the pool"
@@ -77,4 +85,3 @@ def test_a_denoise_graph_is_captured_in_thread_local_error_mode_and_the_start_up
     assert torch.equal(video, 2 * tensors["x"]) and torch.equal(action, 3 * tensors["action"])
     graphs.run(key, layer_inputs=layer_inputs(), cross_kv=[], current_start_frame=[3], **tensors)
     assert len(captures) == 1 and captures[0]["graph"].replays == 2 and not graphs.failed  # the same key replays
-

@@ -17,9 +17,17 @@ from tests.helpers.reference import REFERENCE_DIR
 REFERENCE = REFERENCE_DIR / "upstream_dit_tiny"
 
 TINY = DiTConfig(
-    frame_seqlen=15, dim=64, ffn_dim=128, text_dim=32, num_heads=4, num_layers=2, hidden_size=32,
-    clip_dim=48, max_chunk_size=4, num_frame_per_block=2,
-)  # fmt: skip
+    frame_seqlen=15,
+    dim=64,
+    ffn_dim=128,
+    text_dim=32,
+    num_heads=4,
+    num_layers=2,
+    hidden_size=32,
+    clip_dim=48,
+    max_chunk_size=4,
+    num_frame_per_block=2,
+)
 
 
 def randomized(cfg: DiTConfig, seed: int = 0) -> CausalWanModel:
@@ -59,18 +67,29 @@ def to_diffusers_key(key: str) -> str | None:
         return key
     _, index, rest = key.split(".", 2)
     block = {
-        "self_attn.q": "attn1.to_q", "self_attn.k": "attn1.to_k", "self_attn.v": "attn1.to_v",
-        "self_attn.o": "attn1.to_out.0", "self_attn.norm_q": "attn1.norm_q", "self_attn.norm_k": "attn1.norm_k",
-        "cross_attn.q": "attn2.to_q", "cross_attn.k": "attn2.to_k", "cross_attn.v": "attn2.to_v",
-        "cross_attn.o": "attn2.to_out.0", "cross_attn.norm_q": "attn2.norm_q", "cross_attn.norm_k": "attn2.norm_k",
-        "cross_attn.k_img": "attn2.add_k_proj", "cross_attn.v_img": "attn2.add_v_proj",
+        "self_attn.q": "attn1.to_q",
+        "self_attn.k": "attn1.to_k",
+        "self_attn.v": "attn1.to_v",
+        "self_attn.o": "attn1.to_out.0",
+        "self_attn.norm_q": "attn1.norm_q",
+        "self_attn.norm_k": "attn1.norm_k",
+        "cross_attn.q": "attn2.to_q",
+        "cross_attn.k": "attn2.to_k",
+        "cross_attn.v": "attn2.to_v",
+        "cross_attn.o": "attn2.to_out.0",
+        "cross_attn.norm_q": "attn2.norm_q",
+        "cross_attn.norm_k": "attn2.norm_k",
+        "cross_attn.k_img": "attn2.add_k_proj",
+        "cross_attn.v_img": "attn2.add_v_proj",
         "cross_attn.norm_k_img": "attn2.norm_added_k",
         "norm3": "norm2",  # upstream's cross-attention norm is diffusers' norm2
-        "ffn.0": "ffn.net.0.proj", "ffn.2": "ffn.net.2", "modulation": "scale_shift_table",
-    }  # fmt: skip
+        "ffn.0": "ffn.net.0.proj",
+        "ffn.2": "ffn.net.2",
+        "modulation": "scale_shift_table",
+    }
     for ours, theirs in block.items():
         if rest.startswith(ours + ".") or rest == ours:
-            return f"blocks.{index}.{theirs}{rest[len(ours):]}"
+            return f"blocks.{index}.{theirs}{rest[len(ours) :]}"
     raise KeyError(key)
 
 
@@ -80,11 +99,21 @@ def test_matches_diffusers_wan_transformer_i2v():
     cfg = TINY
     ours = randomized(cfg)
     theirs = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=cfg.num_heads, attention_head_dim=cfg.head_dim,
-        in_channels=36, out_channels=16, text_dim=cfg.text_dim, freq_dim=cfg.freq_dim, ffn_dim=cfg.ffn_dim,
-        num_layers=cfg.num_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=cfg.eps,
-        image_dim=cfg.clip_dim, added_kv_proj_dim=cfg.dim,
-    ).eval()  # fmt: skip
+        patch_size=(1, 2, 2),
+        num_attention_heads=cfg.num_heads,
+        attention_head_dim=cfg.head_dim,
+        in_channels=36,
+        out_channels=16,
+        text_dim=cfg.text_dim,
+        freq_dim=cfg.freq_dim,
+        ffn_dim=cfg.ffn_dim,
+        num_layers=cfg.num_layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=cfg.eps,
+        image_dim=cfg.clip_dim,
+        added_kv_proj_dim=cfg.dim,
+    ).eval()
     converted = {to_diffusers_key(k): v for k, v in ours.state_dict().items() if to_diffusers_key(k)}
     theirs.load_state_dict(converted, strict=True)
 
@@ -93,10 +122,10 @@ def test_matches_diffusers_wan_transformer_i2v():
     x, y = torch.randn(1, 16, frames, 6, 10), torch.randn(1, 20, frames, 6, 10)
     context, clip = torch.randn(1, 512, cfg.text_dim), torch.randn(1, 257, cfg.clip_dim)
     with torch.no_grad():
-        video, action = ours(x, torch.full((1, frames), t), current_start_frame=0, self_kv=None, y=y,
-                             context=context, clip_feature=clip)  # fmt: skip
-        expected = theirs(hidden_states=torch.cat([x, y], 1), timestep=torch.tensor([t]), encoder_hidden_states=context,
-                          encoder_hidden_states_image=clip).sample  # fmt: skip
+        video, action = ours(x, torch.full((1, frames), t), current_start_frame=0, self_kv=None, y=y, context=context, clip_feature=clip)
+        expected = theirs(
+            hidden_states=torch.cat([x, y], 1), timestep=torch.tensor([t]), encoder_hidden_states=context, encoder_hidden_states_image=clip
+        ).sample
     assert action is None
     torch.testing.assert_close(video, expected, atol=1e-4, rtol=1e-4)
 
@@ -114,15 +143,22 @@ def test_reproduces_upstream_recorded_rollout_through_the_loader_and_paged_kv():
     assert cfg.local_attn_size == meta["config"]["local_attn_size"]
     with torch.device("meta"):
         model = CausalWanModel(cfg)
-    load_component(model, WeightFiles.from_files([REFERENCE / "weights.safetensors"]), DIT_PREFIX, identity_targets,
-                   dtype=torch.float32, device="cpu")  # fmt: skip
+    load_component(
+        model, WeightFiles.from_files([REFERENCE / "weights.safetensors"]), DIT_PREFIX, identity_targets, dtype=torch.float32, device="cpu"
+    )
     model.eval()
 
     rollout = load_file(REFERENCE / "rollout.safetensors")
     text = load_file(REFERENCE / "context.safetensors")
-    spec = KVSpec(num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.frame_seqlen,
-                  window_pages=cfg.local_attn_size, max_new_pages=cfg.num_frame_per_block,
-                  max_extra_tokens=cfg.action_register_length)  # fmt: skip
+    spec = KVSpec(
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        head_dim=cfg.head_dim,
+        page_size=cfg.frame_seqlen,
+        window_pages=cfg.local_attn_size,
+        max_new_pages=cfg.num_frame_per_block,
+        max_extra_tokens=cfg.action_register_length,
+    )
     cache = PagedKVCache(spec, num_pages=2 * spec.pages_per_branch + 1, max_sessions=1)
     session = cache.open_session("reference")
     clip = None
@@ -136,15 +172,25 @@ def test_reproduces_upstream_recorded_rollout_through_the_loader_and_paged_kv():
             if call_index:
                 session.restart_window(keep_cross_text=True)  # the window restart upstream does
         x = rollout[f"{key}.x"]
-        ctx = session.begin_forward(branch, num_video_tokens=x.shape[2] * cfg.frame_seqlen, commit=call["update_kv_cache"],
-                                    extra_tokens=cfg.action_register_length if call["has_action"] else 0)  # fmt: skip
+        ctx = session.begin_forward(
+            branch,
+            num_video_tokens=x.shape[2] * cfg.frame_seqlen,
+            commit=call["update_kv_cache"],
+            extra_tokens=cfg.action_register_length if call["has_action"] else 0,
+        )
         with torch.no_grad():
             video, action = model(
-                x, rollout[f"{key}.timestep"], current_start_frame=call["current_start_frame"], self_kv=ctx.prepare(),
-                y=rollout[f"{key}.y"], context=text[f"text_context.{call['branch']}"], clip_feature=clip,
-                action=rollout.get(f"{key}.action"), timestep_action=rollout.get(f"{key}.timestep_action"),
+                x,
+                rollout[f"{key}.timestep"],
+                current_start_frame=call["current_start_frame"],
+                self_kv=ctx.prepare(),
+                y=rollout[f"{key}.y"],
+                context=text[f"text_context.{call['branch']}"],
+                clip_feature=clip,
+                action=rollout.get(f"{key}.action"),
+                timestep_action=rollout.get(f"{key}.timestep_action"),
                 state=rollout.get(f"{key}.state"),
-            )  # fmt: skip
+            )
         session.complete(branch)
         if call["kv_tokens_before_call"] is not None:
             assert len(session.branch(branch).resident) * cfg.frame_seqlen == call["kv_tokens_before_call"]
@@ -194,8 +240,15 @@ def dreamzero_rollout(model: CausalWanModel, cfg: DiTConfig, calls: int, use_pag
     contexts = {b: torch.randn(1, cfg.text_len, cfg.text_dim) for b in Branch}
     clip = torch.randn(1, cfg.num_image_tokens, cfg.clip_dim)
     ys = torch.randn(1, 20, cfg.local_attn_size, h, w)
-    spec = KVSpec(num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.frame_seqlen,
-                  window_pages=cfg.local_attn_size, max_new_pages=2, max_extra_tokens=cfg.action_register_length)  # fmt: skip
+    spec = KVSpec(
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        head_dim=cfg.head_dim,
+        page_size=cfg.frame_seqlen,
+        window_pages=cfg.local_attn_size,
+        max_new_pages=2,
+        max_extra_tokens=cfg.action_register_length,
+    )
     cache = PagedKVCache(spec, num_pages=2 * spec.pages_per_branch + 1, max_sessions=1)
     session = cache.open_session("s")
     dense = {b: DenseKVCache(cfg.num_layers, cfg.local_attn_size * cfg.frame_seqlen) for b in Branch}
@@ -218,8 +271,15 @@ def dreamzero_rollout(model: CausalWanModel, cfg: DiTConfig, calls: int, use_pag
                 else:
                     kv = dense[b].layers(update=True)
                 with torch.no_grad():
-                    model(x, torch.zeros(1, frames, dtype=torch.long), current_start_frame=start, self_kv=kv,
-                          y=ys[:, :, start : start + frames], context=contexts[b], clip_feature=clip)  # fmt: skip
+                    model(
+                        x,
+                        torch.zeros(1, frames, dtype=torch.long),
+                        current_start_frame=start,
+                        self_kv=kv,
+                        y=ys[:, :, start : start + frames],
+                        context=contexts[b],
+                        clip_feature=clip,
+                    )
                 if use_paged:
                     session.complete(b)
         for step in range(3):
@@ -227,14 +287,24 @@ def dreamzero_rollout(model: CausalWanModel, cfg: DiTConfig, calls: int, use_pag
             action, state = torch.randn(1, 24, cfg.action_dim), torch.randn(1, 1, cfg.max_state_dim)
             for b in Branch:
                 if use_paged:
-                    kv = session.begin_forward(b, num_video_tokens=2 * cfg.frame_seqlen, commit=False,
-                                               extra_tokens=cfg.action_register_length).prepare()  # fmt: skip
+                    kv = session.begin_forward(
+                        b, num_video_tokens=2 * cfg.frame_seqlen, commit=False, extra_tokens=cfg.action_register_length
+                    ).prepare()
                 else:
                     kv = dense[b].layers(update=False)
                 with torch.no_grad():
-                    video, act = model(x, torch.full((1, 2), 900 - 100 * step), current_start_frame=csf, self_kv=kv,
-                                       y=ys[:, :, csf : csf + 2], context=contexts[b], clip_feature=clip, action=action,
-                                       timestep_action=torch.full((1, 24), 900 - 100 * step), state=state)  # fmt: skip
+                    video, act = model(
+                        x,
+                        torch.full((1, 2), 900 - 100 * step),
+                        current_start_frame=csf,
+                        self_kv=kv,
+                        y=ys[:, :, csf : csf + 2],
+                        context=contexts[b],
+                        clip_feature=clip,
+                        action=action,
+                        timestep_action=torch.full((1, 24), 900 - 100 * step),
+                        state=state,
+                    )
                 if use_paged:
                     session.complete(b)
                 outputs += [video, act]

@@ -165,9 +165,13 @@ def test_branches_computed_apart_and_combined_equal_one_process_cfg(tiny_model):
 def test_metadata_is_exactly_roboarenas_policy_server_config(tiny_model):
     policy, _ = make_policy(tiny_model)
     assert policy.info.server_config == {
-        "image_resolution": [180, 320], "needs_wrist_camera": True, "n_external_cameras": 2,
-        "needs_stereo_camera": False, "needs_session_id": True, "action_space": "joint_position",
-    }  # fmt: skip
+        "image_resolution": [180, 320],
+        "needs_wrist_camera": True,
+        "n_external_cameras": 2,
+        "needs_stereo_camera": False,
+        "needs_session_id": True,
+        "action_space": "joint_position",
+    }
     assert policy.info.action_shape == [24, 8] and policy.info.describe()["model"] == "dreamzero"
 
 
@@ -270,7 +274,9 @@ def test_compiled_blocks_keep_a_graph_for_every_batch_shape(tiny_model):
     torch._dynamo.reset()
     # config.patch, not monkeypatch: the config module's attributes do not survive monkeypatch's undo
     with torch._dynamo.config.patch(recompile_limit=2, accumulated_recompile_limit=2):
-        policy = DreamZeroPolicy(DreamZeroConfig(**TINY), RuntimeOptions(compile=True, compile_backend=counter, max_batch=2), model=copy.deepcopy(tiny_model))
+        policy = DreamZeroPolicy(
+            DreamZeroConfig(**TINY), RuntimeOptions(compile=True, compile_backend=counter, max_batch=2), model=copy.deepcopy(tiny_model)
+        )
         spec = policy.kv_spec()
         cache = PagedKVCache(spec, num_pages=2 * 2 * spec.pages_per_branch + 1, max_sessions=2, max_batch=2)
         engine = SessionEngine(policy, cache, max_sessions=2, max_batch=2)

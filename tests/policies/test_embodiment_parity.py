@@ -67,10 +67,13 @@ def served(tag: str):
 def policy_stub(embodiment) -> SimpleNamespace:
     """What InputEncoder's and DreamZeroPolicy's per-call methods read, at the reference's view size (the DiT is not involved)."""
     stub = SimpleNamespace(
-        embodiment=embodiment, view_size=VIEW_SIZE, action_head_config=SimpleNamespace(max_state_dim=64),
+        embodiment=embodiment,
+        view_size=VIEW_SIZE,
+        action_head_config=SimpleNamespace(max_state_dim=64),
         model=SimpleNamespace(vae=SimpleNamespace(is_wan22=False)),  # the 14B's camera path (the 5B resizes to its target first)
-        state_stats=NormStats.from_quantiles(embodiment.state_stats), action_stats=NormStats.from_quantiles(embodiment.action_stats),
-    )  # fmt: skip
+        state_stats=NormStats.from_quantiles(embodiment.state_stats),
+        action_stats=NormStats.from_quantiles(embodiment.action_stats),
+    )
     slices = embodiment.state_slices
     stub._relative = [(a, slices[k]) for k, a in embodiment.action_slices.items() if k in embodiment.relative_action_keys]
     return stub

@@ -54,8 +54,12 @@ def test_built_in_tags_need_only_metadata_json():
     assert agibot.sources["keys"].startswith("built-in") and agibot.camera_resolutions == ((96, 160),) * 3
     yam = resolve(yam_metadata())
     assert yam.prompt_template == YAM_TEMPLATE and yam.action_split()[2] == {
-        "name": "right_joint_pos", "start": 7, "stop": 13, "dim": 6, "relative_to_state": True
-    }  # fmt: skip
+        "name": "right_joint_pos",
+        "start": 7,
+        "stop": 13,
+        "dim": 6,
+        "relative_to_state": True,
+    }
     assert embodiment_prompt(yam, None).startswith("A multi-view video shows that a robot perform the default behavior.")
 
 
@@ -85,18 +89,27 @@ def test_a_user_tag_sharing_an_upstream_id_gets_that_template_like_collate():
     ("damage", "needle"),
     [
         (lambda m, c: c.clear(), r"'myarm': no camera, state and action key order: the checkpoint has no experiment_cfg/conf.yaml"),
-        (lambda m, c: m["myarm"]["statistics"]["action"].pop("left_gripper_pos"), r"metadata.json myarm.statistics.action.left_gripper_pos: expected q01 and q99"),
+        (
+            lambda m, c: m["myarm"]["statistics"]["action"].pop("left_gripper_pos"),
+            r"metadata.json myarm.statistics.action.left_gripper_pos: expected q01 and q99",
+        ),
         (lambda m, c: m["myarm"]["statistics"].pop("state"), r"metadata.json myarm.statistics.state is missing"),
-        (lambda m, c: c["transforms"]["myarm"]["transforms"][6]["normalization_modes"].update({"state.left_joint_pos": "min_max"}),
-         r"transforms.myarm: state.left_joint_pos has normalization mode 'min_max'; this server implements q99 only"),
+        (
+            lambda m, c: c["transforms"]["myarm"]["transforms"][6]["normalization_modes"].update({"state.left_joint_pos": "min_max"}),
+            r"transforms.myarm: state.left_joint_pos has normalization mode 'min_max'; this server implements q99 only",
+        ),
         (lambda m, c: c.update(relative_action_per_horizon=True), r"relative_action_per_horizon is true"),
-        (lambda m, c: c["modality_configs"]["myarm"]["state"].update(modality_keys=["state.left_joint_pos"]),
-         r"relative action key 'left_gripper_pos' \(1 dims\) needs a state key of the same name"),
-        (lambda m, c: c["modality_configs"]["myarm"]["video"].update(modality_keys=[f"video.c{i}" for i in range(4)]),
-         r"has 4 cameras .* first three only"),
+        (
+            lambda m, c: c["modality_configs"]["myarm"]["state"].update(modality_keys=["state.left_joint_pos"]),
+            r"relative action key 'left_gripper_pos' \(1 dims\) needs a state key of the same name",
+        ),
+        (
+            lambda m, c: c["modality_configs"]["myarm"]["video"].update(modality_keys=[f"video.c{i}" for i in range(4)]),
+            r"has 4 cameras .* first three only",
+        ),
         (lambda m, c: m["myarm"]["modalities"]["state"]["left_joint_pos"].update(shape=[7]), r"6 statistics for a key of shape \(7,\)"),
     ],
-)  # fmt: skip
+)
 def test_what_a_checkpoint_lacks_is_refused_naming_it(damage, needle):
     metadata, config = user_run()
     damage(metadata, config)
@@ -130,8 +143,11 @@ def test_a_user_run_without_a_template_fails_at_start_up_in_one_line(user_checkp
         DreamZeroConfig(checkpoint=str(user_checkpoint), view_size=(48, 80)).preflight()
     out = subprocess.run(
         [sys.executable, "-m", "ardiff_server", "--config", "tiny_yam", "--set", f"policy.checkpoint={user_checkpoint}"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "'myarm' (id 40) has no prompt template" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
@@ -165,9 +181,13 @@ SCHEMA = ObservationSchema("arm", ("top", "wrist"), (Part("joints", 6), Part("gr
 
 def arm_request(**overrides) -> dict:
     request = {
-        "observation/top": np.zeros((96, 160, 3), np.uint8), "observation/wrist": np.zeros((4, 50, 60, 3), np.uint8),
-        "observation/joints": np.arange(6.0), "observation/grip": np.array([[0.5]]), "prompt": "go", "session_id": 7,
-    }  # fmt: skip
+        "observation/top": np.zeros((96, 160, 3), np.uint8),
+        "observation/wrist": np.zeros((4, 50, 60, 3), np.uint8),
+        "observation/joints": np.arange(6.0),
+        "observation/grip": np.array([[0.5]]),
+        "prompt": "go",
+        "session_id": 7,
+    }
     return {k: v for k, v in {**request, **overrides}.items() if v is not None}
 
 
@@ -187,15 +207,17 @@ def test_an_embodiments_keys_decode_by_its_schema():
     ("overrides", "message"),
     [
         ({"observation/grip": None}, "observation/grip: missing; expected 1 number (float, float array or list)"),
-        ({"observation/top": None, "observation/tpo": np.zeros((2, 2, 3), np.uint8)},
-         "observation/top: missing; expected a uint8 RGB image array (H, W, 3) or frame stack (T, H, W, 3), or JPEG bytes "
-         "(a list of them for a stack) (this server serves embodiment arm; unknown keys ['observation/tpo'])"),
+        (
+            {"observation/top": None, "observation/tpo": np.zeros((2, 2, 3), np.uint8)},
+            "observation/top: missing; expected a uint8 RGB image array (H, W, 3) or frame stack (T, H, W, 3), or JPEG bytes "
+            "(a list of them for a stack) (this server serves embodiment arm; unknown keys ['observation/tpo'])",
+        ),
         ({"observation/joints": np.zeros((2, 6))}, "observation/joints: expected 6 numbers (float array or list), got shape (2, 6)"),
         ({"observation/joints": [[0] * 6, [0] * 6]}, "observation/joints: expected 6 numbers (float array or list), got a list of 2"),
         ({"observation/wrist": np.zeros((50, 60), np.uint8)}, "observation/wrist: expected a uint8 RGB image array"),
         ({"prompt": 3}, "prompt: expected a string, got int"),
     ],
-)  # fmt: skip
+)
 def test_wrong_or_missing_keys_are_one_line_errors_naming_the_key(overrides, message):
     with pytest.raises(RequestError) as caught:
         decode_request(arm_request(**overrides), SCHEMA)

@@ -170,9 +170,9 @@ def test_image_encoder_returns_penultimate_block_tokens() -> None:
 
     # Independent path: the library's own forward; hidden_states[k] is the output of k blocks.
     with torch.no_grad():
-        reference = encoder.model.vision_model(
-            pixel_values=_clip_preprocess(images, 224), output_hidden_states=True
-        ).hidden_states[TINY_IMAGE["num_hidden_layers"] - 1]
+        reference = encoder.model.vision_model(pixel_values=_clip_preprocess(images, 224), output_hidden_states=True).hidden_states[
+            TINY_IMAGE["num_hidden_layers"] - 1
+        ]
     torch.testing.assert_close(out, reference, rtol=0, atol=1e-5)
 
 
@@ -186,9 +186,9 @@ def test_vae_encode_returns_normalized_posterior_mean() -> None:
         mean = vae.model.encode(video).latent_dist.mean
     assert latents.shape == (1, 16, 2, 2, 3)
     stats_shape = (1, 16, 1, 1, 1)
-    expected = (mean - torch.tensor(WAN21_VAE_CONFIG["latents_mean"]).view(stats_shape)) / torch.tensor(
-        WAN21_VAE_CONFIG["latents_std"]
-    ).view(stats_shape)
+    expected = (mean - torch.tensor(WAN21_VAE_CONFIG["latents_mean"]).view(stats_shape)) / torch.tensor(WAN21_VAE_CONFIG["latents_std"]).view(
+        stats_shape
+    )
     torch.testing.assert_close(latents, expected, rtol=1e-6, atol=1e-6)
 
 
@@ -261,9 +261,7 @@ def _random(shapes: dict[str, tuple[int, ...]]) -> dict[str, Tensor]:
     return {name: torch.randn(shape) for name, shape in shapes.items()}
 
 
-def _load(
-    module: torch.nn.Module, source: dict[str, Tensor], targets_of: Callable[[str], list[Target]]
-) -> dict[str, Tensor]:
+def _load(module: torch.nn.Module, source: dict[str, Tensor], targets_of: Callable[[str], list[Target]]) -> dict[str, Tensor]:
     converted = convert_state_dict(source, targets_of)
     module.load_state_dict(converted, strict=True)
     loaded = module.state_dict()
@@ -306,12 +304,8 @@ def test_image_encoder_round_trip() -> None:
         assert torch.equal(loaded[f"{layer}.{proj}.weight"], qkv_weight[i * dim : (i + 1) * dim])
         assert torch.equal(loaded[f"{layer}.{proj}.bias"], qkv_bias[i * dim : (i + 1) * dim])
     assert torch.equal(loaded["model.visual_projection.weight"], source["visual.head"].T)
-    assert torch.equal(
-        loaded["model.vision_model.embeddings.class_embedding"], source["visual.cls_embedding"].flatten()
-    )
-    assert torch.equal(
-        loaded["model.vision_model.embeddings.position_embedding.weight"], source["visual.pos_embedding"][0]
-    )
+    assert torch.equal(loaded["model.vision_model.embeddings.class_embedding"], source["visual.cls_embedding"].flatten())
+    assert torch.equal(loaded["model.vision_model.embeddings.position_embedding.weight"], source["visual.pos_embedding"][0])
     assert torch.equal(loaded["logit_scale"], source["log_scale"])
 
 

@@ -190,8 +190,12 @@ def test_an_uncached_id_fails_before_any_worker_with_one_line(tmp_path):
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(
         [sys.executable, "-m", "ardiff_server", "--config", "tiny", "--set", "policy.checkpoint=GEAR-Dreams/DreamZero-DROID"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
@@ -241,7 +245,9 @@ class FakeProxy:
         self.server.close()
 
 
-@pytest.mark.parametrize(("behaviour", "error"), [("refuse", "ProxyError: 403 Forbidden"), ("hang_up", "RemoteProtocolError|ConnectionError|ProxyError")])
+@pytest.mark.parametrize(
+    ("behaviour", "error"), [("refuse", "ProxyError: 403 Forbidden"), ("hang_up", "RemoteProtocolError|ConnectionError|ProxyError")]
+)
 def test_a_proxy_that_refuses_or_hangs_up_is_one_line(tmp_path, behaviour, error):
     """HTTPS_PROXY names a proxy that answers CONNECT with 403, or drops it: one line naming the proxy
     (without its credentials) and the fix, as for an unreachable Hub, not a 90-line traceback.
@@ -249,12 +255,24 @@ def test_a_proxy_that_refuses_or_hangs_up_is_one_line(tmp_path, behaviour, error
     proxy = FakeProxy(behaviour)
     try:
         env = {key: value for key, value in os.environ.items() if "proxy" not in key.lower() and not key.startswith("HF_")}
-        env.update({"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "https://hub.invalid", "HTTPS_PROXY": f"http://robot:s3cret@127.0.0.1:{proxy.port}",
-                    "HF_HUB_ETAG_TIMEOUT": "5", "HF_HUB_DOWNLOAD_TIMEOUT": "5", "PYTHONPATH": str(REPO)})  # fmt: skip
+        env.update(
+            {
+                "HF_HOME": str(tmp_path / "hf"),
+                "HF_ENDPOINT": "https://hub.invalid",
+                "HTTPS_PROXY": f"http://robot:s3cret@127.0.0.1:{proxy.port}",
+                "HF_HUB_ETAG_TIMEOUT": "5",
+                "HF_HUB_DOWNLOAD_TIMEOUT": "5",
+                "PYTHONPATH": str(REPO),
+            }
+        )
         out = subprocess.run(
             [sys.executable, "-m", "ardiff_server", "--config", "tiny", "--set", "policy.checkpoint=GEAR-Dreams/DreamZero-DROID"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         proxy.close()
     assert out.returncode == 2, out.stderr

@@ -39,10 +39,14 @@ def episode_spec(model, ep) -> KVSpec:
     chunks = ep["attn_window"] // 2  # upstream: (attn_window // 2) x (video + action tokens per chunk)
     cfg = model.config
     return KVSpec(
-        num_layers=cfg.num_layers, num_heads=cfg.num_attention_heads, head_dim=cfg.attention_head_dim, page_size=page,
-        window_pages=chunks * (video_tokens + action_tokens) // page, max_new_pages=max(video_tokens, action_tokens) // page,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_attention_heads,
+        head_dim=cfg.attention_head_dim,
+        page_size=page,
+        window_pages=chunks * (video_tokens + action_tokens) // page,
+        max_new_pages=max(video_tokens, action_tokens) // page,
         evict_to_fit=True,
-    )  # fmt: skip
+    )
 
 
 def test_an_episode_through_the_paged_cache_matches_upstreams_cache(reference, model):
@@ -70,16 +74,17 @@ def test_an_episode_through_the_paged_cache_matches_upstreams_cache(reference, m
             grid = video_grid(f, ep["height"] // 2, ep["width"] // 2, call["start"])
         assert sha(x) == meta["input_sha256"][f"episode.{n}"]
         tokens = grid.shape[1]
-        contexts = [
-            session.begin_forward(b, num_video_tokens=tokens, commit=call["update"] > 0, provisional=call["update"] == 1)
-            for b in BRANCHES
-        ]
+        contexts = [session.begin_forward(b, num_video_tokens=tokens, commit=call["update"] > 0, provisional=call["update"] == 1) for b in BRANCHES]
         self_kv = prepare_batch(contexts)
         with torch.no_grad():
             out = model(
-                x.repeat(2, 1, 1, 1, 1), torch.tensor([call["timesteps"]] * 2), grid[None].repeat(2, 1, 1), text_kv,
-                action_mode=action, self_kv=self_kv,
-            )  # fmt: skip
+                x.repeat(2, 1, 1, 1, 1),
+                torch.tensor([call["timesteps"]] * 2),
+                grid[None].repeat(2, 1, 1),
+                text_kv,
+                action_mode=action,
+                self_kv=self_kv,
+            )
         for b in BRANCHES:
             session.complete(b)
         errors[n] = (out - tensors[f"episode.{n}"]).abs().max().item()
@@ -112,12 +117,17 @@ def test_without_the_provisional_tail_the_action_steps_diverge(reference, model)
             x = randn((1, 48, ep["frames"], ep["height"], ep["width"]), call["seed"])
             grid = video_grid(ep["frames"], ep["height"] // 2, ep["width"] // 2, call["start"])
         contexts = [
-            session.begin_forward(b, num_video_tokens=grid.shape[1], commit=call["update"] > 0, provisional=call["update"] == 1)
-            for b in BRANCHES
+            session.begin_forward(b, num_video_tokens=grid.shape[1], commit=call["update"] > 0, provisional=call["update"] == 1) for b in BRANCHES
         ]
         with torch.no_grad():
-            out = model(x.repeat(2, 1, 1, 1, 1), torch.tensor([call["timesteps"]] * 2), grid[None].repeat(2, 1, 1),
-                        text_kv, action_mode=action, self_kv=prepare_batch(contexts))  # fmt: skip
+            out = model(
+                x.repeat(2, 1, 1, 1, 1),
+                torch.tensor([call["timesteps"]] * 2),
+                grid[None].repeat(2, 1, 1),
+                text_kv,
+                action_mode=action,
+                self_kv=prepare_batch(contexts),
+            )
         for b in BRANCHES:
             session.complete(b)
     assert (out - tensors[f"episode.{first_action}"]).abs().max().item() > 100 * ATOL

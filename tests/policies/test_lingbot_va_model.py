@@ -59,9 +59,12 @@ def test_one_forward_matches_upstream(reference, model, mode):
     assert sha(x) == meta["input_sha256"][f"single.{mode}"]
     with torch.no_grad():
         out = model(
-            x.repeat(2, 1, 1, 1, 1), torch.tensor([timesteps] * 2), grid[None].repeat(2, 1, 1), text,
+            x.repeat(2, 1, 1, 1, 1),
+            torch.tensor([timesteps] * 2),
+            grid[None].repeat(2, 1, 1),
+            text,
             action_mode=mode == "action",
-        )  # fmt: skip
+        )
     expected = tensors[f"single.{mode}"]
     assert out.shape == expected.shape
     error = (out - expected).abs().max().item()

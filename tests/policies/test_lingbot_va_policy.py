@@ -34,10 +34,12 @@ def policy() -> LingBotVAPolicy:
 def make_cache(policy, sessions=2):
     spec = policy.kv_spec()
     return PagedKVCache(
-        spec, num_pages=sessions * 2 * spec.pages_per_branch + PagedKVCache.undo_headroom(spec, 2, sessions) + 1, max_sessions=sessions,
+        spec,
+        num_pages=sessions * 2 * spec.pages_per_branch + PagedKVCache.undo_headroom(spec, 2, sessions) + 1,
+        max_sessions=sessions,
         attention_backend="sdpa",
         max_batch=sessions,
-    )  # fmt: skip
+    )
 
 
 def chunk(policy, session, index, seed_offset=0):
@@ -80,11 +82,13 @@ def test_an_episode_batched_with_other_robots_matches_upstreams_server(reference
     chunk(policy, other, 0, seed_offset=7)
     evicted = []
     for index in range(p["chunks"]):
-        results = policy.infer_batch([
-            InferRequest(robot, RECORD.observation(e.cameras, index)),  # the configured scales: upstream's run
-            InferRequest(idle, RECORD.observation(e.cameras, index)),
-            InferRequest(other, RECORD.observation(e.cameras, index + 8), 3.0, 2.0),
-        ])  # fmt: skip
+        results = policy.infer_batch(
+            [
+                InferRequest(robot, RECORD.observation(e.cameras, index)),  # the configured scales: upstream's run
+                InferRequest(idle, RECORD.observation(e.cameras, index)),
+                InferRequest(other, RECORD.observation(e.cameras, index + 8), 3.0, 2.0),
+            ]
+        )
         assert isinstance(results[1], EpisodeError) and "before reset" in str(results[1])
         expected = tensors[f"policy.actions.{index}"].numpy()
         assert results[0].shape == expected.shape == (16, 2, 16) and results[0].dtype == np.float32
@@ -95,11 +99,13 @@ def test_an_episode_batched_with_other_robots_matches_upstreams_server(reference
             latent_error = (robot.first_latent - tensors["policy.first_latent"]).abs().max().item()
             assert latent_error <= ATOL, f"the encoded first observation: max abs error {latent_error:.3g}"
         evicted.append(robot.kv.branch(0).evicted_pages)
-        committed = policy.compute_kv_cache_batch([
-            CommitRequest(robot, RECORD.key_frames(e.cameras, index, 4 * (e.frame_chunk_size - (index == 0))), results[0]),
-            CommitRequest(idle, RECORD.key_frames(e.cameras, index, 8), results[0]),
-            CommitRequest(other, RECORD.key_frames(e.cameras, index + 8, 4 * e.frame_chunk_size), results[2]),
-        ])  # fmt: skip
+        committed = policy.compute_kv_cache_batch(
+            [
+                CommitRequest(robot, RECORD.key_frames(e.cameras, index, 4 * (e.frame_chunk_size - (index == 0))), results[0]),
+                CommitRequest(idle, RECORD.key_frames(e.cameras, index, 8), results[0]),
+                CommitRequest(other, RECORD.key_frames(e.cameras, index + 8, 4 * e.frame_chunk_size), results[2]),
+            ]
+        )
         assert committed[0] is None and committed[2] is None and "before reset" in str(committed[1])
     assert idle.kv.pages_held == 0 and other.frame_start == robot.frame_start + 2 == 2 * p["chunks"] + 2
     assert evicted[1] == 0 and evicted[-1] > 0, "the episode was meant to slide the window"

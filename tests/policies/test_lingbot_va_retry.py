@@ -74,11 +74,14 @@ def alone(engine) -> dict:
     return out
 
 
-@pytest.mark.parametrize(("fail_at", "mode"), [
-    (0, "infer"),  # a first infer: the observation went through the VAE streams, the generator drew
-    (6, "infer"),  # a later infer: predicted pages written, committed pages evicted to fit the window
-    (5, "compute_kv_cache"),  # a commit: the prediction dropped, the frames' video pages committed
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("fail_at", "mode"),
+    [
+        (0, "infer"),  # a first infer: the observation went through the VAE streams, the generator drew
+        (6, "infer"),  # a later infer: predicted pages written, committed pages evicted to fit the window
+        (5, "compute_kv_cache"),  # a commit: the prediction dropped, the frames' video pages committed
+    ],
+)
 def test_one_failing_member_costs_the_others_nothing(engine, alone, monkeypatch, caplog, fail_at, mode):
     policy = engine.policy.episodes
     original = policy._forward

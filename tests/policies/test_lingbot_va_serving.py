@@ -36,7 +36,9 @@ def robotwin_calls(engine, last_actions: list) -> list:
     infer = EpisodeCall("infer", video_guidance_scale=4.0, action_guidance_scale=2.0)
 
     def commit(frames, seed):
-        return lambda: RobotObservation(cameras(engine, frames, seed), {}, "stack the cube", EpisodeCall("compute_kv_cache", executed_actions=last_actions[-1]))
+        return lambda: RobotObservation(
+            cameras(engine, frames, seed), {}, "stack the cube", EpisodeCall("compute_kv_cache", executed_actions=last_actions[-1])
+        )
 
     def infer_call(seed):
         return lambda: RobotObservation(cameras(engine, 1, seed), {}, "stack the cube", infer)

@@ -76,14 +76,19 @@ def test_kv_pool_is_what_the_engine_allocates(tiny):
     from ardiff_kv import Branch
 
     for branches, budget_gib, sessions, batch in ((2, 0.25, 8, 1), (1, 0.05, 3, 1), (2, 0.0, 1, 1), (2, 0.25, 8, 4)):
-        p = plan(tiny, engine_device="cpu", dtype=torch.float32, branches=branches, max_sessions=sessions, kv_budget_gib=budget_gib or None,
-                 max_batch=batch)  # fmt: skip
+        p = plan(
+            tiny,
+            engine_device="cpu",
+            dtype=torch.float32,
+            branches=branches,
+            max_sessions=sessions,
+            kv_budget_gib=budget_gib or None,
+            max_batch=batch,
+        )
         kv = p.device("cpu").kv
         pages = PagedKVCache.pages_for_budget(kv.spec, int(budget_gib * GiB), max_sessions=sessions, num_branches=branches, max_batch=batch)
         assert kv.pages == pages
-        cache = PagedKVCache(
-            kv.spec, num_pages=pages + 1, max_sessions=sessions, branches=(Branch.COND, Branch.UNCOND)[:branches], max_batch=batch
-        )
+        cache = PagedKVCache(kv.spec, num_pages=pages + 1, max_sessions=sessions, branches=(Branch.COND, Branch.UNCOND)[:branches], max_batch=batch)
         assert cache.storage.nbytes == kv.pool_bytes
         assert kv.session_pages == cache.reservation_per_session
 
@@ -146,8 +151,15 @@ def test_dit_activations_count_every_cfg_branch_of_every_session_in_a_batch(droi
     small_canvas = dataclasses.replace(droid, canvas=(32, 64))  # a VAE phase smaller than the DiT's
     phases = memory.activation_bytes(small_canvas, torch.bfloat16)
     for branches, batch in ((2, 1), (1, 1), (2, 3), (1, 3)):
-        p = plan(small_canvas, max_sessions=4, max_batch=batch, kv_budget_gib=200.0, branches=branches,
-                 text_encoder_device="cpu", image_encoder_device="cpu")  # fmt: skip
+        p = plan(
+            small_canvas,
+            max_sessions=4,
+            max_batch=batch,
+            kv_budget_gib=200.0,
+            branches=branches,
+            text_encoder_device="cpu",
+            image_encoder_device="cpu",
+        )
         assert phases["dit"] * branches * batch > phases["vae"] * batch
         assert p.device("cuda:0").activations == phases["dit"] * branches * batch
 
@@ -203,7 +215,11 @@ def test_placement_moves_encoder_weights_and_activations_off_the_gpu(droid):
         # 14B, both branches, UMT5 and CLIP on the GPU, one session: 67.8 GiB
         (48, {"max_sessions": 1}, "needs 67.8 GiB on cuda:0, has 48.0 GiB free"),
         (48, {"max_sessions": 1}, "set policy.text_encoder_device=cpu and engine.cfg_parallel_size=2 with engine.devices=[cuda:0,cuda:1]"),
-        (47, {"max_sessions": 1}, "set policy.text_encoder_device=cpu, policy.image_encoder_device=cpu and engine.cfg_parallel_size=2 with engine.devices=[cuda:0,cuda:1]"),
+        (
+            47,
+            {"max_sessions": 1},
+            "set policy.text_encoder_device=cpu, policy.image_encoder_device=cpu and engine.cfg_parallel_size=2 with engine.devices=[cuda:0,cuda:1]",
+        ),
         (62, {"max_sessions": 1}, "set policy.text_encoder_device=cpu or engine.cfg_parallel_size=2 with engine.devices=[cuda:0,cuda:1]"),
         (24, {"max_sessions": 1}, "even with every placement option it needs 46.0 GiB on cuda:0: use a device with more memory"),
         (80, {"kv_memory_fraction": 1.0, "max_sessions": 8}, "set engine.kv_memory_fraction=0.96"),
@@ -371,8 +387,12 @@ def test_the_server_refuses_a_plan_that_does_not_fit_in_one_line(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run(
         [sys.executable, "-m", "ardiff_server", "--config", "tiny", "--port", "0", "--set", "engine.kv_budget_gib=100000"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     log = out.stdout + out.stderr
     assert out.returncode == 1, log
     assert "memory plan: " in log and "KV pool" in log and "DOES NOT FIT" in log  # the plan, printed

@@ -74,6 +74,7 @@ def test_loading_a_checkpoint_reports_its_shards(caplog):
         DreamZeroModel.load(ensure_tiny_checkpoint())
     lines = [r.getMessage() for r in caplog.records if r.name == "ardiff_policies.progress"]
     assert [line.split(" (")[0] for line in lines[:2]] == [
-        "weights: shard 1/2 model-00001-of-00002.safetensors", "weights: shard 2/2 model-00002-of-00002.safetensors",
-    ]  # fmt: skip
+        "weights: shard 1/2 model-00001-of-00002.safetensors",
+        "weights: shard 2/2 model-00002-of-00002.safetensors",
+    ]
     assert lines[-1].startswith("weights: ") and "from 2 shard(s)" in lines[-1]

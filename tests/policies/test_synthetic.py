@@ -122,10 +122,17 @@ def test_forty_layers_keep_activations_finite_and_bounded():
     x = torch.randn(1, 16, 2, 6, 10)
     y = torch.randn(1, 20, 2, 6, 10)
     video, action = dit(
-        x, torch.full((1, 2), 500), current_start_frame=1, self_kv=None, y=y, context=torch.randn(1, 16, 32),
-        clip_feature=torch.randn(1, 257, 32), action=torch.randn(1, 24, 32), timestep_action=torch.full((1, 24), 500),
+        x,
+        torch.full((1, 2), 500),
+        current_start_frame=1,
+        self_kv=None,
+        y=y,
+        context=torch.randn(1, 16, 32),
+        clip_feature=torch.randn(1, 257, 32),
+        action=torch.randn(1, 24, 32),
+        timestep_action=torch.full((1, 24), 500),
         state=torch.randn(1, 1, 64),
-    )  # fmt: skip
+    )
     assert torch.isfinite(video).all() and torch.isfinite(action).all()
     assert 0.05 < video.std().item() < 20 and 0.01 < action.std().item() < 20
 
@@ -146,8 +153,14 @@ def test_policy_builds_from_a_synthetic_checkpoint_and_shares_the_model():
     cache = PagedKVCache(spec, num_pages=2 * spec.pages_per_branch + 1, max_sessions=1)
     session = policy.start_session("s", cache.open_session("s"))
     frames = np.random.default_rng(0).integers(0, 256, (1, 180, 320, 3), dtype=np.uint8)
-    observation = RobotObservation(exterior_left=frames, exterior_right=frames, wrist=frames,
-                                   joint_position=np.zeros(7, np.float32), gripper_position=np.zeros(1, np.float32), prompt="pick up the cup")  # fmt: skip
+    observation = RobotObservation(
+        exterior_left=frames,
+        exterior_right=frames,
+        wrist=frames,
+        joint_position=np.zeros(7, np.float32),
+        gripper_position=np.zeros(1, np.float32),
+        prompt="pick up the cup",
+    )
     result = policy.step(session, observation)
     assert result.actions.shape == (24, 8) and np.isfinite(result.actions).all()
     assert result.info["dit_forwards"] == 8

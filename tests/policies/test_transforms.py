@@ -95,16 +95,17 @@ def test_joints_are_relative_gripper_is_absolute():
 
 
 def test_stats_come_from_metadata_joint_then_gripper():
-    meta = {"oxe_droid": {"statistics": {"action": {"joint_position": {"q01": [1, 2], "q99": [3, 4]},
-                                                    "gripper_position": {"q01": [0], "q99": [1]}}}}}  # fmt: skip
+    meta = {"oxe_droid": {"statistics": {"action": {"joint_position": {"q01": [1, 2], "q99": [3, 4]}, "gripper_position": {"q01": [0], "q99": [1]}}}}}
     stats = NormStats.from_metadata(meta, "oxe_droid", "action")
     assert stats.q01.tolist() == [1, 2, 0] and stats.q99.tolist() == [3, 4, 1]
     with pytest.raises(ValueError, match=r"oxe_droid\.statistics\.state"):
         NormStats.from_metadata(meta, "oxe_droid", "state")
 
 
-@pytest.mark.parametrize(("source", "target"), [((180, 320), (160, 320)), ((720, 1280), (160, 320)), ((320, 640), (160, 320)),
-                                                ((90, 160), (160, 320)), ((37, 53), (19, 71)), ((5, 3), (41, 2))])  # fmt: skip
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [((180, 320), (160, 320)), ((720, 1280), (160, 320)), ((320, 640), (160, 320)), ((90, 160), (160, 320)), ((37, 53), (19, 71)), ((5, 3), (41, 2))],
+)
 def test_resize_like_opencv_is_bit_exact_to_cv2_inter_linear(source, target):
     """Upstream's 5B server resizes received frames with cv2.resize(INTER_LINEAR); ours must give the same bytes
     (downscale, an exact 2x (OpenCV's area fast path), upscale, odd sizes, saturated pixels)."""

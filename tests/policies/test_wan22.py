@@ -81,21 +81,38 @@ def test_dit_matches_upstream_through_the_paged_kv(reference, tiny_5b_dir):
         model = CausalWanModel(cfg)
     load_component(model, CheckpointDir(tiny_5b_dir).weights, DIT_PREFIX, identity_targets, dtype=torch.float32, device="cpu")
     model.eval()
-    spec = KVSpec(num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.frame_seqlen,
-                  window_pages=cfg.local_attn_size, max_new_pages=cfg.num_frame_per_block,
-                  max_extra_tokens=cfg.action_register_length)  # fmt: skip
+    spec = KVSpec(
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        head_dim=cfg.head_dim,
+        page_size=cfg.frame_seqlen,
+        window_pages=cfg.local_attn_size,
+        max_new_pages=cfg.num_frame_per_block,
+        max_extra_tokens=cfg.action_register_length,
+    )
     cache = PagedKVCache(spec, num_pages=spec.pages_per_branch + 1, max_sessions=1, branches=(Branch.COND,))
     session = cache.open_session("s")
     for i, call in enumerate(meta["dit_calls"]):
         x = ref[f"dit.{i}.x"]
-        ctx = session.begin_forward(Branch.COND, num_video_tokens=x.shape[2] * cfg.frame_seqlen, commit=call["update"],
-                                    extra_tokens=cfg.action_register_length if call["action"] else 0)  # fmt: skip
+        ctx = session.begin_forward(
+            Branch.COND,
+            num_video_tokens=x.shape[2] * cfg.frame_seqlen,
+            commit=call["update"],
+            extra_tokens=cfg.action_register_length if call["action"] else 0,
+        )
         with torch.no_grad():
             video, action = model(
-                x, ref[f"dit.{i}.timestep"], current_start_frame=call["start"], self_kv=ctx.prepare(), y=None,
-                context=ref["dit.context"], clip_feature=ref["dit.clip_feature"], action=ref.get(f"dit.{i}.action"),
-                timestep_action=ref.get(f"dit.{i}.timestep_action"), state=ref.get(f"dit.{i}.state"),
-            )  # fmt: skip
+                x,
+                ref[f"dit.{i}.timestep"],
+                current_start_frame=call["start"],
+                self_kv=ctx.prepare(),
+                y=None,
+                context=ref["dit.context"],
+                clip_feature=ref["dit.clip_feature"],
+                action=ref.get(f"dit.{i}.action"),
+                timestep_action=ref.get(f"dit.{i}.timestep_action"),
+                state=ref.get(f"dit.{i}.state"),
+            )
         session.complete(Branch.COND)
         _close(video, ref[f"dit.{i}.video_pred"], f"DiT call {i} video")
         if call["action"]:
@@ -124,8 +141,7 @@ def test_two_policy_calls_match_upstreams_action_head(reference, tiny_5b, monkey
     CLIP tokens, the first frame's latent, KV prefill) and a 4-frame call (VAE re-encode, prefill of 2 latents), both
     CFG branches, upstream's default step mask; actions before denormalization and the denoised video latents."""
     meta, ref = reference
-    policy = DreamZeroPolicy(DreamZeroConfig(checkpoint="builtin:tiny_5b"), RuntimeOptions(record=True, guidance=Guidance.single()),
-                             model=tiny_5b)  # fmt: skip
+    policy = DreamZeroPolicy(DreamZeroConfig(checkpoint="builtin:tiny_5b"), RuntimeOptions(record=True, guidance=Guidance.single()), model=tiny_5b)
     spec = policy.kv_spec()
     cache = PagedKVCache(spec, num_pages=2 * spec.pages_per_branch + 1, max_sessions=1)
     session = policy.start_session("s", cache.open_session("s"))
@@ -137,9 +153,13 @@ def test_two_policy_calls_match_upstreams_action_head(reference, tiny_5b, monkey
     for i, call in enumerate(meta["policy"]["calls"]):
         blank = np.zeros((call["frames"], 8, 8, 3), np.uint8)
         observation = RobotObservation(
-            exterior_left=blank, exterior_right=blank, wrist=blank, prompt=meta["policy"]["prompt"],
-            joint_position=np.array(call["joint_position"]), gripper_position=np.array(call["gripper_position"]),
-        )  # fmt: skip
+            exterior_left=blank,
+            exterior_right=blank,
+            wrist=blank,
+            prompt=meta["policy"]["prompt"],
+            joint_position=np.array(call["joint_position"]),
+            gripper_position=np.array(call["gripper_position"]),
+        )
         result = policy.step(session, observation)
         if i == 0:
             ids, _ = policy.inputs.tokenize(session.prompt)
@@ -214,14 +234,20 @@ def test_full_size_5b_checkpoint_layout_has_a_home_in_the_synthetic_5b():
     spec = parse_spec("synthetic:droid_5b")
     dit, text, image, vae = meta_modules(spec)
     layout = checkpoint_layout(spec.dit, vae={"is_residual": True})
-    maps = [(dit, identity_targets), (text, text_encoder_targets), (image, image_encoder_targets),
-            (vae, lambda key: vae_targets(key, dict(vae.model.config)))]  # fmt: skip
+    maps = [
+        (dit, identity_targets),
+        (text, text_encoder_targets),
+        (image, image_encoder_targets),
+        (vae, lambda key: vae_targets(key, dict(vae.model.config))),
+    ]
     for prefix, (module, targets_of) in zip(COMPONENT_PREFIXES, maps):
         expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}
         got = {
             t.name: tuple(t.transform(torch.empty(shape, device="meta")).shape)
-            for key, shape in layout.items() if key.startswith(prefix) for t in targets_of(key[len(prefix) :])
-        }  # fmt: skip
+            for key, shape in layout.items()
+            if key.startswith(prefix)
+            for t in targets_of(key[len(prefix) :])
+        }
         assert {k: v for k, v in got.items() if expected.get(k) != v} == {}, prefix
         assert set(expected) == set(got), prefix
     assert "action_head.vae.model.decoder.upsamples.0.upsamples.3.time_conv.weight" in layout  # VideoVAE38_ naming
@@ -242,8 +268,9 @@ def test_synthetic_5b_policy_steps_and_gpu_check_knows_the_family():
     assert spec.page_size == 18 and spec.cross_image_tokens == 257
     session = policy.start_session("s", PagedKVCache(spec, num_pages=2 * spec.pages_per_branch + 1, max_sessions=1).open_session("s"))
     frames = np.random.default_rng(0).integers(0, 256, (1, 180, 320, 3), dtype=np.uint8)
-    observation = RobotObservation(exterior_left=frames, exterior_right=frames, wrist=frames, prompt="pick up the cup",
-                                   joint_position=np.zeros(7), gripper_position=np.zeros(1))  # fmt: skip
+    observation = RobotObservation(
+        exterior_left=frames, exterior_right=frames, wrist=frames, prompt="pick up the cup", joint_position=np.zeros(7), gripper_position=np.zeros(1)
+    )
     assert policy.step(session, observation).actions.shape == (24, 8)
     release_cached_model()
 
@@ -279,15 +306,22 @@ def test_the_5b_resizes_received_frames_to_the_advertised_size_as_upstreams_open
     assert size != camera
     rng = np.random.default_rng(7)
     cameras = [rng.integers(0, 256, (2, *camera, 3), dtype=np.uint8) for _ in range(3)]
-    observation = RobotObservation(exterior_left=cameras[0], exterior_right=cameras[1], wrist=cameras[2], prompt="pick up the cup",
-                                   joint_position=np.zeros(7), gripper_position=np.zeros(1))  # fmt: skip
+    observation = RobotObservation(
+        exterior_left=cameras[0],
+        exterior_right=cameras[1],
+        wrist=cameras[2],
+        prompt="pick up the cup",
+        joint_position=np.zeros(7),
+        gripper_position=np.zeros(1),
+    )
     ours = policy.inputs.canvas(observation)
     np.testing.assert_array_equal(ours, _opencv_canvas(policy, cameras, size))
     # without the pre-resize (the 14B's path) the canvas differs: the test would catch its removal
     from ardiff_policies.dreamzero.transforms import crop_and_resize, stitch_canvas
 
-    direct = stitch_canvas(policy.embodiment.layout, [crop_and_resize(c, policy.view_size, policy.embodiment.crop_scale) for c in cameras],
-                           view_size=policy.view_size)  # fmt: skip
+    direct = stitch_canvas(
+        policy.embodiment.layout, [crop_and_resize(c, policy.view_size, policy.embodiment.crop_scale) for c in cameras], view_size=policy.view_size
+    )
     assert not np.array_equal(ours, direct)
 
 
@@ -296,7 +330,8 @@ def test_frames_at_the_advertised_size_are_not_resampled_first(tiny_5b):
 
     policy = DreamZeroPolicy(DreamZeroConfig(checkpoint="builtin:tiny_5b", image_resolution=(90, 160)), RuntimeOptions(), model=tiny_5b)
     frames = np.random.default_rng(3).integers(0, 256, (1, 90, 160, 3), dtype=np.uint8)
-    observation = RobotObservation(exterior_left=frames, exterior_right=frames, wrist=frames, prompt="pick up the cup",
-                                   joint_position=np.zeros(7), gripper_position=np.zeros(1))  # fmt: skip
+    observation = RobotObservation(
+        exterior_left=frames, exterior_right=frames, wrist=frames, prompt="pick up the cup", joint_position=np.zeros(7), gripper_position=np.zeros(1)
+    )
     view = crop_and_resize(frames, policy.view_size, policy.embodiment.crop_scale)
     np.testing.assert_array_equal(policy.inputs.canvas(observation), stitch_canvas(policy.embodiment.layout, [view] * 3, view_size=policy.view_size))

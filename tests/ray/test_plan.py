@@ -22,8 +22,10 @@ def test_tiny_on_cpu_defaults_to_engine_replicas_without_gpus():
     plan = plan_deployment(load_config("tiny", ["engine.replicas=3"]))
     assert (plan.num_replicas, plan.num_gpus, plan.num_cpus, plan.world_size, plan.threads) == (3, 0.0, 1.0, 1, 1)
     assert plan.model_options() == {
-        "max_ongoing_requests": 64, "num_replicas": 3, "ray_actor_options": {"num_gpus": 0.0, "num_cpus": 1.0},
-    }  # fmt: skip
+        "max_ongoing_requests": 64,
+        "num_replicas": 3,
+        "ray_actor_options": {"num_gpus": 0.0, "num_cpus": 1.0},
+    }
     assert plan.describe() == "3 replicas"
 
 
@@ -118,7 +120,10 @@ def test_without_ray_the_cli_says_how_to_install_it():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]  # this environment's own pip (.venv/bin/pip from the repository), never a bare pip
-    assert last == f"ardiff-serve: --ray needs Ray Serve (ray is not installed): {pip_command()} install -e '.[ray]' (bash scripts/serve.sh --ray installs it too)"
+    assert (
+        last
+        == f"ardiff-serve: --ray needs Ray Serve (ray is not installed): {pip_command()} install -e '.[ray]' (bash scripts/serve.sh --ray installs it too)"
+    )
 
 
 def test_the_proxy_gets_the_certificate_paths_the_start_up_check_read(monkeypatch, tmp_path):
@@ -130,7 +135,6 @@ def test_the_proxy_gets_the_certificate_paths_the_start_up_check_read(monkeypatc
     assert options["ssl_certfile"] == str(tmp_path / "certs" / "fullchain.pem") and options["ssl_keyfile"] == str(tmp_path / "certs" / "key.pem")
     options = http_options(load_config("tiny", ["server.tls_cert=~/both.pem"]), 8443)
     assert options["ssl_keyfile"] == options["ssl_certfile"] == str(tmp_path / "both.pem")
-
 
 
 def test_sighup_under_ray_is_logged_not_fatal():

@@ -40,8 +40,10 @@ def test_serving_needs_no_test_extras_and_extras_accumulate(tmp_path):
     venv = tmp_path / "venv"
     out = run_bootstrap(venv, ARDIFF_EXTRAS="")
     assert out.returncode == 0, out.stderr
-    assert pip_calls(venv)[-2:] == ["-m pip install --quiet --disable-pip-version-check torch==2.13.0",
-                                    "-m pip install --quiet --disable-pip-version-check -e ."]  # fmt: skip
+    assert pip_calls(venv)[-2:] == [
+        "-m pip install --quiet --disable-pip-version-check torch==2.13.0",
+        "-m pip install --quiet --disable-pip-version-check -e .",
+    ]
     assert (venv / ".ardiff-installed").read_text().split() == [pyproject_hash(), "torch==2.13.0"]
     # the tests' extras are added; serving again after that installs nothing
     assert run_bootstrap(venv, "2.13.0+cpu", ARDIFF_EXTRAS="dev,viz,ray").returncode == 0

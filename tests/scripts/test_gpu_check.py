@@ -28,7 +28,9 @@ def reduced_run(gpu_check, tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        report = gpu_check.main(["--json", "--variants", "sdpa,flex+compile,flex+graphs", "--batches", "1,2", "--batch-calls", "2", "--out", str(out)])
+        report = gpu_check.main(
+            ["--json", "--variants", "sdpa,flex+compile,flex+graphs", "--batches", "1,2", "--batch-calls", "2", "--out", str(out)]
+        )
     return report, stdout.getvalue(), out
 
 
@@ -64,8 +66,15 @@ def test_reduced_run_reports_every_figure_the_device_run_reports(reduced_run):
     assert rows[0]["speedup_vs_batch_1"] == 1.0
 
     # the printed tables, the anchors, and the JSON line last
-    for needle in ("phase (mean ms)", "summary", "compute bound", "vLLM-Omni 1095 ms/chunk", "62.2 GiB/GPU", "skipped: CUDA graphs",
-                   "several robots per GPU"):
+    for needle in (
+        "phase (mean ms)",
+        "summary",
+        "compute bound",
+        "vLLM-Omni 1095 ms/chunk",
+        "62.2 GiB/GPU",
+        "skipped: CUDA graphs",
+        "several robots per GPU",
+    ):
         assert needle in text, needle
     last = json.loads(text.strip().splitlines()[-1])
     assert last["variants"]["sdpa"]["ms_per_chunk_median"] == report["variants"]["sdpa"]["ms_per_chunk_median"]

@@ -35,8 +35,15 @@ def test_a_short_training_run_lowers_the_held_out_loss_and_its_checkpoint_serves
 
     def observe(joints: np.ndarray, continuation: Continuation | None = None) -> RobotObservation:
         view = tiny_task.render(joints, trainer.VIEW)[None]
-        return RobotObservation(exterior_left=view, exterior_right=view, wrist=view, joint_position=joints.astype(np.float32),
-                                gripper_position=np.array([0.5], np.float32), prompt=tiny_task.PROMPT, continuation=continuation)  # fmt: skip
+        return RobotObservation(
+            exterior_left=view,
+            exterior_right=view,
+            wrist=view,
+            joint_position=joints.astype(np.float32),
+            gripper_position=np.array([0.5], np.float32),
+            prompt=tiny_task.PROMPT,
+            continuation=continuation,
+        )
 
     session = policy.start_session("t", cache.open_session("t"))
     first = policy.step(session, observe(joints))

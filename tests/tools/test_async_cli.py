@@ -18,13 +18,33 @@ from ardiff_server.tools import replay
 from ardiff_server.tools.async_client import EpisodeReport
 from ardiff_server.wire.protocol import pack, unpack
 
-METADATA = {"image_resolution": [12, 16], "needs_wrist_camera": True, "n_external_cameras": 2, "needs_stereo_camera": False,
-            "needs_session_id": True, "action_space": "joint_position"}  # fmt: skip
+METADATA = {
+    "image_resolution": [12, 16],
+    "needs_wrist_camera": True,
+    "n_external_cameras": 2,
+    "needs_stereo_camera": False,
+    "needs_session_id": True,
+    "action_space": "joint_position",
+}
 MAX_CHUNK_ID = 2**63 - 1  # the server's bound on continuation.chunk_id (wire/decode.py)
 ACTIONS = np.linspace(0, 1, 24)[:, None] * np.ones((24, 8))
 # The summary's keys under --json (what scripts read): unchanged by the text summary's rewrite.
-SUMMARY_KEYS = ["mode", "steps", "idle_steps", "idle_steps_per_chunk", "steady_idle_per_chunk", "latency_p50_ms", "latency_p99_ms",
-                "seam_jump", "median_inner_step", "seam_ratio", "old_step_at_seam", "chunks", "chunks_per_s", "fresh"]  # fmt: skip
+SUMMARY_KEYS = [
+    "mode",
+    "steps",
+    "idle_steps",
+    "idle_steps_per_chunk",
+    "steady_idle_per_chunk",
+    "latency_p50_ms",
+    "latency_p99_ms",
+    "seam_jump",
+    "median_inner_step",
+    "seam_ratio",
+    "old_step_at_seam",
+    "chunks",
+    "chunks_per_s",
+    "fresh",
+]
 
 
 class ScriptedServer:
@@ -89,8 +109,10 @@ def run_async(capsys, server: ScriptedServer, *extra: str, steps: int = 30) -> t
         ({"actions": ACTIONS, "chunk_id": 1.5}, f"reply 2: chunk_id: expected an integer in [0, {MAX_CHUNK_ID}], got 1.5"),
         ({"actions": ACTIONS, "frozen": "3"}, "reply 2: frozen: expected an integer in [0, 24] (the chunk's actions), got '3'"),
         ({"actions": ACTIONS, "frozen": 30}, "reply 2: frozen: 30 is past the chunk's 24 actions"),
-        ({"actions": ACTIONS, "chunk_id": 2**64 - 1},
-         f"reply 2: chunk_id: {2**64 - 1} is past the largest chunk_id a continuation can name back (2**63 - 1 = {MAX_CHUNK_ID})"),
+        (
+            {"actions": ACTIONS, "chunk_id": 2**64 - 1},
+            f"reply 2: chunk_id: {2**64 - 1} is past the largest chunk_id a continuation can name back (2**63 - 1 = {MAX_CHUNK_ID})",
+        ),
         ("hello", "reply 2: expected a map with 'actions' or a bare (N, D) array, got str 'hello'"),
         ({"actions": "nope"}, "reply 2: 'actions' is not a numeric array, got str 'nope'"),
     ],
@@ -108,7 +130,9 @@ def test_a_run_that_got_no_chunk_exits_1_in_one_line(scripted, capsys):
     status, out, err = run_async(capsys, server, "--quiet", "--json", steps=30)
     assert status == 1
     assert json.loads(out)["chunks"] == 0  # --json still prints the summary
-    assert err.strip().splitlines() == ["ardiff-client: error: no chunk arrived in 30 control steps (0.5 s at 60 Hz): the first reply took longer; raise --steps or check the server"]
+    assert err.strip().splitlines() == [
+        "ardiff-client: error: no chunk arrived in 30 control steps (0.5 s at 60 Hz): the first reply took longer; raise --steps or check the server"
+    ]
 
 
 def test_progress_while_it_runs_and_json_unchanged_in_content(scripted, capsys):

@@ -28,9 +28,7 @@ from tests.helpers.server_harness import REPO, ServerProcess, fake_config
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 needs_matplotlib = pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed (pip install matplotlib)")
 
-IMAGE_KEYS_0 = tuple(
-    f"observation/{name}" for name in ("exterior_image_0_left", "exterior_image_1_left", "wrist_image_left")
-)
+IMAGE_KEYS_0 = tuple(f"observation/{name}" for name in ("exterior_image_0_left", "exterior_image_1_left", "wrist_image_left"))
 
 
 def run_json(capsys, argv: list[str]) -> tuple[int, dict, str]:
@@ -106,9 +104,7 @@ def test_table_output_one_indexed_cameras_and_a_fresh_session_per_run(server, ca
 @needs_matplotlib
 def test_plot_writes_a_png(server, tmp_path, capsys):
     plot = tmp_path / "plots" / "actions.png"
-    status, _, err = run_json(
-        capsys, ["--port", str(server.port), "--calls", "3", "--size", "8x8", "--plot", str(plot)]
-    )
+    status, _, err = run_json(capsys, ["--port", str(server.port), "--calls", "3", "--size", "8x8", "--plot", str(plot)])
     assert status == 0, err
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
     assert f"plotted {plot}" in err  # side notes go to stderr under --json
@@ -128,9 +124,7 @@ class DreamZeroLikeServer:
         self.horizon, self.size, self.text_error_on_call, self.api_key = horizon, size, text_error_on_call, api_key
         self.requests: list[dict] = []
         self.handshakes: list[tuple[str, str | None]] = []  # (path, Authorization header)
-        self._server = serve(
-            self._handle, "127.0.0.1", 0, compression=None, max_size=None, process_request=self._check_key
-        )
+        self._server = serve(self._handle, "127.0.0.1", 0, compression=None, max_size=None, process_request=self._check_key)
         self.port = self._server.socket.getsockname()[1]
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
@@ -142,8 +136,18 @@ class DreamZeroLikeServer:
 
     def _handle(self, ws: ServerConnection) -> None:
         self.handshakes.append((ws.request.path, ws.request.headers.get("Authorization")))
-        ws.send(pack({"image_resolution": list(self.size), "needs_wrist_camera": True, "n_external_cameras": 2,
-                      "needs_stereo_camera": False, "needs_session_id": True, "action_space": "joint_position"}))  # fmt: skip
+        ws.send(
+            pack(
+                {
+                    "image_resolution": list(self.size),
+                    "needs_wrist_camera": True,
+                    "n_external_cameras": 2,
+                    "needs_stereo_camera": False,
+                    "needs_session_id": True,
+                    "action_space": "joint_position",
+                }
+            )
+        )
         calls = 0
         for frame in ws:
             request = unpack(frame)
@@ -321,7 +325,7 @@ def test_video_dir_frames_in_order_until_the_shortest_camera_ends(dz_server, vid
 def test_video_dir_stride_loop_and_a_missing_camera(dz_server, video_dir, capsys):
     server = dz_server()
     (video_dir / "exterior_image_2_left.mp4").unlink()
-    argv = ["--port", str(server.port), "--video-dir", str(video_dir), "--frame-stride", "3", "--loop", "--calls", "3", "--camera-index", "1"]  # fmt: skip
+    argv = ["--port", str(server.port), "--video-dir", str(video_dir), "--frame-stride", "3", "--loop", "--calls", "3", "--camera-index", "1"]
     status, report, err = run_json(capsys, argv)
     assert status == 0 and report["calls"] == 3
     assert "exterior_image_2_left" in err and "not sent" in err  # warned, left out (the server renders it black)
@@ -391,10 +395,16 @@ def test_plot_actions_signature_and_validation(tmp_path):
 def test_summary_statistics_and_reply_parsing():
     def record(i: int, rtt: float) -> replay.CallRecord:
         return replay.CallRecord(
-            call=i + 1, frames=4, rtt_ms=rtt, actions=np.zeros((2, 8), np.float32), joint_position=np.zeros(7),
-            gripper_position=np.zeros(1), reply_format="dict", server_timing={"infer_ms": 1.0} if i else {},
+            call=i + 1,
+            frames=4,
+            rtt_ms=rtt,
+            actions=np.zeros((2, 8), np.float32),
+            joint_position=np.zeros(7),
+            gripper_position=np.zeros(1),
+            reply_format="dict",
+            server_timing={"infer_ms": 1.0} if i else {},
             policy_timing={"denoise": 2.0 * rtt},
-        )  # fmt: skip
+        )
 
     records = [record(i, rtt) for i, rtt in enumerate([10.0, 20.0, 30.0, 40.0, 1000.0])]
     summary = replay.summarize(records)
@@ -415,7 +425,10 @@ def test_summary_statistics_and_reply_parsing():
 def test_the_client_modules_do_not_import_torch():
     result = subprocess.run(
         [sys.executable, "-X", "importtime", "-c", "import ardiff_server.tools.replay, ardiff_server.tools.media, ardiff_server.tools.async_report"],
-        cwd=REPO, capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     imported = {line.split("|")[-1].strip().split(".")[0] for line in result.stderr.splitlines() if "|" in line}
     assert "ardiff_server" in imported and "torch" not in imported and "matplotlib" not in imported

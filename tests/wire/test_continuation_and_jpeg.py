@@ -25,8 +25,15 @@ WRIST = "observation/wrist_image_left"
 
 def droid_request(**overrides: Any) -> dict[str, Any]:
     image = np.full((18, 32, 3), 10, dtype=np.uint8)
-    request = {EXT.format(0): image, EXT.format(1): image, WRIST: image, "observation/joint_position": np.zeros(7),
-               "observation/gripper_position": np.array([0.5]), "prompt": "pick up the cup", "session_id": "c0ffee-A"}  # fmt: skip
+    request = {
+        EXT.format(0): image,
+        EXT.format(1): image,
+        WRIST: image,
+        "observation/joint_position": np.zeros(7),
+        "observation/gripper_position": np.array([0.5]),
+        "prompt": "pick up the cup",
+        "session_id": "c0ffee-A",
+    }
     return {**request, **overrides}
 
 
@@ -76,7 +83,10 @@ def test_absent_or_null_continuation_is_an_ordinary_request():
         ({"executed": "1", "delay": 2}, "continuation.executed: expected an integer >= 0"),
         ({"executed": 1, "delay": 2, "chunk_id": -4}, "continuation.chunk_id: expected an integer >= 0, got -4"),
         # over the bound: the message states the bound, not ">= 0" (which the value is)
-        ({"executed": 1, "delay": 2, "chunk_id": 2**64 - 1}, f"continuation.chunk_id: expected an integer in [0, 2**63 - 1 = {2**63 - 1}], got {2**64 - 1}"),
+        (
+            {"executed": 1, "delay": 2, "chunk_id": 2**64 - 1},
+            f"continuation.chunk_id: expected an integer in [0, 2**63 - 1 = {2**63 - 1}], got {2**64 - 1}",
+        ),
         ({"executed": 2**63, "delay": 2}, f"continuation.executed: expected an integer in [0, 2**63 - 1 = {2**63 - 1}], got {2**63}"),
         ({"executed": 1, "delay": 2, "late": 1}, "continuation: unknown field(s) ['late']"),
     ],

@@ -145,16 +145,12 @@ def test_none_values_count_as_absent() -> None:
 
 
 def test_stereo_right_and_unknown_keys_are_ignored() -> None:
-    request = droid_request(
-        **{"observation/wrist_image_right": "not an image", "observation/exterior_image_0_right": 3, "extra": {"a": 1}}
-    )
+    request = droid_request(**{"observation/wrist_image_right": "not an image", "observation/exterior_image_0_right": 3, "extra": {"a": 1}})
     assert decode_request(request).observation is not None
 
 
 def test_single_frames_and_stacks_become_t_h_w_3() -> None:
-    observation = decode_request(
-        {EXT.format(0): image(5, 7), EXT.format(1): image(5, 7, frames=4), WRIST: image(5, 7, frames=1), **ARM}
-    ).observation
+    observation = decode_request({EXT.format(0): image(5, 7), EXT.format(1): image(5, 7, frames=4), WRIST: image(5, 7, frames=1), **ARM}).observation
     assert observation is not None
     assert observation.exterior_left.shape == (1, 5, 7, 3)  # type: ignore[union-attr]
     assert observation.exterior_right.shape == (4, 5, 7, 3)  # type: ignore[union-attr]
@@ -202,9 +198,7 @@ def test_state_lists_and_arrays_become_float32() -> None:
         assert state.tolist() == expected
 
 
-@pytest.mark.parametrize(
-    "gripper", [0.75, np.float32(0.75), np.float64(0.75), np.array(0.75), [0.75], np.array([0.75], dtype=np.float16)]
-)
+@pytest.mark.parametrize("gripper", [0.75, np.float32(0.75), np.float64(0.75), np.array(0.75), [0.75], np.array([0.75], dtype=np.float16)])
 def test_gripper_accepts_a_scalar(gripper: Any) -> None:
     observation = decode_request({**ARM, GRIPPER: gripper}).observation
     assert observation is not None and observation.gripper_position is not None
@@ -249,9 +243,22 @@ def test_reset_forms() -> None:
 
 @pytest.mark.parametrize(
     "value",
-    ["17", 17, np.int32(17), np.uint64(17), np.array([17]), np.array(17), np.array(["17"]), np.str_("17"),
-     b"17", np.bytes_(b"17"), [17], [" 17 "], np.array([b"17"])],
-)  # fmt: skip
+    [
+        "17",
+        17,
+        np.int32(17),
+        np.uint64(17),
+        np.array([17]),
+        np.array(17),
+        np.array(["17"]),
+        np.str_("17"),
+        b"17",
+        np.bytes_(b"17"),
+        [17],
+        [" 17 "],
+        np.array([b"17"]),
+    ],
+)
 def test_session_ids_of_every_type_clients_send_are_one_session(value: Any) -> None:
     assert decode_request({"session_id": value, GRIPPER: [0.0], **ARM}).session_id == "17"
 
@@ -398,9 +405,9 @@ bad_images = st.one_of(
         st.sampled_from([np.float32, np.float64, np.int8, np.uint16, np.int64, bool]),
         st.sampled_from([(2, 2, 3), (1, 2, 2, 3)]),
     ).map(lambda t: np.zeros(t[1], t[0])),
-    st.sampled_from(
-        [(2, 2), (2,), (), (1, 1, 2, 2, 3), (2, 2, 1), (2, 2, 4), (1, 2, 2, 2), (0, 2, 2, 3), (0, 2, 3), (2, 0, 3)]
-    ).map(lambda s: np.zeros(s, np.uint8)),
+    st.sampled_from([(2, 2), (2,), (), (1, 1, 2, 2, 3), (2, 2, 1), (2, 2, 4), (1, 2, 2, 2), (0, 2, 2, 3), (0, 2, 3), (2, 0, 3)]).map(
+        lambda s: np.zeros(s, np.uint8)
+    ),
     st.lists(st.integers(0, 255), max_size=3),
     st.text(max_size=3),
     st.integers(),
@@ -533,9 +540,7 @@ def valid_requests(draw: st.DrawFn) -> dict[str, Any]:
     if draw(st.booleans()):
         request["prompt"] = draw(st.text(max_size=40))
     if draw(st.booleans()):
-        request["session_id"] = draw(
-            st.text(st.characters(codec="ascii", categories=["L", "N", "Pd"]), min_size=1, max_size=40)
-        )
+        request["session_id"] = draw(st.text(st.characters(codec="ascii", categories=["L", "N", "Pd"]), min_size=1, max_size=40))
     if draw(st.booleans()):
         request["endpoint"] = "infer"
     request["extra/" + draw(st.text(max_size=5))] = draw(st.one_of(st.none(), st.integers(), st.text(max_size=3)))

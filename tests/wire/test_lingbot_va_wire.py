@@ -58,11 +58,17 @@ def test_reset_infer_and_compute_kv_cache_decode_to_typed_requests():
         ({"obs": frame(), "action_guidance_scale": float("nan")}, "action_guidance_scale"),
         ({"obs": {**frame(), "observation.images.cam_high": np.zeros((8, 12), np.uint8)}}, "obs.observation.images.cam_high"),
         ({"obs": {**frame(), "observation.images.cam_high": np.zeros((8, 12, 3), np.float32)}}, "cam_high"),
-        ({"obs": [frame(), {**frame(), "observation.images.cam_right_wrist": np.zeros((4, 4, 3), np.uint8)}], "compute_kv_cache": True,
-          "state": np.zeros((16, 2, 16))}, "cam_right_wrist"),
+        (
+            {
+                "obs": [frame(), {**frame(), "observation.images.cam_right_wrist": np.zeros((4, 4, 3), np.uint8)}],
+                "compute_kv_cache": True,
+                "state": np.zeros((16, 2, 16)),
+            },
+            "cam_right_wrist",
+        ),
         ({"obs": [frame(), 3], "compute_kv_cache": True, "state": np.zeros((16, 2, 16))}, "obs[1]"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_value_names_its_key(message, key):
     with pytest.raises(RequestError, match=key.replace("[", r"\[").replace("]", r"\]")):
         decode(message)
@@ -99,8 +105,10 @@ def test_openpi_requests_carry_guidance_only_to_a_policy_that_takes_it():
 def test_a_continuation_on_lingbot_vas_own_protocol_is_refused_by_name():
     """Upstream's messages never carry ``continuation`` (this server's real-time chunking, OpenPI only, and not for
     LingBot-VA yet): one that does is refused naming it, not decoded without it."""
-    for message in ({"obs": frame(), "continuation": {"executed": 1, "delay": 2}},
-                    {"obs": [frame()] * 4, "compute_kv_cache": True, "state": np.zeros((16, 2, 16)), "continuation": 3}):  # fmt: skip
+    for message in (
+        {"obs": frame(), "continuation": {"executed": 1, "delay": 2}},
+        {"obs": [frame()] * 4, "compute_kv_cache": True, "state": np.zeros((16, 2, 16)), "continuation": 3},
+    ):
         with pytest.raises(RequestError, match=r"^continuation: LingBot-VA does not continue chunks"):
             decode(message)
     assert decode({"obs": frame(), "continuation": None}).kind == "infer"

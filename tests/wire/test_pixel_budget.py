@@ -102,7 +102,9 @@ def test_the_key_named_is_the_one_that_brings_the_request_over():
     image = np.zeros((18, 32, 3), np.uint8)
     assert through_the_wire(droid_request(), budget).observation.wrist.shape == (1, 18, 32, 3)  # 3 images fit
     message = refused(droid_request(**{WRIST: np.zeros((2, 18, 32, 3), np.uint8), EXT.format(0): image}), budget)
-    assert message.startswith(f"{WRIST}: 2 frame(s) of 18x32 bring the request's images to {4 * 18 * 32} pixels, over its budget of {budget.max_pixels} ({SETTING})")
+    assert message.startswith(
+        f"{WRIST}: 2 frame(s) of 18x32 bring the request's images to {4 * 18 * 32} pixels, over its budget of {budget.max_pixels} ({SETTING})"
+    )
 
 
 def test_a_request_within_the_budget_decodes_exactly_as_without_one(loads):
@@ -123,9 +125,7 @@ def test_a_request_within_the_budget_decodes_exactly_as_without_one(loads):
 
 
 def test_raw_arrays_over_the_budget_are_refused_too():
-    budget = request_budget(
-        "auto", PolicyInfo(droid_server_config((18, 32)), 24, 8, "m", max_frames_per_call=4, keeps_newest_frames=True)
-    )
+    budget = request_budget("auto", PolicyInfo(droid_server_config((18, 32)), 24, 8, "m", max_frames_per_call=4, keeps_newest_frames=True))
     big = np.zeros((4, 18 * AUTO_SIDE_SCALE, 32 * AUTO_SIDE_SCALE, 3), np.uint8)  # 4 frames at 4x per side: the most per camera
     assert through_the_wire(droid_request(**{EXT.format(0): big, EXT.format(1): big, WRIST: big}), budget).observation.wrist.shape == big.shape
     larger = np.zeros((4, 18 * AUTO_SIDE_SCALE + 1, 32 * AUTO_SIDE_SCALE, 3), np.uint8)

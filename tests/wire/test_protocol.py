@@ -278,9 +278,7 @@ def test_nesting_depth_is_bounded() -> None:
 def test_message_size_is_checked_before_decoding() -> None:
     frame = msgpack.packb({"x": "a" * 200})
     assert unpack(frame, DecodeLimits(max_message_bytes=len(frame))) == {"x": "a" * 200}
-    assert f"message is {len(frame)} bytes, over the limit of 100" in refused(
-        frame, DecodeLimits(max_message_bytes=100)
-    )
+    assert f"message is {len(frame)} bytes, over the limit of 100" in refused(frame, DecodeLimits(max_message_bytes=100))
 
 
 @pytest.mark.parametrize(
@@ -398,13 +396,8 @@ _wire_leaves = st.one_of(
     st.text(max_size=8),
     st.binary(max_size=16),
 )
-_dtype_strings = st.sampled_from(["<f4", "|u1", "|b1", "<i8", "<f2", "|O", "<c16", "<U3", ">f4", "V", ""]) | st.text(
-    max_size=6
-)
-_shapes = (
-    st.lists(st.one_of(st.integers(min_value=-3, max_value=2**40), st.floats(), st.text(max_size=2)), max_size=7)
-    | _wire_leaves
-)
+_dtype_strings = st.sampled_from(["<f4", "|u1", "|b1", "<i8", "<f2", "|O", "<c16", "<U3", ">f4", "V", ""]) | st.text(max_size=6)
+_shapes = st.lists(st.one_of(st.integers(min_value=-3, max_value=2**40), st.floats(), st.text(max_size=2)), max_size=7) | _wire_leaves
 _marker_maps = st.fixed_dictionaries(
     {
         b"__ndarray__": st.sampled_from([True, False, 1]),
@@ -412,9 +405,7 @@ _marker_maps = st.fixed_dictionaries(
         b"dtype": _dtype_strings | _wire_leaves,
         b"shape": _shapes,
     }
-) | st.fixed_dictionaries(
-    {b"__npgeneric__": st.sampled_from([True, 1]), b"data": _wire_leaves, b"dtype": _dtype_strings}
-)
+) | st.fixed_dictionaries({b"__npgeneric__": st.sampled_from([True, 1]), b"data": _wire_leaves, b"dtype": _dtype_strings})
 _junk = st.recursive(
     _wire_leaves | _marker_maps,
     lambda children: (
@@ -438,9 +429,7 @@ def test_arbitrary_msgpack_junk_raises_only_protocol_errors(value: Any) -> None:
 @settings(max_examples=200, deadline=None)
 @given(data=st.data())
 def test_corrupted_openpi_frames_raise_only_protocol_errors(data: st.DataObject) -> None:
-    frame = bytearray(
-        openpi.packb({"img": np.zeros((2, 3, 3), np.uint8), "q": np.ones(7), "prompt": "go", "n": [1, 2.5]})
-    )
+    frame = bytearray(openpi.packb({"img": np.zeros((2, 3, 3), np.uint8), "q": np.ones(7), "prompt": "go", "n": [1, 2.5]}))
     for _ in range(data.draw(st.integers(1, 4))):
         frame[data.draw(st.integers(0, len(frame) - 1))] = data.draw(st.integers(0, 255))
     cut = data.draw(st.integers(0, len(frame)))

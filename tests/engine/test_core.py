@@ -177,7 +177,8 @@ def test_warmup_progress_lines_and_summary_give_the_same_numbers(caplog):
     assert len(lines) == len(timings)
     for n, line in enumerate(lines, 1):
         shown = float(re.search(r" (\d+) ms", line)[1])
-        assert line.startswith(f"warm-up: call {n}/") and shown == round(timings[f"call{n}_ms"])
+        # one measurement: the line prints it to the ms, the summary to 0.1 ms
+        assert line.startswith(f"warm-up: call {n}/") and abs(shown - timings[f"call{n}_ms"]) <= 0.55
 
 
 def test_dreamzero_warmup_walks_a_full_window_and_a_restart(tiny_model):

@@ -182,7 +182,12 @@ class Embodiment:
 
 
 def metadata_frame(
-    embodiment: Embodiment, schema: ObservationSchema, action_horizon: int, frames_per_call: Mapping[str, Any] | None = None
+    embodiment: Embodiment,
+    schema: ObservationSchema,
+    action_horizon: int,
+    frames_per_call: Mapping[str, Any] | None = None,
+    *,
+    continuations: bool = False,
 ) -> dict[str, Any]:
     """The metadata frame a client of a non-DROID embodiment receives on connect: what to send, what
     comes back. (DROID's is RoboArena's ``PolicyServerConfig``, ``policies.info.droid_server_config``.)"""
@@ -192,6 +197,7 @@ def metadata_frame(
         **({"frames_per_call": dict(frames_per_call)} if frames_per_call is not None else {}),
         "actions": {"horizon": action_horizon, "dim": embodiment.action_dim, "split": embodiment.action_split()},
         "needs_session_id": True,
+        "continuations": continuations,  # whether a request may carry a continuation (docs/spec.md)
         "image_resolution": list(schema.resolutions[0]) if schema.resolutions else None,
     }
 

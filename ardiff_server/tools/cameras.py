@@ -106,6 +106,20 @@ def embodiment_schema(metadata: Mapping[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+def frames_for_call(metadata: Mapping[str, Any], call: int, asked: int | None) -> int:
+    """Frames per camera on the ``call``-th infer call (1-based): ``--frames-per-call`` where given, else the
+    server's advertised ``frames_per_call`` ({first, later} and, for LingBot-VA, ``after_first_chunk``: 1, 4, 8),
+    else DreamZero's contract (1, then 4)."""
+    advertised = metadata.get("frames_per_call")
+    advertised = advertised if isinstance(advertised, Mapping) else {}
+    if call == 1:
+        return int(advertised.get("first", 1))
+    if asked is not None:
+        return asked
+    key = "after_first_chunk" if call == 2 and "after_first_chunk" in advertised else "later"
+    return int(advertised.get(key, 4))
+
+
 def camera_keys(metadata: Mapping[str, Any], camera_index: int) -> dict[str, str]:
     """Camera name -> request key for the cameras the server asks for (an embodiment's schema, or DROID's).
 

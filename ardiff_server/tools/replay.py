@@ -62,7 +62,7 @@ from websockets.sync.client import ClientConnection, connect
 
 from ardiff_server import __version__
 from ardiff_server.tools import media
-from ardiff_server.tools.cameras import Camera, camera_keys, embodiment_schema, open_cameras, take_frames
+from ardiff_server.tools.cameras import Camera, camera_keys, embodiment_schema, frames_for_call, open_cameras, take_frames
 from ardiff_server.tools.records import CallRecord, Episode, ReplayError, ServerError, jsonable
 from ardiff_server.tools.report import Progress, episode_json, plot_episode, print_report, save_record, summarize
 from ardiff_server.wire.protocol import DecodeLimits, ProtocolError, pack, unpack
@@ -114,8 +114,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add(
         "--frames-per-call",
         type=_positive_int,
-        default=4,
-        help="frames per camera on calls after the first, as a (T, H, W, 3) stack; 1 sends single frames like openpi clients (default 4, DreamZero)",
+        help="frames per camera on calls after the first, as a (T, H, W, 3) stack; 1 sends single frames like openpi clients "
+        "(default: what the server's metadata advertises, frames_per_call; else 4, DreamZero's)",
     )
     add("--loop", action="store_true", help="start the videos over when they end (default: end the episode)")
     add("--prompt", default=DEFAULT_PROMPT, help=f"task instruction (default {DEFAULT_PROMPT!r})")
@@ -341,7 +341,7 @@ def run_episode(client: PolicyClient, cameras: Mapping[str, Camera], episode: Ep
     state = None if schema is None else {str(p["name"]): np.zeros(int(p["dim"])) for p in schema["state"]}
     try:
         while args.calls is None or len(episode.records) < args.calls:
-            count = 1 if not episode.records else args.frames_per_call
+            count = frames_for_call(episode.metadata, len(episode.records) + 1, args.frames_per_call)
             images = take_frames(cameras, count)
             if images is None:
                 episode.ended = "video"
@@ -455,6 +455,15 @@ def _run(client: PolicyClient, url: str, args: argparse.Namespace) -> int:
     return status
 
 
+def _async_mode(mode: str, metadata: dict[str, Any]) -> str:
+    """``--mode continuation`` against a server whose metadata says it does not continue chunks (LingBot-VA) asks
+    early without them: such a server refuses a ``continuation`` by name (docs/spec.md)."""
+    if mode == "continuation" and metadata.get("continuations") is False:
+        print("ardiff-client: this server does not continue chunks (metadata continuations: false): asking early without them", file=sys.stderr)
+        return "async"
+    return mode
+
+
 def _run_async(client: PolicyClient, cameras: Mapping[str, Camera], episode: Episode, args: argparse.Namespace) -> int:
     """``--async``: a robot at ``--control-hz`` that follows the actions it executes (its state is the last action)."""
     from ardiff_server.tools.async_client import AsyncChunkRunner, ChunkEvent, joint_columns
@@ -465,7 +474,7 @@ def _run_async(client: PolicyClient, cameras: Mapping[str, Camera], episode: Epi
     robot["state"] = None if schema is None else {str(p["name"]): np.zeros(int(p["dim"])) for p in schema["state"]}
 
     def observe() -> dict[str, Any]:
-        images = take_frames(cameras, 1 if robot["calls"] == 0 else args.frames_per_call)
+        images = take_frames(cameras, frames_for_call(episode.metadata, robot["calls"] + 1, args.frames_per_call))
         if images is None:
             raise ReplayError("the videos ended (use --loop with --async)")
         robot["calls"] += 1
@@ -492,7 +501,7 @@ def _run_async(client: PolicyClient, cameras: Mapping[str, Camera], episode: Epi
         infer,
         control_hz=args.control_hz,
         prompt=args.prompt,
-        mode=args.mode,
+        mode=_async_mode(args.mode, episode.metadata),
         session_id=episode.session_id,
         overlap=args.overlap,
         joint_columns=joint_columns(episode.metadata),

@@ -202,7 +202,9 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         resolution = self.image_resolution
         schema = ObservationSchema(e.tag, e.cameras, e.states, tuple(self.camera_sizes)) if e.wire == "keys" else None
         return PolicyInfo(
-            server_config=droid_server_config(resolution) if schema is None else metadata_frame(e, schema, horizon, FRAMES_CONTRACT),
+            server_config=droid_server_config(resolution)
+            if schema is None
+            else metadata_frame(e, schema, horizon, FRAMES_CONTRACT, continuations=True),
             action_horizon=horizon,
             action_dim=self.action_stats.dim,
             model="dreamzero",

@@ -109,6 +109,7 @@ class LingBotVAServing(Policy[ServedSession]):
                 "execute_from": "the reply's session.execute_from: the first chunk's first frame of actions conditions the model and is not executed",
             },
             "needs_session_id": True,
+            "continuations": False,  # a request's continuation is refused by name; ardiff-client --async asks without one
             "image_resolution": list(self.schema.resolutions[0]),
             "protocols": ["openpi", "lingbot_va"],
             "guidance": {"video_guidance_scale": e.guidance_scale, "action_guidance_scale": e.action_guidance_scale, "max": MAX_GUIDANCE},

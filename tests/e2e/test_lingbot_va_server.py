@@ -175,3 +175,22 @@ def test_a_continuation_is_refused_by_name_and_the_session_goes_on(server):
     assert policy.infer({"endpoint": "reset", "session_ids": ["continued"]})["status"] == "reset successful"
     status, body = server.http("/info")
     assert status == 200 and json.loads(body)["continuations"] == {"accepted": False, "why": message.removeprefix("bad request: continuation: ")}
+
+
+def test_ardiff_client_drives_lingbot_va_from_its_metadata_plain_and_async(server, capsys):
+    """ardiff-client reads frames_per_call from the metadata (1, then the first chunk's 4, then 8): every call is
+    served, plain and --async, and each run resets its session (it once sent 4 frames on call 3 and failed)."""
+    from ardiff_server.tools import replay
+
+    status = replay.main(["--port", str(server.port), "--calls", "4", "--json", "--quiet"])
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert status == 0, err
+    assert report["calls"] == 4 and report["error"] is None
+    assert [record["frames"] for record in report["records"]] == [1, 4, 8, 8]
+    assert report["reset_reply"] is not None and "error" not in str(report["reset_reply"]).lower()
+
+    status = replay.main(["--port", str(server.port), "--async", "--control-hz", "15", "--steps", "60", "--json", "--quiet"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    assert json.loads(out)["chunks"] >= 2

@@ -90,10 +90,31 @@ def server(tmp_path_factory):
         process.stop(timeout=60)
 
 
+def openpi_client(server, attempts: int = 3, timeout_s: float = 60.0) -> WebsocketClientPolicy:
+    """An openpi client, connected within a bound. A TLS handshake that fails (Serve's proxy under load) can leave
+    websockets' sync client joining its receive thread forever (seen once with websockets 17.4 beside a busy
+    test worker); each attempt runs in a daemon thread, so a hung one is abandoned and the next tries afresh."""
+    for _ in range(attempts):
+        result: dict[str, object] = {}
+
+        def attempt(result=result) -> None:
+            try:
+                result["client"] = WebsocketClientPolicy(host=WSS_HOST, port=server.port, api_key=KEY)
+            except Exception as exc:
+                result["error"] = exc
+
+        thread = threading.Thread(target=attempt, daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if "client" in result:
+            return result["client"]
+    pytest.fail(f"no connection to the Ray Serve proxy in {attempts} attempts of {timeout_s:.0f} s: {result.get('error', 'hung')}")
+
+
 @pytest.fixture(scope="module")
 def robots(server):
     """Four robots, each on its own connection with its own session, CALLS calls in parallel."""
-    clients = {sid: WebsocketClientPolicy(host=WSS_HOST, port=server.port, api_key=KEY) for sid in ROBOTS}
+    clients = {sid: openpi_client(server) for sid in ROBOTS}
     replies: dict[str, list[dict]] = {}
 
     def drive(sid: str) -> None:
@@ -119,7 +140,7 @@ def test_http_routes_metadata_and_keys(server):
     with pytest.raises(InvalidStatus) as refused:
         WebsocketClientPolicy(host=WSS_HOST, port=server.port)
     assert refused.value.response.status_code == 401
-    client = WebsocketClientPolicy(host=WSS_HOST, port=server.port, api_key=KEY)
+    client = openpi_client(server)
     assert client.get_server_metadata()["needs_session_id"] is True
 
 

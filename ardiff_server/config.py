@@ -420,7 +420,9 @@ def preflight(config: AppConfig, *, local: bool = True) -> None:
         check_tls(config)
     wanted = sorted({d for devices in device_lists for d in devices if d.startswith("cuda")})
     # a CPU torch on a GPU machine (the CPU .venv on a GPU box): said before any hub download, with --gpu as the fix
-    gpus_unusable = cuda_device_count() if installed_torch_is_cpu_build() else 0
+    cpu_torch = installed_torch_is_cpu_build()
+    count = cuda_device_count() if wanted or cpu_torch else 0  # the driver asked once
+    gpus_unusable = count if cpu_torch else 0
     if wanted and gpus_unusable:
         raise ConfigError(
             f"{config.source}: engine device {wanted[0]}: this machine has {gpus_unusable} CUDA device(s) but torch "
@@ -434,7 +436,6 @@ def preflight(config: AppConfig, *, local: bool = True) -> None:
             _torch_version(),
         )
     if wanted:
-        count = cuda_device_count()
         for device in wanted:
             index = int(device.partition(":")[2] or 0)
             if index >= count:

@@ -142,6 +142,7 @@ def markdown(table: list[Row]) -> str:
 def lingbot_va_table() -> tuple[str, list[dict]]:
     from ardiff_policies.lingbot_va import memory as lv_memory
     from ardiff_policies.lingbot_va.config import FRANKA, ROBOTWIN
+    from ardiff_policies.lingbot_va.upstream_configs import LIBERO
 
     cards = " | ".join(f"{c} GiB" for c in CARDS_GIB)
     lines = [
@@ -149,7 +150,7 @@ def lingbot_va_table() -> tuple[str, list[dict]]:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(CARDS_GIB),
     ]
     out = []
-    for name, embodiment in (("RoboTwin (posttrain-robotwin)", ROBOTWIN), ("Franka (base)", FRANKA)):
+    for name, embodiment in (("RoboTwin (posttrain-robotwin)", ROBOTWIN), ("Franka (base)", FRANKA), ("LIBERO (posttrain-libero-long)", LIBERO)):
         p = lv_memory.plan(name, embodiment)
         fits = {card: p.sessions_on(int((card - CONTEXT_GIB) * GiB)) for card in CARDS_GIB}
         lines.append(

@@ -57,9 +57,17 @@ FRAMES_PER_LATENT = 4  # key frames per latent frame (the VAE's temporal stride)
 
 
 def embodiment_by_name(name: str) -> lv_config.Embodiment:
-    from ardiff_policies.lingbot_va.tiny import TINY_EMBODIMENT
+    from ardiff_policies.lingbot_va import upstream_configs
+    from ardiff_policies.lingbot_va.tiny import TINY_EMBODIMENT, TINY_LIBERO_EMBODIMENT
 
-    return {"robotwin": lv_config.ROBOTWIN, "franka": lv_config.FRANKA, "tiny_robotwin": TINY_EMBODIMENT}[name]
+    return {
+        "robotwin": lv_config.ROBOTWIN,
+        "franka": lv_config.FRANKA,
+        "libero": upstream_configs.LIBERO,
+        "demo": upstream_configs.DEMO,
+        "tiny_robotwin": TINY_EMBODIMENT,
+        "tiny_libero": TINY_LIBERO_EMBODIMENT,
+    }[name]
 
 
 def short_camera(name: str) -> str:

@@ -2,7 +2,8 @@
 
 Every key is read: ``checkpoint`` (a released checkpoint directory or Hugging Face id, ``builtin:tiny``, or
 ``synthetic:released`` / ``synthetic:tiny`` with ``,layers=N``: random weights made on the device, ``synthetic.py``), ``embodiment``
-(upstream's config it was trained with: ``robotwin``, ``franka``; ``tiny_robotwin`` for the tiny checkpoint), ``seed``
+(upstream's config it was trained with: ``robotwin``, ``franka``, ``libero``, ``demo``; ``tiny_robotwin`` or
+``tiny_libero`` for the tiny checkpoint), ``seed``
 (each session's noise generator is seeded with it at reset: upstream never seeds). Unknown keys are refused by name.
 """
 
@@ -21,7 +22,8 @@ SYNTHETIC_PRESETS = ("released", "tiny")  # synthetic.py
 CHECKPOINT_EXAMPLE = "/path/to/lingbot-va-posttrain-robotwin"
 # What the server reads of a released checkpoint (diffusers-style directories), and so all it fetches of a hub repo.
 CHECKPOINT_FILES = ("transformer/*", "vae/*", "text_encoder/*", "tokenizer/*")
-EMBODIMENTS = ("robotwin", "franka", "tiny_robotwin")
+EMBODIMENTS = ("robotwin", "franka", "libero", "demo", "tiny_robotwin", "tiny_libero")
+TINY_EMBODIMENTS = ("tiny_robotwin", "tiny_libero")  # the geometries the tiny checkpoints are served with
 
 
 class LingBotVAConfig(pydantic.BaseModel):
@@ -30,10 +32,11 @@ class LingBotVAConfig(pydantic.BaseModel):
     name: Literal["lingbot_va"] = "lingbot_va"
     checkpoint: str = pydantic.Field(
         BUILTIN_TINY,
-        description="checkpoint directory, Hugging Face id (robbyant/lingbot-va-posttrain-robotwin, robbyant/lingbot-va-base), builtin:tiny "
+        description="checkpoint directory, Hugging Face id (robbyant/lingbot-va-posttrain-robotwin, robbyant/lingbot-va-base, "
+        "robbyant/lingbot-va-posttrain-libero-long), builtin:tiny "
         "or synthetic:released / synthetic:tiny[,layers=N]",
     )
-    embodiment: Literal["robotwin", "franka", "tiny_robotwin"] | None = pydantic.Field(
+    embodiment: Literal["robotwin", "franka", "libero", "demo", "tiny_robotwin", "tiny_libero"] | None = pydantic.Field(
         None, description="upstream's embodiment config (default: tiny_robotwin for builtin:tiny, else robotwin)"
     )
     seed: int = pydantic.Field(0, ge=0, description="every session's noise generator is seeded with it at reset")
@@ -47,10 +50,12 @@ class LingBotVAConfig(pydantic.BaseModel):
                 raise ValueError(f"policy.checkpoint: unknown synthetic preset {preset!r}; presets: {', '.join(SYNTHETIC_PRESETS)}")
         if self.checkpoint.startswith("builtin:") and not tiny:
             raise ValueError(f"policy.checkpoint: unknown {self.checkpoint!r}; built in: {BUILTIN_TINY}")
-        if tiny and self.embodiment not in (None, "tiny_robotwin"):
-            raise ValueError(f"policy.embodiment: {self.checkpoint} has nothing but the tiny_robotwin geometry, not {self.embodiment!r}")
-        if not tiny and self.embodiment == "tiny_robotwin":
-            raise ValueError("policy.embodiment: tiny_robotwin is the geometry of builtin:tiny and synthetic:tiny only")
+        if tiny and self.embodiment not in (None, *TINY_EMBODIMENTS):
+            raise ValueError(
+                f"policy.embodiment: {self.checkpoint} is served with the tiny geometries only ({', '.join(TINY_EMBODIMENTS)}), not {self.embodiment!r}"
+            )
+        if not tiny and self.embodiment in TINY_EMBODIMENTS:
+            raise ValueError(f"policy.embodiment: {self.embodiment} is a geometry of builtin:tiny and synthetic:tiny only")
         return self
 
     @property

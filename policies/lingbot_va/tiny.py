@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from ardiff_policies.lingbot_va.config import ROBOTWIN, TransformerConfig
 from ardiff_policies.lingbot_va.model import LingBotVATransformer
+from ardiff_policies.lingbot_va.upstream_configs import LIBERO
 from ardiff_policies.wan.text import TextEncoder
 from ardiff_policies.wan.tiny import TINY_TEXT_ENCODER, cache_root, ensure_generated, init_tensor, tiny_tokenizer, write_json
 from ardiff_policies.wan.vae import WAN22_VAE_CONFIG, VideoVAE
@@ -44,6 +45,10 @@ TINY_VAE = {"base_dim": 4, "decoder_base_dim": 8, "num_res_blocks": 1}
 # frame, 9 tokens), 2-frame chunks of 16 actions (pages of gcd(18, 32) = 2 tokens), a window of two chunks, 2 video
 # and 2 action steps.
 TINY_EMBODIMENT = dataclasses.replace(ROBOTWIN, height=64, width=96, attn_window=4, num_inference_steps=2, action_num_inference_steps=2)
+# LIBERO's embodiment (upstream_configs.LIBERO: two cameras side by side, 4-frame chunks of 4 actions, channels 0-6, its
+# quantiles and shifts) at toy size: 64x64 cameras -> a 4x8 latent frame (8 tokens), 32 + 16 tokens a chunk (pages of
+# 16), a window of two chunks, 2 video and 2 action steps. The same tiny checkpoint: the embodiment is not in it.
+TINY_LIBERO_EMBODIMENT = dataclasses.replace(LIBERO, height=64, width=64, attn_window=4, num_inference_steps=2, action_num_inference_steps=2)
 
 # Words of the tiny tokenizer: RoboTwin-style instructions.
 CORPUS = """

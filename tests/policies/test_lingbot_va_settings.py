@@ -14,6 +14,8 @@ def test_shipped_configs_validate_and_name_their_checkpoints():
         ("tiny_lingbot_va", "builtin:tiny", "tiny_robotwin"),
         ("lingbot_va_robotwin", "robbyant/lingbot-va-posttrain-robotwin", "robotwin"),
         ("lingbot_va_franka", "robbyant/lingbot-va-base", "franka"),
+        ("lingbot_va_libero", "robbyant/lingbot-va-posttrain-libero-long", "libero"),
+        ("tiny_lingbot_va_libero", "builtin:tiny", "tiny_libero"),
     ):
         options = load_config(name).policy_options()
         assert (options.checkpoint, options.embodiment_name) == (checkpoint, embodiment)
@@ -23,8 +25,11 @@ def test_shipped_configs_validate_and_name_their_checkpoints():
     ("section", "words"),
     [
         ({"guidance": 5}, "guidance"),
-        ({"checkpoint": "builtin:tiny", "embodiment": "franka"}, "tiny_robotwin geometry"),
+        ({"checkpoint": "builtin:tiny", "embodiment": "franka"}, "tiny geometries only"),
+        ({"checkpoint": "synthetic:tiny", "embodiment": "libero"}, r"tiny geometries only \(tiny_robotwin, tiny_libero\)"),
         ({"checkpoint": "/models/lingbot", "embodiment": "tiny_robotwin"}, "builtin:tiny and synthetic:tiny only"),
+        ({"checkpoint": "/models/lingbot", "embodiment": "tiny_libero"}, "tiny_libero is a geometry of builtin:tiny"),
+        ({"embodiment": "arms"}, "embodiment"),
         ({"checkpoint": "synthetic:huge"}, "unknown synthetic preset 'huge'"),
         ({"checkpoint": "builtin:small"}, "unknown 'builtin:small'"),
         ({"seed": -1}, "seed"),

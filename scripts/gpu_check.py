@@ -629,7 +629,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="14b",
         help="14b: DreamZero-DROID (synthetic:droid); 5b: the Wan2.2-5B DreamZero (synthetic:droid_5b); lingbot_va: LingBot-VA (synthetic:released)",
     )
-    parser.add_argument("--embodiment", choices=("robotwin", "franka", "libero", "demo", "tiny_robotwin", "tiny_libero"), help="--family lingbot_va: upstream's embodiment config")
+    parser.add_argument(
+        "--embodiment",
+        choices=("robotwin", "franka", "libero", "demo", "tiny_robotwin", "tiny_libero"),
+        help="--family lingbot_va: upstream's embodiment config",
+    )
     parser.add_argument("--checkpoint", help="a synthetic:<preset>[,key=value...] spec (overrides --full-size/--reduced/--family)")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default bfloat16 on CUDA, float32 on CPU")

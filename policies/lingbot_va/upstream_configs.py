@@ -100,7 +100,10 @@ def embodiment_from_upstream(config: UpstreamConfig) -> Embodiment:
     fields = {ours: raw[theirs] for theirs, ours in _EMBODIMENT_KEYS.items()}
     for key in ("cameras", "used_action_channel_ids"):
         fields[key] = tuple(fields[key])
-    embodiment = Embodiment(**fields, q01=tuple(float(v) for v in norm["q01"]), q99=tuple(float(v) for v in norm["q99"]))
+    try:
+        embodiment = Embodiment(**fields, q01=tuple(float(v) for v in norm["q01"]), q99=tuple(float(v) for v in norm["q99"]))
+    except (TypeError, ValueError) as exc:  # a value of the wrong kind or out of range: the embodiment's own check
+        raise ValueError(f"{where}: {exc}") from None
     # upstream stores the inverse map beside the used channels (computed in the config's module): they must agree
     inverse = _inverse(list(embodiment.used_action_channel_ids), embodiment.action_dim)
     if "inverse_used_action_channel_ids" in raw and list(raw["inverse_used_action_channel_ids"]) != inverse:
@@ -202,7 +205,16 @@ DEMO_CFG = UpstreamConfig(
         "inverse_used_action_channel_ids": _inverse(_DEMO_USED),
         "action_norm_method": "quantiles",
         "norm_stat": {
-            "q01": [-90.60303497314453, -98.73043060302734, -79.9008560180664, 48.95470428466797, -32.794578552246094, *[0.0] * 23, 0.8250824809074402, 0.0],
+            "q01": [
+                -90.60303497314453,
+                -98.73043060302734,
+                -79.9008560180664,
+                48.95470428466797,
+                -32.794578552246094,
+                *[0.0] * 23,
+                0.8250824809074402,
+                0.0,
+            ],
             "q99": [71.735107421875, 65.89081573486328, 92.87967681884766, 100.0, 22.784151077270508, *[0.0] * 23, 100.0, 0.0],
         },
     },

@@ -115,3 +115,15 @@ def test_the_same_episode_over_openpi_gives_the_same_actions(server):
     assert policy.infer({"endpoint": "reset", "session_ids": ["libero"]})["status"] == "reset successful"
     status, body = server.http("/info")
     assert status == 200 and json.loads(body)["policy"]["native_protocol"] == "lingbot_va"
+
+
+def test_ardiff_client_drives_libero_from_its_metadata(server, capsys):
+    """ardiff-client reads the cameras and frames_per_call from the metadata: 1 frame, then 12, then 16."""
+    from ardiff_server.tools import replay
+
+    status = replay.main(["--port", str(server.port), "--calls", "3", "--json", "--quiet"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    report = json.loads(out)
+    assert report["calls"] == 3 and report["error"] is None
+    assert [record["frames"] for record in report["records"]] == [1, 12, 16]

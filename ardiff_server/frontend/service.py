@@ -106,11 +106,11 @@ class PolicyService:
         )
         self.started = time.time()
         self.connections = 0
-        replies = Replies(self.metrics, debug=config.server.debug)
+        self.replies = Replies(self.metrics, debug=config.server.debug)
         # by the ``protocol`` of the decoded request: OpenPI's, and a policy's own beside it (PolicyInfo.native_protocol)
         self.handlers: dict[str, Handler] = {
-            "openpi": OpenPIHandler(self.sessions, replies, reply_format=config.server.reply_format),
-            "lingbot_va": LingBotVAHandler(self.sessions, replies, engine),
+            "openpi": OpenPIHandler(self.sessions, self.replies, reply_format=config.server.reply_format),
+            "lingbot_va": LingBotVAHandler(self.sessions, self.replies, engine),
         }
         self._closing: set[asyncio.Task] = set()
 
@@ -245,16 +245,14 @@ class PolicyService:
         """One request frame -> one reply frame (binary reply, or a one-line text error)."""
         conn.requests += 1
         if isinstance(frame, str):
-            self.metrics.requests.labels("bad_request").inc()
-            return "bad request: expected a binary msgpack frame, got a text frame"
+            return self.replies.bad_request("expected a binary msgpack frame, got a text frame")
         try:
             # Off the event loop whatever the frame's size: a 690-byte JPEG may declare 4096x4096, so bytes say
             # nothing about the decode's cost (the pixel budget bounds it; other robots wait on no decode)
             request = await asyncio.to_thread(self._decode, frame)
         except ProtocolError as exc:
-            self.metrics.requests.labels("bad_request").inc()
             logger.info("connection %d: bad request: %s", conn.conn_id, exc)
-            return f"bad request: {exc}"
+            return self.replies.bad_request(str(exc))
         try:
             return await self.handlers[request.protocol].serve(conn, request, RequestClock(started, prev_total_ms))
         except SessionForbidden as exc:

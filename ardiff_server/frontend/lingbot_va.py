@@ -13,7 +13,6 @@ connection stays open. Replies are timed, counted and worded as OpenPI's (``repl
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine.client import EngineClient
@@ -57,10 +56,9 @@ class LingBotVAHandler:
             reply = await self.sessions.infer(conn, session_id, observation)
         except EngineError as exc:
             return self.replies.error(exc, session_id)
-        out: dict[str, Any] = {}
         server_timing = self.replies.served(session_id, reply, clock, sent)
-        if request.kind == "infer":
-            layout = self.engine.info.details["action_layout"]
-            out["action"] = action_reply(reply.actions, layout["channels"], layout["frames"], layout["per_frame"])
-        out["server_timing"] = server_timing
-        return pack(out)
+        if request.kind == "compute_kv_cache":
+            return pack({"server_timing": server_timing})
+        layout = self.engine.info.details["action_layout"]
+        action = action_reply(reply.actions, layout["channels"], layout["frames"], layout["per_frame"])
+        return pack({"action": action, "server_timing": server_timing})

@@ -88,24 +88,6 @@ def test_model_families_share_code_only_through_the_wan_package(package):
     assert bad == []
 
 
-def test_kv_has_no_import_cycle():
-    graph = {name: {i for i in _imports(path) if i.startswith("ardiff_kv.")} for name, path in _modules("kv") if not name.endswith("__init__")}
-    visiting, done = set(), set()
-
-    def visit(node: str, trail: list[str]) -> None:
-        if node in done:
-            return
-        assert node not in visiting, "import cycle: " + " -> ".join([*trail, node])
-        visiting.add(node)
-        for child in graph.get(node, ()):
-            visit(child, [*trail, node])
-        visiting.discard(node)
-        done.add(node)
-
-    for node in graph:
-        visit(node, [])
-
-
 def test_front_end_modules_never_load_torch():
     front = [
         "ardiff_server.cli",

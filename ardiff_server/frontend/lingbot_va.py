@@ -6,67 +6,59 @@
 * ``compute_kv_cache``: ``{server_timing}``.
 
 A bad request gets a one-line text frame naming the key (upstream's client raises on any text frame) and the
-connection stays open.
+connection stays open. Replies are timed, counted and worded as OpenPI's (``replies.py``): the same
+``server_timing`` (``infer_ms``, ``queue_ms``, ``encode_ms``, ``prev_total_ms``) and the same metrics.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
 
 from ardiff_policies.observation import RobotObservation
+from ardiff_server.engine.client import EngineClient
 from ardiff_server.engine.messages import EngineError
-from ardiff_server.frontend.sessions import Connection
+from ardiff_server.frontend.replies import Replies, RequestClock
+from ardiff_server.frontend.sessions import Connection, SessionTable
 from ardiff_server.wire.lingbot_va import LingBotVARequest, action_reply
 from ardiff_server.wire.protocol import pack
 
-if TYPE_CHECKING:
-    from ardiff_server.frontend.service import PolicyService
 
+class LingBotVAHandler:
+    """Answers LingBot-VA's messages, keeping the episode prompt of every connection speaking them; ``engine``: for
+    the served policy's action layout (``PolicyInfo.details['action_layout']``)."""
 
-class LingBotVAConnections:
-    """The episode prompt of every connection speaking LingBot-VA's protocol."""
-
-    def __init__(self, service: PolicyService) -> None:
-        self.service = service
+    def __init__(self, sessions: SessionTable, replies: Replies, engine: EngineClient) -> None:
+        self.sessions = sessions
+        self.replies = replies
+        self.engine = engine
         self.prompts: dict[int, str] = {}  # conn_id -> the prompt of its last reset
 
     def forget(self, conn: Connection) -> None:
         self.prompts.pop(conn.conn_id, None)
 
-    async def serve(self, conn: Connection, request: LingBotVARequest, prev_total_ms: float | None, started: float) -> bytes | str:
-        service = self.service
-        session_id = service.sessions.resolve(conn, None)
+    async def serve(self, conn: Connection, request: LingBotVARequest, clock: RequestClock) -> bytes | str:
+        session_id = self.sessions.resolve(conn, None)
         if request.kind == "reset":
             try:
-                await service.sessions.end(conn, [session_id])
+                await self.sessions.end(conn, [session_id])
             except EngineError as exc:
-                return service._error_frame(exc, session_id)
+                return self.replies.error(exc, session_id)
             self.prompts[conn.conn_id] = request.prompt
-            service.metrics.requests.labels("reset").inc()
-            return pack({"server_timing": _timing(started, None, prev_total_ms)})
+            self.replies.reset()
+            return pack({"server_timing": self.replies.uncalled_timing(clock)})
         prompt = self.prompts.get(conn.conn_id)
         if prompt is None:
-            service.metrics.requests.labels("bad_request").inc()
-            return f"bad request: {request.kind} before reset: send {{reset: True, prompt}} first"
+            return self.replies.bad_request(f"{request.kind} before reset: send {{reset: True, prompt}} first")
         observation = request.observation
         observation = RobotObservation(cameras=observation.cameras, states={}, prompt=prompt, episode=observation.episode)
+        sent = time.perf_counter()
         try:
-            reply = await service.sessions.infer(conn, session_id, observation)
+            reply = await self.sessions.infer(conn, session_id, observation)
         except EngineError as exc:
-            return service._error_frame(exc, session_id)
-        service.metrics.requests.labels("ok").inc()
-        service.metrics.infer_seconds.observe(reply.infer_ms / 1000.0)
-        out: dict[str, Any] = {}
-        if request.kind == "infer":
-            layout = service.engine.info.details["action_layout"]
-            out["action"] = action_reply(reply.actions, layout["channels"], layout["frames"], layout["per_frame"])
-        out["server_timing"] = _timing(started, reply.infer_ms, prev_total_ms)  # its step and its own encodes
-        return pack(out)
-
-
-def _timing(started: float, compute_ms: float | None, prev_total_ms: float | None) -> dict[str, float]:
-    timing = {"infer_ms": compute_ms if compute_ms is not None else (time.perf_counter() - started) * 1000.0}
-    if prev_total_ms is not None:
-        timing["prev_total_ms"] = prev_total_ms
-    return timing
+            return self.replies.error(exc, session_id)
+        server_timing = self.replies.served(session_id, reply, clock, sent)
+        if request.kind == "compute_kv_cache":
+            return pack({"server_timing": server_timing})
+        layout = self.engine.info.details["action_layout"]
+        action = action_reply(reply.actions, layout["channels"], layout["frames"], layout["per_frame"])
+        return pack({"action": action, "server_timing": server_timing})

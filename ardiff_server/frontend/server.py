@@ -1,4 +1,4 @@
-"""The websocket front end: the OpenPI protocol (``service.py``) on one port with the ``websockets`` library.
+"""The websocket front end: the policy service (``service.py``) on one port with the ``websockets`` library.
 
 This process never runs model code and never loads torch: observations are decoded here and
 handed to the engine (``engine/client.py``). What is specific to this transport lives here:

@@ -1,10 +1,12 @@
-"""The OpenPI policy service, independent of the transport.
+"""The policy service, independent of the transport.
 
-One code path for the protocol and the session rules, shared by the websockets server
+One code path for the protocols and the session rules, shared by the websockets server
 (``server.py``) and the Ray Serve ingress (``ray_serve.py``); only the transport differs.
 
 Per connection: one binary metadata frame (exactly RoboArena's ``PolicyServerConfig``), then
-strictly one binary request frame -> one reply frame. A bad request gets a one-line text frame
+strictly one binary request frame -> one reply frame. A frame is decoded by ``wire/decode.py`` into the
+request of the protocol it speaks, and answered by that protocol's handler (``openpi.py``; ``lingbot_va.py``
+for a policy whose own protocol it is), both through ``replies.py``. A bad request gets a one-line text frame
 naming the problem and the connection stays open with the session untouched; an internal
 failure gets a text frame too (tracebacks only with ``--debug``) and the failed session is torn
 down by the engine. HTTP: ``GET /healthz`` (no key needed), ``/metrics`` and ``/info``.
@@ -21,21 +23,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
-
 from ardiff_server import __version__
 from ardiff_server.config import AppConfig
 from ardiff_server.engine.client import EngineClient
-from ardiff_server.engine.messages import EngineError, ErrorKind, InferReply, capacity_line, scalar_info
 from ardiff_server.frontend import continuations
 from ardiff_server.frontend.auth import ApiKeys, Unauthorized
-from ardiff_server.frontend.lingbot_va import LingBotVAConnections
+from ardiff_server.frontend.lingbot_va import LingBotVAHandler
 from ardiff_server.frontend.metrics import Metrics
+from ardiff_server.frontend.openpi import OpenPIHandler
+from ardiff_server.frontend.replies import Replies, RequestClock
 from ardiff_server.frontend.sessions import Connection, KeyLimits, SessionForbidden, SessionTable
-from ardiff_server.wire.budget import request_budget
-from ardiff_server.wire.decode import PolicyRequest, decode_request
-from ardiff_server.wire.lingbot_va import LingBotVARequest, decode_lingbot_va, is_lingbot_va_message
-from ardiff_server.wire.protocol import DecodeLimits, ProtocolError, pack, unpack
+from ardiff_server.wire.decode import Request, decode_frame
+from ardiff_server.wire.protocol import DecodeLimits, ProtocolError, pack
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +53,14 @@ class Transport(Protocol):
 
 class TransportClosed(Exception):
     pass
+
+
+class Handler(Protocol):
+    """One protocol's requests on a connection (``openpi.py``, ``lingbot_va.py``), answered through ``Replies``."""
+
+    async def serve(self, conn: Connection, request: Any, clock: RequestClock) -> bytes | str: ...
+
+    def forget(self, conn: Connection) -> None: ...  # the connection closed: drop what is kept for it
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,12 @@ class PolicyService:
         )
         self.started = time.time()
         self.connections = 0
-        self.lingbot_va = LingBotVAConnections(self)  # a policy's own wire beside OpenPI's (PolicyInfo.native_protocol)
+        self.replies = Replies(self.metrics, debug=config.server.debug)
+        # by the ``protocol`` of the decoded request: OpenPI's, and a policy's own beside it (PolicyInfo.native_protocol)
+        self.handlers: dict[str, Handler] = {
+            "openpi": OpenPIHandler(self.sessions, self.replies, reply_format=config.server.reply_format),
+            "lingbot_va": LingBotVAHandler(self.sessions, self.replies, engine),
+        }
         self._closing: set[asyncio.Task] = set()
 
     # -- HTTP ---------------------------------------------------------------------------
@@ -217,7 +229,8 @@ class PolicyService:
                 self.key_connections[key] -= 1
             self.connections -= 1
             self.metrics.connections.set(self.connections)
-            self.lingbot_va.forget(conn)
+            for handler in self.handlers.values():
+                handler.forget(conn)
             await self.sessions.disconnect(conn)
             logger.info("connection %d closed after %d requests", conn.conn_id, conn.requests)
 
@@ -232,115 +245,34 @@ class PolicyService:
         """One request frame -> one reply frame (binary reply, or a one-line text error)."""
         conn.requests += 1
         if isinstance(frame, str):
-            self.metrics.requests.labels("bad_request").inc()
-            return "bad request: expected a binary msgpack frame, got a text frame"
+            return self.replies.bad_request("expected a binary msgpack frame, got a text frame")
         try:
             # Off the event loop whatever the frame's size: a 690-byte JPEG may declare 4096x4096, so bytes say
             # nothing about the decode's cost (the pixel budget bounds it; other robots wait on no decode)
             request = await asyncio.to_thread(self._decode, frame)
         except ProtocolError as exc:
-            self.metrics.requests.labels("bad_request").inc()
             logger.info("connection %d: bad request: %s", conn.conn_id, exc)
-            return f"bad request: {exc}"
+            return self.replies.bad_request(str(exc))
         try:
-            if isinstance(request, LingBotVARequest):
-                return await self.lingbot_va.serve(conn, request, prev_total_ms, started)
-            if request.endpoint == "reset":
-                return await self._reset(conn, request)
-            return await self._infer(conn, request, prev_total_ms, started)
+            return await self.handlers[request.protocol].serve(conn, request, RequestClock(started, prev_total_ms))
         except SessionForbidden as exc:
             self.metrics.requests.labels("forbidden").inc()
             logger.warning("connection %d: %s", conn.conn_id, exc)
             return f"forbidden: {exc}"
 
-    def _decode(self, frame: bytes) -> PolicyRequest | LingBotVARequest:
-        """One request frame decoded (in a worker thread): images counted against the pixel budget before any is decoded."""
-        info = self.engine.info  # its observation schema: the served embodiment's keys (None: RoboArena's DROID keys)
-        budget = request_budget(self.config.server.max_request_pixels, info)  # and the frames its policy keeps
-        payload = unpack(frame, self.limits, copy=False)
-        if info is not None and info.native_protocol == "lingbot_va" and is_lingbot_va_message(payload):
-            return decode_lingbot_va(payload, info.observation_schema.cameras, budget)
-        guidance = info is not None and "guidance" in info.server_config  # a policy that advertises per-request guidance takes it
-        return decode_request(
-            payload,
-            info.observation_schema if info is not None else None,
-            guidance=guidance,
-            budget=budget,
+    def _decode(self, frame: bytes) -> Request:
+        """One request frame decoded (in a worker thread) under the served policy's rules (``wire/decode.py``)."""
+        info = self.engine.info  # None before an engine is ready: RoboArena's DROID keys
+        return decode_frame(
+            frame,
+            self.limits,
+            info,
+            max_request_pixels=self.config.server.max_request_pixels,
             continuation_refused=self._continuation_refusal(info),
         )
 
     def _continuation_refusal(self, info) -> str | None:
         return continuations.continuation_refusal(self.config.policy_name, info, self.config.server.reply_format)
-
-    async def _reset(self, conn: Connection, request: PolicyRequest) -> bytes | str:
-        if request.reset_scope == "all":
-            ids = sorted({*self.sessions.used_by(conn), *request.session_ids})
-        elif request.reset_scope == "named":
-            ids = list(request.session_ids)
-        else:  # DreamZero's reset({}): the connection's current session
-            ids = [self.sessions.resolve(conn, None)]
-        try:
-            await self.sessions.end(conn, ids)
-        except EngineError as exc:
-            return self._error_frame(exc, ", ".join(ids))
-        self.metrics.requests.labels("reset").inc()
-        reply: dict[str, Any] = {"status": "reset successful", "session_ids": ids}
-        if request.session_id is not None and ids == [request.session_id]:
-            reply["session_id"] = request.session_id
-        return pack(reply)
-
-    async def _infer(self, conn: Connection, request: PolicyRequest, prev_total_ms: float | None, started: float) -> bytes | str:
-        session_id = self.sessions.resolve(conn, request.session_id)
-        sent = time.perf_counter()
-        try:
-            reply = await self.sessions.infer(conn, session_id, request.observation)
-        except EngineError as exc:
-            return self._error_frame(exc, session_id)
-        now = time.perf_counter()
-        total_ms, round_trip_ms = (now - started) * 1000.0, (now - sent) * 1000.0
-        self.metrics.requests.labels("ok").inc()
-        self.metrics.infer_seconds.observe(reply.infer_ms / 1000.0)
-        self.metrics.queue_seconds.observe(reply.queue_ms / 1000.0)
-        self.metrics.request_seconds.observe(total_ms / 1000.0)
-        server_timing = _server_timing(reply, round_trip_ms, prev_total_ms)
-        if logger.isEnabledFor(logging.INFO):
-            logger.info(
-                "session %s call %d: infer %.0f ms (encode %.0f), queue %.0f ms, %s",
-                session_id,
-                reply.calls,
-                reply.infer_ms,
-                reply.encode_ms,
-                server_timing["queue_ms"],
-                " ".join(f"{k}={v:.0f}" for k, v in reply.timing_ms.items()),
-            )
-        actions = np.asarray(reply.actions, dtype=np.float32)
-        if self.config.server.reply_format == "array":
-            return pack(actions)
-        return pack(
-            {
-                "actions": actions,
-                "server_timing": server_timing,
-                "policy_timing": reply.timing_ms,
-                "session": _session_info(session_id, reply),
-                **_chunk_info(reply),
-            }
-        )
-
-    def _error_frame(self, exc: EngineError, session_id: str) -> str:
-        self.metrics.requests.labels(exc.kind.value).inc()
-        if exc.kind is ErrorKind.BAD_REQUEST:
-            return f"bad request: {exc}"
-        if exc.kind is ErrorKind.CAPACITY:
-            return capacity_line(str(exc))
-        if exc.kind is ErrorKind.POLICY:
-            message = f"internal error: inference failed for session {session_id} ({exc}); the session was reset"
-        elif exc.kind is ErrorKind.WORKER_DIED:
-            message = f"internal error: {exc}; session {session_id} starts over on the next request"
-        else:
-            message = f"internal error: {exc}"
-        if self.config.server.debug and exc.traceback:
-            message += "\n" + exc.traceback
-        return message
 
 
 class IdleTimer:
@@ -361,34 +293,3 @@ class IdleTimer:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
-
-
-def _server_timing(reply: InferReply, round_trip_ms: float, prev_total_ms: float | None) -> dict[str, float]:
-    """``infer_ms``: this call's compute wherever it ran (its batched step, and its own encodes on the engine's
-    encoder thread, also as ``encode_ms`` when it had any); ``queue_ms``: the rest of the round trip to the engine,
-    waiting behind other robots' work (and the trip itself); ``prev_total_ms``: the connection's previous request
-    (docs/spec.md §3)."""
-    timing = {"infer_ms": reply.infer_ms, "queue_ms": max(0.0, round_trip_ms - reply.infer_ms)}
-    if reply.encode_ms:
-        timing["encode_ms"] = reply.encode_ms
-    if prev_total_ms is not None:
-        timing["prev_total_ms"] = prev_total_ms
-    return timing
-
-
-# Old names of the reply's ``session`` flags (before the glossary), still sent for one release.
-DEPRECATED_SESSION_KEYS = {"window_reset": "window_restart", "session_reset": "prompt_change"}
-
-
-CHUNK_KEYS = ("chunk_id", "frozen", "continuation")  # policies/continuation.py: also top-level keys of the dict reply
-
-
-def _chunk_info(reply: InferReply) -> dict[str, Any]:
-    """``chunk_id`` and ``frozen`` (and, when the request asked for a continuation, ``continuation``: applied or why not)."""
-    return {key: reply.info[key] for key in CHUNK_KEYS if key in reply.info}
-
-
-def _session_info(session_id: str, reply: InferReply) -> dict[str, Any]:
-    extra = {k: v for k, v in scalar_info(reply.info).items() if k not in ("id", "new", "calls", "replica", "batch_size")}
-    extra.update({old: extra[new] for old, new in DEPRECATED_SESSION_KEYS.items() if new in extra})
-    return {"id": session_id, "new": reply.new_session, "calls": reply.calls, "replica": reply.replica, "batch_size": reply.batch_size, **extra}

@@ -14,21 +14,23 @@ Here each connection is its own session. ``save_visualization`` / ``imagine`` / 
 accepted and unused (upstream's server does not read them either); ``prompt`` on an infer is the reset's (upstream
 reads the reset's). ``continuation`` (this server's real-time chunking) is refused by name: LingBot-VA does not
 continue chunks. A message is LingBot-VA's when it holds ``reset``, ``compute_kv_cache`` or ``obs`` and no OpenPI
-``observation/...`` key; anything else is decoded as OpenPI (``decode.py``).
+``observation/...`` key (:func:`is_lingbot_va_message`, asked by ``decode.py`` for a policy whose
+``PolicyInfo.native_protocol`` is ``lingbot_va``); anything else is decoded as OpenPI's (``openpi.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
 from ardiff_policies.episode import EpisodeCall
 from ardiff_policies.observation import RobotObservation
 from ardiff_server.wire.budget import PixelBudget
-from ardiff_server.wire.decode import CONTINUATION_KEY, MAX_FRAMES, MAX_IMAGE_SIDE, MAX_PROMPT_CHARS, RequestError, decode_guidance_scale
-from ardiff_server.wire.protocol import short_repr
+from ardiff_server.wire.fields import CONTINUATION_KEY, check_prompt_length, decode_guidance_scale
+from ardiff_server.wire.images import MAX_FRAMES, MAX_IMAGE_SIDE
+from ardiff_server.wire.protocol import RequestError, short_repr
 
 CAMERA_PREFIX = "observation.images."  # upstream's camera keys: observation.images.<camera>
 MARKER_KEYS = ("reset", "compute_kv_cache", "obs")
@@ -36,6 +38,9 @@ MARKER_KEYS = ("reset", "compute_kv_cache", "obs")
 
 @dataclass(frozen=True)
 class LingBotVARequest:
+    """One of LingBot-VA's messages: a reset with the episode's prompt, an inference, or a commit of what the robot saw."""
+
+    protocol: ClassVar[Literal["lingbot_va"]] = "lingbot_va"
     kind: Literal["reset", "infer", "compute_kv_cache"]
     prompt: str | None = None  # reset: the episode's prompt
     observation: RobotObservation | None = None  # infer / compute_kv_cache (its prompt is filled in from the reset)
@@ -57,9 +62,7 @@ def decode_lingbot_va(payload: dict[str, Any], cameras: tuple[str, ...], budget:
         prompt = payload.get("prompt")
         if not isinstance(prompt, str):
             raise RequestError(f"prompt: a reset needs the episode's prompt (a string), got {short_repr(prompt)}")
-        if len(prompt) > MAX_PROMPT_CHARS:
-            raise RequestError(f"prompt: expected at most {MAX_PROMPT_CHARS} characters, got {len(prompt)}")
-        return LingBotVARequest("reset", prompt=prompt)
+        return LingBotVARequest("reset", prompt=check_prompt_length(prompt))
     if payload.get(CONTINUATION_KEY) is not None:
         raise RequestError(f"{CONTINUATION_KEY}: LingBot-VA does not continue chunks (its replies carry no chunk_id/frozen); leave it out")
     if "obs" not in payload:

@@ -65,7 +65,7 @@ class ProtocolError(ValueError):
 
 
 class RequestError(ProtocolError):
-    """A request whose known keys hold bad values; the message names the key (``decode.py``, ``images.py``)."""
+    """A request whose known keys hold bad values; the message names the key (``openpi.py``, ``lingbot_va.py``, ``fields.py``, ``images.py``)."""
 
 
 @dataclass(frozen=True)

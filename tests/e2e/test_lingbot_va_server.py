@@ -64,6 +64,31 @@ def test_bad_requests_name_the_key_and_keep_the_episode(server):
         assert client.call({"obs": frame})["action"].shape == SHAPE
 
 
+def test_both_protocols_report_the_same_timings_and_metrics(server):
+    """LingBot-VA's replies are timed and counted as OpenPI's (``frontend/replies.py``): every call's server_timing has
+    its compute and its wait in the engine (and the connection's previous request), and every call is observed in the
+    infer, queue and request histograms (LingBot-VA's once fed only the first)."""
+    timing_keys = {"infer_ms", "queue_ms", "encode_ms", "prev_total_ms"}  # encode_ms: only a call that encoded
+    histograms = ("ardiff_infer_seconds_count", "ardiff_queue_seconds_count", "ardiff_request_seconds_count")
+    before = [server.metric(name) for name in (*histograms, 'ardiff_requests_total{outcome="ok"}')]
+    frame = robotwin_frame(np.random.default_rng(7), *SIZE, "x")
+    with LingBotVAClient(server.url) as client:
+        reset = client.call({"reset": True, "prompt": "grab the white mug"})["server_timing"]
+        infer = client.call({"obs": frame})
+        commit = client.call({"obs": [frame] * 4, "compute_kv_cache": True, "state": infer["action"]})["server_timing"]
+        client.call({"reset": True, "prompt": "done"})
+    assert set(reset) == {"infer_ms"} and reset["infer_ms"] > 0  # no call ran: its own time; the connection's first request
+    for timing in (infer["server_timing"], commit):
+        assert {"infer_ms", "queue_ms", "prev_total_ms"} <= set(timing) <= timing_keys, timing
+        assert timing["infer_ms"] > 0 and timing["queue_ms"] >= 0 and timing["prev_total_ms"] > 0
+    policy = WebsocketClientPolicy(host="127.0.0.1", port=server.port)
+    first = policy.infer(openpi_request([frame], "timed", "x"))["server_timing"]
+    assert {"infer_ms", "queue_ms"} <= set(first) <= timing_keys - {"prev_total_ms"}, first
+    assert policy.infer({"endpoint": "reset", "session_ids": ["timed"]})["status"] == "reset successful"
+    after = [server.metric(name) for name in (*histograms, 'ardiff_requests_total{outcome="ok"}')]
+    assert [b - a for a, b in zip(before, after)] == [3, 3, 3, 3]  # infer, compute_kv_cache, the OpenPI infer
+
+
 def test_openpi_sessions_interleave_and_equal_the_robotwin_protocol(server):
     """Two OpenPI sessions, interleaved on one connection, each one chunk per call (its key frames commit the chunk
     out). Same seed, prompt and frames as a RoboTwin-protocol episode: the same actions."""

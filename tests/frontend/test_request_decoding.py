@@ -1,5 +1,5 @@
 """Where the front end decodes requests: never on the event loop, and within the pixel budget
-(``frontend/service.py`` ``_decode``, ``wire/budget.py``), through a real websocket to the in-process server."""
+(``frontend/service.py`` ``_decode``, ``wire/decode.py``, ``wire/budget.py``), through a real websocket to the in-process server."""
 
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ def ask(ws, request: dict):
 def test_every_request_is_decoded_off_the_event_loop_whatever_its_size(server, monkeypatch):
     """Frames under 4 MiB used to be decoded on the event loop: a 690-byte JPEG stalled every robot for its decode."""
     threads: list[int] = []
-    real = service.decode_request
-    monkeypatch.setattr(service, "decode_request", lambda *a, **k: (threads.append(threading.get_ident()), real(*a, **k))[1])
+    real = service.decode_frame
+    monkeypatch.setattr(service, "decode_frame", lambda *a, **k: (threads.append(threading.get_ident()), real(*a, **k))[1])
     requests = [
         {"endpoint": "reset"},  # ~20 bytes
         droid_observation(session_id="s", size=(18, 32)),  # ~5 KiB

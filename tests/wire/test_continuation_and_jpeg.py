@@ -15,7 +15,8 @@ from PIL import Image
 
 from ardiff_policies.continuation import Continuation
 from ardiff_policies.embodiment import ObservationSchema, Part
-from ardiff_server.wire.decode import MAX_IMAGE_SIDE, RequestError, decode_request
+from ardiff_server.wire.decode import RequestError, decode_request
+from ardiff_server.wire.images import MAX_IMAGE_SIDE
 from ardiff_server.wire.jpeg import encode_jpeg
 from ardiff_server.wire.protocol import unpack
 

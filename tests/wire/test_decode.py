@@ -1,4 +1,4 @@
-"""Request decoding: RoboArena / DROID wire dictionaries -> PolicyRequest (docs/spec.md §4)."""
+"""Request decoding: RoboArena / DROID wire dictionaries -> OpenPIRequest (``wire/openpi.py``, docs/spec.md §4)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openpi_client import msgpack_numpy as openpi
 
-from ardiff_server.wire.decode import (
-    MAX_FRAMES,
-    MAX_IMAGE_SIDE,
-    MAX_PROMPT_CHARS,
-    MAX_SESSION_ID_CHARS,
-    PolicyRequest,
-    RequestError,
-    decode_request,
-)
+from ardiff_server.wire.decode import RequestError, decode_request
+from ardiff_server.wire.fields import MAX_PROMPT_CHARS
+from ardiff_server.wire.images import MAX_FRAMES, MAX_IMAGE_SIDE
+from ardiff_server.wire.openpi import MAX_SESSION_ID_CHARS, OpenPIRequest
 from ardiff_server.wire.protocol import ProtocolError, unpack
 
 EXT = "observation/exterior_image_{}_left"
@@ -92,7 +87,7 @@ def test_a_request_without_any_observation_is_refused() -> None:
 
 def test_missing_cameras_and_state_are_none() -> None:
     request = decode_request({**ARM, GRIPPER: [0.5]})
-    assert request == PolicyRequest(endpoint="infer", session_id=None, observation=request.observation)
+    assert request == OpenPIRequest(endpoint="infer", session_id=None, observation=request.observation)
     observation = request.observation
     assert observation is not None
     assert observation.cameras == {"wrist": None, "exterior_left": None, "exterior_right": None}
@@ -218,10 +213,10 @@ def test_default_endpoint_is_infer() -> None:
 
 
 def test_reset_needs_no_images_and_ignores_reset_info() -> None:
-    assert decode_request({"endpoint": "reset"}) == PolicyRequest(endpoint="reset", session_id=None, observation=None)
+    assert decode_request({"endpoint": "reset"}) == OpenPIRequest(endpoint="reset", session_id=None, observation=None)
     # RoboArena clients put arbitrary reset info next to the endpoint; it is no observation.
     decoded = decode_request({"endpoint": "reset", "session_id": "uuid-A", WRIST: "not an image", "success": 1.0})
-    assert decoded == PolicyRequest("reset", "uuid-A", None, reset_scope="named", session_ids=("uuid-A",))
+    assert decoded == OpenPIRequest("reset", "uuid-A", None, reset_scope="named", session_ids=("uuid-A",))
     assert "session_id" in rejected({"endpoint": "reset", "session_id": 5.5})
 
 

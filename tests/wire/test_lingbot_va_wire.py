@@ -112,3 +112,36 @@ def test_a_continuation_on_lingbot_vas_own_protocol_is_refused_by_name():
         with pytest.raises(RequestError, match=r"^continuation: LingBot-VA does not continue chunks"):
             decode(message)
     assert decode({"obs": frame(), "continuation": None}).kind == "infer"
+
+
+def test_the_one_entry_point_decides_whose_message_a_frame_is():
+    """``wire/decode.py`` decides the protocol: LingBot-VA's messages are its own only for a policy whose
+    ``native_protocol`` is ``lingbot_va``; OpenPI's requests are OpenPI's for every policy, and a policy without
+    LingBot-VA's protocol reads LingBot-VA's messages as OpenPI's and refuses them as such."""
+    from ardiff_policies.embodiment import ObservationSchema
+    from ardiff_policies.info import PolicyInfo
+    from ardiff_server.wire.decode import decode_frame, decode_request
+    from ardiff_server.wire.lingbot_va import LingBotVARequest
+    from ardiff_server.wire.openpi import OpenPIRequest
+    from ardiff_server.wire.protocol import DecodeLimits, ProtocolError
+
+    schema = ObservationSchema("lingbot_va_tiny_robotwin", CAMERAS, (), ((8, 12),) * 3)
+    info = PolicyInfo({"embodiment": schema.embodiment}, 32, 16, "m", observation_schema=schema, native_protocol="lingbot_va")
+    images = {f"observation/{c}": np.zeros((8, 12, 3), np.uint8) for c in CAMERAS}
+
+    def frame_of(message: dict, served: PolicyInfo = info):
+        return decode_frame(pack(message), DecodeLimits(), served, max_request_pixels="auto", continuation_refused=None)
+
+    lingbot = frame_of({"obs": frame()})
+    assert isinstance(lingbot, LingBotVARequest) and (lingbot.protocol, lingbot.kind) == ("lingbot_va", "infer")
+    assert frame_of({"reset": True, "prompt": "x"}).protocol == "lingbot_va"
+    openpi = frame_of({**images, "session_id": "a", "prompt": "x"})
+    assert isinstance(openpi, OpenPIRequest) and (openpi.protocol, openpi.endpoint, openpi.session_id) == ("openpi", "infer", "a")
+    assert openpi.observation.cameras["cam_high"].shape == (1, 8, 12, 3)
+    assert frame_of({"endpoint": "reset", "reset": True}).protocol == "openpi"  # an OpenPI endpoint: OpenPI's reset
+    assert decode_request({"obs": frame()}, schema, native_protocol="lingbot_va").protocol == "lingbot_va"
+    other = PolicyInfo({"embodiment": schema.embodiment}, 32, 16, "m", observation_schema=schema)  # no native protocol
+    with pytest.raises(RequestError, match=r"^observation/cam_high: missing"):
+        frame_of({"obs": frame()}, other)
+    with pytest.raises(ProtocolError, match="over the limit of 64 bytes"):  # the codec's bounds come first
+        decode_frame(pack({"obs": frame()}), DecodeLimits(max_message_bytes=64), info, max_request_pixels="auto", continuation_refused=None)

@@ -57,6 +57,7 @@ class LingBotVAConnections:
             return service._error_frame(exc, session_id)
         service.metrics.requests.labels("ok").inc()
         service.metrics.infer_seconds.observe(reply.infer_ms / 1000.0)
+        service.metrics.observe_deadline(reply)
         out: dict[str, Any] = {}
         if request.kind == "infer":
             layout = service.engine.info.details["action_layout"]

@@ -302,6 +302,7 @@ class PolicyService:
         self.metrics.infer_seconds.observe(reply.infer_ms / 1000.0)
         self.metrics.queue_seconds.observe(reply.queue_ms / 1000.0)
         self.metrics.request_seconds.observe(total_ms / 1000.0)
+        self.metrics.observe_deadline(reply)
         server_timing = _server_timing(reply, round_trip_ms, prev_total_ms)
         if logger.isEnabledFor(logging.INFO):
             logger.info(
@@ -371,6 +372,8 @@ def _server_timing(reply: InferReply, round_trip_ms: float, prev_total_ms: float
     timing = {"infer_ms": reply.infer_ms, "queue_ms": max(0.0, round_trip_ms - reply.infer_ms)}
     if reply.encode_ms:
         timing["encode_ms"] = reply.encode_ms
+    if reply.deadline_slack_s is not None:  # the request had a deadline (negative: its step started after it)
+        timing["deadline_slack_ms"] = reply.deadline_slack_s * 1000.0
     if prev_total_ms is not None:
         timing["prev_total_ms"] = prev_total_ms
     return timing

@@ -127,6 +127,9 @@ class EngineConfig(_Section):
     max_sessions: int = pydantic.Field(8, ge=1)  # sessions per replica; a new one takes only an idle session's place, never one a robot is on
     max_batch: int = pydantic.Field(4, ge=1, le=64)  # sessions per forward when several robots' requests wait together
     batch_wait_ms: float = pydantic.Field(0.0, ge=0, le=1000)  # how long a partial batch waits for more (0: only what is queued)
+    schedule: Literal["deadline", "arrival"] = (
+        "deadline"  # which waiting request runs first: deadline (the earliest robot to run out of actions; no deadline: due at arrival), arrival (first come, first served)
+    )
     kv_budget_gib: float | None = pydantic.Field(
         None, gt=0
     )  # GiB for the KV pool per rank; null: kv_memory_fraction of the free memory (set it when two servers share a GPU)

@@ -4,7 +4,7 @@ Glossary (one word per idea, in code, messages, metrics, logs and docs):
 
 session         one robot episode's state, named by its session id: the front end's entry
                 (``frontend/sessions.py``: who may use it, TTL) and one engine's model state and
-                KV pages (``SessionState``). A new id is a fresh session.
+                KV pages (``SessionState``, a row of the scheduler's table). A new id is a fresh session.
 episode         what a robot does from a fresh session id (or a reset) to the next one.
 end             a session ends: ``reset`` on the wire, TTL expiry, eviction (LRU cap, pool
                 pressure), a failed step, shutdown. Every ending is ``end`` + a reason
@@ -24,6 +24,9 @@ rank            one CFG-parallel process of a replica: 0 runs the conditional br
                 unconditional one. Never a replica index.
 page            one latent frame of K and V for every layer: the unit of the KV pool (vLLM's
                 "block"). Metrics say pages.
+deadline        when a request's robot runs out of actions (``Infer.deadline``, the engine's monotonic
+                clock); without one a request is due at its arrival. Replies say the slack left
+                when its step started (``deadline_slack_s``; negative: missed).
 worker group    one launch of a replica's worker processes; a restart is a new group.
 
 Modules, in the order a request meets them:
@@ -38,8 +41,8 @@ Modules, in the order a request meets them:
 ``messages``        typed requests and replies (what crosses a process boundary)
 ``worker``          the worker process: reader thread -> ``scheduler``; ``loop`` serves; CFG-parallel ranks
 ``loop``            the one serving loop: the scheduler's rounds, carried out by the engine
-``scheduler``       Scheduler: control first, admission and eviction, batch formation (rounds)
-``core``            SessionEngine: the session table, each session's model and KV state; executes rounds
+``scheduler``       Scheduler: the session table, control first, admission and eviction, deadline order, batches (rounds)
+``core``            SessionEngine: each session's model and KV state; carries out the rounds
 ``encoder``         the encoder thread: session-own work beside the batched steps, each job timed
 ``builder``         build_engine / start_engine: policy + KV cache + recorder for one rank
 ``inproc_client``   InprocClient: an engine in this process (tests, scripts, Ray replicas)

@@ -113,6 +113,7 @@ def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> Se
         max_sessions=engine_config.max_sessions,
         max_batch=max_batch,
         batch_wait_s=engine_config.batch_wait_s,
+        schedule=engine_config.schedule,
         rank=rank,
         recorder=recorder,
         warmup_batches=max_batch if compiled else 1,

@@ -37,7 +37,9 @@ class EngineClient(Protocol):
 
     async def start(self) -> None: ...
 
-    async def infer(self, session_id: str, observation: RobotObservation) -> InferReply: ...
+    async def infer(self, session_id: str, observation: RobotObservation, *, deadline: float | None = None) -> InferReply:
+        """One call; ``deadline``: when the robot runs out of actions, as ``time.monotonic()`` here
+        (None: due now). The engine serves earliest deadline first (``engine/scheduler.py``)."""
 
     async def end(self, session_id: str, reason: str) -> None:
         """End a session: its KV pages go back to the pool (a no-op for an unknown session)."""

@@ -1,14 +1,16 @@
 """The session engine: owns every session's model and KV state (in a worker, a Ray replica or a test).
 
 It carries out the rounds its :class:`~ardiff_server.engine.scheduler.Scheduler` decides
-(:meth:`SessionEngine.execute`; the one serving loop is ``loop.py``):
+(:meth:`SessionEngine.execute`; the one serving loop is ``loop.py``). The scheduler owns the
+session table and the admitted requests; the engine owns what is in them (policy state, KV) and
+tells the scheduler what it did:
 
 * a control request: end or detach a session;
 * an admission round: each new request is checked (a bad observation is refused before any
-  state changes), its session found or opened (admission may end idle sessions: the scheduler's
-  :func:`~ardiff_server.engine.scheduler.choose_victims`, never an attached one, nor one whose
-  request arrived while the round executes), and the session-own work of its call
-  (:meth:`policies.base.Policy.prepare`: text, image conditioning) started on the encoder
+  state changes), the sessions the round says to end for a new one are ended (less any whose
+  robot came back meanwhile: :meth:`~ardiff_server.engine.scheduler.Scheduler.make_room`), its
+  session found or opened, and the session-own work of its call
+  (:meth:`ardiff_policies.base.Policy.prepare`: text, image conditioning) started on the encoder
   thread, beside other robots' batched steps;
 * a batch: the policy steps its sessions in one batched call. A failed batched phase is retried
   member by member inside the policy; a session whose own call fails is ended (transactional:
@@ -31,13 +33,12 @@ import traceback
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
-from typing import Any, Literal
 
-from ardiff_kv import CapacityError, PagedKVCache, SessionKV
+from ardiff_kv import CapacityError, PagedKVCache
 from ardiff_policies.base import Policy, StepResult
 from ardiff_policies.observation import RobotObservation, UnsupportedObservation
 from ardiff_policies.progress import StepProgress, frames_label
-from ardiff_server.engine.encoder import EncoderThread, EncodeTiming
+from ardiff_server.engine.encoder import EncoderThread
 from ardiff_server.engine.messages import (
     ControlReply,
     Detach,
@@ -51,25 +52,11 @@ from ardiff_server.engine.messages import (
     Reply,
     Request,
 )
-from ardiff_server.engine.scheduler import Round, Scheduler, capacity_message, choose_victims
+from ardiff_server.engine.scheduler import Admission, Admitted, Round, Schedule, Scheduler, SessionState
 
 logger = logging.getLogger(__name__)
 
-Status = Literal["attached", "switched", "disconnected"]
 WARMUP_SESSION = "__warmup__"  # a synthetic session: never recorded
-_DETACH_RANK: dict[str, int] = {"disconnected": 0, "switched": 1, "attached": 2}
-
-
-@dataclass
-class SessionState:
-    """One session in the engine: the policy's per-session state and the session's KV."""
-
-    session_id: str
-    policy_state: Any
-    kv: SessionKV | None
-    calls: int = 0
-    status: Status = "attached"
-    waiting: int = 0  # admitted requests not answered yet: never evicted while > 0
 
 
 @dataclass
@@ -79,21 +66,7 @@ class StepOutcome:
     new_session: bool
     calls: int
     compute_ms: float
-
-
-@dataclass
-class _Admitted:
-    """An admitted request waiting for its batch: its session and its session-own work, if any."""
-
-    request: Infer
-    session: SessionState
-    new: bool
-    work: Future | None = None  # the policy's prepare job on the encoder thread
-    encode: EncodeTiming | None = None  # how long that job waited and ran there
-
-    @property
-    def encode_ms(self) -> float:
-        return self.encode.run_ms if self.encode is not None else 0.0
+    deadline_slack_s: float | None = None  # as InferReply's
 
 
 class SessionEngine:
@@ -105,6 +78,7 @@ class SessionEngine:
         max_sessions: int,
         max_batch: int = 1,
         batch_wait_s: float = 0.0,
+        schedule: Schedule = "deadline",
         rank: int = 0,
         recorder=None,
         warmup_batches: int = 1,
@@ -116,15 +90,25 @@ class SessionEngine:
         self.rank = rank
         self.recorder = recorder  # engine/recorder.py, when server.record_dir is set (rank 0)
         self.warmup_batches = warmup_batches  # batch shapes warm-up walks (all of them when shapes compile)
-        self.scheduler = Scheduler(max_batch=max_batch, batch_wait_s=batch_wait_s)
-        self.sessions: OrderedDict[str, SessionState] = OrderedDict()  # least recently served first
+        self.scheduler = Scheduler(
+            max_batch=max_batch,
+            batch_wait_s=batch_wait_s,
+            schedule=schedule,
+            max_sessions=max_sessions,
+            kv_sessions=cache.session_capacity if cache is not None else None,
+            pool_sessions=cache.pool.capacity // cache.reservation_per_session if cache is not None else None,
+        )
         self.endings: Counter[str] = Counter()  # reason -> count
         self.batches: Counter[int] = Counter()  # sessions per step -> steps
         self.steps = 0
         self.failures = 0
         self.warmup_ms: dict[str, float] = {}
-        self._admitted: dict[int, _Admitted] = {}
         self._encoder = EncoderThread()  # session-own work, beside the batched steps
+
+    @property
+    def sessions(self) -> OrderedDict[str, SessionState]:
+        """The session table (the scheduler's), least recently served first."""
+        return self.scheduler.sessions
 
     # -- typed requests -------------------------------------------------------------------
 
@@ -171,25 +155,21 @@ class SessionEngine:
             reply = ErrorReply(request.request_id, ErrorKind.POLICY, f"{type(exc).__name__}: {exc}", traceback.format_exc(), (self.stats(),))
         return reply
 
-    def _admit(self, items: tuple[tuple[Infer, float], ...]) -> list[Reply]:
-        """Check each new request, find or open its session, start its session-own work. A refused
-        request is answered now; the others wait for a batch. Under CFG-parallel the ranks agree:
-        a request refused on one rank is refused on both."""
-        round_ids = {request.session_id for request, _ in items}
+    def _admit(self, admissions: tuple[Admission, ...]) -> list[Reply]:
+        """Check each new request, end what the round says to end for a new session, find or open
+        its session, start its session-own work. A refused request is answered now; the others wait
+        for a batch. Under CFG-parallel the ranks agree: a request refused on one rank is refused on both."""
+        protect = {a.request.session_id for a in admissions}
         table = list(self.sessions)  # as the round found it: the same on every CFG rank
-        known, newcomers = set(table), 0
         errors: list[ErrorReply | None] = []
         opened: list[tuple[SessionState, bool] | None] = []
-        for request, _ in items:
-            error, entry = None, None
-            protect = round_ids
-            if request.session_id not in known:
-                newcomers += 1
-                if len(table) + newcomers > self._capacity():  # it may need victims (a bound every rank computes alike)
-                    protect = round_ids | self._arrived(table)
+        for admission in admissions:
+            request, error, entry = admission.request, None, None
+            # read as late as may be: a session whose robot came back since the round was planned is spared
+            spared = self._arrived(table) if admission.victims != () else set()
             try:
                 self.policy.check_observation(request.observation)  # before any state changes: a bad request
-                entry = self._get_or_open(request.session_id, protect=protect)
+                entry = self._attach_or_open(admission, protect, spared)
             except UnsupportedObservation as exc:
                 error = ErrorReply(request.request_id, ErrorKind.BAD_REQUEST, str(exc))
             except CapacityError as exc:
@@ -199,27 +179,25 @@ class SessionEngine:
                 error = ErrorReply(request.request_id, ErrorKind.POLICY, f"{type(exc).__name__}: {exc}", traceback.format_exc())
             errors.append(error)
             opened.append(entry)
-            if entry is not None:
-                entry[0].waiting += 1
         agreed = self.policy.agree([e is not None for e in errors])
         replies: list[Reply] = []
-        for (request, queued_ms), error, entry, failed in zip(items, errors, opened, agreed):
+        for admission, error, entry, failed in zip(admissions, errors, opened, agreed):
+            request = admission.request
             if failed:
                 if entry is not None:  # refused on another CFG rank: undo what this one did
-                    entry[0].waiting -= 1
+                    self.scheduler.release(entry[0])
                     if entry[1]:
                         self._end(request.session_id, "failed")
-                self.scheduler.done([request.request_id])
                 replies.append(error or ErrorReply(request.request_id, ErrorKind.POLICY, "refused on the other CFG-parallel rank (see its log)"))
                 continue
             session, new = entry
-            admitted = _Admitted(request, session, new)
+            admitted = Admitted(request, session, new, admission.queued_ms / 1000.0, admission.due)
             job = self._prepare_job(session, request)
             if job is not None:
                 admitted.work, admitted.encode = self._encoder.submit(job)
+            self.scheduler.admit(admitted, ready=job is None)
+            if job is not None:  # after admit: the callback may run at once
                 admitted.work.add_done_callback(functools.partial(self._prepared, admitted))
-            self._admitted[request.request_id] = admitted
-            self.scheduler.admitted(request, queued_ms, ready=job is None)
         return replies
 
     def _prepare_job(self, session: SessionState, request: Infer):
@@ -229,7 +207,7 @@ class SessionEngine:
             logger.exception("session %s: preparing its call failed", request.session_id)
             return None
 
-    def _prepared(self, admitted: _Admitted, work: Future) -> None:
+    def _prepared(self, admitted: Admitted, work: Future) -> None:
         """The encoder thread finished a request's session-own work: it may join a batch."""
         request = admitted.request
         if not work.cancelled() and work.exception() is not None:
@@ -238,21 +216,19 @@ class SessionEngine:
 
     def _step(self, batch: tuple[tuple[int, float], ...]) -> list[Reply]:
         """One batched policy step over admitted requests; a session whose call failed is ended."""
-        members: list[tuple[_Admitted, float]] = []
+        members: list[tuple[Admitted, float]] = []
         replies: list[Reply] = []
-        for request_id, queued_ms in batch:
-            admitted = self._admitted.pop(request_id)
+        for admitted, (_, queued_ms) in zip(self.scheduler.take(rid for rid, _ in batch), batch):
             if admitted.work is not None:
                 wait([admitted.work])  # the encoder thread's part (CFG rank 1 may still be at it)
             request = admitted.request
-            admitted.session.waiting -= 1
             if self.sessions.get(request.session_id) is not admitted.session:  # ended while it waited
                 replies.append(ErrorReply(request.request_id, ErrorKind.POLICY, f"session {request.session_id} was ended while this request waited"))
                 continue
             members.append((admitted, queued_ms))
-        self.scheduler.done(request_id for request_id, _ in batch)
         if not members:
             return replies
+        started = time.monotonic()  # the engine clock deadlines are on
         start = time.perf_counter()
         try:
             results = self.policy.step_batch([(a.session.policy_state, a.request.observation) for a, _ in members])
@@ -290,14 +266,15 @@ class SessionEngine:
                     batch_size=len(members),
                     queue_ms=queued_ms,
                     encode_ms=admitted.encode_ms,
+                    deadline_slack_s=None if request.deadline is None else request.deadline - started,
                 )
             )
         return replies
 
-    def infer(self, session_id: str, observation: RobotObservation, *, queued_ms: float = 0.0) -> StepOutcome:
+    def infer(self, session_id: str, observation: RobotObservation, *, queued_ms: float = 0.0, deadline: float | None = None) -> StepOutcome:
         """One session's call, as a batch of one (scripts, tests, warm-up). Raises what the
         request's error reply would say."""
-        reply = self.handle(Infer(-1, session_id, observation), queued_ms=queued_ms)
+        reply = self.handle(Infer(-1, session_id, observation, deadline), queued_ms=queued_ms)
         if isinstance(reply, ErrorReply):
             if reply.kind is ErrorKind.BAD_REQUEST:
                 raise UnsupportedObservation(reply.message)
@@ -305,7 +282,7 @@ class SessionEngine:
                 raise CapacityError(reply.message)
             raise RuntimeError(f"session {session_id}: {reply.message}")
         result = StepResult(reply.actions, reply.timing_ms, reply.info)
-        return StepOutcome(result, session_id, reply.new_session, reply.calls, reply.compute_ms)
+        return StepOutcome(result, session_id, reply.new_session, reply.calls, reply.compute_ms, reply.deadline_slack_s)
 
     def _record(
         self,
@@ -350,12 +327,7 @@ class SessionEngine:
 
     def detach(self, session_id: str, reason: DetachReason = "disconnected") -> bool:
         """No connection is on it right now: it stays (to be resumed) but is evicted first."""
-        session = self.sessions.get(session_id)
-        if session is None:
-            return False
-        if _DETACH_RANK[reason] < _DETACH_RANK[session.status]:
-            session.status = reason
-        return True
+        return self.scheduler.detach(session_id, reason)
 
     def end_all(self, reason: str) -> None:
         for session_id in list(self.sessions):
@@ -363,19 +335,16 @@ class SessionEngine:
 
     # -- table --------------------------------------------------------------------------
 
-    def _get_or_open(self, session_id: str, protect: set[str] = frozenset()) -> tuple[SessionState, bool]:
-        """The session (moved to the LRU's end, attached), or a new one. Admission may end idle
-        sessions (:func:`choose_victims`), never an attached one nor one in ``protect``."""
-        session = self.sessions.get(session_id)
+    def _attach_or_open(self, admission: Admission, protect: set[str], spared: set[str]) -> tuple[SessionState, bool]:
+        """The request's session (attached, its request waiting), or a new one in a place the
+        scheduler makes (ending the sessions it names first). Raises CapacityError when it has none."""
+        session_id = admission.request.session_id
+        session = self.scheduler.attach(session_id)
         if session is not None:
-            self.sessions.move_to_end(session_id)
-            session.status = "attached"
             return session, False
-        pool = self.cache.pool.capacity // self.cache.reservation_per_session if self.cache is not None else None
-        needed = len(self.sessions) + 1 - self._capacity()
-        victims = choose_victims(self.sessions, needed, {session_id, *protect})
+        victims = self.scheduler.make_room(admission, protect=protect, spared=spared)
         if victims is None:
-            raise CapacityError(capacity_message(len(self.sessions), self.max_sessions, pool))
+            raise CapacityError(self.scheduler.refusal())
         for victim in victims:
             reason = "lru" if len(self.sessions) >= self.max_sessions else "pressure"
             logger.warning("evicting session %s (%s; %s) for new session %s", victim, reason, self.sessions[victim].status, session_id)
@@ -388,25 +357,20 @@ class SessionEngine:
                 self.cache.end_session(kv)
             raise
         session = SessionState(session_id, policy_state, kv)
-        self.sessions[session_id] = session
+        self.scheduler.opened(session)
         logger.info("session %s opened (%d open)", session_id, len(self.sessions))
         return session, True
 
-    def _capacity(self) -> int:
-        """Sessions the engine may hold: engine.max_sessions, or fewer if the KV pool holds fewer."""
-        return min(self.max_sessions, self.cache.session_capacity) if self.cache is not None else self.max_sessions
-
     def _arrived(self, table: list[str]) -> set[str]:
         """The sessions of ``table`` whose robot is back: a request of theirs reached the scheduler
-        and waits for admission (read under its lock now, while this round executes: it may have
-        arrived after the round was formed). Only rank 0's scheduler takes requests, so under
-        CFG-parallel the ranks agree (``Policy.agree``: an any-rank OR) and protect the same ones."""
+        after the round was formed (read under its lock now, while the round executes). Only rank 0's scheduler takes requests, so under CFG-parallel the ranks
+        agree (``Policy.agree``: an any-rank OR) and spare the same ones."""
         arrived = self.scheduler.arrived_sessions()
         flags = self.policy.agree([sid in arrived for sid in table])
         return {sid for sid, flag in zip(table, flags) if flag}
 
     def _end(self, session_id: str, reason: str, *, count: bool = True) -> bool:
-        session = self.sessions.pop(session_id, None)
+        session = self.scheduler.closed(session_id)
         if session is None:
             return False
         try:

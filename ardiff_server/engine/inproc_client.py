@@ -88,8 +88,8 @@ class InprocClient:
     def kill_now(self) -> None:
         pass  # nothing to kill: the engine is this process
 
-    async def infer(self, session_id: str, observation: RobotObservation) -> InferReply:
-        reply = await self._call(Infer(next(self._ids), session_id, observation))
+    async def infer(self, session_id: str, observation: RobotObservation, *, deadline: float | None = None) -> InferReply:
+        reply = await self._call(Infer(next(self._ids), session_id, observation, deadline))
         return dataclasses.replace(reply, replica=self.replica)
 
     async def end(self, session_id: str, reason: str) -> None:

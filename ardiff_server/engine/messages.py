@@ -110,9 +110,14 @@ class EngineStats:
 @pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class Infer:
+    """One robot's call. ``deadline``: when its robot runs out of actions, as ``time.monotonic()``
+    on the engine's host (the front end converts the wire's seconds left); None (a blocking
+    client, a first call): due now. The scheduler serves earliest deadline first (``scheduler.py``)."""
+
     request_id: int
     session_id: str
     observation: RobotObservation
+    deadline: float | None = None
 
 
 @pickled_by_fields
@@ -173,6 +178,12 @@ class InferReply:
     batch_size: int = 1  # sessions in the forward that computed it (engine.max_batch)
     queue_ms: float = 0.0  # how long it waited in the engine behind other robots' work (steps, their encodes), not its own
     encode_ms: float = 0.0  # its session-own work on the encoder thread (a window start's encodes); 0: none
+    deadline_slack_s: float | None = None  # its deadline less its step's start (negative: missed); None: it had no deadline
+
+    @property
+    def deadline_missed(self) -> bool:
+        """Its step started after its robot ran out of actions."""
+        return self.deadline_slack_s is not None and self.deadline_slack_s < 0
 
     @property
     def infer_ms(self) -> float:

@@ -166,7 +166,7 @@ class ProcessClient:
 
     # -- requests -----------------------------------------------------------------------
 
-    async def infer(self, session_id: str, observation: RobotObservation) -> InferReply:
+    async def infer(self, session_id: str, observation: RobotObservation, *, deadline: float | None = None) -> InferReply:
         request_id = next(self._ids)
         group = await self._ready_group()
         allocations: list[Allocation] = []
@@ -174,7 +174,7 @@ class ProcessClient:
             placed = self._arena.put(observation)
             if placed is not None:
                 observation, allocations = placed
-        reply = await self._call(group, Infer(request_id, session_id, observation), allocations, infer=True)
+        reply = await self._call(group, Infer(request_id, session_id, observation, deadline), allocations, infer=True)
         return dataclasses.replace(reply, replica=self.replica)
 
     async def end(self, session_id: str, reason: str) -> None:

@@ -94,11 +94,11 @@ class ReplicaSet:
         for client in self.clients:
             client.kill_now()
 
-    async def infer(self, session_id: str, observation: RobotObservation) -> InferReply:
+    async def infer(self, session_id: str, observation: RobotObservation, *, deadline: float | None = None) -> InferReply:
         index = self.placement.get(session_id)
         if index is None:
             index = self.placement.place(session_id, self._loads())
-        return await self.clients[index].infer(session_id, observation)
+        return await self.clients[index].infer(session_id, observation, deadline=deadline)
 
     async def end(self, session_id: str, reason: str) -> None:
         index = self.placement.forget(session_id)

@@ -117,7 +117,9 @@ def _broadcast(round: Any, control) -> Any:
 def _execute(engine, round, control, arena) -> list:
     """One round on any rank: the engine's replies, with every rank's stats attached."""
     if arena is not None and round.admit:  # camera arrays: views of the shared-memory arena, valid until answered
-        round = replace(round, admit=tuple((replace(r, observation=arena.view(r.observation)), q) for r, q in round.admit))
+        round = replace(
+            round, admit=tuple(replace(a, request=replace(a.request, observation=arena.view(a.request.observation))) for a in round.admit)
+        )
     replies = engine.execute(round)
     if control is not None:
         stats = gather_stats(engine, control)

@@ -55,6 +55,8 @@ DEPRECATED_ALIASES = {
     "ardiff_kv_blocks_total": "ardiff_kv_pages_total",
 }
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# Seconds of actions a robot had left when its call's step started (negative: it ran dry before).
+SLACK_BUCKETS = (-1.0, -0.5, -0.2, -0.1, -0.05, 0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 
 
@@ -80,6 +82,15 @@ class Metrics:
             registry=r,
             buckets=_BUCKETS,
         )
+        self.deadline_misses = Counter(
+            "ardiff_deadline_misses", "Infer requests whose step started after their deadline (their robot ran out of actions)", registry=r
+        )
+        self.deadline_slack_seconds = Histogram(
+            "ardiff_deadline_slack_seconds",
+            "Per infer request with a deadline: the deadline less its step's start (negative: missed)",
+            registry=r,
+            buckets=SLACK_BUCKETS,
+        )
         self.connections = Gauge("ardiff_connections_open", "Open websocket connections", registry=r)
         self.closed = Counter("ardiff_connections_closed", "Connections the server closed, by reason", ["reason"], registry=r)
         for reason in CLOSE_REASONS:
@@ -94,6 +105,13 @@ class Metrics:
         r.register(_Aliases([self.connections, engine_collector]))
 
     content_type = CONTENT_TYPE_LATEST
+
+    def observe_deadline(self, reply: Any) -> None:
+        """A served call's slack (``InferReply.deadline_slack_s``), if it had a deadline."""
+        if reply.deadline_slack_s is not None:
+            self.deadline_slack_seconds.observe(reply.deadline_slack_s)
+            if reply.deadline_missed:
+                self.deadline_misses.inc()
 
     def watch_keys(self, key_ids: list[str], sessions: Callable[[], Mapping], connections: Callable[[], Mapping]) -> None:
         """Export per key id: open sessions and connections (read at scrape time) and refusals."""

@@ -43,9 +43,12 @@ class Replies:
         self.metrics.infer_seconds.observe(reply.infer_ms / 1000.0)
         self.metrics.queue_seconds.observe(reply.queue_ms / 1000.0)
         self.metrics.request_seconds.observe(now - clock.started)
+        self.metrics.observe_deadline(reply)
         timing = {"infer_ms": reply.infer_ms, "queue_ms": max(0.0, round_trip_ms - reply.infer_ms)}
         if reply.encode_ms:
             timing["encode_ms"] = reply.encode_ms
+        if reply.deadline_slack_s is not None:  # the request had a deadline (negative: its step started after it)
+            timing["deadline_slack_ms"] = reply.deadline_slack_s * 1000.0
         if clock.prev_total_ms is not None:
             timing["prev_total_ms"] = clock.prev_total_ms
         if logger.isEnabledFor(logging.INFO):

@@ -85,8 +85,9 @@ class RayEngineClient:
         self._note(described["identity"], described["stats"])
         self._state = "ready"
 
-    async def infer(self, session_id: str, observation: RobotObservation) -> InferReply:
-        return await self._call("infer", session_id, session_id, observation)
+    async def infer(self, session_id: str, observation: RobotObservation, *, deadline: float | None = None) -> InferReply:
+        left_s = None if deadline is None else deadline - time.monotonic()  # another host's monotonic clock is another clock
+        return await self._call("infer", session_id, session_id, observation, left_s)
 
     async def end(self, session_id: str, reason: str) -> None:
         await self._control("end", session_id, session_id, reason)

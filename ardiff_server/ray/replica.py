@@ -73,10 +73,11 @@ class EngineReplica:
 
     # -- requests -----------------------------------------------------------------------
 
-    async def infer(self, session_id: str, observation: RobotObservation) -> tuple[Any, dict[str, Any]]:
+    async def infer(self, session_id: str, observation: RobotObservation, left_s: float | None = None) -> tuple[Any, dict[str, Any]]:
+        """``left_s``: seconds until the robot runs out of actions (a deadline on this host's clock)."""
         self.version += 1
         try:
-            reply = await self.client.infer(session_id, observation)
+            reply = await self.client.infer(session_id, observation, deadline=None if left_s is None else time.monotonic() + left_s)
         except EngineError as exc:
             return self._error(exc)
         # The robot's reply says which replica served it: ``session.replica`` (the index /info and

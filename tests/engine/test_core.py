@@ -48,7 +48,7 @@ def test_a_session_whose_request_waits_is_never_evicted():
     engine.detach("a", "disconnected")
     engine.detach("b", "disconnected")
     engine.sessions["a"].waiting = 1  # a's request waits for its batch (its robot dropped meanwhile): take b instead
-    engine._get_or_open("c")
+    calls(engine, "c")
     assert set(engine.sessions) == {"a", "c"}
 
 

@@ -22,13 +22,26 @@ from ardiff_policies.wan.schedulers import FlowUniPCScheduler
 from ardiff_server.engine.core import SessionEngine
 from ardiff_server.engine.inproc_client import InprocClient
 from ardiff_server.engine.messages import Detach, End, ErrorKind, ErrorReply, Infer, InferReply
-from ardiff_server.engine.scheduler import Round, Scheduler, choose_victims
+from ardiff_server.engine.scheduler import Admission, Admitted, Scheduler, SessionState, choose_victims
 from tests.helpers.dreamzero import ThreadPair, make_policy, observations
 from tests.helpers.fake_policy import FakeConfig, FakePolicy
 
 
-def infer(request_id: int, session_id: str = "s") -> Infer:
-    return Infer(request_id, session_id, RobotObservation())
+def infer(request_id: int, session_id: str = "s", deadline: float | None = None) -> Infer:
+    return Infer(request_id, session_id, RobotObservation(), deadline)
+
+
+def admitted(scheduler: Scheduler, admission: Admission, *, ready: bool) -> None:
+    """What the engine does with an admission: the request joins the one admitted table."""
+    session = SessionState(admission.request.session_id, None, None)
+    scheduler.admit(Admitted(admission.request, session, True, admission.queued_ms / 1000.0, admission.due), ready=ready)
+
+
+def admit_all(scheduler: Scheduler, *, ready: bool = True) -> list[Admission]:
+    admissions = list(scheduler.next_round().admit)
+    for admission in admissions:
+        admitted(scheduler, admission, ready=ready)
+    return admissions
 
 
 # -- order and batches ------------------------------------------------------------------
@@ -41,10 +54,8 @@ def test_control_requests_come_first_and_each_round_says_how_long_requests_waite
     time.sleep(0.05)
     scheduler.put(End(3, "c", "reset"))
     assert scheduler.next_round().control == End(3, "c", "reset")  # a reset never waits behind inference
-    admit = scheduler.next_round().admit
-    assert [r.request_id for r, _ in admit] == [1, 2] and all(ms >= 50.0 for _, ms in admit)
-    for request, ms in admit:
-        scheduler.admitted(request, ms, ready=True)
+    admit = admit_all(scheduler)
+    assert [a.request.request_id for a in admit] == [1, 2] and all(a.queued_ms >= 50.0 for a in admit)
     batch = scheduler.next_round().batch
     assert [rid for rid, _ in batch] == [1, 2] and all(ms >= 50.0 for _, ms in batch)
 
@@ -53,14 +64,13 @@ def test_batches_hold_distinct_sessions_in_arrival_order_up_to_max_batch():
     scheduler = Scheduler(max_batch=2)
     for request in (infer(1, "a"), infer(2, "a"), infer(3, "b"), infer(4, "c")):
         scheduler.put(request)
-    for request, ms in scheduler.next_round().admit:
-        scheduler.admitted(request, ms, ready=True)
+    admit_all(scheduler)
     first = [rid for rid, _ in scheduler.next_round().batch]
     assert first == [1, 3]  # a's second request waits for its first (never twice in one forward)
-    scheduler.done(first)
+    scheduler.take(first)
     second = [rid for rid, _ in scheduler.next_round().batch]
     assert second == [2, 4]
-    scheduler.done(second)
+    scheduler.take(second)
     assert scheduler.empty()
 
 
@@ -68,11 +78,11 @@ def test_a_request_whose_session_work_runs_does_not_hold_the_ready_ones_back():
     scheduler = Scheduler(max_batch=4)
     for request in (infer(1, "new"), infer(2, "steady")):
         scheduler.put(request)
-    (new, ms_new), (steady, ms_steady) = scheduler.next_round().admit
-    scheduler.admitted(new, ms_new, ready=False)  # its first-call encodes run on the encoder thread
-    scheduler.admitted(steady, ms_steady, ready=True)
+    new, steady = scheduler.next_round().admit
+    admitted(scheduler, new, ready=False)  # its first-call encodes run on the encoder thread
+    admitted(scheduler, steady, ready=True)
     assert [rid for rid, _ in scheduler.next_round().batch] == [2]
-    scheduler.done([2])
+    scheduler.take([2])
     assert scheduler.next_round(timeout_s=0.05) is None  # nothing ready: it waits for the encode
     threading.Timer(0.05, scheduler.prepared, args=(1,)).start()
     assert [rid for rid, _ in scheduler.next_round(timeout_s=5).batch] == [1]
@@ -81,14 +91,12 @@ def test_a_request_whose_session_work_runs_does_not_hold_the_ready_ones_back():
 def test_a_partial_batch_waits_only_when_told_and_never_past_a_control_request():
     scheduler = Scheduler(max_batch=2, batch_wait_s=2.0)
     scheduler.put(infer(1, "a"))
-    for request, ms in scheduler.next_round().admit:
-        scheduler.admitted(request, ms, ready=True)
+    admit_all(scheduler)
     threading.Timer(0.05, scheduler.put, args=(Detach(9, "z", "switched"),)).start()
     started = time.monotonic()
     assert scheduler.next_round().control is not None and time.monotonic() - started < 1.0  # the detach did not wait
     threading.Timer(0.05, scheduler.put, args=(infer(2, "b"),)).start()
-    for request, ms in scheduler.next_round().admit:  # b arrived while a waited for company
-        scheduler.admitted(request, ms, ready=True)
+    admit_all(scheduler)  # b arrived while a waited for company
     assert [rid for rid, _ in scheduler.next_round().batch] == [1, 2] and time.monotonic() - started < 1.5
 
 
@@ -138,6 +146,10 @@ def admit_while_a_returns(engine: SessionEngine, *, returns: bool) -> None:
     """Execute the admission round [x, new c]; while x's request is checked (the round executes),
     a's robot's request reaches the scheduler (``returns``: on this rank; CFG rank 1 never sees it)."""
     x_request, c_request = infer(10, "x"), infer(11, "c")
+    engine.scheduler.put(x_request)
+    engine.scheduler.put(c_request)
+    round = engine.scheduler.next_round()
+    assert [a.victims for a in round.admit] == [(), ("a",)]  # the plan, as the table stood: a makes room for c
     real_check = engine.policy.check_observation
 
     def check(observation):
@@ -146,7 +158,7 @@ def admit_while_a_returns(engine: SessionEngine, *, returns: bool) -> None:
         return real_check(observation)
 
     engine.policy.check_observation = check
-    assert engine.execute(Round(admit=((x_request, 0.0), (c_request, 0.0)))) == []  # both admitted
+    assert engine.execute(round) == []  # both admitted
 
 
 def test_admission_never_ends_a_session_whose_request_arrived_while_the_round_executes():

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Asynchronous chunks on the trained tiny DreamZero: one table, one run.
 
-A simulated robot (scripts/tiny_task.py: it goes where its actions say, its cameras render its joints) runs
+A simulated robot (``ardiff_sim.tiny_task.SimulatedRobot``: it goes where its actions say, its cameras render its joints) runs
 ``AsyncChunkRunner`` at ``--hz`` against the policy in this process. Every reply takes exactly the injected
 latency of the robot's simulated clock (``DelayedRequester``: a knob only a bench sets; the model's real CPU
 time does not matter), so the schedule is deterministic. Rows: blocking / async without continuation /
@@ -22,17 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tiny_task  # noqa: E402
-from train_tiny_task import DEFAULT_STEPS, VIEW, ensure_task_checkpoint  # noqa: E402
-
-from ardiff_kv import PagedKVCache  # noqa: E402
-from ardiff_policies.base import RuntimeOptions  # noqa: E402
-from ardiff_policies.dreamzero.config import DreamZeroConfig  # noqa: E402
-from ardiff_policies.dreamzero.model import DreamZeroModel  # noqa: E402
-from ardiff_policies.dreamzero.policy import DreamZeroPolicy  # noqa: E402
-from ardiff_server.tools.async_client import AsyncChunkRunner, DelayedRequester, SimulatedClock  # noqa: E402
-from ardiff_server.wire.decode import decode_request  # noqa: E402
+from ardiff_client.async_runner import AsyncChunkRunner, DelayedRequester, SimulatedClock
+from ardiff_kv import PagedKVCache
+from ardiff_policies.dreamzero.model import DreamZeroModel
+from ardiff_policies.dreamzero.policy import DreamZeroPolicy
+from ardiff_server.wire.decode import decode_request
+from ardiff_sim import tiny_task
+from ardiff_sim.task_model import DEFAULT_STEPS, ensure_task_checkpoint, task_policy
 
 # The bench's task model trains longer than the script's few-minute default: at 600 steps the chunks carry a per-row
 # jitter about twice the expert's step, and a seam can be no smoother than the chunk it continues (docs/performance.md).
@@ -46,16 +42,9 @@ ROWS = (
 )
 
 
-def make_policy(model: DreamZeroModel, checkpoint: Path, mode: str) -> tuple[DreamZeroPolicy, PagedKVCache]:
-    policy = DreamZeroPolicy(DreamZeroConfig(checkpoint=str(checkpoint), view_size=VIEW, continuation=mode), RuntimeOptions(), model=model)
-    spec = policy.kv_spec()
-    cache = PagedKVCache(spec, num_pages=len(policy.branches) * spec.pages_per_branch + 1, max_sessions=1, branches=policy.branches)
-    return policy, cache
-
-
 def episode(policy: DreamZeroPolicy, cache: PagedKVCache, mode: str, latency: float, hz: float, steps: int, seed: int, overlap: float) -> dict:
     rng = np.random.default_rng(seed)
-    robot = {"joints": tiny_task.random_state(rng), "gripper": 0.5}
+    robot = tiny_task.SimulatedRobot(tiny_task.random_state(rng))
     session_id = f"{mode}-{latency}-{seed}"
     session = policy.start_session(session_id, cache.open_session(session_id))
 
@@ -64,19 +53,6 @@ def episode(policy: DreamZeroPolicy, cache: PagedKVCache, mode: str, latency: fl
         policy.check_observation(observation)
         result = policy.step(session, observation)
         return {"actions": result.actions, **{k: result.info[k] for k in ("chunk_id", "frozen", "continuation") if k in result.info}}
-
-    def observe() -> dict:
-        view = tiny_task.render(robot["joints"], VIEW)
-        return {
-            "observation/exterior_image_0_left": view,
-            "observation/exterior_image_1_left": view,
-            "observation/wrist_image_left": view,
-            "observation/joint_position": robot["joints"].astype(np.float32),
-            "observation/gripper_position": np.array([robot["gripper"]], np.float32),
-        }
-
-    def act(action: np.ndarray) -> None:
-        robot["joints"], robot["gripper"] = action[:7].astype(np.float64), float(action[7])
 
     clock = SimulatedClock()
     runner = AsyncChunkRunner(
@@ -90,7 +66,7 @@ def episode(policy: DreamZeroPolicy, cache: PagedKVCache, mode: str, latency: fl
         clock=clock,
         sleep=clock.sleep,
     )
-    report = runner.run(observe, act, steps)
+    report = runner.run(robot.observe, robot.act, steps)
     policy.end_session(session)
     cache.end_session(session.kv)
     summary = report.summary()
@@ -118,7 +94,7 @@ def main() -> None:
     started = time.perf_counter()
     checkpoint = args.checkpoint or ensure_task_checkpoint(args.train_steps, log=lambda line: print(line, file=sys.stderr, flush=True))
     model = DreamZeroModel.load(checkpoint)
-    policies = {mode: make_policy(model, checkpoint, mode) for mode in ("inpaint", "clean_prefix", "guided")}
+    policies = {mode: task_policy(model, checkpoint, mode) for mode in ("inpaint", "clean_prefix", "guided")}
     latencies = [float(v) for v in args.latencies.split(",")]
     print(
         f"checkpoint {checkpoint}; {args.hz:g} Hz, 24-action chunks ({24 / args.hz:.2f} s), {args.steps} steps x {args.episodes} episode(s), overlap {args.overlap:g}\n"

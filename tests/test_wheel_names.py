@@ -1,5 +1,6 @@
-"""The wheel installs its import packages under names no other distribution uses: ardiff_server, ardiff_kv and
-ardiff_policies (the repository keeps kv/ and policies/; pyproject's [tool.setuptools] package-dir maps them).
+"""The wheel installs its import packages under names no other distribution uses: ardiff_server, ardiff_kv,
+ardiff_policies, ardiff_client and ardiff_sim (the repository keeps kv/, policies/, client/ and sim/; pyproject's
+[tool.setuptools] package-dir maps them).
 Installed into a fresh venv beside PyPI's `kv` and `policies` distributions, each name resolves to its own files.
 
 Needs PyPI for `kv` and `policies` (skips, saying so, when it
@@ -53,7 +54,13 @@ def fresh_venv(tmp_path_factory) -> Path:
 def test_the_wheel_lists_only_unique_top_level_names(fresh_venv):
     _, wheel = fresh_venv
     top = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
-    assert {name for name in top if not name.endswith(".dist-info")} == {"ardiff_server", "ardiff_kv", "ardiff_policies"}, top
+    assert {name for name in top if not name.endswith(".dist-info")} == {
+        "ardiff_server",
+        "ardiff_kv",
+        "ardiff_policies",
+        "ardiff_client",
+        "ardiff_sim",
+    }, top
 
 
 def test_ours_and_pypis_namesakes_import_side_by_side(fresh_venv):
@@ -89,9 +96,9 @@ def test_pyproject_lists_every_package_under_its_installed_name():
     import tomllib
 
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    installed = {"kv": "ardiff_kv", "policies": "ardiff_policies"}
+    installed = {"kv": "ardiff_kv", "policies": "ardiff_policies", "client": "ardiff_client", "sim": "ardiff_sim"}
     found = set()
-    for folder in ("ardiff_server", "kv", "policies"):
+    for folder in ("ardiff_server", "kv", "policies", "client", "sim"):
         for init in (REPO / folder).rglob("__init__.py"):
             parts = init.parent.relative_to(REPO).parts
             found.add(".".join((installed.get(parts[0], parts[0]), *parts[1:])))

@@ -305,7 +305,7 @@ class _SessionFiles:
             self.video = None
         chunks = [(a, state) for a, state in zip(self.actions, self.states) if len(a)]  # calls that returned actions
         if chunks:
-            from ardiff_server.tools.media import plot_actions
+            from ardiff_server.media import plot_actions
 
             states = np.stack([state for _, state in chunks])
             try:
@@ -413,7 +413,7 @@ def _side_by_side(canvas: np.ndarray, predicted: np.ndarray | None) -> np.ndarra
 
 
 def _resize(frames: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    from ardiff_server.tools.media import resize_frame
+    from ardiff_server.media import resize_frame
 
     return np.stack([resize_frame(f, size) for f in frames])
 

@@ -93,7 +93,7 @@ def decode_jpeg(data: bytes | bytearray | memoryview, max_side: int) -> np.ndarr
 
 
 def encode_jpeg(image: np.ndarray, quality: int = 90) -> bytes:
-    """(H, W, 3) uint8 RGB -> JPEG bytes (for clients: ``ardiff_server.tools.async_client``)."""
+    """(H, W, 3) uint8 RGB -> JPEG bytes (for clients: ``ardiff_client.async_runner``)."""
     from PIL import Image
 
     buffer = io.BytesIO()

@@ -12,8 +12,9 @@ import json
 import numpy as np
 import pytest
 
-from ardiff_server.tools import replay
-from ardiff_server.tools.async_client import AsyncChunkRunner, DelayedRequester, SimulatedClock, WebsocketPolicy, joint_columns
+from ardiff_client import replay
+from ardiff_client.async_runner import AsyncChunkRunner, DelayedRequester, SimulatedClock, joint_columns
+from ardiff_client.websocket_client import WebsocketPolicy
 from tests.helpers.inproc_server import InprocServer
 
 CONFIG = {

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
-from ardiff_server.tools import replay
+from ardiff_client import replay
 from tests.helpers.inproc_server import InprocServer
 from tests.helpers.server_harness import ServerProcess
 

@@ -119,7 +119,7 @@ def test_the_same_episode_over_openpi_gives_the_same_actions(server):
 
 def test_ardiff_client_drives_libero_from_its_metadata(server, capsys):
     """ardiff-client reads the cameras and frames_per_call from the metadata: 1 frame, then 12, then 16."""
-    from ardiff_server.tools import replay
+    from ardiff_client import replay
 
     status = replay.main(["--port", str(server.port), "--calls", "3", "--json", "--quiet"])
     out, err = capsys.readouterr()

@@ -205,7 +205,7 @@ def test_a_continuation_is_refused_by_name_and_the_session_goes_on(server):
 def test_ardiff_client_drives_lingbot_va_from_its_metadata_plain_and_async(server, capsys):
     """ardiff-client reads frames_per_call from the metadata (1, then the first chunk's 4, then 8): every call is
     served, plain and --async, and each run resets its session (it once sent 4 frames on call 3 and failed)."""
-    from ardiff_server.tools import replay
+    from ardiff_client import replay
 
     status = replay.main(["--port", str(server.port), "--calls", "4", "--json", "--quiet"])
     out, err = capsys.readouterr()

@@ -238,12 +238,12 @@ def test_start_up_says_where_recordings_go(tmp_path, caplog):
 
 def test_a_lingbot_va_episode_is_recorded_with_its_calls_resets_and_predicted_video(tmp_path):
     """LingBot-VA (tiny): infer / compute_kv_cache / infer ..., a reset, the next episode of the same robot; and an
-    OpenPI session whose calls commit and predict at once. The files read back with the tools' readers."""
+    OpenPI session whose calls commit and predict at once. The files read back with the client's readers."""
+    from ardiff_client import video
     from ardiff_policies.episode import EpisodeCall
     from ardiff_policies.observation import RobotObservation
     from ardiff_server.config import load_config
     from ardiff_server.engine.builder import build_engine
-    from ardiff_server.tools import media
 
     engine = build_engine(load_config("tiny_lingbot_va", overrides=["engine.warmup=false", f"server.record_dir={tmp_path}"]))
     policy = engine.policy
@@ -281,7 +281,7 @@ def test_a_lingbot_va_episode_is_recorded_with_its_calls_resets_and_predicted_vi
     assert [t["info"]["call"] for t in timings["calls"]] == ["infer", "compute_kv_cache"] * 2 + ["infer"]
     assert [t["info"]["frame_start"] for t in timings["calls"]] == [0, 2, 2, 4, 4] and timings["ended"] == "reset"
     # per call max(frames seen, frames predicted): an infer sees 1 and predicts 1 + 4 from 2 latent frames
-    frames = list(media.iter_frames(folder / "rollout.mp4"))
+    frames = list(video.iter_frames(folder / "rollout.mp4"))
     assert len(frames) == 5 + 4 + 5 + 8 + 5
     seen = policy._canvas(observe(1, None))
     assert seen.shape == (1, 32 + 64, 96, 3)  # the T layout: two 32x48 wrists above the 64x96 high camera

@@ -1,4 +1,4 @@
-"""``ardiff-client`` / ``python -m ardiff_server.tools.replay``: replay one episode against a policy server.
+"""``ardiff-client`` / ``python -m ardiff_client``: replay one episode against a policy server (the command line).
 
 It speaks the wire protocol of docs/spec.md §3 the way the clients in the wild do, so it can drive
 this server, openpi-style servers, DreamZero's own server and vLLM-Omni's (``--path
@@ -18,7 +18,7 @@ this server, openpi-style servers, DreamZero's own server and vLLM-Omni's (``--p
    JSON object with ``--json``; ``--record`` saves the arrays, ``--plot`` the trajectories.
 
 Another embodiment (a metadata frame with ``embodiment`` and ``observation``, see
-``policies/embodiment.py``) is driven from its advertised schema: synthetic frames at each
+``ardiff_policies.embodiment``) is driven from its advertised schema: synthetic frames at each
 camera's advertised resolution under its ``observation/<camera>`` key, every state key under
 ``observation/<state key>`` (zeros at first, then, with ``--feedback``, the action columns of the
 same name from the previous chunk), so a lab can smoke-test a checkpoint before the robot is
@@ -34,54 +34,55 @@ stretched to the frame size; when the shortest camera runs out the episode ends 
 Replies are either a map (``actions`` plus timings: this server, openpi) or a bare float32
 (N, 8) array (DreamZero's server; then there are no server timings). A text frame in reply
 to an infer request is the server's error message: it is printed and the run stops with exit
-status 1; so does, under ``--async``, a reply the robot loop cannot execute (``chunk_reply.py``) or a
+status 1; so does, under ``--async``, a reply the robot loop cannot execute (``ardiff_client.chunk_reply``) or a
 run in which no chunk arrived. Exit status: 0 done, 1 server or connection error, 2 usage error or a missing
 optional package, 130 interrupted.
 
-Torch-free: this module imports numpy, msgpack (through the codec) and websockets; video
-reading and plotting load their optional packages (see ``ardiff_server/tools/media.py``) on use.
+The jobs live in their own modules: the connection (``websocket_client``), the requests and the state fed
+back (``infer_request``), the blocking episode (``episode``), the ``--async`` robot loop (``async_runner``),
+the frames (``cameras``, ``video``) and the outputs (``report``, ``async_report``); this module is the
+command line that wires them. Torch-free: numpy, msgpack (through the codec) and websockets; video
+reading and plotting load their optional packages (``ardiff_client.video``, ``ardiff_server.media``) on use.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
-import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
-from websockets.sync.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
 
+from ardiff_client.async_report import progress_line, summary_lines
+from ardiff_client.async_runner import AsyncChunkRunner, ChunkEvent, joint_columns
+from ardiff_client.cameras import Camera, camera_keys, embodiment_schema, frames_for_call, open_cameras, take_frames
+from ardiff_client.episode import run_episode
+from ardiff_client.infer_request import (
+    READY_JOINTS,
+    build_embodiment_request,
+    build_request,
+    initial_embodiment_state,
+    next_embodiment_state,
+    next_state,
+)
+from ardiff_client.records import Episode, ReplayError, jsonable
+from ardiff_client.report import Progress, episode_json, plot_episode, print_report, save_record
+from ardiff_client.video import require_video_reader
+from ardiff_client.websocket_client import PolicyClient, infer, open_client, reset_session, server_url
 from ardiff_server import __version__
-from ardiff_server.tools import media
-from ardiff_server.tools.cameras import Camera, camera_keys, embodiment_schema, frames_for_call, open_cameras, take_frames
-from ardiff_server.tools.records import CallRecord, Episode, ReplayError, ServerError, jsonable
-from ardiff_server.tools.report import Progress, episode_json, plot_episode, print_report, save_record, summarize
-from ardiff_server.wire.protocol import DecodeLimits, ProtocolError, pack, unpack
+from ardiff_server.media import MissingDependency, require_plotting
 
-__all__ = ["CallRecord", "Episode", "ReplayError", "ServerError", "main", "summarize"]
+__all__ = ["main", "parse_args"]
 
 DEFAULT_SIZE = (180, 320)  # DROID / DreamZero-DROID, when the metadata declares no image_resolution
 DEFAULT_SYNTHETIC_CALLS = 8
 DEFAULT_PROMPT = "pick up the cup and put it in the bowl"
-# Franka Panda's "ready" pose (libfranka's examples): a plausible start state for a DROID arm.
-READY_JOINTS = np.array([0.0, -math.pi / 4, 0.0, -3 * math.pi / 4, 0.0, math.pi / 2, math.pi / 4])
-RESET_TIMEOUT_S = 10.0  # DreamZero's server may not answer a reset at all
-# Replies come from the server we chose to talk to, not from an untrusted robot: decode them with
-# room for large extras (debug arrays, predicted frames, long lists) the server-side limits refuse.
-REPLY_LIMITS = DecodeLimits(max_message_bytes=1 << 30, max_array_bytes=1 << 30, max_list_len=1 << 20, max_map_len=1 << 16, max_items=1 << 22)
-# DreamZero's client keepalive: its server may hold the event loop while it computes a chunk.
-PING_INTERVAL_S, PING_TIMEOUT_S = 60.0, 600.0
-
-Feedback = Literal["end", "first", "hold"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -138,7 +139,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--async",
         dest="async_mode",
         action="store_true",
-        help="run a robot loop at --control-hz that asks for the next chunk while executing this one (ardiff_server/tools/async_client.py) and report idle steps, latency, seam jumps",
+        help="run a robot loop at --control-hz that asks for the next chunk while executing this one (ardiff_client.async_runner) and report idle steps, latency, seam jumps",
     )
     add(
         "--mode",
@@ -177,224 +178,6 @@ def _parse_size(text: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
-def server_url(host: str, port: int, path: str) -> str:
-    host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # IPv6 literal
-    return f"ws://{host}:{port}/{path.lstrip('/')}"
-
-
-# ---------------------------------------------------------------------------------------
-# One connection, one episode
-# ---------------------------------------------------------------------------------------
-
-
-def _connect(url: str, api_key: str | None) -> ClientConnection:
-    """Open the websocket with openpi's client options; handshake failures -> ReplayError."""
-    headers = {"Authorization": f"Api-Key {api_key}"} if api_key else None
-    try:
-        return connect(
-            url,
-            compression=None,
-            max_size=None,
-            additional_headers=headers,
-            ping_interval=PING_INTERVAL_S,
-            ping_timeout=PING_TIMEOUT_S,
-        )
-    except InvalidStatus as exc:
-        status = exc.response.status_code
-        body = exc.response.body.decode(errors="replace").strip() if exc.response.body else ""
-        raise ReplayError(f"{url} refused the connection: HTTP {status} {body}".rstrip()) from None
-    except (OSError, InvalidHandshake, TimeoutError) as exc:
-        raise ReplayError(f"cannot connect to {url}: {exc}") from None
-
-
-@contextmanager
-def open_client(url: str, api_key: str | None = None, timeout: float | None = None) -> Iterator[PolicyClient]:
-    """Connect, read the metadata frame, and close the connection on exit."""
-    with _connect(url, api_key) as ws:
-        yield PolicyClient(ws, timeout)
-
-
-class PolicyClient:
-    """One websocket connection: the metadata frame, then strictly one request -> one reply."""
-
-    def __init__(self, ws: ClientConnection, timeout: float | None = None) -> None:
-        self.ws, self.timeout, self.in_flight = ws, timeout, False
-        self.metadata = self._read_metadata()
-
-    def _read_metadata(self) -> dict[str, Any]:
-        metadata = decode_frame(self.ws.recv(self.timeout), "the metadata frame")
-        if not isinstance(metadata, dict):
-            raise ReplayError(f"metadata frame is a {type(metadata).__name__}, expected a map")
-        return metadata
-
-    def request(self, message: Mapping[str, Any], timeout: float | None = None) -> tuple[bytes | str, float]:
-        """Send one request and wait for its reply; returns (reply frame, round trip ms)."""
-        data = pack(dict(message))
-        started = time.perf_counter()
-        self.in_flight = True
-        self.ws.send(data)
-        reply = self.ws.recv(timeout if timeout is not None else self.timeout)
-        self.in_flight = False
-        return reply, (time.perf_counter() - started) * 1000.0
-
-
-def build_request(images: Mapping[str, np.ndarray], joints: np.ndarray, gripper: np.ndarray, prompt: str, session_id: str) -> dict[str, Any]:
-    return {
-        **images,
-        "observation/joint_position": joints,
-        "observation/gripper_position": gripper,
-        "prompt": prompt,
-        "session_id": session_id,
-        "endpoint": "infer",
-    }
-
-
-def build_embodiment_request(
-    schema: Mapping[str, Any], images: Mapping[str, np.ndarray], state: Mapping[str, np.ndarray], prompt: str, session_id: str
-) -> dict[str, Any]:
-    """An embodiment's request: its images (already under their keys) and each state key under its advertised key."""
-    keys = {str(p["name"]): str(p["key"]) for p in schema["state"]}
-    return {**images, **{keys[name]: value for name, value in state.items()}, "prompt": prompt, "session_id": session_id, "endpoint": "infer"}
-
-
-def next_embodiment_state(
-    actions: np.ndarray, feedback: Feedback, state: Mapping[str, np.ndarray], metadata: Mapping[str, Any]
-) -> dict[str, np.ndarray]:
-    """The state a robot following ``actions`` reports next: each state key takes the reply's columns of the
-    action key of the same name (the metadata frame's ``actions.split``); other keys stay as they are."""
-    if feedback == "hold":
-        return dict(state)
-    row = np.asarray(actions[-1] if feedback == "end" else actions[0], dtype=np.float64)
-    split = (metadata.get("actions") or {}).get("split") or []
-    columns = {str(s["name"]): (int(s["start"]), int(s["stop"])) for s in split if isinstance(s, Mapping)}
-    out = dict(state)
-    for name, value in state.items():
-        start, stop = columns.get(name, (0, 0))
-        if stop - start == value.size and stop <= row.size:
-            out[name] = row[start:stop].copy()
-    return out
-
-
-def decode_frame(frame: bytes | str, what: str) -> Any:
-    """A server frame decoded; a text frame (the server's one-line error) raises ServerError."""
-    if isinstance(frame, str):
-        raise ServerError(f"{what}: server error: {frame}")
-    try:
-        return unpack(frame, REPLY_LIMITS)
-    except ProtocolError as exc:
-        raise ReplayError(f"{what}: cannot decode the frame: {exc}") from None
-
-
-def parse_reply(reply: bytes | str, call: int) -> CallRecord:
-    """Decode an infer reply: a map with ``actions`` (+ timings) or a bare (N, D) array.
-
-    The returned record's call-side fields (frames, rtt, states) are left for the caller.
-    """
-    obj = decode_frame(reply, f"call {call}")
-    if isinstance(obj, dict) and "actions" in obj:
-        actions, reply_format = obj["actions"], "dict"
-    elif isinstance(obj, np.ndarray):
-        actions, reply_format, obj = obj, "array", {}
-    else:
-        got = f"a map with keys {sorted(map(str, obj))}" if isinstance(obj, dict) else type(obj).__name__
-        raise ReplayError(f"call {call}: expected a map with 'actions' or a bare (N, 8) array, got {got}")
-    try:
-        actions = np.asarray(actions, dtype=np.float32)
-    except (TypeError, ValueError):
-        raise ReplayError(f"call {call}: 'actions' is not a numeric array") from None
-    if actions.ndim != 2 or 0 in actions.shape:
-        raise ReplayError(f"call {call}: expected actions of shape (N, 8), got {actions.shape}")
-    session = obj.get("session")
-    return CallRecord(
-        call=call,
-        frames=0,
-        rtt_ms=0.0,
-        actions=actions,
-        joint_position=np.zeros(7),
-        gripper_position=np.zeros(1),
-        reply_format=reply_format,
-        server_timing=_numbers(obj.get("server_timing")),
-        policy_timing=_numbers(obj.get("policy_timing")),
-        session=session if isinstance(session, dict) else None,
-    )
-
-
-def next_state(actions: np.ndarray, feedback: Feedback, joints: np.ndarray, gripper: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The state a robot following ``actions`` reports next (see ``--feedback``).
-
-    Joints are columns 0-6 and the gripper column 7 (DROID's absolute joint-position action
-    space), fed back verbatim; a chunk with fewer columns leaves the rest of the state as is.
-    """
-    if feedback == "hold":
-        return joints, gripper
-    row = np.asarray(actions[-1] if feedback == "end" else actions[0], dtype=np.float64)
-    joints = row[:7].copy() if row.size >= 7 else joints
-    gripper = row[7:8].copy() if row.size >= 8 else gripper
-    return joints, gripper
-
-
-def run_episode(client: PolicyClient, cameras: Mapping[str, Camera], episode: Episode, args: argparse.Namespace, progress: Progress) -> None:
-    """Run the infer calls of one episode, then reset its session; fills ``episode`` in place
-    (so what completed before an error or Ctrl-C is still reported)."""
-    joints, gripper = READY_JOINTS.copy(), np.zeros(1)
-    schema = embodiment_schema(episode.metadata)
-    state = None if schema is None else {str(p["name"]): np.zeros(int(p["dim"])) for p in schema["state"]}
-    try:
-        while args.calls is None or len(episode.records) < args.calls:
-            count = frames_for_call(episode.metadata, len(episode.records) + 1, args.frames_per_call)
-            images = take_frames(cameras, count)
-            if images is None:
-                episode.ended = "video"
-                break
-            call = len(episode.records) + 1
-            if state is None:
-                request = build_request(images, joints, gripper, args.prompt, episode.session_id)
-            else:
-                request = build_embodiment_request(schema, images, state, args.prompt, episode.session_id)
-            reply, rtt_ms = client.request(request)
-            record = parse_reply(reply, call)
-            record.frames, record.rtt_ms = count, rtt_ms
-            if state is None:
-                record.joint_position, record.gripper_position = joints, gripper
-                joints, gripper = next_state(record.actions, args.feedback, joints, gripper)
-            else:
-                record.joint_position, record.gripper_position, record.state = np.zeros(0), np.zeros(0), state
-                state = next_embodiment_state(record.actions, args.feedback, state, episode.metadata)
-            episode.records.append(record)
-            progress.update(record)
-    except KeyboardInterrupt:
-        episode.ended = "interrupted"
-    except ConnectionClosed as exc:
-        episode.ended, episode.error = "error", f"the server closed the connection ({exc})"
-        return
-    except TimeoutError:
-        episode.ended, episode.error = "error", f"no reply within --timeout {args.timeout} s"
-        return
-    except ReplayError as exc:
-        episode.ended, episode.error = "error", str(exc)
-    finally:
-        progress.close()
-    episode.reset_reply = reset_session(client, episode.session_id)
-
-
-def reset_session(client: PolicyClient, session_id: str) -> Any:
-    """End the episode's session; any answer is accepted (docs/spec.md §3: servers differ here)."""
-    if client.in_flight:  # interrupted while waiting: the next frame would be the old reply
-        return "(not sent: a request was still in flight; the server expires the session)"
-    try:
-        reply, _ = client.request({"endpoint": "reset", "session_id": session_id}, timeout=RESET_TIMEOUT_S)
-    except TimeoutError:
-        return f"(no reply within {RESET_TIMEOUT_S:.0f} s)"
-    except ConnectionClosed:
-        return "(the connection closed)"
-    if isinstance(reply, str):
-        return reply
-    try:
-        return jsonable(unpack(reply, REPLY_LIMITS))
-    except ProtocolError:
-        return f"(undecodable {len(reply)}-byte reply)"
-
-
 # ---------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------
@@ -407,16 +190,16 @@ def _warn(message: str) -> None:
 def _check_optional_packages(args: argparse.Namespace) -> None:
     """Fail before connecting when an output or input needs a package that is not installed."""
     if args.plot is not None:
-        media.require_plotting()
+        require_plotting()
     if args.video_dir is not None:
-        media.require_video_reader(args.video_dir)
+        require_video_reader(args.video_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         _check_optional_packages(args)
-    except media.MissingDependency as exc:
+    except MissingDependency as exc:
         print(f"ardiff-client: {exc}", file=sys.stderr)
         return 2
     url = server_url(args.host, args.port, args.path)
@@ -443,7 +226,7 @@ def _run(client: PolicyClient, url: str, args: argparse.Namespace) -> int:
         return _run_async(client, cameras, episode, args)
     try:
         run_episode(client, cameras, episode, args, Progress(args.calls, enabled=not args.quiet))
-    except media.MissingDependency as exc:
+    except MissingDependency as exc:
         print(f"ardiff-client: {exc}", file=sys.stderr)
         return 2
     status = _write_outputs(episode, args)
@@ -466,12 +249,9 @@ def _async_mode(mode: str, metadata: dict[str, Any]) -> str:
 
 def _run_async(client: PolicyClient, cameras: Mapping[str, Camera], episode: Episode, args: argparse.Namespace) -> int:
     """``--async``: a robot at ``--control-hz`` that follows the actions it executes (its state is the last action)."""
-    from ardiff_server.tools.async_client import AsyncChunkRunner, ChunkEvent, joint_columns
-    from ardiff_server.tools.async_report import progress_line, summary_lines
-
     schema = embodiment_schema(episode.metadata)
     robot = {"joints": READY_JOINTS.copy(), "gripper": np.zeros(1), "calls": 0}
-    robot["state"] = None if schema is None else {str(p["name"]): np.zeros(int(p["dim"])) for p in schema["state"]}
+    robot["state"] = None if schema is None else initial_embodiment_state(schema)
 
     def observe() -> dict[str, Any]:
         images = take_frames(cameras, frames_for_call(episode.metadata, robot["calls"] + 1, args.frames_per_call))
@@ -488,17 +268,11 @@ def _run_async(client: PolicyClient, cameras: Mapping[str, Camera], episode: Epi
         else:
             robot["state"] = next_embodiment_state(action[None], "end", robot["state"], episode.metadata)
 
-    def infer(request: dict[str, Any]) -> dict[str, Any]:
-        reply, _ = client.request(request)
-        decoded = decode_frame(reply, "infer")
-        # a bare array is DreamZero's own server; anything else is left for the runner to name (chunk_reply.py)
-        return {"actions": decoded} if isinstance(decoded, np.ndarray) else decoded
-
     def progress(event: ChunkEvent) -> None:
         print(progress_line(event, args.steps, args.control_hz), file=sys.stderr, flush=True)
 
     runner = AsyncChunkRunner(
-        infer,
+        lambda request: infer(client, request),
         control_hz=args.control_hz,
         prompt=args.prompt,
         mode=_async_mode(args.mode, episode.metadata),
@@ -566,12 +340,3 @@ def _declared_size(metadata: Mapping[str, Any]) -> tuple[int, int] | None:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-def _numbers(value: Any) -> dict[str, float]:
-    """The numeric entries of a timing map (other entries and non-maps are ignored)."""
-    if not isinstance(value, dict):
-        return {}
-    return {
-        str(k): float(v) for k, v in value.items() if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
-    }

@@ -1,4 +1,4 @@
-"""One reply of the asynchronous chunk loop (``async_client.py``), checked before the robot executes it.
+"""One reply of the asynchronous chunk loop (``ardiff_client.async_runner``), checked before the robot executes it.
 
 A reply is a map with ``actions`` (N, D) and, from servers that continue chunks (docs/spec.md),
 ``chunk_id``, ``frozen`` and ``continuation``; or a bare (N, D) array (DreamZero's own server). A reply
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ardiff_server.tools.records import ReplayError
+from ardiff_client.records import ReplayError
 from ardiff_server.wire.decode import MAX_CHUNK_ID
 from ardiff_server.wire.protocol import short_repr
 

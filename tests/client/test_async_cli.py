@@ -1,4 +1,4 @@
-"""``ardiff-client --async`` (ardiff_server/tools/replay.py, async_client.py, chunk_reply.py, async_report.py)
+"""``ardiff-client --async`` (ardiff_client.replay, async_runner, chunk_reply, async_report)
 against a small in-test server that answers each infer with a scripted reply: malformed replies are one line
 and exit 1, a run that got no chunk exits 1, progress while it runs, a summary with units."""
 
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from websockets.sync.server import ServerConnection, serve
 
-from ardiff_server.tools import replay
-from ardiff_server.tools.async_client import EpisodeReport
+from ardiff_client import replay
+from ardiff_client.async_runner import EpisodeReport
 from ardiff_server.wire.protocol import pack, unpack
 
 METADATA = {
@@ -173,8 +173,8 @@ def test_the_summary_has_units_steady_idle_the_seam_ratio_and_explains_fresh_chu
 
 
 def test_parse_chunk_reply_accepts_what_servers_send():
-    from ardiff_server.tools import chunk_reply
-    from ardiff_server.tools.chunk_reply import ReplyError, parse_chunk_reply
+    from ardiff_client import chunk_reply
+    from ardiff_client.chunk_reply import ReplyError, parse_chunk_reply
 
     assert chunk_reply.MAX_CHUNK_ID == MAX_CHUNK_ID
     reply = parse_chunk_reply({"actions": ACTIONS.astype(np.float32), "chunk_id": np.int64(3), "frozen": 2, "continuation": "applied"}, 1)

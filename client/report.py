@@ -1,4 +1,4 @@
-"""How ``ardiff-client`` (``replay.py``) reports a run: progress per call, the latency table, one
+"""How ``ardiff-client`` reports a run: progress per call, the latency table, one
 JSON object, the saved arrays (``--record``) and the trajectory plot (``--plot``)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ardiff_server.tools import media
-from ardiff_server.tools.records import CallRecord, Episode, jsonable
+from ardiff_client.records import CallRecord, Episode, jsonable
+from ardiff_server.media import plot_actions
 
 
 class Progress:
@@ -172,4 +172,4 @@ def plot_episode(path: Path, episode: Episode) -> Path:
     else:
         state = np.concatenate([np.array([r.joint_position for r in records]), np.array([r.gripper_position for r in records])], axis=1)
     title = f"{episode.prompt!r}: {len(records)} calls, session {episode.session_id}"
-    return media.plot_actions(_stack_chunks([r.actions for r in records]), path, state=state, title=title)
+    return plot_actions(_stack_chunks([r.actions for r in records]), path, state=state, title=title)

@@ -1,4 +1,4 @@
-"""Where ``ardiff-client`` (``replay.py``) takes its frames from: videos of a recorded episode, or
+"""Where ``ardiff-client`` (``ardiff_client.replay``) takes its frames from: videos of a recorded episode, or
 a synthetic moving pattern per camera; and which wire key each camera's frames go under."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ardiff_server.tools import media
-from ardiff_server.tools.records import ReplayError
+from ardiff_client.records import ReplayError
+from ardiff_client.video import find_camera_source, iter_frames
+from ardiff_server.media import MissingDependency, resize_frame
 
 
 class Camera(Protocol):
@@ -69,7 +70,7 @@ class VideoCamera:
         self._delivered = 0
 
     def _open(self) -> Iterator[np.ndarray]:
-        return itertools.islice(media.iter_frames(self.source), 0, None, self._stride)
+        return itertools.islice(iter_frames(self.source), 0, None, self._stride)
 
     def _next(self) -> np.ndarray | None:
         try:
@@ -77,7 +78,7 @@ class VideoCamera:
             if frame is None and self._loop and self._delivered:
                 self._frames = self._open()
                 frame = next(self._frames, None)
-        except media.MissingDependency:
+        except MissingDependency:
             raise
         except Exception as exc:  # noqa: BLE001  av/imageio/PIL raise their own types; one line each
             raise ReplayError(f"cannot read {self.source}: {type(exc).__name__}: {exc}") from None
@@ -85,7 +86,7 @@ class VideoCamera:
             raise ReplayError(f"{self.source} holds no frames")
         if frame is not None:
             self._delivered += 1
-            frame = media.resize_frame(frame, self._size)
+            frame = resize_frame(frame, self._size)
         return frame
 
     def take(self, count: int) -> list[np.ndarray] | None:
@@ -144,13 +145,13 @@ def open_cameras(keys: Mapping[str, str], size: tuple[int, int], args: argparse.
         return {key: SyntheticCamera(size, args.seed, i, args.frame_stride) for i, key in enumerate(keys.values())}
     if not args.video_dir.is_dir():
         raise ReplayError(f"--video-dir {args.video_dir} is not a directory")
-    offset = 0 if media.find_camera_source(args.video_dir, "exterior_image_0_left") else 1  # 0-indexed file names
+    offset = 0 if find_camera_source(args.video_dir, "exterior_image_0_left") else 1  # 0-indexed file names
     cameras: dict[str, Camera] = {}
     for name, key in keys.items():
         file_name = name
         if name.startswith("exterior_image_"):
             file_name = f"exterior_image_{int(name.split('_')[2]) - 1 + offset}_left"
-        source = media.find_camera_source(args.video_dir, file_name)
+        source = find_camera_source(args.video_dir, file_name)
         if source is None:
             warn(f"no {file_name}.mp4/.avi/.mkv or frame folder in {args.video_dir}: {key} is not sent")
             continue

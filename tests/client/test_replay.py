@@ -1,4 +1,5 @@
-"""The replay client ``ardiff-client`` (ardiff_server/tools/replay.py) and its helpers (ardiff_server/tools/media.py).
+"""The replay client ``ardiff-client`` (``ardiff_client.replay`` and the modules it wires) and the frame helpers it uses
+(``ardiff_client.video``, ``ardiff_server.media``).
 
 Against the real server process (fake policy: ``actions[0, 0]`` = calls in the session,
 ``actions[0, 1]`` = the joint_position[0] it was sent), and against a small in-test server
@@ -11,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import socket
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -20,10 +20,12 @@ import numpy as np
 import pytest
 from websockets.sync.server import ServerConnection, serve
 
+from ardiff_client import episode, infer_request, replay, report, video
+from ardiff_client.records import CallRecord, ReplayError, ServerError
+from ardiff_server import media
 from ardiff_server.extras import pip_command
-from ardiff_server.tools import media, replay
 from ardiff_server.wire.protocol import pack, unpack
-from tests.helpers.server_harness import REPO, ServerProcess, fake_config
+from tests.helpers.server_harness import ServerProcess, fake_config
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 needs_matplotlib = pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed (pip install matplotlib)")
@@ -79,7 +81,7 @@ def test_replay_against_the_server_json_and_record(server, tmp_path, capsys):
         assert actions[:, 0, 0].tolist() == [1, 2, 3, 4]
         assert data["joint_position"].shape == (4, 7) and data["gripper_position"].shape == (4, 1)
         # --feedback first: each call sends the previous chunk's first row (the fake echoes joint 0)
-        assert data["joint_position"][:, 0].tolist() == [replay.READY_JOINTS[0], 1, 2, 3]
+        assert data["joint_position"][:, 0].tolist() == [infer_request.READY_JOINTS[0], 1, 2, 3]
         np.testing.assert_allclose(actions[:, 0, 1], data["joint_position"][:, 0], atol=1e-6)
         assert data["rtt_ms"].shape == (4,) and np.all(data["rtt_ms"] > 0)
         assert data["server_infer_ms"].shape == (4,) and np.isnan(data["server_prev_total_ms"][0])
@@ -210,7 +212,7 @@ def test_bare_array_replies_path_api_key_and_request_contract(dz_server, capsys,
         assert request["observation/joint_position"].shape == (7,)
         assert request["observation/gripper_position"].shape == (1,)
     # --feedback end (default): the state sent is the previous chunk's last row
-    np.testing.assert_allclose(infers[0]["observation/joint_position"], replay.READY_JOINTS)
+    np.testing.assert_allclose(infers[0]["observation/joint_position"], infer_request.READY_JOINTS)
     np.testing.assert_allclose(infers[1]["observation/joint_position"], np.full(7, 1.05), rtol=1e-6)
     np.testing.assert_allclose(infers[2]["observation/joint_position"], np.full(7, 2.05), rtol=1e-6)
     assert infers[2]["observation/gripper_position"].tolist() == [0.5]
@@ -355,8 +357,8 @@ def test_imageio_backend_reads_the_same_frames_as_pyav(tmp_path):
     pytest.importorskip("av", reason="PyAV is not installed (pip install av)")
     pytest.importorskip("imageio_ffmpeg", reason="imageio-ffmpeg is not installed (pip install imageio imageio-ffmpeg)")
     write_video(tmp_path / "v.mp4", grey_frames(6, 10))
-    with_av = [levels(f)[0] for f in media.iter_frames(tmp_path / "v.mp4", backend="av")]
-    with_imageio = [levels(f)[0] for f in media.iter_frames(tmp_path / "v.mp4", backend="imageio")]
+    with_av = [levels(f)[0] for f in video.iter_frames(tmp_path / "v.mp4", backend="av")]
+    with_imageio = [levels(f)[0] for f in video.iter_frames(tmp_path / "v.mp4", backend="imageio")]
     assert len(with_av) == 6 and with_av == with_imageio
 
 
@@ -393,8 +395,8 @@ def test_plot_actions_signature_and_validation(tmp_path):
 
 
 def test_summary_statistics_and_reply_parsing():
-    def record(i: int, rtt: float) -> replay.CallRecord:
-        return replay.CallRecord(
+    def record(i: int, rtt: float) -> CallRecord:
+        return CallRecord(
             call=i + 1,
             frames=4,
             rtt_ms=rtt,
@@ -407,28 +409,16 @@ def test_summary_statistics_and_reply_parsing():
         )
 
     records = [record(i, rtt) for i, rtt in enumerate([10.0, 20.0, 30.0, 40.0, 1000.0])]
-    summary = replay.summarize(records)
+    summary = report.summarize(records)
     assert summary["round_trip_ms"]["p50"] == 30 and summary["round_trip_ms"]["mean"] == 220
     assert 960 < summary["round_trip_ms"]["p99"] < 1000 and summary["round_trip_ms"]["max"] == 1000
     assert summary["server.infer_ms"]["n"] == 4 and summary["policy.denoise"]["p50"] == 60
 
-    record = replay.parse_reply(pack({"actions": np.ones((24, 8)), "server_timing": {"infer_ms": 5, "x": "y"}}), 1)
+    record = episode.parse_reply(pack({"actions": np.ones((24, 8)), "server_timing": {"infer_ms": 5, "x": "y"}}), 1)
     assert record.actions.dtype == np.float32 and record.server_timing == {"infer_ms": 5.0}
-    with pytest.raises(replay.ServerError, match="call 3: server error: boom"):
-        replay.parse_reply("boom", 3)
-    with pytest.raises(replay.ReplayError, match="expected a map with 'actions'"):
-        replay.parse_reply(pack({"status": "ok"}), 1)
-    with pytest.raises(replay.ReplayError, match=r"shape \(N, 8\)"):
-        replay.parse_reply(pack(np.zeros(8, np.float32)), 1)
-
-
-def test_the_client_modules_do_not_import_torch():
-    result = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", "import ardiff_server.tools.replay, ardiff_server.tools.media, ardiff_server.tools.async_report"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    imported = {line.split("|")[-1].strip().split(".")[0] for line in result.stderr.splitlines() if "|" in line}
-    assert "ardiff_server" in imported and "torch" not in imported and "matplotlib" not in imported
+    with pytest.raises(ServerError, match="call 3: server error: boom"):
+        episode.parse_reply("boom", 3)
+    with pytest.raises(ReplayError, match="expected a map with 'actions'"):
+        episode.parse_reply(pack({"status": "ok"}), 1)
+    with pytest.raises(ReplayError, match=r"shape \(N, 8\)"):
+        episode.parse_reply(pack(np.zeros(8, np.float32)), 1)

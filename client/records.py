@@ -1,4 +1,4 @@
-"""What one ``ardiff-client`` run produced (``replay.py``): its calls, its episode, its errors."""
+"""What one ``ardiff-client`` run produced: its calls, its episode, its errors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""scripts/train_tiny_task.py, on a short run: the loss it trains falls on batches it never saw, the weights it writes
+"""The task model (``ardiff_sim.task_model``), on a short run: the loss it trains falls on batches it never saw, the weights it writes
 load and serve, and a continuation's frozen prefix is exact on the trained model (the benchmark's full run is cached
 and minutes long; this is the same code for a few steps)."""
 
@@ -6,35 +6,31 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.helpers.scripts import load_script
+from ardiff_policies.continuation import Continuation
+from ardiff_policies.dreamzero.model import DreamZeroModel
+from ardiff_policies.observation import RobotObservation
+from ardiff_sim import task_model, tiny_task
 
 STEPS = 24
 
 
 def test_a_short_training_run_lowers_the_held_out_loss_and_its_checkpoint_serves_continuations(tmp_path):
-    trainer = load_script("train_tiny_task")
-    tiny_task = load_script("tiny_task")
-    bench = load_script("bench_async")
-    from ardiff_policies.continuation import Continuation
-    from ardiff_policies.dreamzero.model import DreamZeroModel
-    from ardiff_policies.observation import RobotObservation
-
-    checkpoint = trainer.write_task_checkpoint(tmp_path / "task")
+    checkpoint = task_model.write_task_checkpoint(tmp_path / "task")
     untrained = DreamZeroModel.load(checkpoint).dit.state_dict()
-    before = trainer.held_out_loss(checkpoint, batches=2)
+    before = task_model.held_out_loss(checkpoint, batches=2)
     lines: list[str] = []
-    trainer.train(checkpoint, STEPS, log=lines.append, batch_size=8)
-    after = trainer.held_out_loss(checkpoint, batches=2)
+    task_model.train(checkpoint, STEPS, log=lines.append, batch_size=8)
+    after = task_model.held_out_loss(checkpoint, batches=2)
     assert lines[-1].startswith(f"step {STEPS}/{STEPS}: loss ")
     assert after < 0.8 * before, (before, after)
 
     model = DreamZeroModel.load(checkpoint)  # the trained weights, through the server's loader
     assert any(not np.array_equal(value.numpy(), untrained[name].numpy()) for name, value in model.dit.state_dict().items())
-    policy, cache = bench.make_policy(model, checkpoint, "inpaint")
+    policy, cache = task_model.task_policy(model, checkpoint, "inpaint")
     joints = tiny_task.random_state(np.random.default_rng(0))
 
     def observe(joints: np.ndarray, continuation: Continuation | None = None) -> RobotObservation:
-        view = tiny_task.render(joints, trainer.VIEW)[None]
+        view = tiny_task.render(joints, tiny_task.VIEW)[None]
         return RobotObservation(
             exterior_left=view,
             exterior_right=view,

@@ -12,10 +12,14 @@ other one at a seam, and a continuation that reads the actions being executed ke
 the state alone determines the chunk, the ideal denoiser's rows ignore each other and a frozen prefix cannot
 steer the rest: docs/design-notes.md.)
 
-Used by ``scripts/train_tiny_task.py`` (training data, statistics) and ``scripts/bench_async.py`` (the robot).
+:class:`SimulatedRobot` is a robot on the task, the client side of a bench: it goes exactly where its actions say
+and its cameras render its joints. Numpy only. Used by ``ardiff_sim.task_model`` (training data, statistics) and
+the benches (``scripts/bench_async.py``: the robot).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,6 +28,7 @@ SPEEDS = (0.06, -0.045, 0.035)  # radians per control step, per joint pair
 RADIUS = 0.8
 RELAX = 0.08
 PROMPT = "trace the circles"
+VIEW = (48, 80)  # (height, width) of every camera view, the task model's view_size
 
 
 def step(joints: np.ndarray, direction: np.ndarray | float = 1.0) -> tuple[np.ndarray, np.ndarray]:
@@ -92,7 +97,7 @@ def statistics(samples: int = 4000, seed: int = 0) -> dict:
     }
 
 
-def render(joints: np.ndarray, size: tuple[int, int] = (48, 80)) -> np.ndarray:
+def render(joints: np.ndarray, size: tuple[int, int] = VIEW) -> np.ndarray:
     """A camera view of the arm: one bright dot per joint pair at its (x, y) (the model may use it or the state)."""
     h, w = size
     image = np.full((h, w, 3), 40, dtype=np.uint8)
@@ -101,3 +106,28 @@ def render(joints: np.ndarray, size: tuple[int, int] = (48, 80)) -> np.ndarray:
         col, row = int((x + 1.2) / 2.4 * (w - 1)), int((y + 1.2) / 2.4 * (h - 1))
         image[max(row - 2, 0) : row + 3, max(col - 2, 0) : col + 3] = color
     return image
+
+
+@dataclass
+class SimulatedRobot:
+    """A DROID-keyed robot on the task: ``act`` moves it exactly to the action's joints and gripper, ``observe``
+    renders its joints into all three cameras (the ``observe`` / ``act`` of ``ardiff_client.async_runner``)."""
+
+    joints: np.ndarray  # (7,) joint state
+    gripper: float = 0.5
+    view: tuple[int, int] = VIEW
+
+    def observe(self) -> dict[str, np.ndarray]:
+        """The observation keys of an infer request (DreamZero-DROID's camera keys)."""
+        view = render(self.joints, self.view)
+        return {
+            "observation/exterior_image_0_left": view,
+            "observation/exterior_image_1_left": view,
+            "observation/wrist_image_left": view,
+            "observation/joint_position": self.joints.astype(np.float32),
+            "observation/gripper_position": np.array([self.gripper], np.float32),
+        }
+
+    def act(self, action: np.ndarray) -> None:
+        """Execute one (8,) action: absolute joint targets, then the gripper."""
+        self.joints, self.gripper = action[:7].astype(np.float64), float(action[7])

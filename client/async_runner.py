@@ -2,7 +2,8 @@
 
 Robot code (openpi-client style: you bring ``observe`` and ``act``, the runner does the rest)::
 
-    from ardiff_server.tools.async_client import AsyncChunkRunner, WebsocketPolicy
+    from ardiff_client.async_runner import AsyncChunkRunner
+    from ardiff_client.websocket_client import WebsocketPolicy
 
     with WebsocketPolicy("ws://robot-server:8000") as policy:
         runner = AsyncChunkRunner(policy, control_hz=15, prompt="put the cup in the bowl")
@@ -45,7 +46,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from ardiff_server.tools.chunk_reply import parse_chunk_reply
+from ardiff_client.chunk_reply import parse_chunk_reply
 
 Mode = Literal["continuation", "async", "blocking"]
 MODES: tuple[str, ...] = ("continuation", "async", "blocking")
@@ -353,40 +354,3 @@ def joint_columns(metadata: Mapping[str, Any]) -> list[int]:
         return list(range(7))
     columns = [c for s in split if "gripper" not in str(s.get("name", "")) for c in range(int(s["start"]), int(s["stop"]))]
     return columns or [c for s in split for c in range(int(s["start"]), int(s["stop"]))]
-
-
-class WebsocketPolicy:
-    """``infer(request) -> reply`` over one websocket connection (the metadata frame read on connect)."""
-
-    def __init__(self, url: str, api_key: str | None = None, timeout: float | None = None) -> None:
-        self.url, self.api_key, self.timeout = url, api_key, timeout
-        self._context = None
-        self.client = None
-
-    def __enter__(self) -> WebsocketPolicy:
-        from ardiff_server.tools.replay import open_client
-
-        self._context = open_client(self.url, self.api_key, self.timeout)
-        self.client = self._context.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._context is not None:
-            self._context.__exit__(*exc)
-
-    @property
-    def metadata(self) -> dict[str, Any]:
-        return self.client.metadata
-
-    def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
-        from ardiff_server.tools.replay import decode_frame
-
-        reply, _ = self.client.request(request)
-        decoded = decode_frame(reply, "infer")
-        # a bare array is DreamZero's own server; anything else is left for the runner to name
-        return {"actions": decoded} if isinstance(decoded, np.ndarray) else decoded
-
-    def reset(self, session_id: str) -> None:
-        from ardiff_server.tools.replay import reset_session
-
-        reset_session(self.client, session_id)

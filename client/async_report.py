@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import math
 
+from ardiff_client.async_runner import ChunkEvent, EpisodeReport
 from ardiff_policies.continuation import NO_PREVIOUS_CHUNK, PROMPT_CHANGE, UNKNOWN_CHUNK_ID, WINDOW_RESTART
-from ardiff_server.tools.async_client import ChunkEvent, EpisodeReport
 
-# Why a server served an asked-for continuation as a fresh chunk (policies/continuation.py's reasons).
+# Why a server served an asked-for continuation as a fresh chunk (ardiff_policies.continuation's reasons).
 FRESH_MEANINGS = {
     NO_PREVIOUS_CHUNK: "no earlier chunk in the session to continue (its first call, or after a reset)",
     PROMPT_CHANGE: "the prompt changed: the old chunk plans another task",

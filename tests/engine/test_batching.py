@@ -15,60 +15,15 @@ from hypothesis import strategies as st
 
 from ardiff_kv import PagedKVCache
 from ardiff_policies.base import RuntimeOptions
-from ardiff_policies.dreamzero.config import DreamZeroConfig
-from ardiff_policies.dreamzero.policy import DreamZeroPolicy
 from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine.core import SessionEngine
 from ardiff_server.engine.messages import ErrorKind, ErrorReply, Infer, InferReply
-
-TINY = {"view_size": (48, 80), "image_resolution": (48, 80)}
-ATOL = 1e-5
-
-
-def make_engine(tiny_model, *, max_sessions: int = 6, max_batch: int = 4, pool_sessions: int | None = None, **overrides) -> SessionEngine:
-    policy = DreamZeroPolicy(DreamZeroConfig(**{**TINY, **overrides}), RuntimeOptions(), model=tiny_model)
-    spec = policy.kv_spec()
-    pages = (pool_sessions or max_sessions) * len(policy.branches) * spec.pages_per_branch + 1
-    cache = PagedKVCache(spec, num_pages=pages, max_sessions=max_sessions, branches=policy.branches, max_batch=max_batch)
-    return SessionEngine(policy, cache, max_sessions=max_sessions, max_batch=max_batch)
-
-
-def observation(rng: np.random.Generator, first: bool, prompt: str = "pick up the cup") -> RobotObservation:
-    shape = (1 if first else 4, 48, 80, 3)
-    cam = lambda: rng.integers(0, 256, shape, dtype=np.uint8)  # noqa: E731
-    return RobotObservation(
-        exterior_left=cam(),
-        exterior_right=cam(),
-        wrist=cam(),
-        joint_position=rng.uniform(-1, 1, 7).astype(np.float32),
-        gripper_position=np.array([0.3], np.float32),
-        prompt=prompt,
-    )
-
-
-def serve(engine: SessionEngine, requests: list[Infer]) -> dict[str, InferReply | ErrorReply]:
-    replies = engine.run(requests)
-    by_id = {r.request_id: r.session_id for r in requests}
-    return {by_id[reply.request_id]: reply for reply in replies}
+from tests.helpers.batching import ATOL, alone, make_engine, observation, serve
 
 
 @pytest.fixture(scope="module")
 def reference_engine(tiny_model):
     return make_engine(tiny_model, max_sessions=2, max_batch=1)
-
-
-def alone(engine: SessionEngine, session_id: str, episode: list[RobotObservation | None]) -> list[np.ndarray]:
-    """The session's calls one at a time (None in the episode: the session is ended there)."""
-    actions = []
-    for i, obs in enumerate(episode):
-        if obs is None:
-            engine.end(session_id, "reset")
-            continue
-        reply = serve(engine, [Infer(i, session_id, obs)])[session_id]
-        assert isinstance(reply, InferReply) and reply.batch_size == 1
-        actions.append(reply.actions)
-    engine.end(session_id, "done")
-    return actions
 
 
 def test_a_mixed_batch_equals_each_session_alone(tiny_model, reference_engine):

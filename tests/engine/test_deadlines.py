@@ -18,8 +18,8 @@ from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine.core import SessionEngine
 from ardiff_server.engine.messages import End, Infer, InferReply
 from ardiff_server.engine.scheduler import Admitted, Scheduler, SessionState
-from tests.engine.test_batching import ATOL, alone, observation
-from tests.engine.test_batching import make_engine as dreamzero_engine
+from tests.helpers.batching import ATOL, alone, observation
+from tests.helpers.batching import make_engine as dreamzero_engine
 from tests.helpers.fake_policy import FakeConfig, FakePolicy
 
 

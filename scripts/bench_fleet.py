@@ -325,14 +325,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profiles", default="14b,5b", help=f"modelled step times, of {sorted(PROFILES)} (default 14b,5b)")
     parser.add_argument("--robots", type=parse_counts, default=None, help="robot counts under a modelled time (default 1,2,3,4; --quick 1,2,3)")
-    parser.add_argument("--cpu-robots", type=parse_counts, default=None, help="robot counts on the CPU's own time (default 1,2,3,4; '' skips)")
+    parser.add_argument("--cpu-robots", type=parse_counts, default=None, help="robot counts on the CPU's own time (default 1,2,3,4)")
     parser.add_argument("--no-cpu", action="store_true", help="skip the table on the CPU's own time")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="engine.schedule values (default arrival,deadline)")
     parser.add_argument("--asking", default=",".join(ASKING), help=f"asking modes, of {list(ASKING)} (default all)")
     parser.add_argument("--hz", type=float, default=15.0, help="control rate (default 15: a 24-action chunk lasts 1.6 s)")
     parser.add_argument("--steps", type=int, default=None, help="control steps per robot per row (default 240; --quick 120)")
     parser.add_argument("--t1-5b", type=float, default=None, help="the 5b profile's t(1) in seconds (default the profile's)")
-    parser.add_argument("--quick", action="store_true", help="14b only at N = 1..3 and the CPU at N = 1..4, 120 steps: <= 10 min")
+    parser.add_argument(
+        "--quick", action="store_true", help="14b only (--profiles ignored) at N = 1..3 and the CPU at N = 1..4, 120 steps: <= 10 min"
+    )
     parser.add_argument("--train-steps", type=int, default=BENCH_TRAIN_STEPS, help=f"task model training steps (cached; default {BENCH_TRAIN_STEPS})")
     parser.add_argument("--checkpoint", help="a trained task checkpoint (default: train / use the cached one); builtin:tiny for a smoke run")
     parser.add_argument("--json", action="store_true", help="print one JSON object (every row) as the last line")
@@ -398,7 +400,8 @@ def main(argv: list[str] | None = None) -> None:
     if "14b" in limits:
         print(capacity_line(rows, limits["14b"]), flush=True)
     if args.json:
-        print(json.dumps({"rows": [asdict(r) for r in rows], "limits": limits}))
+        finite = lambda v: None if isinstance(v, float) and math.isnan(v) else v  # noqa: E731 (JSON has no NaN)
+        print(json.dumps({"rows": [{k: finite(v) for k, v in asdict(r).items()} for r in rows], "limits": limits}))
 
 
 if __name__ == "__main__":

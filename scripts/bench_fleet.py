@@ -12,7 +12,7 @@ staggered over one chunk, as a fleet does.
 Rows: profile x scheduler (``engine.schedule``: ``arrival`` order or earliest ``deadline``) x asking (``half``: ask
 when half the chunk is left, the runner's ``overlap`` 0.5; ``adaptive``: ask as late as the server's latency estimate
 allows) x robots. Columns: steady idle steps per robot per chunk (after each robot's first chunk), deadline misses
-(the replies' ``server_timing``, where the server reports them), seam / inner step, chunks/s per robot, round-trip
+(the replies' ``server_timing.deadline_missed``, where the server reports it), seam / inner step, chunks/s per robot, round-trip
 latency p50 / p99, the mean batch, and the share of steps whose real time overran the modelled one (a row with
 overruns is not the profile's schedule). Then each configuration's capacity (the most robots, counting up from 1,
 with 0 steady idle steps and seams <= 2x the inner step) beside the profile's limit (docs/design-notes.md, "How many

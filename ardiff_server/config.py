@@ -149,6 +149,10 @@ class EngineConfig(_Section):
     replicas: int = pydantic.Field(1, ge=1)  # independent engines behind one port (sessions stay on theirs)
     replica_devices: list[list[str]] | None = None  # per replica, one device per CFG rank
     shm_mib: int = pydantic.Field(128, ge=0)  # shared memory for camera frames per replica (0: through the pipe)
+    # Bench only (needs bench: true): every batched step of b sessions lasts at least t(b) of a GPU profile,
+    # 14b (b x 0.61 s) or 5b (0.15 s x (1 + 0.1 (b - 1))), sleeping after the real step (engine/modelled_step.py)
+    modelled_step_time: Literal["14b", "5b"] | None = None
+    modelled_step_t1_s: float | None = pydantic.Field(None, gt=0)  # replaces the profile's t(1) (needs modelled_step_time)
 
     @pydantic.field_validator("device")
     @classmethod
@@ -272,6 +276,7 @@ class AppConfig(_Section):
     policy: dict[str, Any]
     ray: RayConfig = RayConfig()
     plugins: list[str] = []
+    bench: bool = False  # a benchmark's config (scripts/bench_fleet.py): bench-only options allowed; never serve robots with one
     source: str = "<defaults>"  # where it was loaded from, for messages
 
     def public(self) -> dict[str, Any]:
@@ -383,6 +388,7 @@ def validate_config(raw: dict[str, Any], source: str = "<config>", origins: Mapp
         raise ConfigError(_describe(source, exc, model=AppConfig, origins=origins)) from None
     if not isinstance(config.policy.get("name"), str):
         raise ConfigError(f"{source}: policy.name: expected the name of a registered policy (e.g. dreamzero)")
+    check_bench_only(config, origins or {})
     try:
         config.policy_options()
     except KeyError as exc:
@@ -391,6 +397,21 @@ def validate_config(raw: dict[str, Any], source: str = "<config>", origins: Mapp
         model = policy_entry(config.policy_name).config_model()
         raise ConfigError(_describe(source, exc, prefix="policy", model=model, origins=origins)) from None
     return config
+
+
+def check_bench_only(config: AppConfig, origins: Mapping[str, str]) -> None:
+    """Options that make a server wrong on purpose (a modelled step time) only where the config says ``bench: true``."""
+    engine = config.engine
+    if engine.modelled_step_t1_s is not None and engine.modelled_step_time is None:
+        raise ConfigError(
+            f"{config.source}: engine.modelled_step_t1_s{_origin('engine.modelled_step_t1_s', origins)} needs engine.modelled_step_time "
+            f"(14b or 5b), whose t(1) it replaces"
+        )
+    if engine.modelled_step_time is not None and not config.bench:
+        raise ConfigError(
+            f"{config.source}: engine.modelled_step_time{_origin('engine.modelled_step_time', origins)} is bench-only (every step "
+            f"sleeps to a modelled GPU time): remove it to serve robots, or set bench: true in a benchmark's config"
+        )
 
 
 def preflight(config: AppConfig, *, local: bool = True) -> None:

@@ -60,7 +60,11 @@ POLICIES: list[tuple[str, str]] = [
     ("dreamzero", "`policy:` with `name: dreamzero`: DreamZero (14B and Wan2.2-5B families, every embodiment)."),
     ("noop", "`policy:` with `name: noop`: zero-compute actions (protocol and load tests)."),
 ]
-TOP_LEVEL = "`plugins:` (list of module names, default `[]`): modules imported before the config is validated (they may register more policies)."
+TOP_LEVEL = (
+    "`plugins:` (list of module names, default `[]`): modules imported before the config is validated (they may register more policies).\n\n"
+    "`bench:` (bool, default `false`): a benchmark's config (`scripts/bench_fleet.py`); only such a config may set bench-only options "
+    "(`engine.modelled_step_time`), and it must never serve robots."
+)
 
 
 def field_comments(model: type) -> dict[str, str]:

@@ -60,6 +60,12 @@ def build_engine(config, rank: int = 0, world_size: int = 1, control=None) -> Se
         max_batch=engine_config.batch_limit,
     )
     policy = build_policy(config.policy_name, config.policy_options(), options)
+    if engine_config.modelled_step_time is not None:  # bench only (config.check_bench_only): steps take a GPU's time
+        from ardiff_server.engine.modelled_step import ModelledStepPolicy, step_time_profile
+
+        profile = step_time_profile(engine_config.modelled_step_time, engine_config.modelled_step_t1_s)
+        logger.warning("bench config: every step lasts at least the modelled %s (%s)", profile.name, profile.formula())
+        policy = ModelledStepPolicy(policy, profile)
     max_batch = wanted_batch = engine_config.batch_for(policy.info.max_batch)
     spec = policy.kv_spec()
     cache = None

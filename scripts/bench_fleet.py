@@ -1,0 +1,408 @@
+#!/usr/bin/env python
+"""A fleet on one server: how many robots it serves with none standing still. One table, one run.
+
+N robots, each a simulated robot of scripts/tiny_task.py driven by its own ``AsyncChunkRunner`` (continuation
+mode) on its own thread and connection, on the wall clock, against a real ``ardiff-serve`` subprocess serving the
+trained tiny task model (scripts/train_tiny_task.py, cached as scripts/bench_async.py caches it). So that a CPU
+reproduces a GPU's schedule, the server runs a bench config (``bench: true``) whose every batched step lasts at least
+a modelled time t(b) (``engine.modelled_step_time``: ``14b`` b x 0.61 s, ``5b`` 0.15 s x (1 + 0.1 (b - 1));
+``ardiff_server/engine/modelled_step.py``); the ``cpu`` profile is the tiny model's own time. Robots start
+staggered over one chunk, as a fleet does.
+
+Rows: profile x scheduler (``engine.schedule``: ``arrival`` order or earliest ``deadline``) x asking (``half``: ask
+when half the chunk is left, the runner's ``overlap`` 0.5; ``adaptive``: ask as late as the server's latency estimate
+allows) x robots. Columns: steady idle steps per robot per chunk (after each robot's first chunk), deadline misses
+(the replies' ``server_timing.deadline_missed``, where the server reports it), seam / inner step, chunks/s per robot, round-trip
+latency p50 / p99, the mean batch, and the share of steps whose real time overran the modelled one (a row with
+overruns is not the profile's schedule). Then each configuration's capacity (the most robots, counting up from 1,
+with 0 steady idle steps and seams <= 2x the inner step) beside the profile's limit (docs/design-notes.md, "How many
+robots one server serves"). A configuration the code does not have yet is printed as not available, never run as
+another.
+
+    .venv/bin/python scripts/bench_fleet.py --quick          # 14b, N = 1..3, and the CPU at N = 1..4: <= 10 min
+    .venv/bin/python scripts/bench_fleet.py                  # 14b and 5b at N = 1..4, the CPU at N = 1..4
+    .venv/bin/python scripts/bench_fleet.py --profiles 5b --robots 1,2,4,8 --steps 240
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny_task  # noqa: E402
+from bench_async import BENCH_TRAIN_STEPS  # noqa: E402
+from benchlib import ForeignLoad, ServerSubprocess  # noqa: E402
+from train_tiny_task import VIEW, ensure_task_checkpoint  # noqa: E402
+
+from ardiff_server.config import EngineConfig  # noqa: E402
+from ardiff_server.engine.modelled_step import PROFILES, StepTimeProfile, step_time_profile  # noqa: E402
+from ardiff_server.tools.async_client import AsyncChunkRunner, WebsocketPolicy  # noqa: E402
+
+HORIZON = tiny_task.HORIZON  # actions per chunk
+SEAM_LIMIT = 2.0  # capacity: seams at most this many inner steps
+SCHEDULES = ("arrival", "deadline")
+# The runner-side switch: each asking mode is AsyncChunkRunner keyword arguments (adaptive asking is issue #35 item 3;
+# until the runner takes them the rows say so).
+ASKING: dict[str, dict[str, Any]] = {
+    "half": {"overlap": 0.5},
+    "adaptive": {"asking": "adaptive", "overlap": 0.0},
+}
+CPU = "cpu"  # the profile without a modelled time
+DEADLINE_MISSED = "deadline_missed"  # server_timing's per-call flag, where the server reports one
+CAPACITY_LINE = "capacity: arrival={arrival} deadline={deadline} limit={limit}"
+
+
+# ------------------------------------------------------------------------------------ the limit
+
+
+def fleet_limit(step_s, *, horizon: int = HORIZON, hz: float, max_batch: int, most: int = 1024) -> int:
+    """The most robots a server whose step of b sessions takes ``step_s(b)`` seconds could serve with none idle.
+
+    A robot executes a chunk of ``horizon`` actions at ``hz``. Its request waits at least its own step, t(b), and it
+    executes d = ceil(hz t(b)) actions meanwhile (the frozen prefix: the new chunk's first d rows are the old one's).
+    One request in flight per robot; with N robots in ceil(N / b) batches of at most b the server is busy
+    ceil(N / b) t(b) per round, so each chunk must last that long past its delay: it is used for s = hz ceil(N / b)
+    t(b) actions (RTC's execution horizon; s >= d since a round holds the robot's own step). A chunk holds both:
+    d + s <= horizon. The limit is the largest N for which some b <= max_batch meets it (0: not even one robot).
+    """
+    best = 0
+    for robots in range(1, most + 1):
+        # t(b) only grows with b and ceil(N / b) with N: once N fits no batch size, no larger N does
+        if not any(_fits(step_s(b), robots, b, horizon, hz) for b in range(1, min(robots, max_batch) + 1)):
+            break
+        best = robots
+    return best
+
+
+def _fits(t: float, robots: int, batch: int, horizon: int, hz: float) -> bool:
+    delay = math.ceil(hz * t - 1e-9)
+    rounds = math.ceil(robots / batch)
+    return delay + hz * rounds * t <= horizon + 1e-9
+
+
+def limit_formula(profile: StepTimeProfile, hz: float, max_batch: int) -> str:
+    return f"largest N with some b <= {max_batch}: ceil(f t(b)) + f ceil(N/b) t(b) <= H  (H = {HORIZON}, f = {hz:g} Hz, {profile.formula()})"
+
+
+# ------------------------------------------------------------------------------------ one robot
+
+
+@dataclass
+class RobotRun:
+    summary: dict[str, Any] = field(default_factory=dict)
+    idle_steps: int = 0  # every tick it stood still, the last chunk's wait included
+    first_wait: int = 0  # ticks before its first chunk (not steady state)
+    chunks: int = 0
+    latencies_s: list[float] = field(default_factory=list)
+    seam_jumps: list[float] = field(default_factory=list)
+    inner_steps: list[float] = field(default_factory=list)
+    server_timing: list[dict[str, Any]] = field(default_factory=list)
+    session: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+
+
+def robot(url: str, index: int, steps: int, hz: float, asking: dict[str, Any], start_at: float, run: RobotRun) -> None:
+    """One robot's episode (a thread): connect, wait for its start time, run, reset its session."""
+    rng = np.random.default_rng(1000 + index)
+    state = {"joints": tiny_task.random_state(rng), "gripper": 0.5}
+    session_id = f"fleet-{index}-{time.monotonic_ns()}"
+
+    def observe() -> dict[str, Any]:
+        view = tiny_task.render(state["joints"], VIEW)
+        return {
+            "observation/exterior_image_0_left": view,
+            "observation/exterior_image_1_left": view,
+            "observation/wrist_image_left": view,
+            "observation/joint_position": state["joints"].astype(np.float32),
+            "observation/gripper_position": np.array([state["gripper"]], np.float32),
+        }
+
+    def act(action: np.ndarray) -> None:
+        state["joints"], state["gripper"] = action[:7].astype(np.float64), float(action[7])
+
+    try:
+        with WebsocketPolicy(url, timeout=120.0) as policy:
+
+            def infer(request: dict[str, Any]) -> dict[str, Any]:
+                reply = policy(request)
+                if isinstance(reply, dict):
+                    run.server_timing.append(dict(reply.get("server_timing") or {}))
+                    run.session.append(dict(reply.get("session") or {}))
+                return reply
+
+            runner = AsyncChunkRunner(
+                infer, control_hz=hz, prompt=tiny_task.PROMPT, mode="continuation", session_id=session_id, joint_columns=list(range(7)), **asking
+            )
+            time.sleep(max(0.0, start_at - time.monotonic()))
+            report = runner.run(observe, act, steps)
+            policy.reset(session_id)
+        run.summary, run.latencies_s = report.summary(), report.latencies_s
+        run.idle_steps, run.chunks = report.idle_steps, report.chunks
+        run.first_wait = report.idle_per_chunk[0] if report.idle_per_chunk else report.idle_steps
+        run.seam_jumps, run.inner_steps = report.seam_jumps, report.inner_steps
+    except Exception as exc:  # reported in its row: one robot's failure is a result, not a crash of the bench
+        run.error = f"robot {index}: {type(exc).__name__}: {exc}"
+
+
+# ------------------------------------------------------------------------------------ one row
+
+
+@dataclass
+class Row:
+    profile: str
+    schedule: str
+    asking: str
+    robots: int
+    steady_idle_per_chunk: float = float("nan")
+    deadline_misses: int | None = None  # None: the replies carry no deadline field
+    seam_ratio: float = float("nan")
+    chunks_per_s: float = float("nan")
+    latency_p50_ms: float = float("nan")
+    latency_p99_ms: float = float("nan")
+    mean_batch: float = float("nan")
+    overrun: float | None = None  # share of steps longer than the modelled time (None: no modelled time)
+    unavailable: str | None = None  # why this configuration was not run
+    error: str | None = None
+
+    @property
+    def serves(self) -> bool:
+        """No robot stood still past its first chunk, and seams stayed within SEAM_LIMIT inner steps."""
+        return self.error is None and self.unavailable is None and self.steady_idle_per_chunk == 0.0 and self.seam_ratio <= SEAM_LIMIT
+
+
+def measure(url: str, profile: str, schedule: str, asking: str, robots: int, steps: int, hz: float) -> Row:
+    """``robots`` robots at once against the server at ``url``, started staggered over one chunk."""
+    runs = [RobotRun() for _ in range(robots)]
+    start = time.monotonic() + 1.0
+    chunk_s = HORIZON / hz
+    threads = [
+        threading.Thread(target=robot, args=(url, i, steps, hz, ASKING[asking], start + i * chunk_s / robots, runs[i]), daemon=True)
+        for i in range(robots)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    row = Row(profile, schedule, asking, robots)
+    errors = [r.error for r in runs if r.error]
+    if errors:
+        row.error = errors[0]
+        return row
+    summaries = [r.summary for r in runs]
+    seams = [x for r in runs for x in r.seam_jumps]
+    inner = [x for r in runs for x in r.inner_steps]
+    timings = [t for r in runs for t in r.server_timing]
+    sessions = [s for r in runs for s in r.session]
+    # Steady idle: every tick stood still after the first chunk, a wait no reply ended yet included, per chunk
+    # after the first (a robot with fewer than two chunks has no steady state: NaN, and the row serves nobody)
+    row.steady_idle_per_chunk = float(np.mean([(r.idle_steps - r.first_wait) / (r.chunks - 1) if r.chunks > 1 else float("nan") for r in runs]))
+    row.seam_ratio = float(np.median(seams) / np.median(inner)) if seams and inner and np.median(inner) > 0 else float("nan")
+    row.chunks_per_s = float(np.mean([s["chunks_per_s"] for s in summaries]))
+    latencies_ms = [1000.0 * x for r in runs for x in r.latencies_s]
+    row.latency_p50_ms = float(np.median(latencies_ms)) if latencies_ms else float("nan")
+    row.latency_p99_ms = float(np.percentile(latencies_ms, 99)) if latencies_ms else float("nan")
+    if any(DEADLINE_MISSED in t for t in timings):
+        row.deadline_misses = sum(bool(t.get(DEADLINE_MISSED)) for t in timings)
+    batches = [s["batch_size"] for s in sessions if "batch_size" in s]
+    row.mean_batch = float(np.mean(batches)) if batches else float("nan")
+    overruns = [bool(s["modelled_step_overrun"]) for s in sessions if "modelled_step_overrun" in s]
+    row.overrun = float(np.mean(overruns)) if overruns else None
+    return row
+
+
+# ------------------------------------------------------------------------------------ what exists
+
+
+def schedule_unavailable(schedule: str) -> str | None:
+    """Why the server cannot run ``schedule`` (None: it can)."""
+    if "schedule" in EngineConfig.model_fields:
+        return None
+    if schedule == "arrival":
+        return None  # today's only order
+    return "not yet available: the server has no engine.schedule (issue #35 item 2)"
+
+
+def asking_unavailable(asking: str) -> str | None:
+    """Why ``AsyncChunkRunner`` cannot ask this way (None: it can)."""
+    missing = [name for name in ASKING[asking] if name not in inspect.signature(AsyncChunkRunner).parameters]
+    if missing:
+        return f"not yet available: AsyncChunkRunner takes no {', '.join(missing)} argument (issue #35 item 3)"
+    return None
+
+
+def server_argv(checkpoint: str, profile: str, schedule: str, max_robots: int, t1_s: float | None) -> list[str]:
+    sets = [
+        f"policy.checkpoint={checkpoint}",
+        f"engine.max_batch={max_robots}",
+        f"engine.max_sessions={max_robots + 1}",
+        "engine.kv_budget_gib=1.0",
+        "server.session_ttl_s=30",
+    ]
+    if "schedule" in EngineConfig.model_fields:
+        sets.append(f"engine.schedule={schedule}")
+    if profile != CPU:
+        sets += ["bench=true", f"engine.modelled_step_time={profile}"]
+        if t1_s is not None:
+            sets.append(f"engine.modelled_step_t1_s={t1_s}")
+    argv = [sys.executable, "-m", "ardiff_server", "--config", "tiny", "--port", "0", "--log-level", "WARNING"]
+    return argv + [arg for override in sets for arg in ("--set", override)]
+
+
+# ------------------------------------------------------------------------------------ the table
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
+
+
+def row_line(row: Row) -> str:
+    head = f"| {row.profile} | {row.schedule} | {row.asking} | {row.robots if row.unavailable is None else '-'} |"
+    if row.unavailable is not None:
+        return head + f" {row.unavailable} |" + " |" * 7
+    if row.error is not None:
+        return head + f" failed: {row.error} |" + " |" * 7
+    misses = "-" if row.deadline_misses is None else str(row.deadline_misses)
+    overrun = "-" if row.overrun is None else f"{row.overrun:.0%}"
+    return (
+        head + f" {_num(row.steady_idle_per_chunk, '.2f')} | {misses} | {_num(row.seam_ratio, '.2f')} | {_num(row.chunks_per_s, '.2f')} | "
+        f"{_num(row.latency_p50_ms, '.0f')} | {_num(row.latency_p99_ms, '.0f')} | {_num(row.mean_batch, '.2f')} | {overrun} |"
+    )
+
+
+TABLE_HEAD = (
+    "| profile | scheduler | asking | robots | steady idle / robot / chunk | deadline misses | seam / inner | chunks/s per robot | "
+    "latency p50 (ms) | p99 (ms) | mean batch | overrun |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def capacity(rows: list[Row], profile: str, schedule: str, asking: str) -> int | None:
+    """The most robots served, counting up from the fewest measured (None: the configuration was not run)."""
+    mine = sorted(
+        (r for r in rows if (r.profile, r.schedule, r.asking) == (profile, schedule, asking) and r.unavailable is None), key=lambda r: r.robots
+    )
+    if not mine:
+        return None
+    served = 0
+    for row in mine:
+        if not row.serves:
+            break
+        served = row.robots
+    return served
+
+
+def capacity_line(rows: list[Row], limit: int) -> str:
+    """The 14B's one line: arrival order with half-chunk asking against deadline order with the best asking there is."""
+    arrival = capacity(rows, "14b", "arrival", "half")
+    deadline = capacity(rows, "14b", "deadline", "adaptive")
+    if deadline is None:
+        deadline = capacity(rows, "14b", "deadline", "half")
+    show = lambda v: "n/a" if v is None else str(v)  # noqa: E731
+    return CAPACITY_LINE.format(arrival=show(arrival), deadline=show(deadline), limit=limit)
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def parse_counts(text: str) -> list[int]:
+    counts = sorted({int(v) for v in text.split(",") if v.strip()})
+    if not counts or counts[0] < 1:
+        raise argparse.ArgumentTypeError(f"expected robot counts >= 1, comma separated, got {text!r}")
+    return counts
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profiles", default="14b,5b", help=f"modelled step times, of {sorted(PROFILES)} (default 14b,5b)")
+    parser.add_argument("--robots", type=parse_counts, default=None, help="robot counts under a modelled time (default 1,2,3,4; --quick 1,2,3)")
+    parser.add_argument("--cpu-robots", type=parse_counts, default=None, help="robot counts on the CPU's own time (default 1,2,3,4)")
+    parser.add_argument("--no-cpu", action="store_true", help="skip the table on the CPU's own time")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="engine.schedule values (default arrival,deadline)")
+    parser.add_argument("--asking", default=",".join(ASKING), help=f"asking modes, of {list(ASKING)} (default all)")
+    parser.add_argument("--hz", type=float, default=15.0, help="control rate (default 15: a 24-action chunk lasts 1.6 s)")
+    parser.add_argument("--steps", type=int, default=None, help="control steps per robot per row (default 240; --quick 120)")
+    parser.add_argument("--t1-5b", type=float, default=None, help="the 5b profile's t(1) in seconds (default the profile's)")
+    parser.add_argument(
+        "--quick", action="store_true", help="14b only (--profiles ignored) at N = 1..3 and the CPU at N = 1..4, 120 steps: <= 10 min"
+    )
+    parser.add_argument("--train-steps", type=int, default=BENCH_TRAIN_STEPS, help=f"task model training steps (cached; default {BENCH_TRAIN_STEPS})")
+    parser.add_argument("--checkpoint", help="a trained task checkpoint (default: train / use the cached one); builtin:tiny for a smoke run")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (every row) as the last line")
+    args = parser.parse_args(argv)
+    profiles = ["14b"] if args.quick else [p for p in args.profiles.split(",") if p]
+    for name in profiles:
+        step_time_profile(name)  # an unknown one stops here, by name
+    robots = args.robots or ([1, 2, 3] if args.quick else [1, 2, 3, 4])
+    cpu_robots = [] if args.no_cpu else (args.cpu_robots or [1, 2, 3, 4])
+    steps = args.steps or (120 if args.quick else 240)
+    schedules = [s for s in args.schedules.split(",") if s]
+    asking_modes = [a for a in args.asking.split(",") if a]
+    for name in asking_modes:
+        if name not in ASKING:
+            parser.error(f"--asking: expected some of {list(ASKING)}, got {name!r}")
+    started, load = time.perf_counter(), ForeignLoad()
+    checkpoint = args.checkpoint or str(ensure_task_checkpoint(args.train_steps, log=lambda line: print(line, file=sys.stderr, flush=True)))
+    print(f"checkpoint {checkpoint}; {args.hz:g} Hz, {HORIZON}-action chunks ({HORIZON / args.hz:.2f} s), {steps} steps per robot per row\n")
+
+    rows: list[Row] = []
+    runs = [(p, robots) for p in profiles] + ([(CPU, cpu_robots)] if cpu_robots else [])
+    print(TABLE_HEAD, flush=True)
+    for profile, counts in runs:
+        t1 = args.t1_5b if profile == "5b" else None
+        for schedule in schedules:
+            why = schedule_unavailable(schedule)
+            if why is not None:
+                for asking in asking_modes:
+                    rows.append(Row(profile, schedule, asking, 0, unavailable=why))
+                    print(row_line(rows[-1]), flush=True)
+                continue
+            runnable = [a for a in asking_modes if asking_unavailable(a) is None]
+            if runnable:
+                with ServerSubprocess(f"{profile}/{schedule}", server_argv(checkpoint, profile, schedule, max(counts), t1)) as server:
+                    url = f"ws://127.0.0.1:{server.port}"
+                    for asking in runnable:
+                        for count in counts:
+                            rows.append(measure(url, profile, schedule, asking, count, steps, args.hz))
+                            print(row_line(rows[-1]), flush=True)
+            for asking in asking_modes:
+                why = asking_unavailable(asking)
+                if why is not None:
+                    rows.append(Row(profile, schedule, asking, 0, unavailable=why))
+                    print(row_line(rows[-1]), flush=True)
+
+    print(f"\ncapacity: the most robots with 0 steady idle steps and seams <= {SEAM_LIMIT:g}x the inner step (of those run)")
+    print("| profile | scheduler | asking | capacity | limit |\n|---|---|---|---|---|")
+    limits: dict[str, int] = {}
+    for profile, counts in runs:
+        if profile != CPU:
+            model = step_time_profile(profile, args.t1_5b if profile == "5b" else None)
+            limits[profile] = fleet_limit(model.seconds, hz=args.hz, max_batch=max(counts))
+        for schedule in schedules:
+            for asking in asking_modes:
+                served = capacity(rows, profile, schedule, asking)
+                shown = "n/a" if served is None else (f">= {served}" if served == max(counts) else str(served))
+                print(f"| {profile} | {schedule} | {asking} | {shown} | {limits.get(profile, '-')} |")
+    for profile, limit in limits.items():
+        model = step_time_profile(profile, args.t1_5b if profile == "5b" else None)
+        print(f"limit {profile} = {limit}: {limit_formula(model, args.hz, max(robots))}")
+    cores = load.cores()
+    print(f"\n({time.perf_counter() - started:.0f} s; other processes used {_num(cores, '.2f')} cores meanwhile)")
+    if "14b" in limits:
+        print(capacity_line(rows, limits["14b"]), flush=True)
+    if args.json:
+        finite = lambda v: None if isinstance(v, float) and math.isnan(v) else v  # noqa: E731 (JSON has no NaN)
+        print(json.dumps({"rows": [{k: finite(v) for k, v in asdict(r).items()} for r in rows], "limits": limits}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""engine.modelled_step_time: bench configs only; a step lasts at least t(b) and returns what the real step returned."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from ardiff_server.config import ConfigError, load_config, validate_config
+from ardiff_server.engine.modelled_step import ModelledStepPolicy, step_time_profile
+from tests.helpers.server_harness import droid_observation
+
+
+def tiny(engine: dict, **top) -> dict:
+    return {
+        "engine": {"warmup": False, "kv_budget_gib": 0.1, "max_sessions": 3, **engine},
+        "policy": {"name": "dreamzero", "view_size": [48, 80]},
+        **top,
+    }
+
+
+def test_the_modelled_step_time_is_refused_in_a_normal_config_with_one_line_naming_it_and_the_fix():
+    with pytest.raises(ConfigError) as refused:
+        validate_config(tiny({"modelled_step_time": "14b"}), source="configs/tiny.yaml")
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith("configs/tiny.yaml: engine.modelled_step_time ") and "bench-only" in message and "bench: true" in message
+    with pytest.raises(ConfigError, match=r"engine\.modelled_step_time \(from --set engine\.modelled_step_time=5b\) is bench-only"):
+        load_config("tiny", ["engine.modelled_step_time=5b"])
+    with pytest.raises(ConfigError, match=r"engine\.modelled_step_t1_s .*needs engine\.modelled_step_time"):
+        validate_config(tiny({"modelled_step_t1_s": 0.2}, bench=True))
+    with pytest.raises(ConfigError, match="modelled_step_time"):  # only the two profiles
+        validate_config(tiny({"modelled_step_time": "7b"}, bench=True))
+    assert validate_config(tiny({"modelled_step_time": "14b"}, bench=True)).engine.modelled_step_time == "14b"
+    assert not validate_config(tiny({})).bench  # a config is no bench config unless it says so
+
+
+def test_the_profiles_follow_the_roofline():
+    big, small = step_time_profile("14b"), step_time_profile("5b")
+    assert [big.seconds(b) for b in (1, 2, 4)] == pytest.approx([0.61, 1.22, 2.44])  # compute-bound: b t(1)
+    assert [small.seconds(b) for b in (1, 2, 11)] == pytest.approx([0.15, 0.165, 0.30])  # t(1) (1 + 0.1 (b - 1))
+    assert step_time_profile("5b", 0.4).seconds(3) == pytest.approx(0.48)
+    with pytest.raises(ValueError, match="7b"):
+        step_time_profile("7b")
+
+
+def test_a_modelled_step_lasts_at_least_t_b_and_its_result_is_the_real_one():
+    from ardiff_server.engine.builder import build_engine
+    from ardiff_server.wire.decode import decode_request
+
+    plain = build_engine(validate_config(tiny({"max_batch": 2})))
+    t1 = 0.4  # above the tiny model's own step on a loaded CPU, so the sleep is what sets the time
+    modelled = build_engine(validate_config(tiny({"max_batch": 2, "modelled_step_time": "5b", "modelled_step_t1_s": t1}, bench=True)))
+    assert isinstance(modelled.policy, ModelledStepPolicy) and not isinstance(plain.policy, ModelledStepPolicy)
+    assert modelled.policy.info == plain.policy.info and modelled.max_batch == plain.max_batch == 2
+
+    def observe(call: int, robot: int):
+        return decode_request(droid_observation(1 if call == 0 else 4, size=(90, 160), seed=10 * robot + call, joint0=0.1 * call)).observation
+
+    for call in range(2):  # a window start, then a steady call
+        # one session alone: t(1)
+        started = time.perf_counter()
+        alone = modelled.infer("alone", observe(call, 0))
+        assert time.perf_counter() - started >= t1
+        assert alone.compute_ms >= 1000.0 * t1
+        assert alone.result.info["modelled_step_ms"] == pytest.approx(1000.0 * t1)
+        np.testing.assert_array_equal(alone.result.actions, plain.infer("alone", observe(call, 0)).result.actions)
+
+    # two sessions in one step: t(2) = t1 x 1.1, each member's actions those of the unwrapped policy's batch
+    def batch(engine):
+        states = [engine.policy.start_session(f"pair-{r}", engine.cache.open_session(f"pair-{r}")) for r in range(2)]
+        started = time.perf_counter()
+        results = engine.policy.step_batch([(s, observe(0, 5 + r)) for r, s in enumerate(states)])
+        return results, time.perf_counter() - started
+
+    real, _ = batch(plain)
+    results, took = batch(modelled)
+    assert took >= 1.1 * t1
+    for got, want in zip(results, real):
+        np.testing.assert_array_equal(got.actions, want.actions)
+        assert got.info["modelled_step_ms"] == pytest.approx(1100.0 * t1)
+        # on a loaded CPU the real step may take longer than modelled: never shortened, and flagged
+        assert took >= got.info["real_step_ms"] / 1000.0
+        assert got.info["modelled_step_overrun"] is (got.info["real_step_ms"] > got.info["modelled_step_ms"])
+
+
+def test_the_wrapper_sleeps_the_rest_of_t_b_and_never_shortens_a_longer_step():
+    from ardiff_policies.base import RuntimeOptions, build_policy
+
+    now = [0.0]
+    slept: list[float] = []
+    took = [0.2]
+    inner = build_policy("noop", {"name": "noop"}, RuntimeOptions())
+    real_step = inner.step
+
+    def timed_step(session, observation):
+        now[0] += took[0]  # the real step, on the fake clock
+        return real_step(session, observation)
+
+    inner.step = timed_step
+    policy = ModelledStepPolicy(inner, step_time_profile("14b"), clock=lambda: now[0], sleep=slept.append)
+    session = policy.start_session("s", None)
+    fast = policy.step(session, None)
+    assert slept == [pytest.approx(0.41)] and fast.info["modelled_step_overrun"] is False
+    pair = policy.step_batch([(session, None), (policy.start_session("t", None), None)])  # t(2) = 1.22 s for 0.4 s of steps
+    assert slept[1] == pytest.approx(0.82) and all(r.info["modelled_step_ms"] == pytest.approx(1220.0) for r in pair)
+    took[0] = 0.9
+    slow = policy.step(session, None)
+    assert slept[2] == 0.0 and slow.info["modelled_step_overrun"] is True
+    assert slow.info["real_step_ms"] == pytest.approx(900.0) and slow.info["modelled_step_ms"] == pytest.approx(610.0)

@@ -1,0 +1,91 @@
+"""scripts/bench_fleet.py: the limit formula, and the bench's smallest form against a real server (one robot, one
+configuration, a few chunks under the 14B's modelled step time) printing its table and its capacity line."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.helpers.scripts import load_script
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_script("bench_fleet")
+
+
+def test_the_limit_is_the_most_robots_whose_delay_and_execution_horizon_fit_in_one_chunk(bench):
+    from ardiff_server.engine.modelled_step import step_time_profile
+
+    big, small = step_time_profile("14b"), step_time_profile("5b")
+    # 14B at 15 Hz: d = ceil(15 x 0.61) = 10; N robots one by one need 10 + 9.15 N <= 24 -> 1, whatever the batch
+    assert bench.fleet_limit(big.seconds, hz=15.0, max_batch=1) == 1
+    assert bench.fleet_limit(big.seconds, hz=15.0, max_batch=8) == 1
+    assert bench.fleet_limit(big.seconds, horizon=48, hz=15.0, max_batch=8) == 4  # 10 + 9.15 x 4 = 46.6 <= 48
+    # 5B: one by one 3 + 2.25 N <= 24 -> 9; batches of 4 (t = 0.195 s, d = 3) in 7 rounds -> 28; of 26 in 2 -> 52
+    assert bench.fleet_limit(small.seconds, hz=15.0, max_batch=1) == 9
+    assert bench.fleet_limit(small.seconds, hz=15.0, max_batch=4) == 28
+    assert bench.fleet_limit(small.seconds, hz=15.0, max_batch=64) == 52
+    # exactly at the bound: a flat 0.4 s step (d = 6, 6 actions a round) in batches of 2 fits 3 rounds: 6 + 18 = 24
+    assert bench.fleet_limit(lambda b: 0.4, hz=15.0, max_batch=2) == 6
+    assert bench.fleet_limit(lambda b: 0.4, horizon=23, hz=15.0, max_batch=2) == 4
+    # a step slower than half a chunk serves nobody without idling: d + s = 2 x 15 > 24
+    assert bench.fleet_limit(lambda b: 1.0, hz=15.0, max_batch=8) == 0
+
+
+def test_capacity_counts_up_from_one_robot_and_stops_at_the_first_that_idles_or_jerks(bench):
+    row = lambda n, idle, seam: bench.Row("14b", "arrival", "half", n, steady_idle_per_chunk=idle, seam_ratio=seam)  # noqa: E731
+    rows = [row(1, 0.0, 1.5), row(2, 0.0, 1.9), row(3, 0.4, 1.5), row(4, 0.0, 1.5)]
+    assert bench.capacity(rows, "14b", "arrival", "half") == 2
+    assert bench.capacity([row(1, 0.0, 2.5)], "14b", "arrival", "half") == 0
+    assert bench.capacity(rows, "14b", "deadline", "half") is None  # not run
+    assert bench.capacity_line(rows, 1) == "capacity: arrival=2 deadline=n/a limit=1"
+
+
+def test_the_smallest_bench_prints_its_table_and_a_capacity_line(bench, capsys):
+    bench.main(
+        [
+            "--profiles",
+            "14b",
+            "--robots",
+            "1",
+            "--no-cpu",
+            "--schedules",
+            "arrival",
+            "--asking",
+            "half",
+            "--steps",
+            "90",
+            "--checkpoint",
+            "builtin:tiny",
+        ]
+    )
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("| profile | scheduler |"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert columns == [
+        "profile",
+        "scheduler",
+        "asking",
+        "robots",
+        "steady idle / robot / chunk",
+        "deadline misses",
+        "seam / inner",
+        "chunks/s per robot",
+        "latency p50 (ms)",
+        "p99 (ms)",
+        "mean batch",
+        "overrun",
+    ]
+    row = next(line for line in lines if line.startswith("| 14b | arrival | half | 1 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == len(columns), row
+    # numbers, or "-" where a loaded CPU left too few chunks to say (a robot with one chunk has no steady state)
+    assert all(re.fullmatch(r"-|\d+(\.\d+)?", cell) for cell in cells[4:11]), row
+    assert float(cells[10]) == 1.0  # one robot: every step a batch of one
+    assert cells[8] == "-" or float(cells[8]) >= 610.0  # every step lasts the 14B's t(1) at least
+    assert re.fullmatch(r"\d+%", cells[11]), row  # the share of steps that overran the modelled time
+    assert "limit 14b = 1: largest N with some b <= 1" in out
+    assert re.fullmatch(r"capacity: arrival=(\d+|n/a) deadline=(\d+|n/a) limit=1", lines[-1]), lines[-1]

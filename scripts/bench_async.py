@@ -28,11 +28,10 @@ from ardiff_policies.dreamzero.model import DreamZeroModel
 from ardiff_policies.dreamzero.policy import DreamZeroPolicy
 from ardiff_server.wire.decode import decode_request
 from ardiff_sim import tiny_task
-from ardiff_sim.task_model import DEFAULT_STEPS, ensure_task_checkpoint, task_policy
+from ardiff_sim.task_model import BENCH_STEPS, DEFAULT_STEPS, ensure_task_checkpoint, task_policy
 
 # The bench's task model trains longer than the script's few-minute default: at 600 steps the chunks carry a per-row
 # jitter about twice the expert's step, and a seam can be no smoother than the chunk it continues (docs/performance.md).
-BENCH_TRAIN_STEPS = 1500
 ROWS = (
     ("blocking", "blocking", None),
     ("async, no continuation", "async", None),
@@ -86,8 +85,8 @@ def main() -> None:
     parser.add_argument(
         "--train-steps",
         type=int,
-        default=BENCH_TRAIN_STEPS,
-        help=f"training steps of the task model (cached per value; default {BENCH_TRAIN_STEPS}, the script's own {DEFAULT_STEPS})",
+        default=BENCH_STEPS,
+        help=f"training steps of the task model (cached per value; default {BENCH_STEPS}, the script's own {DEFAULT_STEPS})",
     )
     parser.add_argument("--checkpoint", type=Path, help="a trained task checkpoint (default: train / use the cached one)")
     args = parser.parse_args()

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """A fleet on one server: how many robots it serves with none standing still. One table, one run.
 
-N robots, each a simulated robot of scripts/tiny_task.py driven by its own ``AsyncChunkRunner`` (continuation
+N robots, each a simulated robot of ardiff_sim.tiny_task driven by its own ``AsyncChunkRunner`` (continuation
 mode) on its own thread and connection, on the wall clock, against a real ``ardiff-serve`` subprocess serving the
-trained tiny task model (scripts/train_tiny_task.py, cached as scripts/bench_async.py caches it). So that a CPU
+trained tiny task model (ardiff_sim.task_model, cached as scripts/bench_async.py caches it). So that a CPU
 reproduces a GPU's schedule, the server runs a bench config (``bench: true``) whose every batched step lasts at least
 a modelled time t(b) (``engine.modelled_step_time``: ``14b`` b x 0.61 s, ``5b`` 0.15 s x (1 + 0.1 (b - 1));
 ``ardiff_server/engine/modelled_step.py``); the ``cpu`` profile is the tiny model's own time. Robots start
@@ -12,7 +12,7 @@ staggered over one chunk, as a fleet does.
 Rows: profile x scheduler (``engine.schedule``: ``arrival`` order or earliest ``deadline``) x asking (``half``: ask
 when half the chunk is left, the runner's ``overlap`` 0.5; ``adaptive``: ask as late as the server's latency estimate
 allows) x robots. Columns: steady idle steps per robot per chunk (after each robot's first chunk), deadline misses
-(the replies' ``server_timing.deadline_missed``, where the server reports it), seam / inner step, chunks/s per robot, round-trip
+(the replies' ``server_timing.deadline_slack_ms`` below 0: the step started after the robot ran dry), seam / inner step, chunks/s per robot, round-trip
 latency p50 / p99, the mean batch, and the share of steps whose real time overran the modelled one (a row with
 overruns is not the profile's schedule). Then each configuration's capacity (the most robots, counting up from 1,
 with 0 steady idle steps and seams <= 2x the inner step) beside the profile's limit (docs/design-notes.md, "How many
@@ -34,20 +34,17 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from benchlib import ForeignLoad, ServerSubprocess  # scripts/, this script's own folder
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tiny_task  # noqa: E402
-from bench_async import BENCH_TRAIN_STEPS  # noqa: E402
-from benchlib import ForeignLoad, ServerSubprocess  # noqa: E402
-from train_tiny_task import VIEW, ensure_task_checkpoint  # noqa: E402
-
-from ardiff_server.config import EngineConfig  # noqa: E402
-from ardiff_server.engine.modelled_step import PROFILES, StepTimeProfile, step_time_profile  # noqa: E402
-from ardiff_server.tools.async_client import AsyncChunkRunner, WebsocketPolicy  # noqa: E402
+from ardiff_client.async_runner import AsyncChunkRunner
+from ardiff_client.websocket_client import WebsocketPolicy
+from ardiff_server.config import EngineConfig
+from ardiff_server.engine.modelled_step import PROFILES, StepTimeProfile, step_time_profile
+from ardiff_sim import tiny_task
+from ardiff_sim.task_model import BENCH_STEPS, ensure_task_checkpoint
 
 HORIZON = tiny_task.HORIZON  # actions per chunk
 SEAM_LIMIT = 2.0  # capacity: seams at most this many inner steps
@@ -59,7 +56,7 @@ ASKING: dict[str, dict[str, Any]] = {
     "adaptive": {"asking": "adaptive", "overlap": 0.0},
 }
 CPU = "cpu"  # the profile without a modelled time
-DEADLINE_MISSED = "deadline_missed"  # server_timing's per-call flag, where the server reports one
+DEADLINE_SLACK = "deadline_slack_ms"  # server_timing's per-call slack (negative: missed), for a request with a deadline
 CAPACITY_LINE = "capacity: arrival={arrival} deadline={deadline} limit={limit}"
 
 
@@ -119,7 +116,7 @@ def robot(url: str, index: int, steps: int, hz: float, asking: dict[str, Any], s
     session_id = f"fleet-{index}-{time.monotonic_ns()}"
 
     def observe() -> dict[str, Any]:
-        view = tiny_task.render(state["joints"], VIEW)
+        view = tiny_task.render(state["joints"], tiny_task.VIEW)
         return {
             "observation/exterior_image_0_left": view,
             "observation/exterior_image_1_left": view,
@@ -212,8 +209,8 @@ def measure(url: str, profile: str, schedule: str, asking: str, robots: int, ste
     latencies_ms = [1000.0 * x for r in runs for x in r.latencies_s]
     row.latency_p50_ms = float(np.median(latencies_ms)) if latencies_ms else float("nan")
     row.latency_p99_ms = float(np.percentile(latencies_ms, 99)) if latencies_ms else float("nan")
-    if any(DEADLINE_MISSED in t for t in timings):
-        row.deadline_misses = sum(bool(t.get(DEADLINE_MISSED)) for t in timings)
+    if any(DEADLINE_SLACK in t for t in timings):
+        row.deadline_misses = sum(t[DEADLINE_SLACK] < 0 for t in timings if DEADLINE_SLACK in t)
     batches = [s["batch_size"] for s in sessions if "batch_size" in s]
     row.mean_batch = float(np.mean(batches)) if batches else float("nan")
     overruns = [bool(s["modelled_step_overrun"]) for s in sessions if "modelled_step_overrun" in s]
@@ -335,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="14b only (--profiles ignored) at N = 1..3 and the CPU at N = 1..4, 120 steps: <= 10 min"
     )
-    parser.add_argument("--train-steps", type=int, default=BENCH_TRAIN_STEPS, help=f"task model training steps (cached; default {BENCH_TRAIN_STEPS})")
+    parser.add_argument("--train-steps", type=int, default=BENCH_STEPS, help=f"task model training steps (cached; default {BENCH_STEPS})")
     parser.add_argument("--checkpoint", help="a trained task checkpoint (default: train / use the cached one); builtin:tiny for a smoke run")
     parser.add_argument("--json", action="store_true", help="print one JSON object (every row) as the last line")
     args = parser.parse_args(argv)

@@ -62,6 +62,7 @@ VERSION = 3  # 2: its own DiT geometry; 3: episodes turn either way (tiny_task.r
 # gain the velocity needs; at width 64 the chunks stay jagged after minutes of training (docs/design-notes.md).
 TASK_DIT = dataclasses.replace(TINY_DIT, dim=128, ffn_dim=256, hidden_size=256)
 DEFAULT_STEPS = 600
+BENCH_STEPS = 1500  # the benches' model (scripts/bench_async.py, scripts/bench_fleet.py): trained longer, cached apart
 BATCH = 16
 LR = 2e-3
 SHIFT = 5.0

@@ -14,7 +14,7 @@ Prefill forwards (``commit=True``) write into pages the branch will own; denoise
 (``commit=False``) write into the rank's scratch pages, which are reused every forward and
 never committed. Extra (action/state) tokens always go to scratch.
 
-Typed entries (``begin_forward(..., commit=True, entry=EntryKind.X)``, :class:`~kv.spec.EntryKind`). A branch's
+Typed entries (``begin_forward(..., commit=True, entry=EntryKind.X)``, :class:`~ardiff_kv.spec.EntryKind`). A branch's
 pages are, in position order, three runs, never interleaved, each page's kind its run (``BranchKV.entries``):
 
 * **in-context** (``IN_CONTEXT``, pinned): a per-episode prefix (Zero-WAM's demonstration) written before any other

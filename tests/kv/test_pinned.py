@@ -236,12 +236,13 @@ def test_every_ending_path_of_the_engine_returns_the_pinned_block():
 # -- batched attention with pinned prefixes against the dense reference ---------------------------
 
 
-def test_batched_attention_over_sessions_with_pinned_prefixes_equals_each_alone_against_the_dense_reference():
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_batched_attention_over_sessions_with_pinned_prefixes_equals_each_alone_against_the_dense_reference(backend):
     torch.manual_seed(0)
     spec = KVSpec(
         num_layers=1, num_heads=HEADS, head_dim=DIM, page_size=PAGE, window_pages=3, max_new_pages=2, max_extra_tokens=3, max_pinned_pages=3
     )
-    cache = PagedKVCache(spec, num_pages=3 * 2 * spec.pages_per_branch + 1, max_sessions=3, attention_backend="sdpa", max_batch=3)
+    cache = PagedKVCache(spec, num_pages=3 * 2 * spec.pages_per_branch + 1, max_sessions=3, attention_backend=backend, max_batch=3)
     names = ("a", "b", "c")
     sessions = {name: cache.open_session(name) for name in names}
     dense = {(n, b): DenseKVCache(1, spec.window_pages * PAGE) for n in names for b in Branch}

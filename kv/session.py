@@ -91,6 +91,8 @@ class ForwardContext:
             session._check_pin(branch, pages)
         elif pages > spec.max_new_pages:
             raise ValueError(f"a forward of {pages} frames exceeds max_new_pages={spec.max_new_pages}")
+        if entry is EntryKind.PREDICTION and commit:
+            session._check_prediction(branch, pages)
         if not 0 <= extra_tokens <= spec.max_extra_tokens:
             raise ValueError(f"extra_tokens={extra_tokens} outside [0, {spec.max_extra_tokens}]")
         self.session = session
@@ -140,8 +142,11 @@ class ForwardContext:
         branch_kv = self.session.branch(self.branch)
         scratch = storage.scratch_pages(self.branch, self.scratch_slot)
         pinning = self.commit and self.entry is EntryKind.IN_CONTEXT
+        # the branch may have changed since begin_forward
         if pinning:
-            self.session._check_pin(self.branch, self.num_new_pages)  # the branch may have changed since begin_forward
+            self.session._check_pin(self.branch, self.num_new_pages)
+        elif self.provisional:
+            self.session._check_prediction(self.branch, self.num_new_pages)
         if self.commit and self.entry is EntryKind.OBSERVATION:
             self.session.drop_predictions(self.branch)  # the observation replaces the prediction
         if spec.evict_to_fit and not pinning:  # pinned pages are outside the window
@@ -548,6 +553,19 @@ class SessionKV:
         return [self.storage.cross.read(state.cross_slot, layer) for layer in range(self.storage.spec.num_layers)]
 
     # -- lifecycle ----------------------------------------------------------------------
+
+    def _check_prediction(self, branch: Branch, new_pages: int) -> None:
+        """A prediction of ``new_pages``: within the branch's reservation. An evict-to-fit window makes room itself;
+        a chunk window evicts only after an observation, so predictions stacked without one are refused."""
+        spec = self.storage.spec
+        state = self._branches[branch]
+        if spec.evict_to_fit or len(state.resident) + len(state.provisional) + new_pages <= spec.window_pages_per_branch:
+            return
+        raise ValueError(
+            f"session {self.session_id!r} {Branch(branch).name}: a prediction of {new_pages} pages on top of "
+            f"{len(state.provisional)} predicted and {len(state.resident)} observed exceeds the window's reservation "
+            f"({spec.window_pages_per_branch} pages); drop_predictions() first"
+        )
 
     def restart_window(self, *, keep_cross_text: bool = False, keep_pinned: bool = False) -> None:
         """Start a fresh window: free every page; the image conditioning must be re-populated.

@@ -148,3 +148,21 @@ def test_a_refused_forward_leaves_the_entries_as_they_were():
         with pytest.raises(ValueError):
             s.begin_forward(Branch.COND, **bad)
         assert s.branch(Branch.COND).entries == before and cache.pool.num_free == free
+
+
+def test_a_chunk_window_refuses_predictions_stacked_past_its_reservation():
+    """A chunk window evicts after an observation only: a second prediction before one would hold more than the
+    session reserved, so it is refused by name (an evict-to-fit window makes room instead, as above)."""
+    spec = KVSpec(num_layers=1, num_heads=1, head_dim=4, page_size=PAGE, window_pages=4, max_new_pages=2, chunk_pages=2)
+    cache = PagedKVCache(spec, num_pages=2 * spec.pages_per_branch + 1, max_sessions=1)
+    s = cache.open_session("s")
+    for _ in range(3):
+        forward(s, 2)
+    forward(s, 2, entry=PREDICTION)
+    before = list(s.branch(Branch.COND).entries)
+    with pytest.raises(ValueError, match=r"drop_predictions\(\) first"):
+        s.begin_forward(Branch.COND, num_video_tokens=2 * PAGE, commit=True, entry=PREDICTION)
+    assert s.branch(Branch.COND).entries == before
+    s.drop_predictions()
+    forward(s, 2, entry=PREDICTION)
+    assert kinds(s) == [OBSERVATION] * 4 + [PREDICTION] * 2

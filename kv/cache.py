@@ -1,7 +1,8 @@
 """The engine-owned KV cache of one rank: storage, the page pool, and admission of sessions.
 
-Admission: a session reserves its worst case (``local branches x pages_per_branch``) when it
-opens, so a forward never meets an exhausted pool half-way through. When nothing more can
+Admission: a session reserves its worst case (``local branches x pages_per_branch``: a full window and, where the
+spec pins, a full in-context block per branch) when it opens, so a forward never meets an exhausted pool half-way
+through, and a demonstration pinned at a reset always finds its pages. When nothing more can
 be reserved, :class:`kv.pool.CapacityError` tells the engine to evict an idle session first.
 Sessions are opened and ended here (:meth:`PagedKVCache.open_session` / :meth:`end_session`):
 ending one returns every page and cross-attention slot it holds.
@@ -59,7 +60,7 @@ class PagedKVCache:
         if self.reservation_per_session > self.pool.capacity:
             raise ValueError(
                 f"a pool of {self.pool.capacity} pages cannot hold one session "
-                f"({self.reservation_per_session} pages for {len(self.branches)} branch(es))"
+                f"({self.reservation_per_session} pages for {len(self.branches)} branch(es){self._pinned_note()})"
             )
         # Cross-attention slots for the sessions the pool holds, not for max_sessions: a slot the
         # pages cannot back would never be used (the 14B's cost 0.6 GiB per session and branch).
@@ -187,11 +188,16 @@ class PagedKVCache:
         if not self.can_open_session():
             raise CapacityError(
                 f"KV cache at capacity: {len(self._sessions)} sessions open, room for {self.session_capacity} "
-                f"({self.pool.capacity} pages, {self.reservation_per_session} reserved per session)"
+                f"({self.pool.capacity} pages, {self.reservation_per_session} reserved per session{self._pinned_note()})"
             )
         session = SessionKV(self.storage, self.pool, session_id)
         self._sessions[session_id] = session
         return session
+
+    def _pinned_note(self) -> str:
+        """What of a session's reservation is its pinned block, for the capacity messages."""
+        pinned = self.spec.max_pinned_pages
+        return f", of which {pinned} per branch for its pinned in-context block" if pinned else ""
 
     def end_session(self, session: SessionKV) -> None:
         """The session ended: every page and cross-attention slot it holds goes back. Idempotent."""

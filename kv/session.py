@@ -14,16 +14,27 @@ Prefill forwards (``commit=True``) write into pages the branch will own; denoise
 (``commit=False``) write into the rank's scratch pages, which are reused every forward and
 never committed. Extra (action/state) tokens always go to scratch.
 
-Provisional entries (``commit=True, provisional=True``): K/V written by a *prediction* (LingBot-VA
-keeps its predicted chunk's K/V until the robot's real frames arrive). Their pages form a tail
-after the committed pages: later forwards see them, a committing forward discards them first
-(``drop_provisional``: the pages go back to the pool), and the committed pages are never copied
-or moved. Upstream's ``update_cache`` 0 / 1 / 2 are ``commit=False`` / provisional / ``commit=True``.
+Typed entries (``begin_forward(..., commit=True, entry=EntryKind.X)``, :class:`~ardiff_kv.spec.EntryKind`). A branch's
+pages are, in position order, three runs, never interleaved, each page's kind its run (``BranchKV.entries``):
+
+* **in-context** (``IN_CONTEXT``, pinned): a per-episode prefix (Zero-WAM's demonstration) written before any other
+  entry, in one or more forwards of up to ``KVSpec.max_pinned_pages``. The window never counts, evicts or drops it;
+  a forward sees it unless it asks not to (``attend_pinned=False``: Zero-WAM's action queries). It goes back to the
+  pool when the window restarts (unless ``keep_pinned``) and when the session ends.
+* **observation** (``OBSERVATION``, the default: committed): what the robot saw and did; the window evicts it.
+* **prediction** (``PREDICTION``, provisional): K/V written by a *prediction* (LingBot-VA and Zero-WAM keep their
+  predicted chunk's K/V until the robot's real frames arrive). A tail after the observations: later forwards see
+  it; :meth:`SessionKV.drop_predictions` discards it (the pages go back to the pool), and so does an observation
+  forward before it writes (the observation replaces the prediction); the observations are never copied or moved.
+
+Upstream LingBot-VA's ``update_cache`` 0 / 1 / 2 are ``commit=False`` / prediction / observation (``provisional=True``
+spells the prediction, ``drop_provisional`` the drop, in its words); upstream Zero-WAM's cache types 2 / 0 / 1 are
+in-context / observation / prediction, its ``clear_prediction_cache`` is ``drop_predictions``.
 
 A call that may have to be undone (a batched call retried member by member): ``snapshot()`` before it,
-then ``rollback()`` (back to the snapshot's pages, lengths and provisional tail; pages allocated since go back to
-the pool) or ``release()`` (keep what the call did). While a snapshot is held, a page it holds is never handed
-back to the pool, only set aside (eviction, a dropped prediction), so a rollback finds its K/V intact; the call
+then ``rollback()`` (back to the snapshot's entries of every kind and lengths; pages allocated since, pinned ones
+included, go back to the pool) or ``release()`` (keep what the call did). While a snapshot is held, a page it holds is never handed
+back to the pool, only set aside (eviction, a dropped prediction, a restarted window), so a rollback finds its K/V intact; the call
 can hold up to the pages it writes more than the window (:meth:`SessionKV.snapshot`).
 
 Several sequences (sessions x branches) in one forward: :func:`prepare_batch` lays their block
@@ -36,16 +47,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from ardiff_kv.attention import PagedLayerInputs
 from ardiff_kv.pool import PagePool
-from ardiff_kv.spec import Branch, CrossKV
+from ardiff_kv.spec import Branch, CrossKV, EntryKind
 from ardiff_kv.storage import PagedStorage
 from ardiff_kv.window import pages_to_evict, pages_to_fit, visible_pages
 
 logger = logging.getLogger(__name__)
+
+_POSITION_ORDER = (EntryKind.IN_CONTEXT, EntryKind.OBSERVATION, EntryKind.PREDICTION)  # a branch's runs of pages
 
 
 class ForwardContext:
@@ -61,29 +75,42 @@ class ForwardContext:
         commit: bool,
         extra_tokens: int,
         scratch_slot: int = 0,
-        provisional: bool = False,
+        entry: EntryKind = EntryKind.OBSERVATION,
+        attend_pinned: bool = True,
     ) -> None:
         spec = session.storage.spec
-        if provisional and not commit:
-            raise ValueError("a provisional forward keeps its pages: it needs commit=True")
+        entry = EntryKind(entry)
+        if entry is not EntryKind.OBSERVATION and not commit:
+            raise ValueError(f"a forward writing {entry.value} entries keeps its pages: it needs commit=True")
         if num_video_tokens <= 0 or num_video_tokens % spec.page_size:
             raise ValueError(
                 f"a forward must bring whole frames: num_video_tokens={num_video_tokens} is not a positive multiple of the page size {spec.page_size}"
             )
-        if num_video_tokens // spec.page_size > spec.max_new_pages:
-            raise ValueError(f"a forward of {num_video_tokens // spec.page_size} frames exceeds max_new_pages={spec.max_new_pages}")
+        pages = num_video_tokens // spec.page_size
+        if entry is EntryKind.IN_CONTEXT:
+            session._check_pin(branch, pages)
+        elif pages > spec.max_new_pages:
+            raise ValueError(f"a forward of {pages} frames exceeds max_new_pages={spec.max_new_pages}")
+        if entry is EntryKind.PREDICTION and commit:
+            session._check_prediction(branch, pages)
         if not 0 <= extra_tokens <= spec.max_extra_tokens:
             raise ValueError(f"extra_tokens={extra_tokens} outside [0, {spec.max_extra_tokens}]")
         self.session = session
         self.branch = branch
         self.num_video_tokens = num_video_tokens
         self.commit = commit
-        self.provisional = provisional
+        self.entry = entry
+        self.attend_pinned = attend_pinned
         self.extra_tokens = extra_tokens
         self.scratch_slot = scratch_slot
         self.new_pages: list[int] = []  # pages this forward allocated (commit forwards only)
         self.layer_inputs: list[PagedLayerInputs] | None = None
         self._sequence: _Sequence | None = None
+
+    @property
+    def provisional(self) -> bool:
+        """It writes prediction entries (upstream LingBot-VA's word)."""
+        return self.commit and self.entry is EntryKind.PREDICTION
 
     @property
     def prepared(self) -> bool:
@@ -114,9 +141,15 @@ class ForwardContext:
         spec = storage.spec
         branch_kv = self.session.branch(self.branch)
         scratch = storage.scratch_pages(self.branch, self.scratch_slot)
-        if self.commit and not self.provisional:
-            self.session.drop_provisional(self.branch)  # the observation replaces the prediction
-        if spec.evict_to_fit:
+        pinning = self.commit and self.entry is EntryKind.IN_CONTEXT
+        # the branch may have changed since begin_forward
+        if pinning:
+            self.session._check_pin(self.branch, self.num_new_pages)
+        elif self.provisional:
+            self.session._check_prediction(self.branch, self.num_new_pages)
+        if self.commit and self.entry is EntryKind.OBSERVATION:
+            self.session.drop_predictions(self.branch)  # the observation replaces the prediction
+        if spec.evict_to_fit and not pinning:  # pinned pages are outside the window
             self.session._evict_to_fit(self.branch, self.num_new_pages)
         if self.commit:
             self.new_pages = self.session.pool.allocate(self.num_new_pages)
@@ -124,8 +157,12 @@ class ForwardContext:
         else:
             video_pages = scratch[: self.num_new_pages]
         extra_pages = scratch[spec.max_new_pages : spec.max_new_pages + -(-self.extra_tokens // spec.page_size)]
-        held = branch_kv.resident + branch_kv.provisional
-        visible = visible_pages(held, video_pages, window_pages=spec.window_pages, sink_pages=spec.sink_pages)
+        if pinning:  # the block so far and its new pages (no window entry exists yet: _check_pin)
+            visible = branch_kv.pinned + video_pages
+        else:
+            held = branch_kv.resident + branch_kv.provisional
+            window = visible_pages(held, video_pages, window_pages=spec.window_pages, sink_pages=spec.sink_pages)
+            visible = (branch_kv.pinned if self.attend_pinned else []) + window
         table = visible + extra_pages
         table += [0] * (spec.block_table_width - len(table))
         self._sequence = _Sequence(
@@ -199,12 +236,20 @@ def _slots(pages: list[int], num_tokens: int, page_size: int) -> torch.Tensor:
     return page_ids[offsets // page_size] * page_size + offsets % page_size
 
 
+class Entry(NamedTuple):
+    """One cached page and what it holds."""
+
+    page: int
+    kind: EntryKind
+
+
 @dataclass
 class BranchKV:
-    """One CFG branch of one session."""
+    """One CFG branch of one session: its entries are three runs of pages, in position order."""
 
-    resident: list[int] = field(default_factory=list)  # committed pages, oldest first (sink first)
-    provisional: list[int] = field(default_factory=list)  # predicted pages after them, oldest first
+    pinned: list[int] = field(default_factory=list)  # in-context pages, in write order: never evicted by the window
+    resident: list[int] = field(default_factory=list)  # observation (committed) pages, oldest first (sink first)
+    provisional: list[int] = field(default_factory=list)  # prediction pages after them, oldest first
     committed_tokens: int = 0  # advances once per committed chunk, never per denoise step
     evicted_pages: int = 0
     pending: ForwardContext | None = None
@@ -212,17 +257,38 @@ class BranchKV:
     cross_text_ready: bool = False
     cross_image_ready: bool = False
 
+    def pages(self, kind: EntryKind) -> list[int]:
+        """The pages holding entries of ``kind``, in position order (the branch's own list: do not mutate)."""
+        return {EntryKind.IN_CONTEXT: self.pinned, EntryKind.OBSERVATION: self.resident, EntryKind.PREDICTION: self.provisional}[kind]
+
+    @property
+    def entries(self) -> list[Entry]:
+        """Every page the branch holds with its kind, in position order: in-context, observations, predictions."""
+        return [Entry(page, kind) for kind in _POSITION_ORDER for page in self.pages(kind)]
+
+    @property
+    def held(self) -> list[int]:
+        return self.pinned + self.resident + self.provisional
+
+
+class BranchSnapshot(NamedTuple):
+    pinned: tuple[int, ...]
+    resident: tuple[int, ...]
+    provisional: tuple[int, ...]
+    committed_tokens: int
+    evicted_pages: int
+
 
 @dataclass(frozen=True)
 class KVSnapshot:
-    """A session's page bookkeeping at one moment (:meth:`SessionKV.snapshot`): per branch its committed pages,
-    provisional tail, committed tokens and evicted-page count. Page ids only: no K/V is copied."""
+    """A session's page bookkeeping at one moment (:meth:`SessionKV.snapshot`): per branch its pages of every entry
+    kind, committed tokens and evicted-page count. Page ids only: no K/V is copied."""
 
-    branches: dict[Branch, tuple[tuple[int, ...], tuple[int, ...], int, int]]
+    branches: dict[Branch, BranchSnapshot]
 
     @property
     def pages(self) -> set[int]:
-        return {page for resident, provisional, _, _ in self.branches.values() for page in (*resident, *provisional)}
+        return {page for b in self.branches.values() for page in (*b.pinned, *b.resident, *b.provisional)}
 
 
 class SessionKV:
@@ -247,7 +313,7 @@ class SessionKV:
         """Managed pages this session owns right now (resident plus an in-flight chunk)."""
         total = len(self._set_aside)
         for state in self._branches.values():
-            total += len(state.resident) + len(state.provisional)
+            total += len(state.held)
             if state.pending is not None:
                 total += len(state.pending.new_pages)
         return total
@@ -266,7 +332,9 @@ class SessionKV:
             raise RuntimeError(f"session {self.session_id!r}: snapshot() during a forward")
         self._snapshot = KVSnapshot(
             {
-                branch: (tuple(state.resident), tuple(state.provisional), state.committed_tokens, state.evicted_pages)
+                branch: BranchSnapshot(
+                    tuple(state.pinned), tuple(state.resident), tuple(state.provisional), state.committed_tokens, state.evicted_pages
+                )
                 for branch, state in self._branches.items()
             }
         )
@@ -280,12 +348,12 @@ class SessionKV:
         snap = self._require_snapshot()
         for branch in self._branches:
             self.abort(branch)
-        held = [page for state in self._branches.values() for page in (*state.resident, *state.provisional)]
+        held = [page for state in self._branches.values() for page in state.held]
         newer = [page for page in held if page not in self._snapshot_pages]
-        for branch, (resident, provisional, committed_tokens, evicted_pages) in snap.branches.items():
+        for branch, was in snap.branches.items():
             state = self._branches[branch]
-            state.resident, state.provisional = list(resident), list(provisional)
-            state.committed_tokens, state.evicted_pages = committed_tokens, evicted_pages
+            state.pinned, state.resident, state.provisional = list(was.pinned), list(was.resident), list(was.provisional)
+            state.committed_tokens, state.evicted_pages = was.committed_tokens, was.evicted_pages
         self._end_snapshot()
         self.pool.free(newer)
 
@@ -326,9 +394,18 @@ class SessionKV:
         commit: bool,
         extra_tokens: int = 0,
         scratch_slot: int = 0,
+        entry: EntryKind = EntryKind.OBSERVATION,
         provisional: bool = False,
+        attend_pinned: bool = True,
     ) -> ForwardContext:
+        """A forward of ``branch``: ``commit=False`` writes scratch (a denoise step), ``commit=True`` keeps its pages as
+        ``entry`` entries (``provisional=True``: upstream LingBot-VA's spelling of ``entry=EntryKind.PREDICTION``).
+        ``attend_pinned=False``: its queries do not see the in-context block."""
         self._check_open()
+        if provisional:
+            if entry not in (EntryKind.OBSERVATION, EntryKind.PREDICTION):
+                raise ValueError(f"provisional=True writes prediction entries, not {EntryKind(entry).value} ones")
+            entry = EntryKind.PREDICTION
         self.storage.check_local(branch)
         state = self._branches[branch]
         if state.pending is not None and state.pending.commit and state.pending.prepared:
@@ -343,7 +420,8 @@ class SessionKV:
             commit=commit,
             extra_tokens=extra_tokens,
             scratch_slot=scratch_slot,
-            provisional=provisional,
+            entry=entry,
+            attend_pinned=attend_pinned,
         )
         return state.pending
 
@@ -359,8 +437,8 @@ class SessionKV:
         if not ctx.prepared:
             raise RuntimeError(f"session {self.session_id!r} {branch.name}: complete() of a forward that never ran")
         spec = self.storage.spec
-        if ctx.provisional:
-            state.provisional.extend(ctx.new_pages)
+        if ctx.entry is not EntryKind.OBSERVATION:
+            state.pages(ctx.entry).extend(ctx.new_pages)
             return
         state.resident.extend(ctx.new_pages)
         state.committed_tokens += ctx.num_video_tokens
@@ -380,9 +458,10 @@ class SessionKV:
             state.evicted_pages += evict
             self._free(victims)
 
-    def drop_provisional(self, branch: Branch | None = None) -> int:
-        """Discard the provisional tail (one branch, or both): its pages go back to the pool; the
-        committed pages are untouched. Returns the number of pages freed."""
+    def drop_predictions(self, branch: Branch | None = None) -> int:
+        """Discard the prediction entries (one branch, or both): their pages go back to the pool (set aside while a
+        snapshot holds them); in-context and observation entries are untouched. Upstream Zero-WAM's
+        ``clear_prediction_cache``, LingBot-VA's ``clear_pred_cache``. Returns the number of pages freed."""
         self._check_open()
         freed = 0
         for b in (branch,) if branch is not None else tuple(self._branches):
@@ -392,6 +471,25 @@ class SessionKV:
                 self._free(pages)
                 freed += len(pages)
         return freed
+
+    drop_provisional = drop_predictions  # upstream LingBot-VA's word for predictions: provisional pages
+
+    def _check_pin(self, branch: Branch, new_pages: int) -> None:
+        """An in-context write of ``new_pages``: the block is a prefix (no other entry yet) within max_pinned_pages."""
+        limit = self.storage.spec.max_pinned_pages
+        state = self._branches[branch]
+        if not limit:
+            raise ValueError("in-context entries need KVSpec.max_pinned_pages > 0: this cache pins nothing")
+        if state.resident or state.provisional:
+            raise ValueError(
+                f"session {self.session_id!r} {Branch(branch).name}: in-context entries are the window's prefix; "
+                f"write them before any observation or prediction (restart the window first)"
+            )
+        if len(state.pinned) + new_pages > limit:
+            raise ValueError(
+                f"session {self.session_id!r} {Branch(branch).name}: a pinned block of {len(state.pinned) + new_pages} pages "
+                f"exceeds KVSpec.max_pinned_pages={limit}"
+            )
 
     def _evict_to_fit(self, branch: Branch, new_pages: int) -> None:
         """Free the oldest pages until the branch's pages plus ``new_pages`` fit in the window
@@ -456,17 +554,33 @@ class SessionKV:
 
     # -- lifecycle ----------------------------------------------------------------------
 
-    def restart_window(self, *, keep_cross_text: bool = False) -> None:
+    def _check_prediction(self, branch: Branch, new_pages: int) -> None:
+        """A prediction of ``new_pages``: within the branch's reservation. An evict-to-fit window makes room itself;
+        a chunk window evicts only after an observation, so predictions stacked without one are refused."""
+        spec = self.storage.spec
+        state = self._branches[branch]
+        if spec.evict_to_fit or len(state.resident) + len(state.provisional) + new_pages <= spec.window_pages_per_branch:
+            return
+        raise ValueError(
+            f"session {self.session_id!r} {Branch(branch).name}: a prediction of {new_pages} pages on top of "
+            f"{len(state.provisional)} predicted and {len(state.resident)} observed exceeds the window's reservation "
+            f"({spec.window_pages_per_branch} pages); drop_predictions() first"
+        )
+
+    def restart_window(self, *, keep_cross_text: bool = False, keep_pinned: bool = False) -> None:
         """Start a fresh window: free every page; the image conditioning must be re-populated.
 
         ``keep_cross_text``: a window reset inside a session keeps the prompt, so its text K/V
-        stay valid; a session reset (new prompt, explicit reset) drops them too.
+        stay valid; a session reset (new prompt, explicit reset) drops them too. ``keep_pinned``: the
+        in-context block stays (a window reset inside an episode); an episode reset frees it with the rest.
         """
         self._check_open()
         for branch, state in self._branches.items():
             self.abort(branch)
-            self._free(state.resident + state.provisional)
+            self._free(state.resident + state.provisional + ([] if keep_pinned else state.pinned))
             state.resident, state.provisional = [], []
+            if not keep_pinned:
+                state.pinned = []
             state.committed_tokens = 0
             state.evicted_pages = 0
             state.cross_image_ready = False
@@ -483,8 +597,8 @@ class SessionKV:
         self.pool.free(set_aside)
         for branch, state in self._branches.items():
             self.abort(branch)
-            self.pool.free(state.resident + state.provisional)
-            state.resident, state.provisional = [], []
+            self.pool.free(state.held)
+            state.pinned, state.resident, state.provisional = [], [], []
             if state.cross_slot is not None:
                 self.storage.cross.release(state.cross_slot)
                 state.cross_slot = None

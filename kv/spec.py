@@ -22,6 +22,22 @@ class Branch(enum.IntEnum):
     UNCOND = 1  # the negative prompt
 
 
+class EntryKind(enum.Enum):
+    """What a cached page holds; a session's pages of one branch are, in position order, its in-context block,
+    then its observations, then its predictions (``SessionKV``, ``BranchKV.entries``).
+
+    Upstream Zero-WAM's cache types (``ICL_CACHE_TYPE`` 2 / ``OBSERVATION_CACHE_TYPE`` 0 / ``PREDICTION_CACHE_TYPE``
+    1); LingBot-VA's ``update_cache`` 2 / 1 are observation / prediction."""
+
+    # Pinned: a per-episode block (Zero-WAM's demonstration) the window never evicts. Written before any other entry,
+    # freed when the window restarts without ``keep_pinned`` or the session ends.
+    IN_CONTEXT = "in-context"
+    # What the robot saw and did (committed): the window evicts the oldest first.
+    OBSERVATION = "observation"
+    # The model's own predicted chunk (provisional): later forwards see it until the observation replaces it.
+    PREDICTION = "prediction"
+
+
 class CrossKV(NamedTuple):
     """One layer's cached cross-attention K/V, each (1, tokens, heads, head_dim) views."""
 
@@ -49,6 +65,10 @@ class KVSpec:
     # Pages a call may write beyond the window while it can still be undone (LingBot-VA's member-by-member retry
     # keeps what it evicts until the batch succeeded): the pool keeps them free per batch slot and branch.
     undo_pages: int = 0
+    # Most in-context pages one branch of a session may pin (Zero-WAM: the longest demonstration's latent frames).
+    # They sit before the window and outside it: the block table is wider by this much, and every session's
+    # reservation counts a full pinned block per branch (admission, the memory plan), as it counts a full window.
+    max_pinned_pages: int = 0
     cross_text_tokens: int = 0  # text tokens cached once per session for cross-attention
     cross_image_tokens: int = 0  # image tokens (I2V) cached once per window
     dtype: torch.dtype = torch.float32
@@ -57,7 +77,7 @@ class KVSpec:
         for name in ("num_layers", "num_heads", "head_dim", "page_size", "window_pages", "max_new_pages", "chunk_pages"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVSpec.{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_extra_tokens", "sink_chunks", "undo_pages", "cross_text_tokens", "cross_image_tokens"):
+        for name in ("max_extra_tokens", "sink_chunks", "undo_pages", "max_pinned_pages", "cross_text_tokens", "cross_image_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"KVSpec.{name} must be >= 0, got {getattr(self, name)}")
         if self.max_new_pages > self.window_pages:
@@ -96,8 +116,8 @@ class KVSpec:
         return self.max_new_pages + self.extra_pages
 
     @property
-    def pages_per_branch(self) -> int:
-        """Worst case a branch holds during a forward.
+    def window_pages_per_branch(self) -> int:
+        """Worst case a branch's window holds during a forward.
 
         A full window, plus the part of a chunk that is still partly visible (chunks are never
         half-evicted), plus the in-flight chunk. With ``evict_to_fit`` the in-flight pages are
@@ -108,9 +128,16 @@ class KVSpec:
         return self.window_pages + self.chunk_pages - 1 + self.max_new_pages
 
     @property
+    def pages_per_branch(self) -> int:
+        """Worst case a branch holds: a full pinned block (``max_pinned_pages``) and a full window. What a session
+        reserves per branch at admission and what the memory plans count."""
+        return self.max_pinned_pages + self.window_pages_per_branch
+
+    @property
     def block_table_width(self) -> int:
-        """Fixed width so that shapes never change as the window fills (compile / CUDA graphs)."""
-        return self.window_pages + max(1, self.extra_pages)
+        """Fixed width so that shapes never change as the window fills (compile / CUDA graphs): the pinned
+        block, the window, the extra tokens."""
+        return self.max_pinned_pages + self.window_pages + max(1, self.extra_pages)
 
     @property
     def cross_tokens(self) -> int:

@@ -12,6 +12,8 @@ Pure functions over page counts, so the policy is unit-testable without any tens
   forward the oldest pages are freed until what the branch holds plus the forward's new pages
   fit in the window. Committed pages are older than provisional ones (a commit discards the
   provisional tail first), so the committed go first.
+* A branch's pinned (in-context) pages are outside all of this: they precede the window, are never
+  counted in it, never evicted (``SessionKV`` puts them before what :func:`visible_pages` returns).
 """
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ prompt's cross-attention K/V, its noise generator, its frame position), and the 
 * ``infer``: on the first chunk the observation is encoded and becomes latent frame 0 (timestep 0); then video
   noise, then action noise are drawn (a repeated first-chunk infer, before its commit, starts again from where the
   first did: :class:`_StreamState`); the video loop (FlowMatch Euler, its timesteps padded with a trailing 0 whose
-  forward only writes the predicted chunk's K/V, as provisional pages), then the action loop the same way; CFG
+  forward only writes the predicted chunk's K/V, as prediction entries), then the action loop the same way; CFG
   over [prompt, negative] whenever either guidance scale is above 1;
-* ``compute_kv_cache``: the provisional pages are dropped, the frames the robot saw and the actions it executed are
-  written as committed pages (t = 0), and the frame position advances.
+* ``compute_kv_cache``: the prediction entries are dropped, the frames the robot saw and the actions it executed are
+  written as observation entries (t = 0), and the frame position advances.
 
 Where this deliberately differs from upstream (docs/lingbot-va.md): the guidance scales a request carries are used
 (bounded), upstream ignores them; noise comes from a per-session generator seeded at reset.
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKLWan
 
-from ardiff_kv import Branch, KVSpec, SessionKV, prepare_batch
+from ardiff_kv import Branch, EntryKind, KVSpec, SessionKV, prepare_batch
 from ardiff_policies.lingbot_va.config import Embodiment
 from ardiff_policies.lingbot_va.model import LingBotVATransformer, TextKV, action_grid, load_transformer, video_grid
 from ardiff_policies.observation import UnsupportedObservation
@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 TEXT_LENGTH = 512  # upstream's max_sequence_length: the cross-attention sees all 512 positions
 LATENT_CHANNELS = 48
 MAX_GUIDANCE = 20.0  # a request's guidance scale outside [1, MAX_GUIDANCE] is refused by name
+# upstream's update_cache -> the entries a forward writes (0: scratch, none kept)
+_ENTRIES = {0: EntryKind.OBSERVATION, 1: EntryKind.PREDICTION, 2: EntryKind.OBSERVATION}
 
 
 class EpisodeError(UnsupportedObservation):
@@ -317,12 +319,12 @@ class LingBotVAPolicy:
 
     def _forward(self, sessions, x, timesteps, grids, *, action_mode: bool, update: int, text_kv) -> torch.Tensor:
         """One forward of every session's CFG batch, rows [s0 prompt, s0 negative, s1 prompt, ...]; ``x`` (B, ...),
-        ``timesteps`` (B, F) and ``grids`` (B, 3, L) per session. ``update``: 0 scratch, 1 provisional, 2 committed
-        (upstream's update_cache)."""
+        ``timesteps`` (B, F) and ``grids`` (B, 3, L) per session. ``update``: 0 scratch, 1 prediction, 2 observation
+        entries (upstream's update_cache)."""
         branches = self.branches
         n = len(branches)
         contexts = [
-            s.kv.begin_forward(b, num_video_tokens=grids.shape[2], commit=update > 0, provisional=update == 1, scratch_slot=slot)
+            s.kv.begin_forward(b, num_video_tokens=grids.shape[2], commit=update > 0, entry=_ENTRIES[update], scratch_slot=slot)
             for slot, s in enumerate(sessions)
             for b in branches
         ]
@@ -472,7 +474,7 @@ class LingBotVAPolicy:
             session.first_start = _StreamState.of(session)
             return
         session.first_start.restore(session)
-        session.kv.drop_provisional()
+        session.kv.drop_predictions()
 
     # -- a failed batch, member by member ----------------------------------------------------
 
@@ -583,7 +585,7 @@ class LingBotVAPolicy:
             latent = self._encode_frames(session, frames, "obs") if frames else None
             if session.frame_start == 0:
                 latent = session.first_latent if latent is None else torch.cat([session.first_latent, latent], dim=2)
-            session.kv.drop_provisional()  # upstream's clear_pred_cache: the observation replaces the prediction
+            session.kv.drop_predictions()  # upstream's clear_pred_cache: the observation replaces the prediction
             sessions.append(session)
             latents.append(latent.to(self.dtype))
             actions.append(action_in)

@@ -290,6 +290,7 @@ class SessionEngine:
                     batch_size=len(members),
                     queue_ms=queued_ms,
                     encode_ms=admitted.encode_ms,
+                    chunk=result.chunk,
                 )
             )
         return replies
@@ -304,7 +305,7 @@ class SessionEngine:
             if reply.kind is ErrorKind.CAPACITY:
                 raise CapacityError(reply.message)
             raise RuntimeError(f"session {session_id}: {reply.message}")
-        result = StepResult(reply.actions, reply.timing_ms, reply.info)
+        result = StepResult(reply.actions, reply.timing_ms, reply.info, chunk=reply.chunk)
         return StepOutcome(result, session_id, reply.new_session, reply.calls, reply.compute_ms)
 
     def _record(
@@ -333,7 +334,7 @@ class SessionEngine:
                 compute_ms=compute_ms,
                 queue_ms=queued_ms,
                 encode_ms=encode_ms,
-                info=dict(result.info),
+                info={**result.info, **result.chunk.set_fields()},
             ),
         )
 

@@ -380,15 +380,16 @@ def _server_timing(reply: InferReply, round_trip_ms: float, prev_total_ms: float
 DEPRECATED_SESSION_KEYS = {"window_reset": "window_restart", "session_reset": "prompt_change"}
 
 
-CHUNK_KEYS = ("chunk_id", "frozen", "continuation")  # policies/continuation.py: also top-level keys of the dict reply
-
-
 def _chunk_info(reply: InferReply) -> dict[str, Any]:
-    """``chunk_id`` and ``frozen`` (and, when the request asked for a continuation, ``continuation``: applied or why not)."""
-    return {key: reply.info[key] for key in CHUNK_KEYS if key in reply.info}
+    """``chunk_id`` and ``frozen`` (and, when the request asked for a continuation, ``continuation``: applied or why
+    not): also top-level keys of the dict reply (ardiff_policies.continuation)."""
+    chunk = reply.chunk
+    top = {"chunk_id": chunk.chunk_id, "frozen": chunk.frozen, "continuation": chunk.continuation}
+    return {key: value for key, value in top.items() if value is not None}
 
 
 def _session_info(session_id: str, reply: InferReply) -> dict[str, Any]:
-    extra = {k: v for k, v in scalar_info(reply.info).items() if k not in ("id", "new", "calls", "replica", "batch_size")}
+    said = {**scalar_info(reply.info), **reply.chunk.set_fields()}
+    extra = {k: v for k, v in said.items() if k not in ("id", "new", "calls", "replica", "batch_size")}
     extra.update({old: extra[new] for old, new in DEPRECATED_SESSION_KEYS.items() if new in extra})
     return {"id": session_id, "new": reply.new_session, "calls": reply.calls, "replica": reply.replica, "batch_size": reply.batch_size, **extra}

@@ -20,8 +20,9 @@ Where this deliberately differs from upstream (docs/lingbot-va.md): the guidance
 
 Several robots' calls run batched (``infer_batch`` / ``compute_kv_cache_batch``). If a batched call raises (a CUDA
 error, one member's bad data, a bug), every member is put back as it was before the call (its KV pages and lengths:
-:meth:`SessionKV.snapshot`; its VAE streams' feature caches; its generator; its frame position) and retried alone:
-only a member that fails alone fails, the others get what they would have got alone.
+:meth:`SessionKV.snapshot`; its VAE streams' feature caches; its generator; its frame position) and retried alone
+(:func:`ardiff_policies.batch_retry.run_batched`, with :meth:`LingBotVAPolicy._keep` as its undo): only a member that
+fails alone fails, the others get what they would have got alone.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import functools
 import importlib.util
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKLWan
 
 from ardiff_kv import Branch, KVSpec, SessionKV, prepare_batch
+from ardiff_policies.batch_retry import run_batched, single
 from ardiff_policies.lingbot_va.config import Embodiment
 from ardiff_policies.lingbot_va.model import LingBotVATransformer, TextKV, action_grid, load_transformer, video_grid
 from ardiff_policies.observation import UnsupportedObservation
@@ -153,6 +155,33 @@ class _Saved:
 
     def release(self) -> None:
         self.session.kv.release()
+
+
+@dataclass
+class _Kept:
+    """Every member of a batched call as it was before it (:class:`ardiff_policies.batch_retry.Undo`)."""
+
+    saved: list[_Saved]
+
+    @classmethod
+    def take(cls, sessions: Sequence[LingBotVASession]) -> _Kept:
+        saved: list[_Saved] = []
+        try:
+            for session in sessions:
+                saved.append(_Saved.take(session))
+        except BaseException:
+            for entry in saved:
+                entry.restore()
+            raise
+        return cls(saved)
+
+    def restore(self) -> None:
+        for entry in self.saved:
+            entry.restore()
+
+    def release(self) -> None:
+        for entry in self.saved:
+            entry.release()
 
 
 class LingBotVAPolicy:
@@ -374,10 +403,7 @@ class LingBotVAPolicy:
         action_guidance_scale: float | None = None,
     ) -> np.ndarray:
         """One chunk: actions (len(used channels), frame_chunk_size, action_per_frame) float32."""
-        result = self.infer_batch([InferRequest(session, observation, video_guidance_scale, action_guidance_scale)])[0]
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        return single(self.infer_batch([InferRequest(session, observation, video_guidance_scale, action_guidance_scale)]))
 
     @torch.no_grad()
     def infer_batch(self, requests: Sequence[InferRequest]) -> list[np.ndarray | Exception]:
@@ -387,16 +413,14 @@ class LingBotVAPolicy:
         fails, each member is retried alone (see the module's docstring): one that fails alone gets its exception."""
         if len({id(r.session) for r in requests}) != len(requests):
             raise ValueError("a batch takes each session once")
-        results: list[np.ndarray | EpisodeError | None] = [None] * len(requests)
+        results: list[np.ndarray | Exception | None] = [None] * len(requests)
         accepted: list[tuple[int, InferRequest, float, float]] = []
         for i, request in enumerate(requests):
             try:
                 accepted.append((i, request, *self._check_infer(request)))
-            except EpisodeError as exc:
+            except Exception as exc:  # an EpisodeError: refused, its session unchanged; anything else fails it alone
                 results[i] = exc
-        if not accepted:
-            return results
-        outcomes = self._batched([r.session for _, r, _, _ in accepted], accepted, self._infer)
+        outcomes = run_batched(accepted, self._infer, undo=lambda items: self._keep([r.session for _, r, _, _ in items]))
         for (i, _, _, _), outcome in zip(accepted, outcomes):
             results[i] = outcome
         return results
@@ -474,38 +498,12 @@ class LingBotVAPolicy:
         session.first_start.restore(session)
         session.kv.drop_provisional()
 
-    # -- a failed batch, member by member ----------------------------------------------------
+    # -- a failed batch, member by member (ardiff_policies.batch_retry) ---------------------
 
-    def _batched(self, sessions: list[LingBotVASession], items: list, run: Callable[[list], list]) -> list:
-        """``run(items)`` (one item per session) batched; if it raises, every session is put back as it was and each
-        item retried alone: an item's entry is its result, or the exception it raised alone. A single item's
-        exception is its entry (nothing to put back: its session fails)."""
-        if len(items) == 1:
-            return [self._alone(run, items[0])]
-        if not self._undo_fits(sessions):  # no room to keep what a failed call would have to restore: one by one
-            return [self._alone(run, item) for item in items]
-        saved: list[_Saved] = []
-        try:
-            for session in sessions:
-                saved.append(_Saved.take(session))
-            out = run(items)
-        except Exception as exc:
-            for entry in saved:
-                entry.restore()
-            logger.warning(
-                "a batched %s of %d sessions failed (%s: %s); retrying each alone", run.__name__.strip("_"), len(items), type(exc).__name__, exc
-            )
-            return [self._alone(run, item) for item in items]
-        for entry in saved:
-            entry.release()
-        return out
-
-    @staticmethod
-    def _alone(run: Callable[[list], list], item):
-        try:
-            return run([item])[0]
-        except Exception as exc:
-            return exc
+    def _keep(self, sessions: list[LingBotVASession]) -> _Kept | None:
+        """The batch's sessions as they are, for :func:`~ardiff_policies.batch_retry.run_batched` to put back if the
+        batched call fails (then each member is retried alone); None if the pool has no room to keep them."""
+        return _Kept.take(sessions) if self._undo_fits(sessions) else None
 
     @functools.cached_property
     def _undo_pages_per_session(self) -> int:
@@ -551,9 +549,7 @@ class LingBotVAPolicy:
 
     def compute_kv_cache(self, session: LingBotVASession, frames: Sequence[Mapping[str, np.ndarray]], state: np.ndarray) -> None:
         """What the robot saw and did: the prediction's pages are dropped, these written as committed."""
-        result = self.compute_kv_cache_batch([CommitRequest(session, frames, state)])[0]
-        if isinstance(result, BaseException):
-            raise result
+        single(self.compute_kv_cache_batch([CommitRequest(session, frames, state)]))
 
     @torch.no_grad()
     def compute_kv_cache_batch(self, requests: Sequence[CommitRequest]) -> list[Exception | None]:
@@ -563,16 +559,14 @@ class LingBotVAPolicy:
         others' entries are None."""
         if len({id(r.session) for r in requests}) != len(requests):
             raise ValueError("a batch takes each session once")
-        results: list[EpisodeError | None] = [None] * len(requests)
+        results: list[Exception | None] = [None] * len(requests)
         accepted: list[tuple[LingBotVASession, list, torch.Tensor]] = []
         for i, request in enumerate(requests):
             try:
                 accepted.append(self._check_commit(request))
-            except EpisodeError as exc:
+            except Exception as exc:  # an EpisodeError: refused, its session unchanged; anything else fails it alone
                 results[i] = exc
-        if not accepted:
-            return results
-        outcomes = iter(self._batched([session for session, _, _ in accepted], accepted, self._commit))
+        outcomes = iter(run_batched(accepted, self._commit, undo=lambda items: self._keep([session for session, _, _ in items])))
         return [next(outcomes) if result is None else result for result in results]
 
     def _commit(self, accepted: list[tuple[LingBotVASession, list, torch.Tensor]]) -> list[None]:

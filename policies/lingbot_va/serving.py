@@ -1,4 +1,4 @@
-"""LingBot-VA behind the engine's :class:`~policies.base.Policy` interface.
+"""LingBot-VA behind the engine's :class:`~ardiff_policies.base.Policy` interface.
 
 The engine opens a session per robot and hands it its KV; this adapter maps its calls onto the episode logic
 (``policy.py``):
@@ -6,7 +6,7 @@ The engine opens a session per robot and hands it its KV; this adapter maps its 
 * a session is an episode: LingBot-VA's ``reset`` is the engine ending the session (its KV pages back to the pool); the
   next request opens a fresh one, whose first step encodes the prompt (beforehand, on the engine's encoder thread,
   when :meth:`prepare` ran) and seeds the session's generator with ``policy.seed``;
-* a request with an :class:`~policies.episode.EpisodeCall` is one of LingBot-VA's own calls: ``infer`` (predict the next
+* a request with an :class:`~ardiff_policies.episode.EpisodeCall` is one of LingBot-VA's own calls: ``infer`` (predict the next
   chunk) or ``compute_kv_cache`` (commit the key frames in the observation's camera stacks and the executed actions);
 * a request without one, or with a ``chunk`` call (OpenPI / RoboArena, with ``session_id``; the call carries the
   request's guidance scales) is a whole chunk: on a session that has a chunk
@@ -15,11 +15,12 @@ The engine opens a session per robot and hands it its KV; this adapter maps its 
   whose session was evicted starts a new episode instead of failing).
 
 :meth:`step_batch` runs all commits of a batch in one video and one action forward, then all predictions batched
-(a failed batch is retried member by member in ``policy.py``: only a member that fails alone fails).
+(a failed batch is retried member by member in ``policy.py``, :func:`ardiff_policies.batch_retry.run_batched`: only a
+member that fails alone fails).
 Actions go back as (frames x actions per frame, channels), time-major (the OpenPI shape); LingBot-VA's wire reshapes
 them to upstream's (channels, frames, actions per frame) (``PolicyInfo.details['action_layout']``).
 
-Recordings (``server.record_dir``): every call is a recorded call with its kind in ``info['call']`` (``infer``,
+Recordings (``server.record_dir``): every call is a recorded call with its kind in ``ChunkInfo.call`` (``infer``,
 ``compute_kv_cache``, or ``commit+infer`` on the OpenPI wire); its canvas is the frames it brought, laid out as the
 model sees them (the T layout: the wrists side by side above the high camera); an infer's prediction is its denoised
 video latents, decoded by the Wan VAE on the recorder's thread (:meth:`LingBotVAServing.decode_prediction`).
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 
 from ardiff_kv import Branch, KVSpec, SessionKV
 from ardiff_policies.base import ChunkRecording, Policy, RuntimeOptions, StartRefused, StepResult
+from ardiff_policies.chunk import ChunkInfo
 from ardiff_policies.embodiment import ObservationSchema
 from ardiff_policies.episode import EpisodeCall
 from ardiff_policies.info import PolicyInfo
@@ -208,12 +210,6 @@ class LingBotVAServing(Policy[ServedSession]):
 
     # -- steps -------------------------------------------------------------------------------------
 
-    def step(self, session: ServedSession, observation: RobotObservation) -> StepResult:
-        (result,) = self.step_batch([(session, observation)])
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
     def step_batch(self, items: Sequence[tuple[ServedSession, RobotObservation]]) -> list[StepResult | BaseException]:
         results: list[StepResult | BaseException | None] = [None] * len(items)
         commits: list[tuple[int, CommitRequest]] = []
@@ -243,7 +239,7 @@ class LingBotVAServing(Policy[ServedSession]):
                 infers.append(i)
         if commits:
             start = time.perf_counter()
-            outcomes = _batched(self.episodes.compute_kv_cache_batch, [r for _, r in commits])
+            outcomes = self.episodes.compute_kv_cache_batch([r for _, r in commits])
             ms = (time.perf_counter() - start) * 1000.0
             for (i, _), outcome in zip(commits, outcomes):
                 items[i][0].timing_ms["commit"] = ms
@@ -269,7 +265,7 @@ class LingBotVAServing(Policy[ServedSession]):
         if requests:
             first = [items[i][0].episode.frame_start == 0 for i in rows]
             start = time.perf_counter()
-            outcomes = _batched(self.episodes.infer_batch, requests)
+            outcomes = self.episodes.infer_batch(requests)
             ms = (time.perf_counter() - start) * 1000.0
             for i, is_first, outcome in zip(rows, first, outcomes):
                 session = items[i][0]
@@ -313,8 +309,8 @@ class LingBotVAServing(Policy[ServedSession]):
             out = np.zeros((0, self.channels), np.float32)
         else:
             out = np.ascontiguousarray(actions.reshape(self.channels, -1).T, dtype=np.float32)
-        info = {"call": kind, "frame_start": session.episode.frame_start, "execute_from": execute_from}
-        return StepResult(out, dict(session.timing_ms), info)
+        info = {"frame_start": session.episode.frame_start}
+        return StepResult(out, dict(session.timing_ms), info, chunk=ChunkInfo(call=kind, execute_from=execute_from))
 
     # -- recordings ------------------------------------------------------------------------------
 
@@ -324,7 +320,7 @@ class LingBotVAServing(Policy[ServedSession]):
         episode = session.episode
         dim = self.episodes.embodiment.action_dim
         predicted, raw = None, np.zeros((0, dim), np.float32)
-        if result.info["call"] != "compute_kv_cache":
+        if result.chunk.call != "compute_kv_cache":
             predicted = episode.predicted_latents.to("cpu")
             raw = np.ascontiguousarray(episode.predicted_actions.float().cpu()[0, ..., 0].reshape(dim, -1).T.numpy())
         episode.predicted_latents = episode.predicted_actions = None
@@ -374,15 +370,6 @@ def _openpi(call: EpisodeCall | None) -> bool:
     """An OpenPI request (one whole chunk: its frames commit the chunk out, then the next is predicted), with or
     without per-request guidance."""
     return call is None or call.kind == "chunk"
-
-
-def _batched(run, requests):
-    """A batched call of the episode logic, which retries a failed batch member by member itself; what still raises
-    here (its own machinery) is every member's failure."""
-    try:
-        return run(requests)
-    except Exception as exc:
-        return [exc] * len(requests)
 
 
 def build_lingbot_va(config: LingBotVAConfig, options: RuntimeOptions) -> LingBotVAServing:

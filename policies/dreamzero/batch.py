@@ -26,7 +26,7 @@ from ardiff_policies.observation import RobotObservation
 
 if TYPE_CHECKING:
     from ardiff_policies.dreamzero.continuation import ContinuationPlan
-    from ardiff_policies.wan.schedulers import FlowUniPCScheduler
+    from ardiff_policies.wan.samplers import FlowUniPCSampler
 
 # Marks the Call fields one denoise writes: each denoise (a retry too) starts from their defaults.
 PER_DENOISE = {"per_denoise": True}
@@ -51,8 +51,8 @@ class Call:
     latents: torch.Tensor | None = field(default=None, metadata=PER_DENOISE)
     actions: torch.Tensor | None = field(default=None, metadata=PER_DENOISE)
     state: torch.Tensor | None = field(default=None, metadata=PER_DENOISE)
-    video_scheduler: FlowUniPCScheduler | None = field(default=None, metadata=PER_DENOISE)
-    action_scheduler: FlowUniPCScheduler | None = field(default=None, metadata=PER_DENOISE)
+    video_sampler: FlowUniPCSampler | None = field(default=None, metadata=PER_DENOISE)
+    action_sampler: FlowUniPCSampler | None = field(default=None, metadata=PER_DENOISE)
     velocity: torch.Tensor | None = field(default=None, metadata=PER_DENOISE)
     action_velocity: torch.Tensor | None = field(default=None, metadata=PER_DENOISE)
     # last video velocities (the dynamic step cache compares them)

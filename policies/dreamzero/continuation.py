@@ -141,7 +141,7 @@ def before_step(plan: ContinuationPlan, actions: torch.Tensor, sigma: float) -> 
 
 
 def constraint(plan: ContinuationPlan | None, sigma: float | torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """What the action sampler applies to the raw sample it is handed (``FlowUniPCScheduler.step``'s ``constrain``):
+    """What the action sampler applies to the raw sample it is handed (``FlowUniPCSampler.step``'s ``constrain``):
     the replacement of :func:`before_step` at this step's noise level (None under ``guided``, which replaces
     nothing), so that it is what the multistep solver converts to x0 and carries on from (its corrector would
     otherwise recompute the rows without it)."""

@@ -13,7 +13,7 @@ Per call (upstream ``WANPolicyHead.lazy_joint_video_action``):
 3. KV prefill: at a window start the first frame's latent, later the 2 newly observed latents
    (VAE re-encode: repeat x2, prepend the first frame, keep the last 2). Committed only after
    the forward succeeds.
-4. Denoise 2 latent frames + the 24-step action chunk with two flow-matching UniPC schedulers
+4. Denoise 2 latent frames + the 24-step action chunk with two flow-matching UniPC samplers
    (16 steps, shift 5, fixed seed). CFG (5.0) on video only; actions use the conditional
    branch. The DiT step cache may reuse the previous velocity instead of running the DiT.
 5. Actions: q99-denormalized, relative keys (DROID: the joints) plus the last observed state.
@@ -54,7 +54,7 @@ from ardiff_policies.dreamzero.config import SYNTHETIC_PREFIX, DreamZeroConfig
 from ardiff_policies.dreamzero.embodiments import DROID_CAMERAS, embodiment_prompt, resolve
 from ardiff_policies.dreamzero.inputs import InputEncoder
 from ardiff_policies.dreamzero.model import DreamZeroModel
-from ardiff_policies.dreamzero.scheduler import DecoupledVideoScheduler
+from ardiff_policies.dreamzero.samplers import DecoupledVideoSampler
 from ardiff_policies.dreamzero.session import FRAMES_PER_CALL, DreamZeroSession
 from ardiff_policies.dreamzero.step_cache import should_run
 from ardiff_policies.dreamzero.transforms import CROP_SCALE, NormStats, denormalize_actions, normalize_state, to_absolute, video_size
@@ -62,7 +62,7 @@ from ardiff_policies.embodiment import Embodiment, ObservationSchema, metadata_f
 from ardiff_policies.info import PolicyInfo, droid_server_config
 from ardiff_policies.observation import RobotObservation, UnsupportedObservation
 from ardiff_policies.streams import own_stream
-from ardiff_policies.wan.schedulers import FlowUniPCScheduler
+from ardiff_policies.wan.samplers import FlowUniPCSampler
 
 logger = logging.getLogger(__name__)
 
@@ -462,13 +462,11 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             call.state = torch.from_numpy(self._model_state(call.raw_state).reshape(1, 1, -1)).to(self.device, self.dtype)
             if call.plan is not None:
                 call.plan.noise = call.actions.clone()
-            call.video_scheduler = (
-                DecoupledVideoScheduler(head.video_inference_final_noise) if head.decouple_inference_noise else FlowUniPCScheduler()
-            )
-            call.action_scheduler = FlowUniPCScheduler()
-            call.video_scheduler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
-            call.action_scheduler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
-        schedule = list(zip(calls[0].video_scheduler.timesteps, calls[0].action_scheduler.timesteps))
+            call.video_sampler = DecoupledVideoSampler(head.video_inference_final_noise) if head.decouple_inference_noise else FlowUniPCSampler()
+            call.action_sampler = FlowUniPCSampler()
+            call.video_sampler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
+            call.action_sampler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
+        schedule = list(zip(calls[0].video_sampler.timesteps, calls[0].action_sampler.timesteps))
         failure: BaseException | None = None  # raised on this rank since the CFG ranks last agreed
         for i, (t_video, t_action) in enumerate(schedule):
             running, local, guided = [], None, False
@@ -517,7 +515,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         for call in running if guided else ():  # a fresh graph per step, a gradient only for the guided calls' actions
             call.actions = call.actions.detach().requires_grad_(call.plan is not None and call.plan.mode == "guided")
         # The continuation's replacement reaches the DiT here; the samplers keep the raw sample and apply it once themselves.
-        dit_actions = [continuation.dit_actions(c.plan, c.actions, c.action_scheduler.sigmas[i]) for c in running]
+        dit_actions = [continuation.dit_actions(c.plan, c.actions, c.action_sampler.sigmas[i]) for c in running]
         with torch.set_grad_enabled(guided):
             predictions = self._forward(
                 running,
@@ -538,11 +536,11 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             if running:
                 self._guide(running, local)
             if guided:
-                continuation.guide_calls(running, float(calls[0].action_scheduler.sigmas[i]))
+                continuation.guide_calls(running, float(calls[0].action_sampler.sigmas[i]))
         for call in calls:
-            call.latents = call.video_scheduler.step(call.velocity, call.latents, i)
-            call.actions = call.action_scheduler.step(
-                call.action_velocity, call.actions, i, constrain=continuation.constraint(call.plan, call.action_scheduler.sigmas[i])
+            call.latents = call.video_sampler.step(call.velocity, call.latents, i)
+            call.actions = call.action_sampler.step(
+                call.action_velocity, call.actions, i, constrain=continuation.constraint(call.plan, call.action_sampler.sigmas[i])
             )
 
     def _guide(self, calls: list[Call], local: LocalPredictions) -> None:

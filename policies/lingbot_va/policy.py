@@ -46,7 +46,7 @@ from ardiff_policies.lingbot_va.config import Embodiment
 from ardiff_policies.lingbot_va.model import LingBotVATransformer, TextKV, action_grid, load_transformer, video_grid
 from ardiff_policies.observation import UnsupportedObservation
 from ardiff_policies.wan.prompt import clean_prompt
-from ardiff_policies.wan.schedulers import flow_match_sigmas
+from ardiff_policies.wan.samplers import flow_match_sigmas
 from ardiff_policies.wan.text import TextEncoder
 from ardiff_policies.wan.vae import StreamingEncoder
 

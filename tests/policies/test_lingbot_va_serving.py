@@ -1,4 +1,4 @@
-"""LingBot-VA through the engine (``policies/lingbot_va/serving.py``): batched == alone for every kind of call, bad
+"""LingBot-VA through the engine (``policies/lingbot_va/policy.py``): batched == alone for every kind of call, bad
 requests refused before any state changes, the observation's episode call across the process seam."""
 
 from __future__ import annotations

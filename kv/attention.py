@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 
 class PagedLayerInputs(NamedTuple):
-    """One layer's inputs to :func:`paged_write_attend`, built once per forward by the cache."""
+    """One layer's inputs to :func:`paged_write_attend` and the paged attention functions, built once per forward by the cache."""
 
     key_cache: torch.Tensor  # (num_pages, page_size, heads, head_dim): this layer's K pool, written in place
     value_cache: torch.Tensor  # same for V
@@ -53,20 +53,13 @@ class PagedLayerInputs(NamedTuple):
 # --------------------------------------------------------------------------- backends
 
 
-def sdpa_paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+def sdpa_paged_attention(query: torch.Tensor, inputs: PagedLayerInputs, scale: float) -> torch.Tensor:
     """Reference backend. ``query`` is (total_q, heads, head_dim); returns the same shape."""
+    key_cache, value_cache, block_table = inputs.key_cache, inputs.value_cache, inputs.block_table
     page_size = key_cache.shape[1]
     out = torch.empty_like(query)
     # Read the lengths on the host once per call (one device sync each), not per sequence.
-    q_bounds, kv_lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    q_bounds, kv_lens = inputs.cu_seqlens_q.tolist(), inputs.seq_lens.tolist()
     for b, kv_len in enumerate(kv_lens):
         q_start, q_end = q_bounds[b], q_bounds[b + 1]
         num_pages = -(-kv_len // page_size)
@@ -96,33 +89,22 @@ def flash_attention_version(device_index: int, page_size: int) -> int | None:
     return None
 
 
-def flash_paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    scale: float,
-    fa_version: int,
-) -> torch.Tensor:
+def flash_paged_attention(query: torch.Tensor, inputs: PagedLayerInputs, scale: float, fa_version: int) -> torch.Tensor:
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     out = torch.empty_like(query)
     flash_attn_varlen_func(
         q=query,
-        k=key_cache,
-        v=value_cache,
+        k=inputs.key_cache,
+        v=inputs.value_cache,
         out=out,
-        cu_seqlens_q=cu_seqlens_q,
-        max_seqlen_q=max_seqlen_q,
-        seqused_k=seq_lens,
-        max_seqlen_k=max_seqlen_k,
+        cu_seqlens_q=inputs.cu_seqlens_q,
+        max_seqlen_q=inputs.max_seqlen_q,
+        seqused_k=inputs.seq_lens,
+        max_seqlen_k=inputs.max_seqlen_k,
         softmax_scale=scale,
         causal=False,
-        block_table=block_table,
+        block_table=inputs.block_table,
         fa_version=fa_version,
     )
     return out
@@ -273,15 +255,7 @@ def _flex_kernel(compiled: bool):
     return eager
 
 
-def flex_paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    compiled: bool | None = None,
-) -> torch.Tensor:
+def flex_paged_attention(query: torch.Tensor, inputs: PagedLayerInputs, scale: float, compiled: bool | None = None) -> torch.Tensor:
     """Paged attention with FlexAttention, reading the pages in place.
 
     ``query`` is (total_q, heads, head_dim): B sequences (a block-table row each) of equal query
@@ -289,12 +263,13 @@ def flex_paged_attention(
     the batch); each sequence's block mask lets it see its own pages only. ``compiled`` defaults
     to True on CUDA (the eager path materializes query x pool scores) and False on CPU.
     """
+    key_cache, value_cache, block_table = inputs.key_cache, inputs.value_cache, inputs.block_table
     batch = block_table.shape[0]
     if query.shape[0] % batch:
         raise ValueError(f"the flex backend needs equal query lengths: {query.shape[0]} queries for {batch} sequences")
     q_len = query.shape[0] // batch
     num_pages, page_size, heads, dim = key_cache.shape
-    mask = _cached_block_mask(block_table, seq_lens, num_pages, page_size, q_len)
+    mask = _cached_block_mask(block_table, inputs.seq_lens, num_pages, page_size, q_len)
     # (P, S, H, D) -> (1, H, P * S, D): a strided view of the pool, nothing is copied.
     key = key_cache.view(1, num_pages * page_size, heads, dim).transpose(1, 2)
     value = value_cache.view(1, num_pages * page_size, heads, dim).transpose(1, 2)
@@ -307,44 +282,23 @@ def flex_paged_attention(
     return out.transpose(1, 2).reshape(batch * q_len, heads, dim)
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    *,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    scale: float,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """Non-causal attention of ``query`` (total_q, H, D) over the pages in ``block_table``."""
+def paged_attention(query: torch.Tensor, inputs: PagedLayerInputs, scale: float) -> torch.Tensor:
+    """Non-causal attention of ``query`` (total_q, H, D) over the pages in ``inputs.block_table``, with
+    ``inputs.backend`` (the slots are not read: nothing is written)."""
+    backend = inputs.backend
     if backend not in ("auto", "sdpa", "flash", "flex"):
         raise ValueError(f"unknown attention backend {backend!r}; expected auto, sdpa, flash or flex")
     if backend == "flex":
-        return flex_paged_attention(query, key_cache, value_cache, block_table, seq_lens, scale)
+        return flex_paged_attention(query, inputs, scale)
     if backend != "sdpa" and query.is_cuda:
-        version = flash_attention_version(query.device.index or 0, key_cache.shape[1])
+        version = flash_attention_version(query.device.index or 0, inputs.key_cache.shape[1])
         if version is not None:
-            return flash_paged_attention(
-                query,
-                key_cache,
-                value_cache,
-                block_table,
-                cu_seqlens_q,
-                seq_lens,
-                max_seqlen_q,
-                max_seqlen_k,
-                scale,
-                version,
-            )
+            return flash_paged_attention(query, inputs, scale, version)
         if backend == "flash":
             raise RuntimeError("attention backend 'flash' requested but vLLM flash-attention is unavailable here")
     elif backend == "flash":
         raise RuntimeError("attention backend 'flash' needs CUDA tensors")
-    return sdpa_paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale)
+    return sdpa_paged_attention(query, inputs, scale)
 
 
 # ------------------------------------------------------------- fused write + attend op
@@ -368,6 +322,10 @@ def write_attend(
     scale: float,
     backend: str,
 ) -> torch.Tensor:
+    # A custom op takes tensors and scalars, not a NamedTuple: the layer's inputs arrive spread out.
+    inputs = PagedLayerInputs(
+        key_cache, value_cache, video_slots, extra_slots, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, max_seqlen_k, backend
+    )
     flat_k = key_cache.view(-1, *key_cache.shape[2:])
     flat_v = value_cache.view(-1, *value_cache.shape[2:])
     flat_k.index_copy_(0, video_slots, key.to(flat_k.dtype))
@@ -375,18 +333,7 @@ def write_attend(
     if extra_key is not None and extra_value is not None and extra_key.shape[0] > 0:
         flat_k.index_copy_(0, extra_slots, extra_key.to(flat_k.dtype))
         flat_v.index_copy_(0, extra_slots, extra_value.to(flat_v.dtype))
-    return paged_attention(
-        query.to(key_cache.dtype),
-        key_cache,
-        value_cache,
-        block_table=block_table,
-        cu_seqlens_q=cu_seqlens_q,
-        seq_lens=seq_lens,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
-        scale=scale,
-        backend=backend,
-    ).to(query.dtype)
+    return paged_attention(query.to(key_cache.dtype), inputs, scale).to(query.dtype)
 
 
 # Registration is guarded so re-importing this module (tests pop it from sys.modules) is a no-op.

@@ -1,7 +1,7 @@
 """The policy interface the session engine drives.
 
 A policy is built once per worker process. The engine owns the KV cache: it opens a
-:class:`kv.SessionKV` per robot session and hands it to :meth:`Policy.start_session`; the policy
+:class:`ardiff_kv.SessionKV` per robot session and hands it to :meth:`Policy.start_session`; the policy
 keeps whatever else a session needs (frame buffers, conditioning) in the object it returns.
 """
 
@@ -17,6 +17,8 @@ import pydantic
 
 from ardiff_kv import Branch, KVSpec, SessionKV
 from ardiff_policies import registry
+from ardiff_policies.batch_retry import single
+from ardiff_policies.chunk import ChunkInfo
 from ardiff_policies.errors import StartRefused  # noqa: F401 - where policies and workers import it from
 from ardiff_policies.guidance import Guidance
 from ardiff_policies.info import PolicyInfo
@@ -55,8 +57,9 @@ class ChunkRecording:
 class StepResult:
     actions: np.ndarray  # (horizon, action_dim) float32
     timing_ms: dict[str, float]  # per phase, for the reply's policy_timing
-    info: dict[str, Any] = field(default_factory=dict)  # e.g. DiT forwards run, window position
+    info: dict[str, Any] = field(default_factory=dict)  # diagnostics for the reply's session map, e.g. DiT forwards run, window position
     recording: ChunkRecording | None = None
+    chunk: ChunkInfo = field(default_factory=ChunkInfo)  # what the reply says about its chunk (the protocol's keys)
 
 
 S = TypeVar("S")
@@ -78,7 +81,7 @@ class Policy(abc.ABC, Generic[S]):
         return (Branch.COND,)
 
     def check_observation(self, observation: RobotObservation) -> None:  # noqa: B027 - optional hook
-        """Raise :class:`policies.observation.UnsupportedObservation` for an observation this policy
+        """Raise :class:`ardiff_policies.observation.UnsupportedObservation` for an observation this policy
         cannot take. The engine calls it before any session state changes, so a bad observation
         is a ``bad request`` and never costs a robot its episode."""
 
@@ -102,30 +105,26 @@ class Policy(abc.ABC, Generic[S]):
         return list(failed)
 
     @abc.abstractmethod
-    def step(self, session: S, observation: RobotObservation) -> StepResult:
-        """One call: observation in, action chunk out. Raising leaves the session unusable; the
-        engine then ends it (and frees its KV) and the next request starts a fresh one.
-
-        Observation arrays are read-only views valid during this call only (they may live in
-        shared memory): copy what the session keeps."""
-
     def step_batch(self, items: Sequence[tuple[S, RobotObservation]]) -> list[StepResult | BaseException]:
-        """One call for each of several distinct sessions (at most ``engine.max_batch`` and
-        ``info.max_batch``), results in order; a failed session's entry is its exception (the engine
-        ends that session, the others carry on). A batched phase that fails is retried member by
-        member before any member is failed: a session fails only for what fails when it is alone.
-        An entry that is an :class:`~policies.observation.UnsupportedObservation` is a refusal made
-        before the session changed (what only the session's state can tell, e.g. a call out of its
-        episode's order): the engine answers ``bad request`` and keeps the session. A policy that can run several sessions in one
-        forward overrides this and says how many in ``PolicyInfo.max_batch``; the default runs
-        them one after another (the engine then never batches: ``max_batch`` 1)."""
-        results: list[StepResult | BaseException] = []
-        for session, observation in items:
-            try:
-                results.append(self.step(session, observation))
-            except Exception as exc:
-                results.append(exc)
-        return results
+        """One call (observation in, action chunk out) for each of several distinct sessions (at most
+        ``engine.max_batch`` and ``info.max_batch``), results in order; a failed session's entry is its
+        exception: the engine ends that session (and frees its KV), the others carry on, and that robot's
+        next request starts a fresh one. A batched phase that fails is retried member by member before any
+        member is failed (:func:`ardiff_policies.batch_retry.run_batched`): a session fails only for what
+        fails when it is alone. An entry that is an :class:`~ardiff_policies.observation.UnsupportedObservation`
+        is a refusal made before the session changed (what only the session's state can tell, e.g. a call out
+        of its episode's order): the engine answers ``bad request`` and keeps the session.
+
+        A policy that runs several sessions in one forward says how many in ``PolicyInfo.max_batch``; one that
+        runs them one after another keeps ``max_batch`` 1 (the engine then never batches).
+
+        Observation arrays are read-only views valid during this call only (they may live in shared memory):
+        copy what the session keeps."""
+
+    def step(self, session: S, observation: RobotObservation) -> StepResult:
+        """One session's call: :meth:`step_batch` of one, its entry raised if it is an exception (scripts,
+        tests, benchmarks; the engine always calls :meth:`step_batch`)."""
+        return single(self.step_batch([(session, observation)]))
 
     def end_session(self, session: S) -> None:  # noqa: B027 - optional hook
         """Drop per-session model state. The engine closes the session's KV itself."""

@@ -51,7 +51,9 @@ def episode(policy: DreamZeroPolicy, cache: PagedKVCache, mode: str, latency: fl
         observation = decode_request(request).observation
         policy.check_observation(observation)
         result = policy.step(session, observation)
-        return {"actions": result.actions, **{k: result.info[k] for k in ("chunk_id", "frozen", "continuation") if k in result.info}}
+        chunk = result.chunk
+        top = {"chunk_id": chunk.chunk_id, "frozen": chunk.frozen, "continuation": chunk.continuation}
+        return {"actions": result.actions, **{k: v for k, v in top.items() if v is not None}}
 
     clock = SimulatedClock()
     runner = AsyncChunkRunner(

@@ -414,10 +414,12 @@ def sdpa_kernels(dtype: torch.dtype) -> dict[str, str]:
     q = torch.randn(PAGE, 1, HEAD_DIM).to(dtype)
     pages = torch.randn(2, PAGE, 1, HEAD_DIM).to(dtype)
     table, cu_q, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([0, PAGE]), torch.tensor([2 * PAGE])
+    no_slots = torch.zeros(0, dtype=torch.long)
+    inputs = PagedLayerInputs(pages, pages, no_slots, no_slots, table, cu_q, lens, PAGE, 2 * PAGE, "sdpa")
     window = pages.flatten(0, 1)[None]  # (1, L, H, D), what the concat path hands to SDPA
     concat = DenseKVCache(1, 2 * PAGE).layers(update=False)[0]
     calls: dict[str, Callable[[], object]] = {
-        "paged": lambda: sdpa_paged_attention(q, pages, pages, table, cu_q, lens, 0.1),  # the op's CPU backend
+        "paged": lambda: sdpa_paged_attention(q, inputs, 0.1),  # the op's CPU backend
         "concat": lambda: concat.attend(q[None], window, window, None, None, 0.1),
     }
     kernels = {}

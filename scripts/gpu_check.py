@@ -875,8 +875,8 @@ def lingbot_va_check(args, cuda: bool, full: bool) -> dict[str, Any]:
     import torch
 
     from ardiff_policies.lingbot_va import memory as lv_memory
-    from ardiff_policies.lingbot_va.policy import kv_spec
-    from ardiff_policies.lingbot_va.serving import embodiment_by_name
+    from ardiff_policies.lingbot_va.episode_logic import kv_spec
+    from ardiff_policies.lingbot_va.policy import embodiment_by_name
     from ardiff_policies.lingbot_va.synthetic import parse_spec
     from ardiff_policies.observation import RobotObservation
     from ardiff_server.config import validate_config

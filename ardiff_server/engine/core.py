@@ -267,6 +267,7 @@ class SessionEngine:
                     queue_ms=queued_ms,
                     encode_ms=admitted.encode_ms,
                     deadline_slack_s=None if request.deadline is None else request.deadline - started,
+                    chunk=result.chunk,
                 )
             )
         return replies
@@ -281,7 +282,7 @@ class SessionEngine:
             if reply.kind is ErrorKind.CAPACITY:
                 raise CapacityError(reply.message)
             raise RuntimeError(f"session {session_id}: {reply.message}")
-        result = StepResult(reply.actions, reply.timing_ms, reply.info)
+        result = StepResult(reply.actions, reply.timing_ms, reply.info, chunk=reply.chunk)
         return StepOutcome(result, session_id, reply.new_session, reply.calls, reply.compute_ms, reply.deadline_slack_s)
 
     def _record(
@@ -310,7 +311,7 @@ class SessionEngine:
                 compute_ms=compute_ms,
                 queue_ms=queued_ms,
                 encode_ms=encode_ms,
-                info=dict(result.info),
+                info={**result.info, **result.chunk.set_fields()},
             ),
         )
 

@@ -24,6 +24,7 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 
+from ardiff_policies.chunk import ChunkInfo
 from ardiff_policies.info import PolicyInfo
 from ardiff_policies.observation import RobotObservation
 
@@ -169,7 +170,7 @@ class InferReply:
     session_id: str
     actions: np.ndarray  # (horizon, action_dim) float32
     timing_ms: dict[str, float]  # per phase (the reply's policy_timing)
-    info: dict[str, Any]  # policy's per-call facts, e.g. dit_forwards
+    info: dict[str, Any]  # policy's per-call diagnostics, e.g. dit_forwards
     new_session: bool
     calls: int
     compute_ms: float
@@ -179,6 +180,7 @@ class InferReply:
     queue_ms: float = 0.0  # how long it waited in the engine behind other robots' work (steps, their encodes), not its own
     encode_ms: float = 0.0  # its session-own work on the encoder thread (a window start's encodes); 0: none
     deadline_slack_s: float | None = None  # its deadline less its step's start (negative: missed); None: it had no deadline
+    chunk: ChunkInfo = field(default_factory=ChunkInfo)  # what the reply says about its chunk (StepResult.chunk)
 
     @property
     def deadline_missed(self) -> bool:

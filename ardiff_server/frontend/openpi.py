@@ -81,16 +81,17 @@ class OpenPIHandler:
 # The policy's chunk facts, read here and nowhere else in the front end: ``chunk_id`` / ``frozen`` (and, when the
 # request asked for a continuation, ``continuation``: applied or why not) as top-level keys of the dict reply
 # (``ardiff_policies.continuation``), every scalar fact (``call``, ``execute_from``, ...) in its ``session`` map.
-CHUNK_KEYS = ("chunk_id", "frozen", "continuation")
-
-
 def chunk_info(reply: InferReply) -> dict[str, Any]:
-    """The reply's ``chunk_id`` and ``frozen`` (and ``continuation``) that the policy reported."""
-    return {key: reply.info[key] for key in CHUNK_KEYS if key in reply.info}
+    """``chunk_id`` and ``frozen`` (and, when the request asked for a continuation, ``continuation``: applied or why
+    not): also top-level keys of the dict reply (ardiff_policies.continuation)."""
+    chunk = reply.chunk
+    top = {"chunk_id": chunk.chunk_id, "frozen": chunk.frozen, "continuation": chunk.continuation}
+    return {key: value for key, value in top.items() if value is not None}
 
 
 def session_info(session_id: str, reply: InferReply) -> dict[str, Any]:
-    """The reply's ``session`` map: the engine's facts about the call, then the policy's scalar ones."""
-    extra = {k: v for k, v in scalar_info(reply.info).items() if k not in ("id", "new", "calls", "replica", "batch_size")}
+    """The reply's ``session`` map: the engine's facts about the call, then the policy's scalar ones and its chunk's."""
+    said = {**scalar_info(reply.info), **reply.chunk.set_fields()}
+    extra = {k: v for k, v in said.items() if k not in ("id", "new", "calls", "replica", "batch_size")}
     extra.update({old: extra[new] for old, new in DEPRECATED_SESSION_KEYS.items() if new in extra})
     return {"id": session_id, "new": reply.new_session, "calls": reply.calls, "replica": reply.replica, "batch_size": reply.batch_size, **extra}

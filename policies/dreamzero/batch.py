@@ -3,14 +3,13 @@
 A step (:meth:`DreamZeroPolicy.step_batch`) is a sequence of phases over the batch's calls.
 Per-session phases run call by call (:func:`run_each`); batched phases run over many calls at
 once (:func:`run_phase`) and, if one raises, are retried member by member so only the members
-that fail alone lose their call. Under CFG-parallel both ranks agree on every outcome, one byte
-per call (``agree``: the policy's ``Guidance.agree``), so a failure on one rank never leaves the
-other waiting in a collective.
+that fail alone lose their call (:mod:`ardiff_policies.batch_retry`). Under CFG-parallel both ranks
+agree on every outcome, one byte per call (``agree``: the policy's ``Guidance.agree``), so a failure
+on one rank never leaves the other waiting in a collective.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
@@ -21,19 +20,16 @@ import torch
 
 from ardiff_kv import Branch
 from ardiff_policies.base import StepResult
+from ardiff_policies.batch_retry import Agree, OtherRankFailed, run_batched
+from ardiff_policies.dreamzero.session import DreamZeroSession
 from ardiff_policies.observation import RobotObservation
 
 if TYPE_CHECKING:
     from ardiff_policies.dreamzero.continuation import ContinuationPlan
-    from ardiff_policies.dreamzero.policy import DreamZeroSession
-    from ardiff_policies.wan.schedulers import FlowUniPCScheduler
-
-logger = logging.getLogger(__name__)
+    from ardiff_policies.wan.samplers import FlowUniPCSampler
 
 # Marks the Call fields one denoise writes: each denoise (a retry too) starts from their defaults.
 PER_DENOISE = {"per_denoise": True}
-
-Agree = Callable[[Sequence[bool]], list[bool]]  # failed flags of this rank -> failed on any rank
 
 
 @dataclass
@@ -55,8 +51,8 @@ class Call:
     latents: torch.Tensor | None = field(default=None, metadata=PER_DENOISE)
     actions: torch.Tensor | None = field(default=None, metadata=PER_DENOISE)
     state: torch.Tensor | None = field(default=None, metadata=PER_DENOISE)
-    video_scheduler: FlowUniPCScheduler | None = field(default=None, metadata=PER_DENOISE)
-    action_scheduler: FlowUniPCScheduler | None = field(default=None, metadata=PER_DENOISE)
+    video_sampler: FlowUniPCSampler | None = field(default=None, metadata=PER_DENOISE)
+    action_sampler: FlowUniPCSampler | None = field(default=None, metadata=PER_DENOISE)
     velocity: torch.Tensor | None = field(default=None, metadata=PER_DENOISE)
     action_velocity: torch.Tensor | None = field(default=None, metadata=PER_DENOISE)
     # last video velocities (the dynamic step cache compares them)
@@ -95,10 +91,6 @@ def local_predictions(predictions: list[Predictions], calls: list[Call], branche
     return LocalPredictions(video, cond_action, torch.cat([c.actions for c in calls]))
 
 
-class OtherRankFailed(RuntimeError):
-    """This rank's part succeeded, the other CFG-parallel rank's failed (its log has the error)."""
-
-
 def live(calls: list[Call]) -> list[Call]:
     """The calls no phase has failed yet."""
     return [call for call in calls if call.error is None]
@@ -119,45 +111,22 @@ def run_each(calls: list[Call], phase: Callable[[Call], None], agree: Agree) -> 
 
 
 def run_phase(calls: list[Call], phase: Callable[[list[Call]], None], agree: Agree) -> None:
-    """A batched phase. If it raises, each member is retried alone before anything fails: a
-    batch-size OOM or one member's bad input never costs the others their call. A phase changes
-    a session only once it has succeeded (KV writes abort on error), and a call's own state from a
-    failed attempt is reset when its retry starts (``Call.start_denoise``), so a retry starts clean.
+    """A batched phase, retried member by member if it raises (:func:`ardiff_policies.batch_retry.run_batched`): a
+    batch-size OOM or one member's bad input never costs the others their call. It needs no undo: a phase changes a
+    session only once it has succeeded (KV writes abort on error), and a call's own state from a failed attempt is
+    reset when its retry starts (``Call.start_denoise``), so a retry starts clean.
 
-    Under CFG-parallel the ranks agree after every attempt. A rank whose batched attempt
-    succeeded (the other's failed) has done its part: it only takes part in the agreements of
-    the retries, so nothing is written twice. Inside the denoise the ranks also agree once per
-    step, before its exchange, on everything the step did (``DreamZeroPolicy._denoise``), so a
-    failure there never leaves one rank in a collective the other does not join."""
-    if not calls:
-        return
-    error, done_here = _attempt(calls, phase, agree)
-    if error is None:
-        return
-    if len(calls) == 1:
-        calls[0].error = error
-        return
-    logger.warning("a batched %s of %d sessions failed (%s); retrying each alone", _name(phase), len(calls), error)
-    for call in calls:
-        call.error, _ = _attempt([call], phase, agree, run=not done_here)
+    Under CFG-parallel the ranks agree after every attempt. Inside the denoise the ranks also agree once per
+    step, before its exchange, on everything the step did (``DreamZeroPolicy._denoise``), so a failure there
+    never leaves one rank in a collective the other does not join."""
 
+    def run(group: list[Call]) -> list[None]:
+        phase(group)
+        return [None] * len(group)
 
-def _attempt(calls: list[Call], phase, agree: Agree, *, run: bool = True) -> tuple[BaseException | None, bool]:
-    """Run a batched phase (``run``: else only agree). Returns its error if it failed on any CFG
-    rank, and whether it completed on this one."""
-    error = None
-    if run:
-        try:
-            phase(calls)
-        except Exception as exc:
-            error = exc
-    if agree([error is not None])[0]:
-        return error or OtherRankFailed(f"a batched {_name(phase)} failed on the other CFG-parallel rank"), error is None
-    return None, True
-
-
-def _name(phase) -> str:
-    return getattr(phase, "__name__", "phase").strip("_")
+    for call, outcome in zip(calls, run_batched(calls, run, agree=agree, name=getattr(phase, "__name__", "phase").strip("_"))):
+        if isinstance(outcome, BaseException):
+            call.error = outcome
 
 
 class PhaseTimer:
@@ -180,8 +149,3 @@ def elapsed_ms(device: torch.device, started: float) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return (time.perf_counter() - started) * 1000.0
-
-
-def seeded_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """A call's initial noise, from a fresh generator per call: the same seed gives the same chunk, batched or alone."""
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)

@@ -2,7 +2,7 @@
 
 Each session keeps its last chunk (:class:`LastChunk`): the model-space actions (normalized, relative
 keys relative to the state they were anchored to), the actions as the robot got them and that raw
-state. A request with a :class:`policies.continuation.Continuation` (``executed`` e, ``delay`` d) gets a
+state. A request with a :class:`ardiff_policies.continuation.Continuation` (``executed`` e, ``delay`` d) gets a
 :class:`ContinuationPlan`: the old chunk's remaining actions ``[e, H)`` re-anchored to the new state,
 and how strongly each of the new chunk's actions is pinned to them.
 
@@ -21,7 +21,7 @@ Modes (``policy.continuation``), per denoising step at noise level sigma (x = (1
   trained with per-token action noise knows clean tokens); the rest denoise as usual.
 * ``guided`` (RTC's guidance, Black et al. 2025, eq. 2-4): the actions are left alone; the velocity becomes
   ``v - min(beta, w(sigma)) J^T (W (a' - x0_hat))``, ``x0_hat = x - sigma v``, ``J = d x0_hat / d x`` (a
-  vector-Jacobian product through the DiT: the forward runs differentiable, :class:`kv.readonly.ReadOnlyPagedLayer`,
+  vector-Jacobian product through the DiT: the forward runs differentiable, :class:`ardiff_kv.readonly.ReadOnlyPagedLayer`,
   and one backward per step), ``w(sigma) = (sigma^2 + (1 - sigma)^2) / (sigma (1 - sigma))``. CPU only.
 
 Either way the reply's first d rows are the old chunk's ``[e, e + d)`` exactly as the robot executes them.
@@ -141,7 +141,7 @@ def before_step(plan: ContinuationPlan, actions: torch.Tensor, sigma: float) -> 
 
 
 def constraint(plan: ContinuationPlan | None, sigma: float | torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """What the action sampler applies to the raw sample it is handed (``FlowUniPCScheduler.step``'s ``constrain``):
+    """What the action sampler applies to the raw sample it is handed (``FlowUniPCSampler.step``'s ``constrain``):
     the replacement of :func:`before_step` at this step's noise level (None under ``guided``, which replaces
     nothing), so that it is what the multistep solver converts to x0 and carries on from (its corrector would
     otherwise recompute the rows without it)."""
@@ -205,15 +205,6 @@ def guidance_weight(sigma: float) -> float:
     if not 0.0 < sigma < 1.0:
         return GUIDANCE_MAX_WEIGHT
     return min(GUIDANCE_MAX_WEIGHT, (sigma**2 + (1.0 - sigma) ** 2) / (sigma * (1.0 - sigma)))
-
-
-def track_guided(calls: list[Any]) -> bool:
-    """Whether a step's forward runs differentiable (a guided call among ``calls``); if so, each call's actions
-    start a fresh graph, with a gradient only for the guided ones."""
-    guided = any(c.plan is not None and c.plan.mode == "guided" for c in calls)
-    for call in calls if guided else ():
-        call.actions = call.actions.detach().requires_grad_(call.plan is not None and call.plan.mode == "guided")
-    return guided
 
 
 def guide_calls(calls: list[Any], sigma: float) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,6 +20,7 @@ import torch
 
 from ardiff_kv import Branch
 from ardiff_policies.dreamzero.batch import PhaseTimer
+from ardiff_policies.dreamzero.session import FRAMES_PER_CALL, DreamZeroSession, Prepared
 from ardiff_policies.dreamzero.transforms import crop_and_resize, pixels_to_model_range, resize_like_opencv, resize_video, stitch_canvas
 from ardiff_policies.embodiment import Embodiment
 from ardiff_policies.observation import RobotObservation
@@ -28,21 +28,6 @@ from ardiff_policies.wan.prompt import clean_prompt
 
 if TYPE_CHECKING:
     from ardiff_policies.dreamzero.model import DreamZeroModel
-    from ardiff_policies.dreamzero.policy import DreamZeroSession
-
-FRAMES_PER_CALL = 4  # frames a robot sends per call after the first (DreamZero's client contract)
-
-
-@dataclass
-class Prepared:
-    """A call's session-own work, done before its batch on the engine's encoder thread."""
-
-    observation: RobotObservation  # the call it was made for
-    prompt: str
-    canvas: np.ndarray  # (T, H, W, 3) uint8: the call's stitched frames
-    prompt_embeds: torch.Tensor | None  # the prompt's text embeddings, if the call needs them
-    image: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None  # (clip_feature, ys, first_latent) at a window start
-    timing_ms: dict[str, float]
 
 
 class InputEncoder:

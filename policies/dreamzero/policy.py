@@ -13,13 +13,13 @@ Per call (upstream ``WANPolicyHead.lazy_joint_video_action``):
 3. KV prefill: at a window start the first frame's latent, later the 2 newly observed latents
    (VAE re-encode: repeat x2, prepend the first frame, keep the last 2). Committed only after
    the forward succeeds.
-4. Denoise 2 latent frames + the 24-step action chunk with two flow-matching UniPC schedulers
+4. Denoise 2 latent frames + the 24-step action chunk with two flow-matching UniPC samplers
    (16 steps, shift 5, fixed seed). CFG (5.0) on video only; actions use the conditional
    branch. The DiT step cache may reuse the previous velocity instead of running the DiT.
 5. Actions: q99-denormalized, relative keys (DROID: the joints) plus the last observed state.
 
 What is robot-specific (cameras and their canvas, state / action keys, statistics, prompt
-template) is the served :class:`policies.embodiment.Embodiment`, read from the checkpoint
+template) is the served :class:`ardiff_policies.embodiment.Embodiment`, read from the checkpoint
 (``policies/dreamzero/embodiments.py``); DROID is one of them.
 """
 
@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,33 +36,33 @@ from ardiff_kv import Branch, KVSpec, ReadOnlyPagedLayer, SessionKV, prepare_bat
 from ardiff_kv.attention import allow_batch_shapes
 from ardiff_policies import hub
 from ardiff_policies.base import ChunkRecording, Policy, RuntimeOptions, StartRefused, StepResult
+from ardiff_policies.batch_retry import OtherRankFailed
+from ardiff_policies.chunk import ChunkInfo
 from ardiff_policies.continuation import APPLIED, CONTRACT
-from ardiff_policies.dreamzero import continuation as chunking
-from ardiff_policies.dreamzero import geometry, memory
+from ardiff_policies.dreamzero import continuation, geometry, memory
 from ardiff_policies.dreamzero.batch import (
     Call,
     LocalPredictions,
-    OtherRankFailed,
     PhaseTimer,
     elapsed_ms,
     live,
     local_predictions,
     run_each,
     run_phase,
-    seeded_noise,
 )
 from ardiff_policies.dreamzero.config import SYNTHETIC_PREFIX, DreamZeroConfig
 from ardiff_policies.dreamzero.embodiments import DROID_CAMERAS, embodiment_prompt, resolve
-from ardiff_policies.dreamzero.inputs import FRAMES_PER_CALL, InputEncoder, Prepared
+from ardiff_policies.dreamzero.inputs import InputEncoder
 from ardiff_policies.dreamzero.model import DreamZeroModel
-from ardiff_policies.dreamzero.scheduler import DecoupledVideoScheduler
+from ardiff_policies.dreamzero.samplers import DecoupledVideoSampler
+from ardiff_policies.dreamzero.session import FRAMES_PER_CALL, DreamZeroSession
 from ardiff_policies.dreamzero.step_cache import should_run
 from ardiff_policies.dreamzero.transforms import CROP_SCALE, NormStats, denormalize_actions, normalize_state, to_absolute, video_size
 from ardiff_policies.embodiment import Embodiment, ObservationSchema, metadata_frame
 from ardiff_policies.info import PolicyInfo, droid_server_config
 from ardiff_policies.observation import RobotObservation, UnsupportedObservation
 from ardiff_policies.streams import own_stream
-from ardiff_policies.wan.schedulers import FlowUniPCScheduler
+from ardiff_policies.wan.samplers import FlowUniPCSampler
 
 logger = logging.getLogger(__name__)
 
@@ -72,23 +70,6 @@ logger = logging.getLogger(__name__)
 FRAMES_CONTRACT = {"first": 1, "later": FRAMES_PER_CALL, "fewer": "padded by repeating the oldest frame sent", "more": "the newest are used"}
 # The 95 % center crop must keep at least one pixel: int(side * 0.95) >= 1.
 MIN_IMAGE_SIDE = 2
-
-
-@dataclass
-class DreamZeroSession:
-    session_id: str
-    kv: SessionKV
-    frames: deque = field(default_factory=lambda: deque(maxlen=FRAMES_PER_CALL))  # stitched canvases
-    calls: int = 0
-    prompt: str | None = None
-    prompt_embeds: torch.Tensor | None = None
-    current_start_frame: int = 0
-    clip_feature: torch.Tensor | None = None
-    ys: torch.Tensor | None = None  # (1, 4 + z, latent frames, h, w) image conditioning (14B only)
-    first_latent: torch.Tensor | None = None  # (1, z, 1, h, w) the window's first frame
-    prepared: Prepared | None = None  # what the encoder thread made for the next call (DreamZeroPolicy.prepare)
-    chunks: int = 0  # chunks served: the last one's chunk_id
-    last_chunk: chunking.LastChunk | None = None  # what a continuation continues
 
 
 class DreamZeroPolicy(Policy[DreamZeroSession]):
@@ -142,7 +123,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         self.use_guidance = config.cfg_scale != 1.0
         if self.guidance.is_parallel and not self.use_guidance:
             raise ValueError("CFG-parallel needs cfg_scale != 1 (there is no second branch to run)")
-        chunking.check_mode(
+        continuation.check_mode(
             config.continuation, device=self.device, cfg_parallel=self.guidance.is_parallel, cuda_graphs=options.cuda_graphs, compiled=options.compile
         )
         self.graphs = None
@@ -301,12 +282,6 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
 
     # -- one call, or several sessions' calls in one batch ------------------------------------
 
-    def step(self, session: DreamZeroSession, observation: RobotObservation) -> StepResult:
-        (result,) = self.step_batch([(session, observation)])
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
     @torch.no_grad()
     def step_batch(self, items: Sequence[tuple[DreamZeroSession, RobotObservation]]) -> list[StepResult | BaseException]:
         """One call for each of several sessions (distinct), the heavy parts run batched.
@@ -370,9 +345,9 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
     def _plan_continuation(self, call: Call) -> None:
         """Whether this call continues its session's last chunk, and how (``continuation.py``)."""
         asked = call.observation.continuation
-        call.continuation = chunking.decide(asked, call.session.last_chunk, call.events)
+        call.continuation = continuation.decide(asked, call.session.last_chunk, call.events)
         if call.continuation == APPLIED:
-            call.plan = chunking.plan(
+            call.plan = continuation.plan(
                 asked,
                 call.session.last_chunk,
                 call.raw_state,
@@ -482,18 +457,16 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         for call in calls:
             call.start_denoise()  # a retry alone after a batched attempt failed part-way starts clean too
             lh, lw = call.session.first_latent.shape[-2:]
-            call.latents = seeded_noise((1, z, dit.num_frame_per_block, lh, lw), config.seed).to(self.device, self.dtype)
-            call.actions = seeded_noise((1, head.action_horizon, dit.action_dim), config.seed).to(self.device, self.dtype)
+            call.latents = _seeded_noise((1, z, dit.num_frame_per_block, lh, lw), config.seed).to(self.device, self.dtype)
+            call.actions = _seeded_noise((1, head.action_horizon, dit.action_dim), config.seed).to(self.device, self.dtype)
             call.state = torch.from_numpy(self._model_state(call.raw_state).reshape(1, 1, -1)).to(self.device, self.dtype)
             if call.plan is not None:
                 call.plan.noise = call.actions.clone()
-            call.video_scheduler = (
-                DecoupledVideoScheduler(head.video_inference_final_noise) if head.decouple_inference_noise else FlowUniPCScheduler()
-            )
-            call.action_scheduler = FlowUniPCScheduler()
-            call.video_scheduler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
-            call.action_scheduler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
-        schedule = list(zip(calls[0].video_scheduler.timesteps, calls[0].action_scheduler.timesteps))
+            call.video_sampler = DecoupledVideoSampler(head.video_inference_final_noise) if head.decouple_inference_noise else FlowUniPCSampler()
+            call.action_sampler = FlowUniPCSampler()
+            call.video_sampler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
+            call.action_sampler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
+        schedule = list(zip(calls[0].video_sampler.timesteps, calls[0].action_sampler.timesteps))
         failure: BaseException | None = None  # raised on this rank since the CFG ranks last agreed
         for i, (t_video, t_action) in enumerate(schedule):
             running, local, guided = [], None, False
@@ -516,7 +489,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             raise failure
         for call in calls:
             if call.plan is not None:
-                call.actions = chunking.after_denoising(call.plan, call.actions)
+                call.actions = continuation.after_denoising(call.plan, call.actions)
         elapsed = elapsed_ms(self.device, started)
         for call in calls:
             call.session.current_start_frame += dit.num_frame_per_block
@@ -537,10 +510,12 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         timestep = torch.full((1, dit.num_frame_per_block), t_video, dtype=torch.long, device=self.device)
         timestep_action = torch.full((1, head.action_horizon), t_action, dtype=torch.long, device=self.device)
         if any(c.plan is not None and c.plan.mode == "clean_prefix" for c in running):  # per-call token timesteps
-            timestep_action = torch.cat([chunking.action_timesteps(c.plan, timestep_action) for c in running])
-        guided = chunking.track_guided(running)
+            timestep_action = torch.cat([continuation.action_timesteps(c.plan, timestep_action) for c in running])
+        guided = any(c.plan is not None and c.plan.mode == "guided" for c in running)  # RTC's guidance: a VJP per step
+        for call in running if guided else ():  # a fresh graph per step, a gradient only for the guided calls' actions
+            call.actions = call.actions.detach().requires_grad_(call.plan is not None and call.plan.mode == "guided")
         # The continuation's replacement reaches the DiT here; the samplers keep the raw sample and apply it once themselves.
-        dit_actions = [chunking.dit_actions(c.plan, c.actions, c.action_scheduler.sigmas[i]) for c in running]
+        dit_actions = [continuation.dit_actions(c.plan, c.actions, c.action_sampler.sigmas[i]) for c in running]
         with torch.set_grad_enabled(guided):
             predictions = self._forward(
                 running,
@@ -561,11 +536,11 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             if running:
                 self._guide(running, local)
             if guided:
-                chunking.guide_calls(running, float(calls[0].action_scheduler.sigmas[i]))
+                continuation.guide_calls(running, float(calls[0].action_sampler.sigmas[i]))
         for call in calls:
-            call.latents = call.video_scheduler.step(call.velocity, call.latents, i)
-            call.actions = call.action_scheduler.step(
-                call.action_velocity, call.actions, i, constrain=chunking.constraint(call.plan, call.action_scheduler.sigmas[i])
+            call.latents = call.video_sampler.step(call.velocity, call.latents, i)
+            call.actions = call.action_sampler.step(
+                call.action_velocity, call.actions, i, constrain=continuation.constraint(call.plan, call.action_sampler.sigmas[i])
             )
 
     def _guide(self, calls: list[Call], local: LocalPredictions) -> None:
@@ -591,18 +566,12 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             frozen = call.plan.frozen
             actions[:frozen] = call.plan.executed_actions
         session.chunks += 1
-        session.last_chunk = chunking.LastChunk(session.chunks, call.actions.detach().clone(), actions.copy(), call.raw_state)
+        session.last_chunk = continuation.LastChunk(session.chunks, call.actions.detach().clone(), actions.copy(), call.raw_state)
         call.result = StepResult(
             actions=actions,
             timing_ms=call.timing,
-            info={
-                "dit_forwards": call.forwards,
-                "current_start_frame": session.current_start_frame,
-                **call.events,
-                "chunk_id": session.chunks,
-                "frozen": frozen,
-                **({"continuation": call.continuation} if call.continuation is not None else {}),
-            },
+            info={"dit_forwards": call.forwards, "current_start_frame": session.current_start_frame, **call.events},
+            chunk=ChunkInfo(chunk_id=session.chunks, frozen=frozen, continuation=call.continuation),
         )
         if self.options.record:  # references for the recorder; its thread decodes the video beside the steps
             seen = list(session.frames)[-(1 if session.calls == 1 else FRAMES_PER_CALL) :]
@@ -675,6 +644,11 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         real = denormalize_actions(chunk, self.action_stats)
         real = to_absolute(real, raw_state, self._relative)
         return real.astype(np.float32)
+
+
+def _seeded_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """A call's initial noise, from a fresh generator per call: the same seed gives the same chunk, batched or alone."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
 
 
 def build_dreamzero(config: DreamZeroConfig, options: RuntimeOptions) -> DreamZeroPolicy:

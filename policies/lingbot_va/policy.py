@@ -1,655 +1,403 @@
-"""LingBot-VA's episode logic: ``reset`` / ``infer`` / ``compute_kv_cache`` over a session's paged KV.
+"""LingBot-VA behind the engine's :class:`~ardiff_policies.base.Policy` interface.
 
-Upstream's server (``wan_va/wan_va_server.py``: ``_reset``, ``_infer``, ``_compute_kv_cache``) holds one robot in
-module state; here every session is a :class:`LingBotVASession` (its KV pages, its VAE streams' feature caches, its
-prompt's cross-attention K/V, its noise generator, its frame position), and the arithmetic is upstream's:
+The engine opens a session per robot and hands it its KV; this adapter maps its calls onto the episode logic
+(``episode_logic.py``):
 
-* ``reset``: the prompt and the negative prompt ``""`` through UMT5 (padded to 512, padding zeroed), projected once
-  into every layer's cross-attention K/V; the KV window and the VAE streams start empty; the session's generator
-  is seeded (upstream draws from the unseeded global generator: not reproducible);
-* ``infer``: on the first chunk the observation is encoded and becomes latent frame 0 (timestep 0); then video
-  noise, then action noise are drawn (a repeated first-chunk infer, before its commit, starts again from where the
-  first did: :class:`_StreamState`); the video loop (FlowMatch Euler, its timesteps padded with a trailing 0 whose
-  forward only writes the predicted chunk's K/V, as prediction entries), then the action loop the same way; CFG
-  over [prompt, negative] whenever either guidance scale is above 1;
-* ``compute_kv_cache``: the prediction entries are dropped, the frames the robot saw and the actions it executed are
-  written as observation entries (t = 0), and the frame position advances.
+* a session is an episode: LingBot-VA's ``reset`` is the engine ending the session (its KV pages back to the pool); the
+  next request opens a fresh one, whose first step encodes the prompt (beforehand, on the engine's encoder thread,
+  when :meth:`prepare` ran) and seeds the session's generator with ``policy.seed``;
+* a request with an :class:`~ardiff_policies.episode.EpisodeCall` is one of LingBot-VA's own calls: ``infer`` (predict the next
+  chunk) or ``compute_kv_cache`` (commit the key frames in the observation's camera stacks and the executed actions);
+* a request without one, or with a ``chunk`` call (OpenPI / RoboArena, with ``session_id``; the call carries the
+  request's guidance scales) is a whole chunk: on a session that has a chunk
+  out, its frames (4 per latent frame) commit that chunk with the actions the server sent, then the next chunk is
+  predicted; the first request of a session carries one frame per camera (of a stack, the newest is used: a robot
+  whose session was evicted starts a new episode instead of failing).
 
-Where this deliberately differs from upstream (docs/lingbot-va.md): the guidance scales a request carries are used
-(bounded), upstream ignores them; noise comes from a per-session generator seeded at reset.
+:meth:`step_batch` runs all commits of a batch in one video and one action forward, then all predictions batched
+(a failed batch is retried member by member in ``episode_logic.py``, :func:`ardiff_policies.batch_retry.run_batched`: only a
+member that fails alone fails).
+Actions go back as (frames x actions per frame, channels), time-major (the OpenPI shape); LingBot-VA's wire reshapes
+them to upstream's (channels, frames, actions per frame) (``PolicyInfo.details['action_layout']``).
 
-Several robots' calls run batched (``infer_batch`` / ``compute_kv_cache_batch``). If a batched call raises (a CUDA
-error, one member's bad data, a bug), every member is put back as it was before the call (its KV pages and lengths:
-:meth:`SessionKV.snapshot`; its VAE streams' feature caches; its generator; its frame position) and retried alone:
-only a member that fails alone fails, the others get what they would have got alone.
+Recordings (``server.record_dir``): every call is a recorded call with its kind in ``ChunkInfo.call`` (``infer``,
+``compute_kv_cache``, or ``commit+infer`` on the OpenPI wire); its canvas is the frames it brought, laid out as the
+model sees them (the T layout: the wrists side by side above the high camera); an infer's prediction is its denoised
+video latents, decoded by the Wan VAE on the recorder's thread (:meth:`LingBotVAServing.decode_prediction`).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import logging
-import math
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from diffusers import AutoencoderKLWan
 
-from ardiff_kv import Branch, EntryKind, KVSpec, SessionKV, prepare_batch
-from ardiff_policies.lingbot_va.config import Embodiment
-from ardiff_policies.lingbot_va.model import LingBotVATransformer, TextKV, action_grid, load_transformer, video_grid
-from ardiff_policies.observation import UnsupportedObservation
-from ardiff_policies.wan.prompt import clean_prompt
-from ardiff_policies.wan.schedulers import flow_match_sigmas
-from ardiff_policies.wan.text import TextEncoder
-from ardiff_policies.wan.vae import StreamingEncoder
+from ardiff_kv import Branch, KVSpec, SessionKV
+from ardiff_policies.base import ChunkRecording, Policy, RuntimeOptions, StartRefused, StepResult
+from ardiff_policies.chunk import ChunkInfo
+from ardiff_policies.embodiment import ObservationSchema
+from ardiff_policies.episode import EpisodeCall
+from ardiff_policies.info import PolicyInfo
+from ardiff_policies.lingbot_va import config as lv_config
+from ardiff_policies.lingbot_va.episode_logic import MAX_GUIDANCE, CommitRequest, EpisodeError, InferRequest, LingBotVAPolicy, LingBotVASession
+from ardiff_policies.lingbot_va.memory import describe_loaded
+from ardiff_policies.lingbot_va.model import TextKV
+from ardiff_policies.lingbot_va.settings import BUILTIN_TINY, SYNTHETIC_PREFIX, LingBotVAConfig
+from ardiff_policies.observation import RobotObservation, UnsupportedObservation
+from ardiff_policies.streams import own_stream
 
 logger = logging.getLogger(__name__)
 
-TEXT_LENGTH = 512  # upstream's max_sequence_length: the cross-attention sees all 512 positions
-LATENT_CHANNELS = 48
-MAX_GUIDANCE = 20.0  # a request's guidance scale outside [1, MAX_GUIDANCE] is refused by name
-# upstream's update_cache -> the entries a forward writes (0: scratch, none kept)
-_ENTRIES = {0: EntryKind.OBSERVATION, 1: EntryKind.PREDICTION, 2: EntryKind.OBSERVATION}
+CAMERA_PREFIX = "observation.images."  # upstream's camera keys; the OpenPI wire uses the names after it
+MAX_BATCH = 64  # sessions per forward: any number works, the engine's max_batch and the KV pool bound it
+FRAMES_PER_LATENT = 4  # key frames per latent frame (the VAE's temporal stride)
 
 
-class EpisodeError(UnsupportedObservation):
-    """A request this session cannot take (the message names the key); the session is left as it was, so the
-    engine answers it as a bad request and keeps the session."""
+def embodiment_by_name(name: str) -> lv_config.Embodiment:
+    from ardiff_policies.lingbot_va import upstream_configs
+    from ardiff_policies.lingbot_va.tiny import TINY_EMBODIMENT, TINY_LIBERO_EMBODIMENT
+
+    return {
+        "robotwin": lv_config.ROBOTWIN,
+        "franka": lv_config.FRANKA,
+        "libero": upstream_configs.LIBERO,
+        "demo": upstream_configs.DEMO,
+        "tiny_robotwin": TINY_EMBODIMENT,
+        "tiny_libero": TINY_LIBERO_EMBODIMENT,
+    }[name]
 
 
-def kv_spec(embodiment: Embodiment, model_cfg, dtype: torch.dtype) -> KVSpec:
-    """Pages of gcd(video, action tokens per chunk): every write is whole pages; the window is upstream's
-    ``(attn_window // 2) x (video + action tokens per chunk)``."""
-    video, action = embodiment.video_tokens_per_chunk, embodiment.action_tokens_per_chunk
-    page = math.gcd(video, action)
-    return KVSpec(
-        num_layers=model_cfg.num_layers,
-        num_heads=model_cfg.num_attention_heads,
-        head_dim=model_cfg.attention_head_dim,
-        page_size=page,
-        window_pages=(embodiment.attn_window // 2) * (video + action) // page,
-        max_new_pages=max(video, action) // page,
-        evict_to_fit=True,
-        undo_pages=(video + action) // page,
-        dtype=dtype,
-    )
-
-
-@dataclass(frozen=True)
-class InferRequest:
-    session: LingBotVASession
-    observation: Mapping[str, np.ndarray] | Sequence[Mapping[str, np.ndarray]]
-    video_guidance_scale: float | None = None
-    action_guidance_scale: float | None = None
-
-
-@dataclass(frozen=True)
-class CommitRequest:
-    session: LingBotVASession
-    frames: Sequence[Mapping[str, np.ndarray]]  # the key frames the robot saw while executing the chunk
-    state: np.ndarray  # the chunk's actions as the client received (and executed) them
+def short_camera(name: str) -> str:
+    return name.removeprefix(CAMERA_PREFIX)
 
 
 @dataclass
-class LingBotVASession:
-    session_id: str
-    kv: SessionKV
-    streams: tuple[StreamingEncoder, ...]
-    generator: torch.Generator = field(default_factory=torch.Generator)
-    text_kv: list[TextKV] | None = None  # per layer, batch [prompt, negative]
-    frame_start: int = 0
-    first_latent: torch.Tensor | None = None  # the first chunk's encoded observation, until its commit
-    first_start: _StreamState | None = None  # the generator and VAE streams as the first infer found them, until its commit
-    predicted_latents: torch.Tensor | None = None  # the last infer's denoised video, when the policy keeps it
-    predicted_actions: torch.Tensor | None = None  # and its normalized actions (1, 30, F, N, 1)
+class ServedSession:
+    episode: LingBotVASession
+    prompt: str | None = None  # the episode's prompt, once its first step began it
+    pending_text: tuple[str, list[TextKV]] | None = None  # the prompt's K/V made by prepare() on the encoder thread
+    last_actions: np.ndarray | None = None  # the chunk out, (channels, F, N), until the OpenPI wire commits it
+    timing_ms: dict[str, float] = field(default_factory=dict)
+    committed: bool = False  # this step committed frames (its recording's call kind)
 
 
-@dataclass(frozen=True)
-class _StreamState:
-    """A session's noise generator and its VAE streams' feature caches, to start a call again from.
+class LingBotVAServing(Policy[ServedSession]):
+    def __init__(self, episodes: LingBotVAPolicy, config: LingBotVAConfig, checkpoint: str, *, record: bool = False) -> None:
+        self.episodes = episodes
+        self.config = config
+        self.checkpoint = checkpoint
+        self.record = record  # fill StepResult.recording (server.record_dir)
+        episodes.keep_predictions = record
+        e = episodes.embodiment
+        self.embodiment = e
+        self.cameras = tuple(short_camera(c) for c in e.cameras)
+        self.channels = len(e.used_action_channel_ids)
+        self.frames, self.per_frame = e.frame_chunk_size, e.action_per_frame
+        self.tag = f"lingbot_va_{config.embodiment_name}"
+        sizes = [(e.height, e.width) if i == 0 or e.layout != "robotwin_tshape" else (e.height // 2, e.width // 2) for i in range(len(e.cameras))]
+        self.schema = ObservationSchema(self.tag, self.cameras, (), tuple(sizes))
+        self._info = self._make_info()
 
-    Kept by a failed batch (:class:`_Saved`) and by an episode's first infer: a second first-chunk infer before the
-    commit (a client that asks again) would otherwise continue the streams' causal caches, which already hold the
-    first observation (the causal conv then sees 2 frames where it needs 3: upstream's server raises there too); from
-    this state it encodes its observation as the first did and draws the same noise, so it is served as the first."""
+    # -- what clients are told ------------------------------------------------------------------
 
-    generator: torch.Tensor
-    feat_caches: tuple[list, ...]
+    def _make_info(self) -> PolicyInfo:
+        e = self.embodiment
+        commit_frames = {"first_chunk": FRAMES_PER_LATENT * (self.frames - 1), "later_chunks": FRAMES_PER_LATENT * self.frames}
+        frame = {
+            "embodiment": self.tag,
+            "observation": self.schema.describe(),
+            "frames_per_call": {"first": 1, "after_first_chunk": commit_frames["first_chunk"], "later": commit_frames["later_chunks"]},
+            "actions": {
+                "horizon": self.frames * self.per_frame,
+                "dim": self.channels,
+                "layout": "time-major (frames x actions per frame, channels); LingBot-VA's own wire: (channels, frames, actions per frame)",
+                "execute_from": "the reply's session.execute_from: the first chunk's first frame of actions conditions the model and is not executed",
+            },
+            "needs_session_id": True,
+            "continuations": False,  # a request's continuation is refused by name; ardiff-client --async asks without one
+            "image_resolution": list(self.schema.resolutions[0]),
+            "protocols": ["openpi", "lingbot_va"],
+            "guidance": {"video_guidance_scale": e.guidance_scale, "action_guidance_scale": e.action_guidance_scale, "max": MAX_GUIDANCE},
+        }
+        return PolicyInfo(
+            frame,
+            action_horizon=self.frames * self.per_frame,
+            action_dim=self.channels,
+            model=self.tag,
+            checkpoint=self.checkpoint,
+            details={
+                "action_layout": {"channels": self.channels, "frames": self.frames, "per_frame": self.per_frame},
+                "commit_frames": commit_frames,
+                "layout": e.layout,
+                "attn_window": e.attn_window,
+                "seed": self.config.seed,
+            },
+            max_batch=MAX_BATCH,
+            observation_schema=self.schema,
+            native_protocol="lingbot_va",
+            max_frames_per_call=max(commit_frames.values()),  # every frame sent is read; check_observation refuses other counts
+        )
 
-    @classmethod
-    def of(cls, session: LingBotVASession) -> _StreamState:
-        # diffusers' causal convs replace their cache entries, never write into them: a copy of the lists suffices
-        return cls(session.generator.get_state(), tuple(list(stream.feat_cache) for stream in session.streams))
-
-    def restore(self, session: LingBotVASession) -> None:
-        session.generator.set_state(self.generator)
-        for stream, cache in zip(session.streams, self.feat_caches):
-            stream.feat_cache = list(cache)
-
-
-@dataclass
-class _Saved:
-    """A session as it was before a batched call, to put back if the call fails (then retried alone)."""
-
-    session: LingBotVASession
-    streams: _StreamState
-    frame_start: int
-    first_latent: torch.Tensor | None
-    first_start: _StreamState | None
-
-    @classmethod
-    def take(cls, session: LingBotVASession) -> _Saved:
-        session.kv.snapshot()
-        return cls(session, _StreamState.of(session), session.frame_start, session.first_latent, session.first_start)
-
-    def restore(self) -> None:
-        s = self.session
-        s.kv.rollback()
-        self.streams.restore(s)
-        s.frame_start, s.first_latent, s.first_start = self.frame_start, self.first_latent, self.first_start
-
-    def release(self) -> None:
-        self.session.kv.release()
-
-
-class LingBotVAPolicy:
-    def __init__(
-        self,
-        transformer: LingBotVATransformer,
-        vae: AutoencoderKLWan,
-        text_encoder: TextEncoder,
-        tokenizer,
-        embodiment: Embodiment,
-        *,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
-        self.transformer = transformer
-        self.vae = vae
-        self.text_encoder = text_encoder
-        self.tokenizer = tokenizer
-        self.embodiment = embodiment
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.keep_predictions = False  # keep each infer's denoised video on its session (recordings)
-        self._warned_headroom = False
-        e = embodiment
-        if transformer.config.action_dim != e.action_dim:
-            raise ValueError(f"the transformer has {transformer.config.action_dim} action channels, the embodiment {e.action_dim}")
-        self.action_mask = torch.zeros(e.action_dim, dtype=torch.bool)
-        self.action_mask[list(e.used_action_channel_ids)] = True
-        inverse = [len(e.used_action_channel_ids)] * e.action_dim  # unused channels read the zero row
-        for i, channel in enumerate(e.used_action_channel_ids):
-            inverse[channel] = i
-        self.inverse_channels = inverse
-        self.q01 = torch.tensor(e.q01, dtype=torch.float32).reshape(-1, 1, 1)
-        self.q99 = torch.tensor(e.q99, dtype=torch.float32).reshape(-1, 1, 1)
-        vae_cfg = vae.config
-        self.latents_mean = torch.tensor(vae_cfg.latents_mean, dtype=torch.float32)
-        self.latents_std = torch.tensor(vae_cfg.latents_std, dtype=torch.float32)
-
-    @classmethod
-    def load(cls, checkpoint: str | Path, embodiment: Embodiment, *, device="cpu", dtype=torch.float32) -> LingBotVAPolicy:
-        """A released checkpoint directory (``transformer/``, ``vae/``, ``text_encoder/``, ``tokenizer/``)."""
-        from transformers import AutoTokenizer, UMT5EncoderModel
-        from transformers.utils import logging as transformers_logging
-
-        root = Path(checkpoint)
-        transformer = load_transformer(root / "transformer", dtype=dtype, device=device)
-        # low_cpu_mem_usage said explicitly: diffusers' default asks for accelerate and logs a paragraph without it
-        low_memory = importlib.util.find_spec("accelerate") is not None
-        vae = AutoencoderKLWan.from_pretrained(root / "vae", torch_dtype=dtype, low_cpu_mem_usage=low_memory).to(device).eval()
-        # transformers' default attention, as upstream's load_text_encoder (DreamZero's TextEncoder.from_config forces
-        # eager to match DreamZero's own T5 in bf16; LingBot-VA uses transformers' UMT5 itself). Its tqdm bar is
-        # hidden: its carriage returns garble a log file
-        bar = transformers_logging.is_progress_bar_enabled()
-        transformers_logging.disable_progress_bar()
-        try:
-            umt5 = UMT5EncoderModel.from_pretrained(root / "text_encoder", torch_dtype=dtype)
-        finally:
-            if bar:
-                transformers_logging.enable_progress_bar()
-        text = TextEncoder(umt5).to(device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
-        return cls(transformer, vae, text, tokenizer, embodiment, device=device, dtype=dtype)
+    @property
+    def info(self) -> PolicyInfo:
+        return self._info
 
     def kv_spec(self) -> KVSpec:
-        return kv_spec(self.embodiment, self.transformer.config, self.dtype)
+        return self.episodes.kv_spec()
 
     @property
     def branches(self) -> tuple[Branch, ...]:
-        """CFG [prompt, negative] when either configured scale is above 1 (upstream's ``use_cfg``), fixed per
-        policy: both branches' K/V are written by every forward, so a request can change the scales, not the batch."""
-        e = self.embodiment
-        return (Branch.COND, Branch.UNCOND) if (e.guidance_scale > 1 or e.action_guidance_scale > 1) else (Branch.COND,)
+        return self.episodes.branches
 
-    # -- sessions ----------------------------------------------------------------------------
+    # -- requests checked before any session state changes ---------------------------------------
 
-    def start_session(self, session_id: str, kv: SessionKV) -> LingBotVASession:
-        streams = 2 if self.embodiment.layout == "robotwin_tshape" else 1
-        return LingBotVASession(session_id, kv, tuple(StreamingEncoder(self.vae) for _ in range(streams)))
-
-    @torch.no_grad()
-    def reset(self, session: LingBotVASession, prompt: str, seed: int, text_kv: list[TextKV] | None = None) -> None:
-        """A new episode: the prompt's K/V, an empty window and VAE streams, the generator seeded. ``text_kv``: the
-        prompt's K/V made beforehand (:meth:`encode_prompt`, e.g. on the engine's encoder thread)."""
-        if not isinstance(prompt, str):
-            raise EpisodeError(f"prompt: expected a string, got {type(prompt).__name__}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise EpisodeError(f"seed: expected a non-negative integer, got {seed!r}")
-        session.kv.restart_window()
-        for stream in session.streams:
-            stream.clear()
-        session.generator = torch.Generator().manual_seed(seed)
-        session.frame_start, session.first_latent, session.first_start = 0, None, None
-        session.text_kv = text_kv if text_kv is not None else self.encode_prompt(prompt)
-
-    @torch.no_grad()
-    def encode_prompt(self, prompt: str) -> list[TextKV]:
-        """Every layer's cross-attention K/V of [prompt, negative ""] (touches no session)."""
-        return self.transformer.project_text(self._encode_text([prompt, ""]))
-
-    def _encode_text(self, prompts: list[str]) -> torch.Tensor:
-        tokens = self.tokenizer(
-            [clean_prompt(p) for p in prompts],
-            padding="max_length",
-            max_length=TEXT_LENGTH,
-            truncation=True,
-            add_special_tokens=True,
-            return_attention_mask=True,
-            return_tensors="pt",
-        )
-        return self.text_encoder(tokens.input_ids.to(self.device), tokens.attention_mask.to(self.device)).to(self.dtype)
-
-    # -- observations ------------------------------------------------------------------------
-
-    def _camera_stacks(self, frames: Sequence[Mapping[str, np.ndarray]], key: str) -> list[np.ndarray]:
-        """Each camera's frames as (T, H, W, 3), or EpisodeError naming the key and the camera."""
-        stacks = []
-        for camera in self.embodiment.cameras:
-            try:
-                stack = np.stack([np.asarray(frame[camera]) for frame in frames])
-            except (KeyError, TypeError, IndexError):
-                raise EpisodeError(f"{key}: camera {camera!r} missing") from None
-            except ValueError as exc:
-                raise EpisodeError(f"{key}: frames of {camera!r} differ in shape ({exc})") from None
-            if stack.ndim != 4 or stack.shape[-1] != 3 or min(stack.shape[1:3]) < 1:
-                raise EpisodeError(f"{key}: {camera!r} must be (H, W, 3) images, got {stack.shape[1:]}")
-            if not (np.issubdtype(stack.dtype, np.integer) or np.issubdtype(stack.dtype, np.floating)):
-                raise EpisodeError(f"{key}: {camera!r} has dtype {stack.dtype}; expected uint8 pixels")
-            stacks.append(stack)
-        return stacks
-
-    def _check_frames(self, frames: Sequence[Mapping[str, np.ndarray]], key: str) -> None:
-        self._camera_stacks(frames, key)
-
-    def _encode_frames(self, session: LingBotVASession, frames: Sequence[Mapping[str, np.ndarray]], key: str) -> torch.Tensor:
-        """Key frames (dicts camera -> (H, W, 3) uint8) -> normalized latents (1, 48, F, h, w), continuing the
-        session's VAE streams (upstream ``_encode_obs``)."""
-        e = self.embodiment
-        videos = []
-        for i, stack in enumerate(self._camera_stacks(frames, key)):
-            size = (e.height // 2, e.width // 2) if e.layout == "robotwin_tshape" and i > 0 else (e.height, e.width)
-            video = torch.from_numpy(stack).float().permute(3, 0, 1, 2)  # (3, T, H, W)
-            videos.append(F.interpolate(video, size=size, mode="bilinear", align_corners=False).unsqueeze(0))
-        if e.layout == "robotwin_tshape":
-            high = self._to_model(videos[0])
-            wrists = self._to_model(torch.cat(videos[1:], dim=0))
-            high_enc = session.streams[0].encode(high)
-            wrist_enc = session.streams[1].encode(wrists)
-            encoded = torch.cat([torch.cat(wrist_enc.split(1, dim=0), dim=-1), high_enc], dim=-2)
-        else:
-            encoded = session.streams[0].encode(self._to_model(torch.cat(videos, dim=0)))
-        mu = encoded.chunk(2, dim=1)[0]
-        shape = (1, -1, 1, 1, 1)
-        mean = self.latents_mean.to(mu.device).view(shape)
-        inv_std = (1.0 / self.latents_std).to(mu.device).view(shape)
-        normalized = ((mu.float() - mean) * inv_std).to(mu)
-        return torch.cat(normalized.split(1, dim=0), dim=-1)
-
-    def _to_model(self, video: torch.Tensor) -> torch.Tensor:
-        return (video / 255.0 * 2.0 - 1.0).to(self.device).to(self.dtype)
-
-    # -- the transformer over the session's pages --------------------------------------------
-
-    def _forward(self, sessions, x, timesteps, grids, *, action_mode: bool, update: int, text_kv) -> torch.Tensor:
-        """One forward of every session's CFG batch, rows [s0 prompt, s0 negative, s1 prompt, ...]; ``x`` (B, ...),
-        ``timesteps`` (B, F) and ``grids`` (B, 3, L) per session. ``update``: 0 scratch, 1 prediction, 2 observation
-        entries (upstream's update_cache)."""
-        branches = self.branches
-        n = len(branches)
-        contexts = [
-            s.kv.begin_forward(b, num_video_tokens=grids.shape[2], commit=update > 0, entry=_ENTRIES[update], scratch_slot=slot)
-            for slot, s in enumerate(sessions)
-            for b in branches
-        ]
-        try:
-            out = self.transformer(
-                x.repeat_interleave(n, dim=0),
-                timesteps.repeat_interleave(n, dim=0),
-                grids.repeat_interleave(n, dim=0),
-                text_kv,
-                action_mode=action_mode,
-                self_kv=prepare_batch(contexts, self.device),
+    def check_observation(self, observation: RobotObservation) -> None:
+        call = observation.episode
+        counts = set()
+        for name in self.cameras:
+            stack = observation.cameras.get(name)
+            if stack is None:
+                raise UnsupportedObservation(f"obs: camera {name!r} missing (this server serves {self.tag}: cameras {list(self.cameras)})")
+            counts.add(int(np.shape(stack)[0]))
+        if len(counts) != 1:
+            raise UnsupportedObservation(f"obs: every camera needs the same number of frames, got {sorted(counts)}")
+        (count,) = counts
+        commit_counts = {FRAMES_PER_LATENT * (self.frames - 1), FRAMES_PER_LATENT * self.frames}
+        if _openpi(call) and count not in {1, *commit_counts}:  # a session's first call (one frame), or the chunk out's key frames
+            raise UnsupportedObservation(
+                f"observation: {count} frames per camera; send 1 on a session's first call, then {sorted(commit_counts)} (4 per latent frame)"
             )
-        except BaseException:
-            for s in sessions:
-                for b in branches:
-                    s.kv.abort(b)
-            raise
-        for s in sessions:
-            for b in branches:
-                s.kv.complete(b)
-        return out
-
-    def _text_kv(self, sessions: Sequence[LingBotVASession]) -> list[TextKV]:
-        """Every layer's cross-attention K/V of the batch's rows (made once per call, not per step)."""
-        n = len(self.branches)
-        if len(sessions) == 1:
-            return [(k[:n], v[:n]) for k, v in sessions[0].text_kv]
-        layers = zip(*(s.text_kv for s in sessions))
-        return [(torch.cat([k[:n] for k, _ in kvs]), torch.cat([v[:n] for _, v in kvs])) for kvs in layers]
-
-    def _guide(self, pred: torch.Tensor, scales: Sequence[float]) -> torch.Tensor:
-        """CFG per session: rows [prompt, negative] of each -> one row (``uncond + g (cond - uncond)``, upstream's)."""
-        if len(self.branches) == 1:
-            return pred
-        rows = []
-        for i, scale in enumerate(scales):
-            cond, uncond = pred[2 * i : 2 * i + 1], pred[2 * i + 1 : 2 * i + 2]
-            rows.append(uncond + scale * (cond - uncond) if scale > 1 else cond)
-        return torch.cat(rows)
-
-    # -- the three requests --------------------------------------------------------------------
-
-    def infer(
-        self,
-        session: LingBotVASession,
-        observation: Mapping[str, np.ndarray] | Sequence[Mapping[str, np.ndarray]],
-        *,
-        video_guidance_scale: float | None = None,
-        action_guidance_scale: float | None = None,
-    ) -> np.ndarray:
-        """One chunk: actions (len(used channels), frame_chunk_size, action_per_frame) float32."""
-        result = self.infer_batch([InferRequest(session, observation, video_guidance_scale, action_guidance_scale)])[0]
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
-    @torch.no_grad()
-    def infer_batch(self, requests: Sequence[InferRequest]) -> list[np.ndarray | Exception]:
-        """One chunk for each of several distinct sessions, in one forward per denoising step (each session over its
-        own pages, with its own noise, guidance and frame position). A request that is refused gets its
-        :class:`EpisodeError` in its place, before anything of its session changed; the others run. If the batch
-        fails, each member is retried alone (see the module's docstring): one that fails alone gets its exception."""
-        if len({id(r.session) for r in requests}) != len(requests):
-            raise ValueError("a batch takes each session once")
-        results: list[np.ndarray | EpisodeError | None] = [None] * len(requests)
-        accepted: list[tuple[int, InferRequest, float, float]] = []
-        for i, request in enumerate(requests):
-            try:
-                accepted.append((i, request, *self._check_infer(request)))
-            except EpisodeError as exc:
-                results[i] = exc
-        if not accepted:
-            return results
-        outcomes = self._batched([r.session for _, r, _, _ in accepted], accepted, self._infer)
-        for (i, _, _, _), outcome in zip(accepted, outcomes):
-            results[i] = outcome
-        return results
-
-    def _infer(self, accepted: list[tuple[int, InferRequest, float, float]]) -> list[np.ndarray]:
-        """The chunk of every accepted request, in one forward per denoising step."""
-        e = self.embodiment
-        sessions = [r.session for _, r, _, _ in accepted]
-        video_scales = [v for _, _, v, _ in accepted]
-        action_scales = [a for _, _, _, a in accepted]
-        first = [s.frame_start == 0 for s in sessions]
-        for (_, request, _, _), is_first in zip(accepted, first):
-            if is_first:
-                self._begin_first_chunk(request.session)
-                frames = [request.observation] if isinstance(request.observation, Mapping) else list(request.observation)
-                request.session.first_latent = self._encode_frames(request.session, frames, "obs")
-        f, n = e.frame_chunk_size, e.action_per_frame
-        h, w = e.latent_size
-        # noise: video, then actions, from each session's generator (upstream: the global one, same order and shapes)
-        latents, actions = [], []
-        for s in sessions:
-            latents.append(torch.randn(1, LATENT_CHANNELS, f, h, w, generator=s.generator, dtype=self.dtype))
-            actions.append(torch.randn(1, e.action_dim, f, n, 1, generator=s.generator, dtype=self.dtype))
-        latents = torch.cat(latents).to(self.device)
-        actions = torch.cat(actions).to(self.device)
-        first_rows = [i for i, is_first in enumerate(first) if is_first]
-        text_kv = self._text_kv(sessions)
-
-        # the conditioning of a session's first chunk: latent frame 0 is its observation, action frame 0 zeros, both
-        # at timestep 0 (re-imposed after every step, as upstream)
-        latent_cond = {i: sessions[i].first_latent[:, :, 0:1].to(self.dtype) for i in first_rows}
-        grids = torch.stack([video_grid(f, h // 2, w // 2, s.frame_start) for s in sessions]).to(self.device)
-        sigmas = flow_match_sigmas(e.num_inference_steps, e.snr_shift)
-        for step in range(len(sigmas) + 1):  # the trailing t = 0 forward keeps the chunk's K/V
-            last = step == len(sigmas)
-            timesteps = torch.full((len(sessions), f), 0.0 if last else float(sigmas[step] * 1000), device=self.device)
-            for i in first_rows:
-                latents[i : i + 1, :, 0:1] = latent_cond[i]
-                timesteps[i, 0] = 0.0
-            pred = self._forward(sessions, latents, timesteps, grids, action_mode=False, update=1 if last else 0, text_kv=text_kv)
-            if not last:
-                latents = latents + self._guide(pred, video_scales) * (_next(sigmas, step) - sigmas[step])
-            for i in first_rows:
-                latents[i : i + 1, :, 0:1] = latent_cond[i]
-
-        unused = ~self.action_mask.to(self.device)
-        grids = torch.stack([action_grid(f, n, s.frame_start) for s in sessions]).to(self.device)
-        sigmas = flow_match_sigmas(e.action_num_inference_steps, e.action_snr_shift)
-        for step in range(len(sigmas) + 1):
-            last = step == len(sigmas)
-            timesteps = torch.full((len(sessions), f), 0.0 if last else float(sigmas[step] * 1000), device=self.device)
-            for i in first_rows:
-                actions[i, :, 0:1] = 0.0
-                timesteps[i, 0] = 0.0
-            actions[:, unused] *= 0
-            pred = self._forward(sessions, actions, timesteps, grids, action_mode=True, update=1 if last else 0, text_kv=text_kv)
-            if not last:
-                actions = actions + self._guide(pred, action_scales) * (_next(sigmas, step) - sigmas[step])
-            for i in first_rows:
-                actions[i, :, 0:1] = 0.0
-        actions[:, unused] *= 0
-        if self.keep_predictions:
-            for row, session in enumerate(sessions):
-                session.predicted_latents = latents[row : row + 1].detach()
-                session.predicted_actions = actions[row : row + 1].detach()
-        return [self._denormalize(actions[row : row + 1]) for row in range(len(sessions))]
-
-    @staticmethod
-    def _begin_first_chunk(session: LingBotVASession) -> None:
-        """An infer of the episode's first chunk: the first one keeps the generator and VAE streams it starts from; a
-        repeat (no commit since) starts from them again, its predecessor's predicted pages dropped."""
-        if session.first_latent is None:
-            session.first_start = _StreamState.of(session)
+        if call is None:
             return
-        session.first_start.restore(session)
-        session.kv.drop_predictions()
+        if call.kind in ("infer", "chunk"):
+            for key in ("video_guidance_scale", "action_guidance_scale"):
+                self._check_guidance(key, getattr(call, key))
+            return
+        if count not in commit_counts:
+            raise UnsupportedObservation(f"obs: {count} key frames; compute_kv_cache takes {sorted(commit_counts)} (4 per latent frame)")
+        expected = (self.channels, self.frames, self.per_frame)
+        actions = call.executed_actions
+        if actions is None or actions.shape != expected:
+            raise UnsupportedObservation(f"state: expected the chunk's actions {expected}, got {None if actions is None else actions.shape}")
+        if not np.isfinite(actions).all():
+            raise UnsupportedObservation("state: contains NaN or infinity")
 
-    # -- a failed batch, member by member ----------------------------------------------------
+    def _check_guidance(self, key: str, value: float | None) -> None:
+        if value is None:
+            return
+        if not 1.0 <= value <= MAX_GUIDANCE:
+            raise UnsupportedObservation(f"{key}: {value} outside [1, {MAX_GUIDANCE}]")
+        if value > 1 and len(self.branches) == 1:
+            raise UnsupportedObservation(f"{key}: {value} needs the unconditional branch, which this deployment does not run (its scales are 1)")
 
-    def _batched(self, sessions: list[LingBotVASession], items: list, run: Callable[[list], list]) -> list:
-        """``run(items)`` (one item per session) batched; if it raises, every session is put back as it was and each
-        item retried alone: an item's entry is its result, or the exception it raised alone. A single item's
-        exception is its entry (nothing to put back: its session fails)."""
-        if len(items) == 1:
-            return [self._alone(run, items[0])]
-        if not self._undo_fits(sessions):  # no room to keep what a failed call would have to restore: one by one
-            return [self._alone(run, item) for item in items]
-        saved: list[_Saved] = []
-        try:
-            for session in sessions:
-                saved.append(_Saved.take(session))
-            out = run(items)
-        except Exception as exc:
-            for entry in saved:
-                entry.restore()
-            logger.warning(
-                "a batched %s of %d sessions failed (%s: %s); retrying each alone", run.__name__.strip("_"), len(items), type(exc).__name__, exc
-            )
-            return [self._alone(run, item) for item in items]
-        for entry in saved:
-            entry.release()
-        return out
+    # -- sessions ----------------------------------------------------------------------------------
 
-    @staticmethod
-    def _alone(run: Callable[[list], list], item):
-        try:
-            return run([item])[0]
-        except Exception as exc:
-            return exc
+    def start_session(self, session_id: str, kv: SessionKV | None) -> ServedSession:
+        if kv is None:
+            raise RuntimeError("LingBot-VA needs the engine's paged KV")
+        return ServedSession(self.episodes.start_session(session_id, kv))
 
-    @functools.cached_property
-    def _undo_pages_per_session(self) -> int:
-        return len(self.branches) * self.kv_spec().undo_pages
+    def prepare(self, session: ServedSession, observation: RobotObservation) -> Callable[[], None] | None:
+        """A new episode's prompt encode (UMT5 and every layer's cross-attention K/V) beside other robots' steps."""
+        if session.prompt is not None:
+            return None
+        prompt = observation.prompt or ""
 
-    def _undo_fits(self, sessions: list[LingBotVASession]) -> bool:
-        """While a batched call may still be undone, each member keeps the pages it evicts or drops out of the pool:
-        the pool needs the pages the call writes (a video and an action chunk per branch and member) free."""
-        per_session = self._undo_pages_per_session
-        pool = sessions[0].kv.pool
-        if pool.num_free >= per_session * len(sessions):
-            return True
-        if not self._warned_headroom:
-            self._warned_headroom = True
-            logger.warning(
-                "the KV pool has %d free pages, a batch of %d needs %d spare to be undone member by member if it fails; "
-                "such batches run one session at a time (the pool keeps that room free when sized from a budget: "
-                "PagedKVCache.undo_headroom)",
-                pool.num_free,
-                len(sessions),
-                per_session * len(sessions),
-            )
-        return False
+        def encode() -> None:
+            session.pending_text = (prompt, self.episodes.encode_prompt(prompt))
 
-    def _check_infer(self, request: InferRequest) -> tuple[float, float]:
-        """The request's guidance scales, or EpisodeError naming the key (nothing of the session has changed)."""
-        session, e = request.session, self.embodiment
-        if session.text_kv is None:
-            raise EpisodeError("infer before reset: send {reset: True, prompt} first")
-        video_g = _guidance("video_guidance_scale", request.video_guidance_scale, e.guidance_scale)
-        action_g = _guidance("action_guidance_scale", request.action_guidance_scale, e.action_guidance_scale)
-        for key, value in (("video_guidance_scale", video_g), ("action_guidance_scale", action_g)):
-            if value > 1 and len(self.branches) == 1:
-                # the negative prompt's K/V were never written: the configured scales are both 1
-                raise EpisodeError(f"{key}: {value} needs the unconditional branch, which this policy does not run")
-        if session.frame_start == 0:
-            observation = request.observation
-            frames = [observation] if isinstance(observation, Mapping) else list(observation)
-            if len(frames) != 1:
-                raise EpisodeError(f"obs: the first infer of an episode takes one observation, got {len(frames)}")
-            self._check_frames(frames, "obs")
-        return video_g, action_g
+        return encode
 
-    def compute_kv_cache(self, session: LingBotVASession, frames: Sequence[Mapping[str, np.ndarray]], state: np.ndarray) -> None:
-        """What the robot saw and did: the prediction's pages are dropped, these written as committed."""
-        result = self.compute_kv_cache_batch([CommitRequest(session, frames, state)])[0]
-        if isinstance(result, BaseException):
-            raise result
+    def end_session(self, session: ServedSession) -> None:
+        session.episode.text_kv = session.pending_text = session.last_actions = None
+
+    # -- steps -------------------------------------------------------------------------------------
+
+    def step_batch(self, items: Sequence[tuple[ServedSession, RobotObservation]]) -> list[StepResult | BaseException]:
+        results: list[StepResult | BaseException | None] = [None] * len(items)
+        commits: list[tuple[int, CommitRequest]] = []
+        infers: list[int] = []
+        for i, (session, observation) in enumerate(items):
+            session.timing_ms, session.committed = {}, False
+            try:
+                self._begin(session, observation)
+            except Exception as exc:
+                results[i] = exc
+                continue
+            call, frames = observation.episode, self._frames(observation)
+            if call is not None and call.kind == "compute_kv_cache":
+                commits.append((i, CommitRequest(session.episode, frames, call.executed_actions)))
+            elif _openpi(call) and session.last_actions is not None:  # OpenPI: these frames close the chunk out
+                expected = FRAMES_PER_LATENT * (self.frames - (session.episode.frame_start == 0))
+                if len(frames) != expected:  # e.g. the session's first request again
+                    results[i] = EpisodeError(
+                        f"observation: {len(frames)} frame{'s' * (len(frames) != 1)} per camera; this session has a chunk out, "
+                        f"which the {expected} key frames seen while executing it commit (4 per latent frame); a new episode "
+                        f"is a new session_id or a reset"
+                    )
+                    continue
+                commits.append((i, CommitRequest(session.episode, frames, session.last_actions)))
+                infers.append(i)
+            else:
+                infers.append(i)
+        if commits:
+            start = time.perf_counter()
+            outcomes = self.episodes.compute_kv_cache_batch([r for _, r in commits])
+            ms = (time.perf_counter() - start) * 1000.0
+            for (i, _), outcome in zip(commits, outcomes):
+                items[i][0].timing_ms["commit"] = ms
+                if outcome is not None:
+                    results[i] = outcome
+                else:
+                    items[i][0].last_actions, items[i][0].committed = None, True
+        requests, rows = [], []
+        for i in infers:
+            if results[i] is not None:
+                continue
+            session, observation = items[i]
+            call = observation.episode
+            video_g = call.video_guidance_scale if call is not None else None
+            action_g = call.action_guidance_scale if call is not None else None
+            frames = self._frames(observation)
+            if _openpi(call) and session.episode.frame_start == 0:
+                # OpenPI: an episode starts from one observation; a stack (a robot whose session was evicted, or a
+                # client that always sends its key frames) starts it from its newest frame
+                frames = frames[-1:]
+            requests.append(InferRequest(session.episode, frames[0] if len(frames) == 1 else frames, video_g, action_g))
+            rows.append(i)
+        if requests:
+            first = [items[i][0].episode.frame_start == 0 for i in rows]
+            start = time.perf_counter()
+            outcomes = self.episodes.infer_batch(requests)
+            ms = (time.perf_counter() - start) * 1000.0
+            for i, is_first, outcome in zip(rows, first, outcomes):
+                session = items[i][0]
+                if isinstance(outcome, BaseException):
+                    results[i] = outcome
+                    continue
+                session.timing_ms["infer"] = ms
+                session.last_actions = outcome
+                kind = "commit+infer" if session.committed else "infer"
+                results[i] = self._result(session, outcome, kind, execute_from=self.per_frame if is_first else 0)
+        for i, (session, _) in enumerate(items):
+            if results[i] is None:  # a commit only (LingBot-VA's compute_kv_cache)
+                results[i] = self._result(session, None, "compute_kv_cache", execute_from=0)
+        if self.record:
+            for (session, observation), result in zip(items, results):
+                if isinstance(result, StepResult):
+                    result.recording = self._recording(session, observation, result)
+        return results  # type: ignore[return-value]
+
+    def _begin(self, session: ServedSession, observation: RobotObservation) -> None:
+        """A session's first step begins its episode (the prompt's K/V, the window, the generator seeded)."""
+        prompt = observation.prompt or ""
+        if session.prompt is not None:
+            if observation.prompt is not None and prompt != session.prompt:
+                raise EpisodeError(f"prompt: {prompt!r} differs from this episode's {session.prompt!r}; reset the session for a new task")
+            return
+        start = time.perf_counter()
+        pending, session.pending_text = session.pending_text, None
+        text_kv = pending[1] if pending is not None and pending[0] == prompt else None
+        self.episodes.reset(session.episode, prompt, self.config.seed, text_kv=text_kv)
+        session.prompt = prompt
+        session.timing_ms["text"] = (time.perf_counter() - start) * 1000.0
+
+    def _frames(self, observation: RobotObservation) -> list[dict[str, np.ndarray]]:
+        """The observation's camera stacks as upstream's list of key-frame dicts (upstream camera names)."""
+        stacks = [np.asarray(observation.cameras[name]) for name in self.cameras]
+        return [{camera: stack[t] for camera, stack in zip(self.embodiment.cameras, stacks)} for t in range(stacks[0].shape[0])]
+
+    def _result(self, session: ServedSession, actions: np.ndarray | None, kind: str, *, execute_from: int) -> StepResult:
+        if actions is None:
+            out = np.zeros((0, self.channels), np.float32)
+        else:
+            out = np.ascontiguousarray(actions.reshape(self.channels, -1).T, dtype=np.float32)
+        info = {"frame_start": session.episode.frame_start}
+        return StepResult(out, dict(session.timing_ms), info, chunk=ChunkInfo(call=kind, execute_from=execute_from))
+
+    # -- recordings ------------------------------------------------------------------------------
+
+    def _recording(self, session: ServedSession, observation: RobotObservation, result: StepResult) -> ChunkRecording:
+        """References for the recorder: the call's frames as one canvas, the prediction (an infer's latents, else
+        None), the normalized actions of all 30 model channels. The episode has no state input: ``state`` is empty."""
+        episode = session.episode
+        dim = self.episodes.embodiment.action_dim
+        predicted, raw = None, np.zeros((0, dim), np.float32)
+        if result.chunk.call != "compute_kv_cache":
+            predicted = episode.predicted_latents.to("cpu")
+            raw = np.ascontiguousarray(episode.predicted_actions.float().cpu()[0, ..., 0].reshape(dim, -1).T.numpy())
+        episode.predicted_latents = episode.predicted_actions = None
+        return ChunkRecording(canvas=self._canvas(observation), predicted=predicted, raw_actions=raw, state=np.zeros(0, np.float32))
+
+    def _canvas(self, observation: RobotObservation) -> np.ndarray:
+        """(T, H, W, 3) uint8: the call's frames at the model's sizes, in the latents' layout (T layout: the two
+        wrists side by side above the high camera; otherwise the cameras side by side)."""
+        stacks = []
+        for name, (h, w) in zip(self.cameras, self.schema.resolutions):
+            stack = torch.from_numpy(np.asarray(observation.cameras[name])).permute(0, 3, 1, 2).float()
+            if stack.shape[-2:] != (h, w):
+                stack = F.interpolate(stack, size=(h, w), mode="bilinear", align_corners=False)
+            stacks.append(stack.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1))
+        if self.embodiment.layout == "robotwin_tshape":
+            canvas = torch.cat([torch.cat(stacks[1:], dim=2), stacks[0]], dim=1)
+        else:
+            canvas = torch.cat(stacks, dim=2)
+        return canvas.numpy()
 
     @torch.no_grad()
-    def compute_kv_cache_batch(self, requests: Sequence[CommitRequest]) -> list[Exception | None]:
-        """:meth:`compute_kv_cache` for several distinct sessions: their frames through their own VAE streams, then one
-        video and one action forward for all. A refused request gets its EpisodeError in place (its session
-        unchanged); a member that failed alone its exception (after a failed batch, each is retried alone); the
-        others' entries are None."""
-        if len({id(r.session) for r in requests}) != len(requests):
-            raise ValueError("a batch takes each session once")
-        results: list[EpisodeError | None] = [None] * len(requests)
-        accepted: list[tuple[LingBotVASession, list, torch.Tensor]] = []
-        for i, request in enumerate(requests):
-            try:
-                accepted.append(self._check_commit(request))
-            except EpisodeError as exc:
-                results[i] = exc
-        if not accepted:
-            return results
-        outcomes = iter(self._batched([session for session, _, _ in accepted], accepted, self._commit))
-        return [next(outcomes) if result is None else result for result in results]
+    def decode_prediction(self, predicted: torch.Tensor | None) -> np.ndarray | None:
+        """An infer's denoised latents (1, 48, F, h, w) -> (T, H, W, 3) uint8 frames in the canvas layout (None for a
+        commit: nothing predicted). The chunk is decoded on its own (no earlier latents as the causal VAE's context)
+        and the T layout's three views as one image, so the seams between them are blurred: a view of what the model
+        predicted, not its exact pixels. Runs on the recorder's thread beside the steps, on its own CUDA stream (the
+        VAE's decode cache is the module's and only decodes use it: encodes carry their own, ``StreamingEncoder``)."""
+        if predicted is None:
+            return None
+        episodes = self.episodes
+        shape = (1, -1, 1, 1, 1)
+        with own_stream(episodes.device):
+            latents = predicted.to(episodes.device, torch.float32)
+            latents = latents * episodes.latents_std.to(latents.device).view(shape) + episodes.latents_mean.to(latents.device).view(shape)
+            frames = episodes.vae.decode(latents.to(episodes.dtype)).sample  # (1, 3, T, H, W) in [-1, 1]
+            frames = ((frames[0].float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
+            return frames.permute(1, 2, 3, 0).cpu().numpy()
 
-    def _commit(self, accepted: list[tuple[LingBotVASession, list, torch.Tensor]]) -> list[None]:
-        """Every accepted commit in one video and one action forward."""
-        e = self.embodiment
-        sessions, latents, actions = [], [], []
-        for session, frames, action_in in accepted:
-            latent = self._encode_frames(session, frames, "obs") if frames else None
-            if session.frame_start == 0:
-                latent = session.first_latent if latent is None else torch.cat([session.first_latent, latent], dim=2)
-            session.kv.drop_predictions()  # upstream's clear_pred_cache: the observation replaces the prediction
-            sessions.append(session)
-            latents.append(latent.to(self.dtype))
-            actions.append(action_in)
-        f = e.frame_chunk_size
-        h, w = e.latent_size
-        zeros = torch.zeros(len(sessions), f, device=self.device)
-        text_kv = self._text_kv(sessions)
-        grids = torch.stack([video_grid(f, h // 2, w // 2, s.frame_start) for s in sessions]).to(self.device)
-        self._forward(sessions, torch.cat(latents), zeros, grids, action_mode=False, update=2, text_kv=text_kv)
-        action_in = torch.cat(actions).to(self.device, self.dtype)
-        action_in[:, ~self.action_mask.to(self.device)] *= 0
-        grids = torch.stack([action_grid(f, e.action_per_frame, s.frame_start) for s in sessions]).to(self.device)
-        self._forward(sessions, action_in, zeros, grids, action_mode=True, update=2, text_kv=text_kv)
-        for session in sessions:
-            session.frame_start += f
-            session.first_latent = session.first_start = None  # committed with the first chunk: later chunks never read them
-        return [None] * len(sessions)
-
-    def _check_commit(self, request: CommitRequest) -> tuple[LingBotVASession, list, torch.Tensor]:
-        """The request's frames and normalized actions, or EpisodeError naming the key (nothing has changed)."""
-        session, e = request.session, self.embodiment
-        if session.text_kv is None:
-            raise EpisodeError("compute_kv_cache before reset: send {reset: True, prompt} first")
-        if session.frame_start == 0 and session.first_latent is None:
-            raise EpisodeError("compute_kv_cache before the episode's first infer")
-        action_in = self._normalize(request.state)
-        frames = [request.frames] if isinstance(request.frames, Mapping) else list(request.frames)
-        # 4 frames per latent frame; the first chunk's frame 0 is the observation its infer encoded
-        expected = 4 * (e.frame_chunk_size - (session.frame_start == 0))
-        if len(frames) != expected:
-            raise EpisodeError(f"obs: {len(frames)} key frames; this chunk takes {expected} (4 per latent frame)")
-        self._check_frames(frames, "obs")
-        return session, frames, action_in
-
-    # -- actions ---------------------------------------------------------------------------------
-
-    def _normalize(self, state: np.ndarray) -> torch.Tensor:
-        """The executed actions as the client echoes them, (used channels, F, N) -> (1, 30, F, N, 1) normalized."""
-        e = self.embodiment
-        expected = (len(e.used_action_channel_ids), e.frame_chunk_size, e.action_per_frame)
-        array = np.asarray(state)
-        if array.shape != expected or not np.issubdtype(array.dtype, np.number):
-            raise EpisodeError(f"state: expected the chunk's actions {expected}, got {array.shape} {array.dtype}")
-        if not np.isfinite(array).all():
-            raise EpisodeError("state: contains NaN or infinity")
-        padded = F.pad(torch.from_numpy(array.astype(np.float32)), [0, 0, 0, 0, 0, 1])[self.inverse_channels]
-        normalized = (padded - self.q01) / (self.q99 - self.q01 + 1e-6) * 2.0 - 1.0
-        return normalized.unsqueeze(0).unsqueeze(-1)
-
-    def _denormalize(self, actions: torch.Tensor) -> np.ndarray:
-        a = actions.cpu()[0, ..., 0]
-        a = (a + 1) / 2 * (self.q99 - self.q01 + 1e-6) + self.q01
-        return a.float().numpy()[list(self.embodiment.used_action_channel_ids)]
+    def warmup_observations(self) -> Iterator[RobotObservation]:
+        """One episode over the OpenPI wire: the first frame, then the key frames of the first and of a later chunk."""
+        for count in (1, FRAMES_PER_LATENT * (self.frames - 1), FRAMES_PER_LATENT * self.frames):
+            cameras = {name: np.zeros((count, h, w, 3), np.uint8) for name, (h, w) in zip(self.cameras, self.schema.resolutions)}
+            yield RobotObservation(cameras=cameras, states={}, prompt="warm up")
 
 
-def _next(sigmas: torch.Tensor, i: int) -> torch.Tensor:
-    return sigmas[i + 1] if i + 1 < len(sigmas) else torch.tensor(0.0)
+def _openpi(call: EpisodeCall | None) -> bool:
+    """An OpenPI request (one whole chunk: its frames commit the chunk out, then the next is predicted), with or
+    without per-request guidance."""
+    return call is None or call.kind == "chunk"
 
 
-def _guidance(key: str, value: float | None, default: float) -> float:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise EpisodeError(f"{key}: expected a number, got {value!r}")
-    if not 1.0 <= value <= MAX_GUIDANCE:
-        raise EpisodeError(f"{key}: {value} outside [1, {MAX_GUIDANCE}]")
-    return float(value)
+def build_lingbot_va(config: LingBotVAConfig, options: RuntimeOptions) -> LingBotVAServing:
+    for name, value in (("engine.compile", options.compile), ("engine.cuda_graphs", options.cuda_graphs)):
+        if value:
+            raise StartRefused(f"{name}: not supported by the lingbot_va policy yet; unset it")
+    if options.guidance.is_parallel:
+        raise StartRefused("engine.cfg_parallel_size: lingbot_va runs both CFG branches in one process; set it to 1")
+    embodiment, dtype = embodiment_by_name(config.embodiment_name), getattr(torch, options.dtype)
+    if config.checkpoint.startswith(SYNTHETIC_PREFIX):
+        from ardiff_policies.lingbot_va.synthetic import synthetic_policy
+
+        episodes = synthetic_policy(config.checkpoint, embodiment, device=options.device, dtype=dtype)
+        return LingBotVAServing(episodes, config, config.checkpoint, record=options.record)
+    if config.checkpoint == BUILTIN_TINY:
+        from ardiff_policies.lingbot_va.tiny import ensure_tiny_checkpoint
+
+        checkpoint = ensure_tiny_checkpoint()
+    else:
+        checkpoint = config.local_checkpoint()
+    episodes = LingBotVAPolicy.load(checkpoint, embodiment, device=options.device, dtype=dtype)
+    logger.info("%s", describe_loaded(episodes, options.max_sessions))
+    return LingBotVAServing(episodes, config, str(checkpoint), record=options.record)

@@ -22,8 +22,8 @@ import math
 import torch
 
 from ardiff_policies.lingbot_va.config import Embodiment, TransformerConfig
+from ardiff_policies.lingbot_va.episode_logic import LingBotVAPolicy
 from ardiff_policies.lingbot_va.model import LingBotVATransformer
-from ardiff_policies.lingbot_va.policy import LingBotVAPolicy
 from ardiff_policies.lingbot_va.settings import SYNTHETIC_PREFIX, SYNTHETIC_PRESETS
 from ardiff_policies.lingbot_va.tiny import CORPUS, TINY_TRANSFORMER, TINY_VAE
 from ardiff_policies.wan.synthetic import materialize

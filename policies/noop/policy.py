@@ -7,6 +7,7 @@ server's own overhead (``scripts/bench_server.py``). Not a model: its actions ar
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -27,7 +28,10 @@ class NoopPolicy(Policy[int]):
     def start_session(self, session_id: str, kv: None) -> int:
         return 0
 
-    def step(self, session: int, observation: RobotObservation) -> StepResult:
+    def step_batch(self, items: Sequence[tuple[int, RobotObservation]]) -> list[StepResult | BaseException]:
+        return [self._chunk() for _ in items]  # info.max_batch 1: the engine sends one at a time
+
+    def _chunk(self) -> StepResult:
         start = time.perf_counter()
         if self.config.compute_ms:
             time.sleep(self.config.compute_ms / 1000.0)

@@ -9,6 +9,7 @@ import pickle
 import numpy as np
 import pytest
 
+from ardiff_policies.chunk import ChunkInfo
 from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine import messages
 from ardiff_server.engine.messages import (
@@ -53,6 +54,8 @@ def observation() -> RobotObservation:
         ControlReply(5, done=False, stats=STATS),
         ErrorReply(6, ErrorKind.POLICY, "boom", "Traceback ...", STATS),
         InferReply(7, "ep-1", np.ones((24, 8), np.float32), {"dit": 1.5}, {"dit_forwards": 18}, True, 1, 12.5, STATS, replica=1),
+        InferReply(8, "ep-1", np.ones((24, 8), np.float32), {}, {}, False, 2, 9.0, chunk=ChunkInfo(chunk_id=2, frozen=4, continuation="applied")),
+        InferReply(9, "ep-2", np.ones((32, 16), np.float32), {}, {"frame_start": 0}, True, 1, 3.0, chunk=ChunkInfo(call="infer", execute_from=16)),
         SharedArray(128, (1, 48, 80, 3), "|u1"),
         InlineArray(b"\x00" * 28, (7,), "<f4"),
     ],
@@ -68,6 +71,16 @@ def test_every_message_round_trips_field_for_field(message):
             assert got.dtype == want.dtype
         else:
             assert got == want, field.name
+
+
+def test_a_chunk_record_pickles_as_its_values_and_says_only_what_is_set():
+    """StepResult.chunk rides in every InferReply over the pipe: pickled as a tuple of its values in field order
+    (a field added without its place in ``__reduce__`` would come back as None)."""
+    chunk = ChunkInfo(chunk_id=3, frozen=0, continuation="window_restart", call="commit+infer", execute_from=0)
+    assert pickle.loads(pickle.dumps(chunk, protocol=pickle.HIGHEST_PROTOCOL)) == chunk
+    assert chunk.__reduce__()[1] == tuple(getattr(chunk, f.name) for f in dataclasses.fields(ChunkInfo))
+    assert ChunkInfo(chunk_id=1, frozen=0).set_fields() == {"chunk_id": 1, "frozen": 0}  # 0 is said, None is not
+    assert ChunkInfo().set_fields() == {}
 
 
 def test_every_message_class_pickles_by_fields():

@@ -18,7 +18,7 @@ from ardiff_kv import Branch, PagedKVCache
 from ardiff_policies.base import RuntimeOptions
 from ardiff_policies.guidance import Guidance
 from ardiff_policies.observation import RobotObservation
-from ardiff_policies.wan.schedulers import FlowUniPCScheduler
+from ardiff_policies.wan.samplers import FlowUniPCSampler
 from ardiff_server.engine.core import SessionEngine
 from ardiff_server.engine.inproc_client import InprocClient
 from ardiff_server.engine.messages import Detach, End, ErrorKind, ErrorReply, Infer, InferReply
@@ -453,14 +453,14 @@ def test_a_failure_after_the_guidance_on_one_cfg_rank_fails_the_same_session_on_
 
         policy._denoise, policy._guide = denoise, guide
 
-    real_step = FlowUniPCScheduler.step
+    real_step = FlowUniPCSampler.step
 
     def step(self, model_output, sample, index, *args, **kwargs):
         if where == "sampler_step" and threading.get_ident() == rank1["thread"] and rank1["victim_in"] and index == 2:
             raise RuntimeError("rank 1: sampler step failed")
         return real_step(self, model_output, sample, index, *args, **kwargs)
 
-    monkeypatch.setattr(FlowUniPCScheduler, "step", step)
+    monkeypatch.setattr(FlowUniPCSampler, "step", step)
     pair = ThreadPair(barrier_timeout_s=20.0)
     started = time.monotonic()
     replies = run_ranks(tiny_model, sabotage, calls, pair)

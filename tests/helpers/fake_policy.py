@@ -20,6 +20,7 @@ import os
 import signal
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,7 @@ import pydantic
 
 from ardiff_kv import Branch, KVSpec, SessionKV
 from ardiff_policies.base import Policy, RuntimeOptions, StepResult
+from ardiff_policies.batch_retry import one_by_one
 from ardiff_policies.info import PolicyInfo, droid_server_config
 from ardiff_policies.observation import RobotObservation, UnsupportedObservation
 from ardiff_policies.registry import register_policy
@@ -81,7 +83,10 @@ class FakePolicy(Policy[FakeSession]):
 
         return encode
 
-    def step(self, session: FakeSession, observation: RobotObservation) -> StepResult:
+    def step_batch(self, items: Sequence[tuple[FakeSession, RobotObservation]]) -> list[StepResult | BaseException]:
+        return one_by_one(items, lambda item: self._step(*item))  # batch members run one after another
+
+    def _step(self, session: FakeSession, observation: RobotObservation) -> StepResult:
         prompt = observation.prompt
         delay = self.config.delay_s
         if prompt.startswith("encode:") and not session.encoded:  # its first call's encode did not run beforehand

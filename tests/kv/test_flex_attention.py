@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ardiff_kv.attention as attention
-from ardiff_kv import Branch, DenseKVCache, KVSpec, PagedKVCache, paged_attention, paged_write_attend
+from ardiff_kv import Branch, DenseKVCache, KVSpec, PagedKVCache, PagedLayerInputs, paged_attention, paged_write_attend
 
 HEADS, DIM = 2, 8
 SCALE = DIM**-0.5
@@ -36,16 +36,9 @@ def fill_pool(cache, dtype=torch.float32):
 
 
 def both_backends(cache, inputs, q):
-    args = dict(
-        block_table=inputs.block_table,
-        cu_seqlens_q=inputs.cu_seqlens_q,
-        seq_lens=inputs.seq_lens,
-        max_seqlen_q=q.shape[0],
-        max_seqlen_k=inputs.max_seqlen_k,
-        scale=SCALE,
-    )
-    flex = paged_attention(q, inputs.key_cache, inputs.value_cache, backend="flex", **args)
-    sdpa = paged_attention(q, inputs.key_cache, inputs.value_cache, backend="sdpa", **args)
+    inputs = inputs._replace(max_seqlen_q=q.shape[0])
+    flex = paged_attention(q, inputs._replace(backend="flex"), SCALE)
+    sdpa = paged_attention(q, inputs._replace(backend="sdpa"), SCALE)
     return flex, sdpa
 
 
@@ -195,14 +188,20 @@ def test_flex_over_a_batch_of_sequences_equals_each_sequence_alone():
         lens.append(visible * 4 + extra)
     table, seq = torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
     q = rand(3 * 7)
-    batched = attention.flex_paged_attention(q, cache.storage.key_cache(0), cache.storage.value_cache(0), table, seq, SCALE)
+    batched = attention.flex_paged_attention(q, pool_inputs(cache, table, seq, 7), SCALE)
     for b in range(3):
-        alone = attention.flex_paged_attention(
-            q[b * 7 : (b + 1) * 7], cache.storage.key_cache(0), cache.storage.value_cache(0), table[b : b + 1], seq[b : b + 1], SCALE
-        )
+        alone = attention.flex_paged_attention(q[b * 7 : (b + 1) * 7], pool_inputs(cache, table[b : b + 1], seq[b : b + 1], 7), SCALE)
         torch.testing.assert_close(batched[b * 7 : (b + 1) * 7], alone, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="equal query lengths"):
-        attention.flex_paged_attention(rand(20), cache.storage.key_cache(0), cache.storage.value_cache(0), table, seq, SCALE)
+        attention.flex_paged_attention(rand(20), pool_inputs(cache, table, seq, 7), SCALE)
+
+
+def pool_inputs(cache, table: torch.Tensor, seq: torch.Tensor, q_len: int) -> PagedLayerInputs:
+    """Layer 0's pool under hand-made block-table rows (no slots: nothing is written)."""
+    no_slots = torch.zeros(0, dtype=torch.long)
+    cu_seqlens_q = torch.arange(table.shape[0] + 1, dtype=torch.int32) * q_len
+    key_cache, value_cache = cache.storage.key_cache(0), cache.storage.value_cache(0)
+    return PagedLayerInputs(key_cache, value_cache, no_slots, no_slots, table, cu_seqlens_q, seq, q_len, int(seq.max()), "flex")
 
 
 # --------------------------------------------------------- the compiled kernel, DROID page size
@@ -233,16 +232,9 @@ def test_compiled_flex_kernel_on_cpu_matches_sdpa_at_droid_page_size():
     _, s = droid_cache(torch.float32, "cpu")
     for inputs in droid_forwards(s):
         q = rand(1785, heads=1, dim=16)
-        args = dict(
-            block_table=inputs.block_table,
-            cu_seqlens_q=inputs.cu_seqlens_q,
-            seq_lens=inputs.seq_lens,
-            max_seqlen_q=1785,
-            max_seqlen_k=inputs.max_seqlen_k,
-            scale=0.25,
-        )
-        sdpa = paged_attention(q, inputs.key_cache, inputs.value_cache, backend="sdpa", **args)
-        flex = attention.flex_paged_attention(q, inputs.key_cache, inputs.value_cache, inputs.block_table, inputs.seq_lens, 0.25, compiled=True)
+        inputs = inputs._replace(max_seqlen_q=1785)
+        sdpa = paged_attention(q, inputs._replace(backend="sdpa"), 0.25)
+        flex = attention.flex_paged_attention(q, inputs, 0.25, compiled=True)
         torch.testing.assert_close(flex, sdpa, atol=1e-4, rtol=1e-4)
 
 

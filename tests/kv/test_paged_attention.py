@@ -131,20 +131,12 @@ def test_fullgraph_compile_does_not_recompile_when_values_change():
 
 
 def test_unknown_backend_and_flash_on_cpu_are_clear_errors():
-    cache, s = make()
+    _, s = make()
     inputs = s.begin_forward(Branch.COND, num_video_tokens=PAGE, commit=False).prepare()[0]
-    kwargs = dict(
-        block_table=inputs.block_table,
-        cu_seqlens_q=inputs.cu_seqlens_q,
-        seq_lens=inputs.seq_lens,
-        max_seqlen_q=PAGE,
-        max_seqlen_k=inputs.max_seqlen_k,
-        scale=SCALE,
-    )
     with pytest.raises(ValueError, match="unknown attention backend"):
-        paged_attention(rand(PAGE), cache.storage.key_cache(0), cache.storage.value_cache(0), backend="magic", **kwargs)
+        paged_attention(rand(PAGE), inputs._replace(backend="magic"), SCALE)
     with pytest.raises(RuntimeError, match="needs CUDA"):
-        paged_attention(rand(PAGE), cache.storage.key_cache(0), cache.storage.value_cache(0), backend="flash", **kwargs)
+        paged_attention(rand(PAGE), inputs._replace(backend="flash"), SCALE)
 
 
 def _flash_available() -> bool:
@@ -198,16 +190,9 @@ def test_gpu_flash_backend_matches_sdpa_backend_at_droid_page_size():
         s.complete(Branch.COND)
     inputs = s.begin_forward(Branch.COND, num_video_tokens=1760, commit=False, extra_tokens=25).prepare()[0]
     q = torch.randn(1785, 4, 128, dtype=torch.bfloat16, device="cuda")
-    args = dict(
-        block_table=inputs.block_table,
-        cu_seqlens_q=inputs.cu_seqlens_q,
-        seq_lens=inputs.seq_lens,
-        max_seqlen_q=1785,
-        max_seqlen_k=inputs.max_seqlen_k,
-        scale=128**-0.5,
-    )
-    flash = paged_attention(q, cache.storage.key_cache(0), cache.storage.value_cache(0), backend="flash", **args)
-    sdpa = paged_attention(q, cache.storage.key_cache(0), cache.storage.value_cache(0), backend="sdpa", **args)
+    inputs = inputs._replace(max_seqlen_q=1785)
+    flash = paged_attention(q, inputs._replace(backend="flash"), 128**-0.5)
+    sdpa = paged_attention(q, inputs._replace(backend="sdpa"), 128**-0.5)
     torch.testing.assert_close(flash.float(), sdpa.float(), atol=2e-2, rtol=2e-2)
 
 

@@ -21,7 +21,7 @@ from ardiff_policies.continuation import (
     Continuation,
     soft_mask,
 )
-from ardiff_policies.dreamzero import continuation as chunking
+from ardiff_policies.dreamzero import continuation
 from ardiff_policies.dreamzero.config import DreamZeroConfig
 from ardiff_policies.dreamzero.model import DreamZeroModel
 from ardiff_policies.dreamzero.tiny import ensure_tiny_checkpoint
@@ -63,12 +63,12 @@ def test_inpaint_ends_on_the_replacement_at_noise_level_zero():
     weights = torch.from_numpy(soft_mask(horizon, d, 6)).reshape(1, horizon, 1).float()
     target, denoised = torch.randn(1, horizon, 3), torch.randn(1, horizon, 3)
     for mode in ("inpaint", "clean_prefix", "guided"):
-        plan = chunking.ContinuationPlan(frozen=d, mode=mode, target=target, weights=weights, executed_actions=np.zeros((d, 3)))
-        out = chunking.after_denoising(plan, denoised)
+        plan = continuation.ContinuationPlan(frozen=d, mode=mode, target=target, weights=weights, executed_actions=np.zeros((d, 3)))
+        out = continuation.after_denoising(plan, denoised)
         assert torch.equal(out[:, :d], target[:, :d])
         expected = denoised + weights * (target - denoised) if mode == "inpaint" else denoised
         torch.testing.assert_close(out[:, d:], expected[:, d:], rtol=0, atol=1e-7)
-    assert not torch.equal(chunking.after_denoising(plan, denoised)[:, d:4], (denoised + weights * (target - denoised))[:, d:4])
+    assert not torch.equal(continuation.after_denoising(plan, denoised)[:, d:4], (denoised + weights * (target - denoised))[:, d:4])
 
 
 @pytest.mark.parametrize(
@@ -96,8 +96,8 @@ def test_reanchoring_keeps_absolute_targets_for_relative_keys_and_values_for_abs
     old_state, new_state = rng.uniform(-1, 1, 8), rng.uniform(-1, 1, 8)
     absolute = denormalize_actions(model[0].numpy(), stats)
     absolute[:, :7] += old_state[:7]
-    last = chunking.LastChunk(3, model, absolute.astype(np.float32), old_state)
-    out = chunking.reanchor(last, 5, new_state, stats, relative)
+    last = continuation.LastChunk(3, model, absolute.astype(np.float32), old_state)
+    out = continuation.reanchor(last, 5, new_state, stats, relative)
     assert out.shape == (19, 32)
     back = denormalize_actions(out, stats)
     back[:, :7] += new_state[:7]
@@ -127,13 +127,13 @@ def test_frozen_actions_come_back_as_the_robot_executes_them(policies, mode):
     obs = list(observations(3, seed=1))
     session = policy.start_session(f"f-{mode}", cache.open_session(f"f-{mode}"))
     first = policy.step(session, obs[0])
-    assert (first.info["chunk_id"], first.info["frozen"]) == (1, 0) and "continuation" not in first.info
+    assert (first.chunk.chunk_id, first.chunk.frozen) == (1, 0) and first.chunk.continuation is None
     second = policy.step(session, continued(obs[1], executed=5, delay=4, chunk_id=1))
-    assert (second.info["chunk_id"], second.info["frozen"], second.info["continuation"]) == (2, 4, APPLIED)
+    assert (second.chunk.chunk_id, second.chunk.frozen, second.chunk.continuation) == (2, 4, APPLIED)
     assert np.array_equal(second.actions[:4], first.actions[5:9])  # bit for bit
     assert not np.allclose(second.actions[4:15], first.actions[9:20], atol=1e-3)  # the rest is the model's
     third = policy.step(session, continued(obs[2], executed=0, delay=24))  # no chunk_id: the last chunk
-    assert third.info["frozen"] == 24 and np.array_equal(third.actions, second.actions)
+    assert third.chunk.frozen == 24 and np.array_equal(third.actions, second.actions)
     policy.end_session(session)
     cache.end_session(session.kv)
     assert session.last_chunk is None
@@ -173,7 +173,7 @@ def test_the_action_sampler_converts_the_sample_the_dit_saw(policies, monkeypatc
         hook.remove()
         policy.end_session(session)
         cache.end_session(session.kv)
-    assert result.info["frozen"] == 4
+    assert result.chunk.frozen == 4
     weights = soft_mask(24, 4, 24 - 5)
     soft = np.flatnonzero((weights > 0) & (weights < 1))
     assert len(soft) == 15  # rows [4, 19) are soft
@@ -203,8 +203,8 @@ def test_guided_continues_by_the_velocity_not_by_replacing_the_actions(policies)
 
 def test_guided_is_refused_where_its_backward_cannot_run():
     cpu = torch.device("cpu")
-    chunking.check_mode("guided", device=cpu, cfg_parallel=False, cuda_graphs=False, compiled=False)
-    chunking.check_mode("inpaint", device=torch.device("cuda"), cfg_parallel=True, cuda_graphs=True, compiled=True)
+    continuation.check_mode("guided", device=cpu, cfg_parallel=False, cuda_graphs=False, compiled=False)
+    continuation.check_mode("inpaint", device=torch.device("cuda"), cfg_parallel=True, cuda_graphs=True, compiled=True)
     for blocker, kwargs in (
         ("a CUDA device", {"device": torch.device("cuda")}),
         ("CFG-parallel", {"cfg_parallel": True}),
@@ -213,7 +213,7 @@ def test_guided_is_refused_where_its_backward_cannot_run():
     ):
         settings = {"device": cpu, "cfg_parallel": False, "cuda_graphs": False, "compiled": False, **kwargs}
         with pytest.raises(ValueError, match=f"^policy.continuation: guided runs on the CPU path only .* not with {blocker}; use"):
-            chunking.check_mode("guided", **settings)
+            continuation.check_mode("guided", **settings)
 
 
 def test_an_execution_horizon_clean_prefix_does_not_use_is_refused_at_start_up():
@@ -230,11 +230,11 @@ def test_an_execution_horizon_clean_prefix_does_not_use_is_refused_at_start_up()
 
 
 def test_guidance_weight_is_rtcs_clipped_schedule():
-    assert chunking.guidance_weight(1.0) == chunking.guidance_weight(0.0) == chunking.GUIDANCE_MAX_WEIGHT == 5.0
+    assert continuation.guidance_weight(1.0) == continuation.guidance_weight(0.0) == continuation.GUIDANCE_MAX_WEIGHT == 5.0
     tau = 0.3  # Black et al. 2025: min(beta, (1 - tau) / (tau r^2)), r^2 = (1 - tau)^2 / (tau^2 + (1 - tau)^2), sigma = 1 - tau
     r2 = (1 - tau) ** 2 / (tau**2 + (1 - tau) ** 2)
-    assert chunking.guidance_weight(1 - tau) == pytest.approx(min(5.0, (1 - tau) / (tau * r2)), abs=1e-12)
-    assert chunking.guidance_weight(0.5) == pytest.approx(2.0)
+    assert continuation.guidance_weight(1 - tau) == pytest.approx(min(5.0, (1 - tau) / (tau * r2)), abs=1e-12)
+    assert continuation.guidance_weight(0.5) == pytest.approx(2.0)
 
 
 def test_a_continuation_that_cannot_apply_is_a_fresh_chunk_and_says_why(policies, tiny_model):
@@ -244,17 +244,17 @@ def test_a_continuation_that_cannot_apply_is_a_fresh_chunk_and_says_why(policies
     reference = [policy.step(plain, o) for o in obs[:2]]
     session = policy.start_session("fresh", cache.open_session("fresh"))
     first = policy.step(session, continued(obs[0], 2, 2))
-    assert (first.info["frozen"], first.info["continuation"]) == (0, NO_PREVIOUS_CHUNK)
+    assert (first.chunk.frozen, first.chunk.continuation) == (0, NO_PREVIOUS_CHUNK)
     assert np.array_equal(first.actions, reference[0].actions)  # served exactly as without the field
     unknown = policy.step(session, continued(obs[1], 2, 2, chunk_id=7))
-    assert (unknown.info["frozen"], unknown.info["continuation"]) == (0, UNKNOWN_CHUNK_ID)
+    assert (unknown.chunk.frozen, unknown.chunk.continuation) == (0, UNKNOWN_CHUNK_ID)
     assert np.array_equal(unknown.actions, reference[1].actions)
     changed = RobotObservation(cameras=obs[2].cameras, states=obs[2].states, prompt="wipe the table", continuation=Continuation(1, 1))
-    assert policy.step(session, changed).info["continuation"] == PROMPT_CHANGE
+    assert policy.step(session, changed).chunk.continuation == PROMPT_CHANGE
     reasons = []
     for o in obs[3:8]:  # the window fills, then restarts
         result = policy.step(session, continued(RobotObservation(cameras=o.cameras, states=o.states, prompt="wipe the table"), 1, 1))
-        reasons.append(result.info["continuation"])
+        reasons.append(result.chunk.continuation)
     assert WINDOW_RESTART in reasons and reasons.count(APPLIED) == len(reasons) - 1
     for s in (plain, session):
         policy.end_session(s)
@@ -292,8 +292,8 @@ def test_continuations_batch_with_ordinary_calls_and_equal_their_unbatched_resul
         for name, result in zip(requests, results, strict=True):
             assert not isinstance(result, BaseException)
             np.testing.assert_allclose(result.actions, alone[name][call].actions, atol=ATOL, rtol=0)
-            assert result.info["frozen"] == alone[name][call].info["frozen"]
-    assert alone["a"][1].info["frozen"] == 5 and alone["c"][1].info["frozen"] == 0
+            assert result.chunk.frozen == alone[name][call].chunk.frozen
+    assert alone["a"][1].chunk.frozen == 5 and alone["c"][1].chunk.frozen == 0
 
 
 @pytest.mark.parametrize("variant", ["tiny_agibot", "tiny_yam", "tiny_5b"])
@@ -316,5 +316,5 @@ def test_every_embodiment_and_family_continues_exactly(variant):
     second = policy.step(
         session, RobotObservation(cameras=obs[1].cameras, states=states[1], prompt="fold the towel", continuation=Continuation(4, 6, 1))
     )
-    assert second.info["frozen"] == 6 and np.array_equal(second.actions[:6], first.actions[4:10])
+    assert second.chunk.frozen == 6 and np.array_equal(second.actions[:6], first.actions[4:10])
     assert policy.embodiment.relative_action_keys or variant == "tiny_5b"  # relative keys exercised where the embodiment has them

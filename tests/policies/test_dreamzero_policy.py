@@ -96,10 +96,10 @@ def test_dynamic_step_cache_runs_at_least_two_steps_and_stays_finite(tiny_model)
 def test_decoupled_inference_noise_schedule_is_upstreams():
     """Upstream (WANPolicyHead.lazy_joint_video_action): video sigmas * (sigma_max - f) / sigma_max + f in float32 on
     the GPU, where / by a Python scalar is * by its float32 reciprocal; timesteps = int64(sigmas[:-1] * 1000)."""
-    from ardiff_policies.dreamzero.scheduler import DecoupledVideoScheduler
-    from ardiff_policies.wan.schedulers import FlowUniPCScheduler
+    from ardiff_policies.dreamzero.samplers import DecoupledVideoSampler
+    from ardiff_policies.wan.samplers import FlowUniPCSampler
 
-    plain, video = FlowUniPCScheduler(), DecoupledVideoScheduler(0.8)
+    plain, video = FlowUniPCSampler(), DecoupledVideoSampler(0.8)
     plain.set_timesteps(16, 5.0)
     video.set_timesteps(16, 5.0)
     sigmas = plain.sigmas.numpy()

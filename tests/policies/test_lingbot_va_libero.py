@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from ardiff_kv import PagedKVCache
 from ardiff_policies.lingbot_va import upstream_configs
-from ardiff_policies.lingbot_va.policy import InferRequest, LingBotVAPolicy, kv_spec
+from ardiff_policies.lingbot_va.episode_logic import InferRequest, LingBotVAPolicy, kv_spec
 from ardiff_policies.lingbot_va.tiny import TINY_LIBERO_EMBODIMENT, TINY_TRANSFORMER, ensure_tiny_checkpoint, tree_digest
 from ardiff_policies.lingbot_va.upstream_configs import DEMO, LIBERO, LIBERO_CFG, UpstreamConfig, embodiment_from_upstream
 from tests.helpers.scripts import load_script

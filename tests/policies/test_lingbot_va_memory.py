@@ -34,7 +34,7 @@ def test_the_pools_reserved_pages_are_what_the_engine_keeps_free():
     """Scratch per batch slot and branch, and for batches of more than one the undo headroom: a budget of the plan's
     reserved bytes plus n sessions holds exactly n sessions in the engine's sizing (``PagedKVCache.sessions_for_budget``)."""
     from ardiff_kv import PagedKVCache
-    from ardiff_policies.lingbot_va.policy import kv_spec
+    from ardiff_policies.lingbot_va.episode_logic import kv_spec
 
     spec = kv_spec(ROBOTWIN, memory.RELEASED, torch.bfloat16)
     alone, batched = memory.plan("x", ROBOTWIN), memory.plan("x", ROBOTWIN, max_batch=4)
@@ -51,11 +51,11 @@ def test_the_pools_reserved_pages_are_what_the_engine_keeps_free():
 def test_start_up_logs_the_plan_of_the_model_as_loaded(caplog):
     """The worker's log has LingBot-VA's plan as DreamZero's has its own: weights as loaded, a session's KV and prompt K/V."""
     from ardiff_policies.base import RuntimeOptions
-    from ardiff_policies.lingbot_va.serving import build_lingbot_va
+    from ardiff_policies.lingbot_va.policy import build_lingbot_va
     from ardiff_policies.lingbot_va.settings import LingBotVAConfig
     from ardiff_policies.wan.memory import module_size
 
-    with caplog.at_level("INFO", logger="ardiff_policies.lingbot_va.serving"):
+    with caplog.at_level("INFO", logger="ardiff_policies.lingbot_va.policy"):
         served = build_lingbot_va(LingBotVAConfig(checkpoint="builtin:tiny", embodiment="tiny_robotwin"), RuntimeOptions(max_sessions=3))
     text = caplog.text
     assert "memory plan: lingbot_va on cpu (float32), 2 CFG branch(es)" in text

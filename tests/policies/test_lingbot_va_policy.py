@@ -1,4 +1,4 @@
-"""LingBot-VA's episode logic (policies/lingbot_va/policy.py) against upstream's own server on the tiny checkpoint.
+"""LingBot-VA's episode logic (policies/lingbot_va/episode_logic.py) against upstream's own server on the tiny checkpoint.
 
 The reference (scripts/record_upstream_lingbot_va.py, ``policy.*``) is a whole episode of upstream's ``VA_Server``:
 reset, four chunks of infer + compute_kv_cache with the RoboTwin client's messages, the window sliding twice, its
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ardiff_kv import PagedKVCache
-from ardiff_policies.lingbot_va.policy import CommitRequest, EpisodeError, InferRequest, LingBotVAPolicy
+from ardiff_policies.lingbot_va.episode_logic import CommitRequest, EpisodeError, InferRequest, LingBotVAPolicy
 from ardiff_policies.lingbot_va.tiny import TINY_EMBODIMENT, ensure_tiny_checkpoint
 from tests.helpers.lingbot_va import ATOL, load_reference
 from tests.helpers.scripts import load_script
@@ -205,7 +205,7 @@ def test_a_repeated_first_infer_in_a_failed_batch_is_retried_alone_and_still_the
 
 def test_the_kv_geometry_of_the_shipped_embodiments():
     from ardiff_policies.lingbot_va.config import FRANKA, ROBOTWIN, TransformerConfig
-    from ardiff_policies.lingbot_va.policy import kv_spec
+    from ardiff_policies.lingbot_va.episode_logic import kv_spec
 
     full = TransformerConfig()
     robotwin = kv_spec(ROBOTWIN, full, torch.bfloat16)

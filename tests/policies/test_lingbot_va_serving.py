@@ -1,4 +1,4 @@
-"""LingBot-VA through the engine (``policies/lingbot_va/serving.py``): batched == alone for every kind of call, bad
+"""LingBot-VA through the engine (``policies/lingbot_va/policy.py``): batched == alone for every kind of call, bad
 requests refused before any state changes, the observation's episode call across the process seam."""
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def test_an_openpi_episode_starts_from_the_newest_frame_of_a_stack(engine):
     newest = {name: frames[-1:] for name, frames in stack.items()}
     from_stack = engine.infer("stacked", RobotObservation(stack, {}, "grab the mug"))
     from_frame = engine.infer("single", RobotObservation(newest, {}, "grab the mug"))
-    assert from_stack.result.info["execute_from"] == 16
+    assert from_stack.result.chunk.execute_from == 16
     np.testing.assert_array_equal(from_stack.result.actions, from_frame.result.actions)
     engine.end("stacked", "test")
     engine.end("single", "test")
@@ -175,6 +175,6 @@ def test_openpi_guidance_per_request_equals_the_robotwin_protocols_and_is_bounde
     np.testing.assert_allclose(chunk.result.actions, own.result.actions, atol=ATOL, rtol=0)
     assert np.abs(chunk.result.actions - default.result.actions).max() > 1e-4  # the scales were used
     later = engine.infer("openpi", RobotObservation(cameras(engine, 4, 32), {}, "grab the mug", EpisodeCall("chunk", 1.0, 1.0)))
-    assert later.calls == 2 and later.result.info["call"] == "commit+infer" and later.result.actions.shape == (32, 16)
+    assert later.calls == 2 and later.result.chunk.call == "commit+infer" and later.result.actions.shape == (32, 16)
     for sid in ("own", "default", "openpi"):
         engine.end(sid, "test")

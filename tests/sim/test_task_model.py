@@ -44,6 +44,6 @@ def test_a_short_training_run_lowers_the_held_out_loss_and_its_checkpoint_serves
     session = policy.start_session("t", cache.open_session("t"))
     first = policy.step(session, observe(joints))
     second = policy.step(session, observe(first.actions[5, :7].astype(np.float64), Continuation(6, 4, 1)))
-    assert second.info["frozen"] == 4 and np.array_equal(second.actions[:4], first.actions[6:10])
+    assert second.chunk.frozen == 4 and np.array_equal(second.actions[:4], first.actions[6:10])
     policy.end_session(session)
     cache.end_session(session.kv)

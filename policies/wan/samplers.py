@@ -5,7 +5,7 @@ noisy end, ``s * sigma / (1 + (s - 1) * sigma)`` (:func:`shift_sigmas`); the sam
 
 * LingBot-VA: plain Euler (upstream ``FlowMatchScheduler(shift, sigma_min=0, extra_one_step=True)``), sigmas
   :func:`flow_match_sigmas`, ``x += v * (sigma_next - sigma)``, written out in its episode loop;
-* DreamZero: :class:`FlowUniPCScheduler`, below.
+* DreamZero: :class:`FlowUniPCSampler`, below.
 
 The UniPC sampler is numerically identical to DreamZero's: upstream samples video latents and actions with Wan's
 ``FlowUniPCMultistepScheduler`` (a flow-matching port of diffusers' UniPC: order 2, bh2, x0-prediction with
@@ -57,15 +57,15 @@ def flow_match_sigmas(steps: int, shift: float) -> torch.Tensor:
     return shift_sigmas(torch.linspace(1.0, 0.0, steps + 1)[:-1], shift)
 
 
-class FlowUniPCScheduler:
+class FlowUniPCSampler:
     """Multistep flow-matching UniPC sampler for one trajectory.
 
     Usage, per denoising call::
 
-        scheduler.set_timesteps(num_inference_steps, shift)
-        for step_index, t in enumerate(scheduler.timesteps):
+        sampler.set_timesteps(num_inference_steps, shift)
+        for step_index, t in enumerate(sampler.timesteps):
             velocity = model(sample, t)  # or the previous velocity (DiT step cache)
-            sample = scheduler.step(velocity, sample, step_index)
+            sample = sampler.step(velocity, sample, step_index)
 
     The solver keeps the last ``solver_order`` x0-predictions between steps, so use one
     instance per trajectory (e.g. one for video latents, one for actions) and call
@@ -74,7 +74,7 @@ class FlowUniPCScheduler:
 
     def __init__(self, num_train_timesteps: int = 1000, solver_order: int = 2) -> None:
         if "sigmas" not in inspect.signature(UniPCMultistepScheduler.set_timesteps).parameters:
-            raise ImportError("FlowUniPCScheduler needs diffusers >= 0.37 (UniPC with custom flow sigmas)")
+            raise ImportError("FlowUniPCSampler needs diffusers >= 0.37 (UniPC with custom flow sigmas)")
         self.num_train_timesteps = num_train_timesteps
         self.solver_order = solver_order
         # Upstream's training grid is sigma = 1 - linspace(1, 1/T, T)[::-1], stored as float32;

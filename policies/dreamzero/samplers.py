@@ -1,5 +1,5 @@
 """DreamZero's video sampler under upstream's ``decouple_inference_noise``: Wan's flow-matching UniPC
-(:class:`ardiff_policies.wan.schedulers.FlowUniPCScheduler`) over rescaled sigmas."""
+(:class:`ardiff_policies.wan.samplers.FlowUniPCSampler`) over rescaled sigmas."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import functools
 
 import torch
 
-from ardiff_policies.wan.schedulers import FlowUniPCScheduler
+from ardiff_policies.wan.samplers import FlowUniPCSampler
 
 
-class DecoupledVideoScheduler(FlowUniPCScheduler):
+class DecoupledVideoSampler(FlowUniPCSampler):
     """The video sampler under upstream's ``decouple_inference_noise`` (``WANPolicyHead.lazy_joint_video_action``).
 
     The video's sigmas are mapped from [sigma_max, 0] onto [sigma_max, final_noise], so the video takes every step
-    but stays partly noisy, while the actions (their own scheduler) denoise fully. Both noises are still drawn from
+    but stays partly noisy, while the actions (their own sampler) denoise fully. Both noises are still drawn from
     the per-call seed; only the schedule changes. Upstream computes ``sigmas * (sigma_max - final) / sigma_max +
     final`` on the GPU in float32, where dividing by a Python scalar is a multiplication by its float32 reciprocal;
     the same float32 operations are done here, then ``timesteps = int64(sigmas[:-1] * 1000)``.

@@ -1,4 +1,4 @@
-"""FlowUniPCScheduler against numbers recorded from DreamZero's upstream scheduler."""
+"""FlowUniPCSampler against numbers recorded from DreamZero's upstream scheduler."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from ardiff_policies.wan.schedulers import FlowUniPCScheduler
+from ardiff_policies.wan.samplers import FlowUniPCSampler
 from tests.helpers.reference import REFERENCE_DIR
 from tests.helpers.server_harness import REPO
 
@@ -42,7 +42,7 @@ def _velocity(x: torch.Tensor, x0: torch.Tensor, sigma: torch.Tensor) -> torch.T
 
 
 def _sample(
-    scheduler: FlowUniPCScheduler,
+    sampler: FlowUniPCSampler,
     x: torch.Tensor,
     x0: torch.Tensor,
     num_inference_steps: int,
@@ -50,13 +50,13 @@ def _sample(
     reused_velocity_at_steps: frozenset[int] = frozenset(),
 ) -> list[torch.Tensor]:
     """Runs a full trajectory; at the listed steps the previous velocity is reused (DiT step cache)."""
-    scheduler.set_timesteps(num_inference_steps, shift)
+    sampler.set_timesteps(num_inference_steps, shift)
     samples = []
     velocity = None
     for step_index in range(num_inference_steps):
         if step_index not in reused_velocity_at_steps:
-            velocity = _velocity(x, x0, scheduler.sigmas[step_index]).to(x.dtype)
-        x = scheduler.step(velocity, x, step_index)
+            velocity = _velocity(x, x0, sampler.sigmas[step_index]).to(x.dtype)
+        x = sampler.step(velocity, x, step_index)
         samples.append(x)
     return samples
 
@@ -64,14 +64,14 @@ def _sample(
 @pytest.mark.parametrize("case_name", CASES)
 def test_schedule_matches_upstream(reference: dict[str, Any], case_name: str) -> None:
     case = reference["cases"][case_name]
-    scheduler = FlowUniPCScheduler()
-    scheduler.set_timesteps(case["num_inference_steps"], case["shift"])
+    sampler = FlowUniPCSampler()
+    sampler.set_timesteps(case["num_inference_steps"], case["shift"])
 
-    assert scheduler.timesteps.dtype == torch.int64
-    assert scheduler.timesteps.tolist() == [int(t) for t in case["timesteps"]]
-    assert scheduler.sigmas.dtype == torch.float32  # upstream keeps sigmas in float32
+    assert sampler.timesteps.dtype == torch.int64
+    assert sampler.timesteps.tolist() == [int(t) for t in case["timesteps"]]
+    assert sampler.sigmas.dtype == torch.float32  # upstream keeps sigmas in float32
     expected_sigmas = torch.tensor(case["sigmas"], dtype=torch.float64)
-    torch.testing.assert_close(scheduler.sigmas.double(), expected_sigmas, rtol=0, atol=ATOL)
+    torch.testing.assert_close(sampler.sigmas.double(), expected_sigmas, rtol=0, atol=ATOL)
 
 
 def trajectories(reference: dict[str, Any]) -> dict[str, list[list[float]]]:
@@ -82,16 +82,16 @@ def trajectories(reference: dict[str, Any]) -> dict[str, list[list[float]]]:
     for name in CASES:
         case = reference["cases"][name]
         reused = frozenset(case["reused_velocity_at_steps"])
-        samples = _sample(FlowUniPCScheduler(), initial, x0, case["num_inference_steps"], case["shift"], reused)
+        samples = _sample(FlowUniPCSampler(), initial, x0, case["num_inference_steps"], case["shift"], reused)
         out[name] = [sample.flatten().tolist() for sample in samples]
-    out["after_reset"] = [sample.flatten().tolist() for sample in _resets(FlowUniPCScheduler(), initial, x0)[1]]
+    out["after_reset"] = [sample.flatten().tolist() for sample in _resets(FlowUniPCSampler(), initial, x0)[1]]
     return out
 
 
 @pytest.fixture(scope="module")
 def pinned(reference: dict[str, Any]) -> dict[str, list[list[float]]]:
     """``trajectories`` computed on MKL's AVX path (a subprocess: MKL reads MKL_CBWR once, at start)."""
-    code = "import json, sys; from tests.policies.test_scheduler import trajectories; print(json.dumps(trajectories(json.load(open(sys.argv[1])))))"
+    code = "import json, sys; from tests.policies.test_samplers import trajectories; print(json.dumps(trajectories(json.load(open(sys.argv[1])))))"
     env = {**os.environ, "MKL_CBWR": "AVX"}
     result = subprocess.run([sys.executable, "-c", code, str(REFERENCE_PATH)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -113,7 +113,7 @@ def test_trajectory_matches_upstream(reference: dict[str, Any], pinned: dict[str
     initial = _tensor(reference["initial_sample"], shape)
 
     samples = _sample(
-        FlowUniPCScheduler(),
+        FlowUniPCSampler(),
         initial,
         x0,
         case["num_inference_steps"],
@@ -125,15 +125,15 @@ def test_trajectory_matches_upstream(reference: dict[str, Any], pinned: dict[str
     _assert_trajectory(samples, expected, shape, CPU_ATOL, "this CPU's MKL path")
 
 
-def _resets(scheduler: FlowUniPCScheduler, initial: torch.Tensor, x0: torch.Tensor) -> tuple[list, list, list]:
-    """A 16-step run, an abandoned one, a 4-step run and the 16-step run again, on one scheduler."""
-    first = _sample(scheduler, initial, x0, 16, 5.0)
+def _resets(sampler: FlowUniPCSampler, initial: torch.Tensor, x0: torch.Tensor) -> tuple[list, list, list]:
+    """A 16-step run, an abandoned one, a 4-step run and the 16-step run again, on one sampler."""
+    first = _sample(sampler, initial, x0, 16, 5.0)
     # An abandoned trajectory and a different step count in between must leave no trace.
-    scheduler.set_timesteps(16, 5.0)
-    scheduler.step(_velocity(initial, x0, scheduler.sigmas[0]), initial, 0)
-    scheduler.step(_velocity(initial, x0, scheduler.sigmas[1]), initial, 1)
-    four_steps = _sample(scheduler, initial, x0, 4, 5.0)
-    second = _sample(scheduler, initial, x0, 16, 5.0)
+    sampler.set_timesteps(16, 5.0)
+    sampler.step(_velocity(initial, x0, sampler.sigmas[0]), initial, 0)
+    sampler.step(_velocity(initial, x0, sampler.sigmas[1]), initial, 1)
+    four_steps = _sample(sampler, initial, x0, 4, 5.0)
+    second = _sample(sampler, initial, x0, 16, 5.0)
     return first, four_steps, second
 
 
@@ -141,7 +141,7 @@ def test_set_timesteps_resets_state(reference: dict[str, Any], pinned: dict[str,
     shape = reference["shape"]
     x0 = _tensor(reference["x0"], shape)
     initial = _tensor(reference["initial_sample"], shape)
-    first, four_steps, second = _resets(FlowUniPCScheduler(), initial, x0)
+    first, four_steps, second = _resets(FlowUniPCSampler(), initial, x0)
 
     for a, b in zip(first, second):
         assert torch.equal(a, b)
@@ -154,10 +154,10 @@ def test_single_step_returns_x0_prediction() -> None:
     # One step goes straight to sigma = 0, where UniPC's update reduces to x0 = x - sigma * v.
     x = torch.randn(2, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     velocity = torch.randn(2, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    scheduler = FlowUniPCScheduler()
-    scheduler.set_timesteps(1, 5.0)
-    expected = x - scheduler.sigmas[0].double() * velocity
-    torch.testing.assert_close(scheduler.step(velocity, x, 0), expected, rtol=0, atol=1e-15)
+    sampler = FlowUniPCSampler()
+    sampler.set_timesteps(1, 5.0)
+    expected = x - sampler.sigmas[0].double() * velocity
+    torch.testing.assert_close(sampler.step(velocity, x, 0), expected, rtol=0, atol=1e-15)
 
 
 @pytest.mark.parametrize(
@@ -169,8 +169,8 @@ def test_dtype_and_shape_preserved(shape: tuple[int, ...], dtype: torch.dtype) -
     x0 = torch.randn(shape, generator=generator, dtype=torch.float64)
     initial = torch.randn(shape, generator=generator, dtype=torch.float64)
 
-    low_precision = _sample(FlowUniPCScheduler(), initial.to(dtype), x0, 8, 5.0, frozenset({3}))
-    full_precision = _sample(FlowUniPCScheduler(), initial, x0, 8, 5.0, frozenset({3}))
+    low_precision = _sample(FlowUniPCSampler(), initial.to(dtype), x0, 8, 5.0, frozenset({3}))
+    full_precision = _sample(FlowUniPCSampler(), initial, x0, 8, 5.0, frozenset({3}))
 
     for sample in low_precision:
         assert sample.dtype == dtype
@@ -181,15 +181,15 @@ def test_dtype_and_shape_preserved(shape: tuple[int, ...], dtype: torch.dtype) -
 
 def test_steps_must_follow_set_timesteps_in_order() -> None:
     x = torch.zeros(1, 4)
-    scheduler = FlowUniPCScheduler()
+    sampler = FlowUniPCSampler()
     with pytest.raises(RuntimeError, match="set_timesteps"):
-        scheduler.step(x, x, 0)
-    scheduler.set_timesteps(4, 5.0)
+        sampler.step(x, x, 0)
+    sampler.set_timesteps(4, 5.0)
     with pytest.raises(ValueError, match="in order"):
-        scheduler.step(x, x, 1)
-    scheduler.step(x, x, 0)
+        sampler.step(x, x, 1)
+    sampler.step(x, x, 0)
     with pytest.raises(ValueError, match="in order"):
-        scheduler.step(x, x, 0)
+        sampler.step(x, x, 0)
 
 
 def test_a_constraint_is_what_the_solver_carries_on_from() -> None:
@@ -199,9 +199,9 @@ def test_a_constraint_is_what_the_solver_carries_on_from() -> None:
     a model that predicts x0 = 0 everywhere (v = x / sigma) makes every UniPC update ``x -> sigma_next / sigma * x``
     (all x0 terms vanish), so each step returns the pinned row scaled by that ratio."""
     torch.manual_seed(0)
-    scheduler = FlowUniPCScheduler()
-    scheduler.set_timesteps(8, shift=5.0)
-    sigmas = scheduler.sigmas.double()
+    sampler = FlowUniPCSampler()
+    sampler.set_timesteps(8, shift=5.0)
+    sigmas = sampler.sigmas.double()
     eps = torch.randn(1, 4, 3, dtype=torch.float64)
     target = torch.randn(1, 4, 3, dtype=torch.float64)
 
@@ -214,21 +214,21 @@ def test_a_constraint_is_what_the_solver_carries_on_from() -> None:
         return constrain
 
     sample, free = eps.clone(), eps.clone()
-    for i in range(len(scheduler.timesteps) - 1):
+    for i in range(len(sampler.timesteps) - 1):
         sigma, ratio = float(sigmas[i]), float(sigmas[i + 1] / sigmas[i])
         velocity = pin(sigma)(sample) / sigma
-        sample = scheduler.step(velocity, sample, i, constrain=pin(sigma))
+        sample = sampler.step(velocity, sample, i, constrain=pin(sigma))
         pinned = (1 - sigma) * target[:, 0] + sigma * eps[:, 0]
         torch.testing.assert_close(sample[:, 0], ratio * pinned, rtol=0, atol=1e-6)  # the solver's coefficients are float32
         free = ratio * free
         torch.testing.assert_close(sample[:, 1:], free[:, 1:], rtol=0, atol=1e-6)  # the solver's coefficients are float32
 
     # Without the hook the same edit made before step is lost from the second step on.
-    scheduler.set_timesteps(8, shift=5.0)
+    sampler.set_timesteps(8, shift=5.0)
     sample = eps.clone()
     for i in range(2):
         sigma = float(sigmas[i])
         edited = pin(sigma)(sample)
-        sample = scheduler.step(edited / sigma, edited, i)
+        sample = sampler.step(edited / sigma, edited, i)
     pinned = (1 - float(sigmas[1])) * target[:, 0] + float(sigmas[1]) * eps[:, 0]
     assert not torch.allclose(sample[:, 0], float(sigmas[2] / sigmas[1]) * pinned, atol=1e-3)

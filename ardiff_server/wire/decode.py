@@ -40,13 +40,13 @@ def decode_frame(
     *,
     max_request_pixels: int | Literal["auto"],
     continuation_refused: str | None,
-    max_batch_elements: int,
+    max_batch_elements: int | None = None,
 ) -> Request:
     """The server's way in (run in a worker thread): one frame unpacked within ``limits`` (arrays as read-only views of
     it) and decoded under the served policy's rules: its observation schema (``info`` None: RoboArena's DROID keys,
     no engine ready yet), its own protocol, whether it takes per-request guidance (it advertises ``guidance`` in its
     metadata), and the pixel budget ``server.max_request_pixels`` gives it (each element of a batch its own),
-    counted before any image is decoded; a batch holds at most ``max_batch_elements``."""
+    counted before any image is decoded; a batch holds at most ``max_batch_elements`` (None: batches are refused)."""
     budget = request_budget(max_request_pixels, info)  # and the frames its policy keeps
     payload = unpack(frame, limits, copy=False)
     return decode_request(

@@ -12,7 +12,27 @@ from ardiff_server.wire.budget import PixelBudget
 from ardiff_server.wire.decode import RequestError, decode_request
 from ardiff_server.wire.openpi import OpenPIRequest
 from ardiff_server.wire.protocol import unpack
-from tests.wire.test_decode import GRIPPER, JOINTS, WRIST, droid_request, image
+
+WRIST = "observation/wrist_image_left"
+JOINTS = "observation/joint_position"
+GRIPPER = "observation/gripper_position"
+
+
+def image(height: int = 18, width: int = 32) -> np.ndarray:
+    return np.zeros((height, width, 3), dtype=np.uint8)
+
+
+def droid_request(session_id: str | None = None, **overrides) -> dict:
+    """One DROID inference request (three 18x32 cameras, the arm's states)."""
+    request = {
+        "observation/exterior_image_0_left": image(),
+        "observation/exterior_image_1_left": image(),
+        WRIST: image(),
+        JOINTS: np.arange(7, dtype=np.float64) / 10,
+        GRIPPER: np.array([0.5]),
+        "session_id": session_id,
+    }
+    return {**request, **overrides}
 
 
 def decode(payload, max_elements: int = 8, budget: PixelBudget | None = None):
@@ -23,7 +43,7 @@ def test_each_element_is_decoded_alone_and_keeps_its_slot():
     good = droid_request(session_id="env-a", prompt="stack the cups")
     bad = droid_request(**{JOINTS: [0.0] * 6})  # six joints
     reset = {"endpoint": "reset", "session_id": "env-c"}
-    request = decode({"batch": [good, bad, reset, droid_request(session_id=None), 7]})
+    request = decode({"batch": [good, bad, reset, droid_request(), 7]})
     assert isinstance(request, BatchRequest) and request.protocol == "openpi_batch"
     first, second, third, fourth, fifth = request.elements
     assert isinstance(first, OpenPIRequest) and first.session_id == "env-a" and first.observation.prompt == "stack the cups"

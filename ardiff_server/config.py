@@ -58,6 +58,9 @@ class ServerConfig(_Section):
     # Camera pixels one request may declare (JPEG headers, raw array shapes, after the frames the policy drops),
     # refused by name before any is decoded; auto: the policy's frames per call x cameras at 4x its resolution per side
     max_request_pixels: int | Literal["auto"] = "auto"
+    # Requests one {"batch": [...]} frame may carry (openpi PR #941; each element its own session and pixel budget);
+    # auto: the sessions the server holds (engine.max_sessions x replicas): a larger batch could not all be served
+    max_batch_elements: int | Literal["auto"] = "auto"
     max_connections: int = pydantic.Field(64, ge=1)  # further handshakes get HTTP 503
     # Per API key (frontend/sessions.py, "Per-key limits" in docs/design-notes.md). "fair": with two or
     # more keys, an equal share of engine.max_sessions x replicas (of max_connections); else no limit.
@@ -95,6 +98,13 @@ class ServerConfig(_Section):
         if value is None or value == "fair" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             return value
         raise ValueError("expected a count >= 1, fair (a share per key) or null (no limit)")
+
+    @pydantic.field_validator("max_batch_elements", mode="before")
+    @classmethod
+    def _batch_elements(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError("expected a number of requests >= 1 or auto (engine.max_sessions x replicas)")
 
     @pydantic.field_validator("max_request_pixels", mode="before")
     @classmethod
@@ -291,6 +301,12 @@ class AppConfig(_Section):
         ``replicas``: the engine replicas serving (default ``engine.replicas``; on Ray Serve the
         deployment's count, or its autoscaling maximum)."""
         return self._per_key(self.server.max_sessions_per_key, self.engine.max_sessions * (replicas or self.engine.replicas))
+
+    def batch_elements(self, replicas: int | None = None) -> int:
+        """``server.max_batch_elements`` in effect: "auto" is the sessions the server holds (``engine.max_sessions`` x
+        replicas; ``replicas`` as for :meth:`sessions_per_key`)."""
+        setting = self.server.max_batch_elements
+        return self.engine.max_sessions * (replicas or self.engine.replicas) if setting == "auto" else setting
 
     def connections_per_key(self) -> int | None:
         """``server.max_connections_per_key`` in effect ("fair": a share of ``server.max_connections``)."""

@@ -91,6 +91,12 @@ class Metrics:
             registry=r,
             buckets=SLACK_BUCKETS,
         )
+        self.batch_elements = Histogram(
+            "ardiff_request_batch_elements",
+            'Requests per batched frame ({"batch": [...]}); each is also counted by its outcome in ardiff_requests',
+            registry=r,
+            buckets=BATCH_BUCKETS,
+        )
         self.connections = Gauge("ardiff_connections_open", "Open websocket connections", registry=r)
         self.closed = Counter("ardiff_connections_closed", "Connections the server closed, by reason", ["reason"], registry=r)
         for reason in CLOSE_REASONS:

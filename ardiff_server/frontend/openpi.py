@@ -1,7 +1,7 @@
 """OpenPI's requests on a connection (``wire/openpi.py`` decodes them), a session per ``session_id``.
 
 * ``endpoint: reset``: the named sessions end (``session_ids: None``: every session the connection used; neither:
-  its current one). Reply ``{status: "reset successful", session_ids[, session_id]}``.
+  its current one, or every session of its last batch). Reply ``{status: "reset successful", session_ids[, session_id]}``.
 * ``infer``: the session's next chunk. Reply the bare actions (``server.reply_format: array``) or
   ``{actions, server_timing, policy_timing, session, chunk_id, frozen[, continuation]}`` (docs/spec.md §3).
 """
@@ -44,8 +44,8 @@ class OpenPIHandler:
             ids = sorted({*self.sessions.used_by(conn), *request.session_ids})
         elif request.reset_scope == "named":
             ids = list(request.session_ids)
-        else:  # DreamZero's reset({}): the connection's current session
-            ids = [self.sessions.resolve(conn, None)]
+        else:  # DreamZero's reset({}): the connection's current session (every one of its last batch)
+            ids = self.sessions.current_sessions(conn)
         try:
             await self.sessions.end(conn, ids)
         except EngineError as exc:
@@ -63,19 +63,22 @@ class OpenPIHandler:
             reply = await self.sessions.infer(conn, session_id, request.observation)
         except EngineError as exc:
             return self.replies.error(exc, session_id)
+        return pack(self.answer(session_id, reply, clock, sent))
+
+    def answer(self, session_id: str, reply: InferReply, clock: RequestClock, sent: float) -> Any:
+        """An answered call counted (``sent``: when it went to the engine) and its reply, unpacked: the bare actions
+        (``server.reply_format: array``) or the dict (a batch's slot holds the same)."""
         server_timing = self.replies.served(session_id, reply, clock, sent)
         actions = np.asarray(reply.actions, dtype=np.float32)
         if self.reply_format == "array":
-            return pack(actions)
-        return pack(
-            {
-                "actions": actions,
-                "server_timing": server_timing,
-                "policy_timing": reply.timing_ms,
-                "session": session_info(session_id, reply),
-                **chunk_info(reply),
-            }
-        )
+            return actions
+        return {
+            "actions": actions,
+            "server_timing": server_timing,
+            "policy_timing": reply.timing_ms,
+            "session": session_info(session_id, reply),
+            **chunk_info(reply),
+        }
 
 
 # The policy's chunk facts, read here and nowhere else in the front end: ``chunk_id`` / ``frozen`` (and, when the

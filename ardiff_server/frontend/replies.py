@@ -74,6 +74,15 @@ class Replies:
             timing["prev_total_ms"] = clock.prev_total_ms
         return timing
 
+    def forbidden(self, message: str) -> str:
+        """A request for another API key's session, counted: the one-line text frame."""
+        self.metrics.requests.labels("forbidden").inc()
+        return f"forbidden: {message}"
+
+    def batch(self, elements: int) -> None:
+        """A batched frame answered (each of its ``elements`` counted by its own outcome besides)."""
+        self.metrics.batch_elements.observe(elements)
+
     def bad_request(self, message: str) -> str:
         """A request refused by the front end (not the engine), counted: the one-line text frame."""
         self.metrics.requests.labels("bad_request").inc()

@@ -5,8 +5,8 @@ One code path for the protocols and the session rules, shared by the websockets 
 
 Per connection: one binary metadata frame (exactly RoboArena's ``PolicyServerConfig``), then
 strictly one binary request frame -> one reply frame. A frame is decoded by ``wire/decode.py`` into the
-request of the protocol it speaks, and answered by that protocol's handler (``openpi.py``; ``lingbot_va.py``
-for a policy whose own protocol it is), both through ``replies.py``. A bad request gets a one-line text frame
+request of the protocol it speaks, and answered by that protocol's handler (``openpi.py``; ``openpi_batch.py`` for
+OpenPI's ``{"batch": [...]}``; ``lingbot_va.py`` for a policy whose own protocol it is), all through ``replies.py``. A bad request gets a one-line text frame
 naming the problem and the connection stays open with the session untouched; an internal
 failure gets a text frame too (tracebacks only with ``--debug``) and the failed session is torn
 down by the engine. HTTP: ``GET /healthz`` (no key needed), ``/metrics`` and ``/info``.
@@ -31,6 +31,7 @@ from ardiff_server.frontend.auth import ApiKeys, Unauthorized
 from ardiff_server.frontend.lingbot_va import LingBotVAHandler
 from ardiff_server.frontend.metrics import Metrics
 from ardiff_server.frontend.openpi import OpenPIHandler
+from ardiff_server.frontend.openpi_batch import OpenPIBatchHandler
 from ardiff_server.frontend.replies import Replies, RequestClock
 from ardiff_server.frontend.sessions import Connection, KeyLimits, SessionForbidden, SessionTable
 from ardiff_server.wire.decode import Request, decode_frame
@@ -108,8 +109,11 @@ class PolicyService:
         self.connections = 0
         self.replies = Replies(self.metrics, debug=config.server.debug)
         # by the ``protocol`` of the decoded request: OpenPI's, and a policy's own beside it (PolicyInfo.native_protocol)
+        self.max_batch_elements = config.batch_elements(replicas)  # server.max_batch_elements
+        openpi = OpenPIHandler(self.sessions, self.replies, reply_format=config.server.reply_format)
         self.handlers: dict[str, Handler] = {
-            "openpi": OpenPIHandler(self.sessions, self.replies, reply_format=config.server.reply_format),
+            "openpi": openpi,
+            "openpi_batch": OpenPIBatchHandler(self.sessions, self.replies, openpi),
             "lingbot_va": LingBotVAHandler(self.sessions, self.replies, engine),
         }
         self._closing: set[asyncio.Task] = set()
@@ -175,6 +179,7 @@ class PolicyService:
                 "engine_max_batch": self.config.engine.batch_limit,
                 "policy_max_batch": info.max_batch if info is not None else None,
                 "batch_wait_ms": self.config.engine.batch_wait_ms,
+                "max_batch_elements": self.max_batch_elements,  # requests one {"batch": [...]} frame may carry
             },
             "policy": info.describe() if info is not None else None,
             "continuations": continuations.describe(self._continuation_refusal(info)) if info is not None else None,
@@ -256,9 +261,8 @@ class PolicyService:
         try:
             return await self.handlers[request.protocol].serve(conn, request, RequestClock(started, prev_total_ms))
         except SessionForbidden as exc:
-            self.metrics.requests.labels("forbidden").inc()
             logger.warning("connection %d: %s", conn.conn_id, exc)
-            return f"forbidden: {exc}"
+            return self.replies.forbidden(str(exc))
 
     def _decode(self, frame: bytes) -> Request:
         """One request frame decoded (in a worker thread) under the served policy's rules (``wire/decode.py``)."""
@@ -269,6 +273,7 @@ class PolicyService:
             info,
             max_request_pixels=self.config.server.max_request_pixels,
             continuation_refused=self._continuation_refusal(info),
+            max_batch_elements=self.max_batch_elements,
         )
 
     def _continuation_refusal(self, info) -> str | None:

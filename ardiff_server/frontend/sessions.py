@@ -39,7 +39,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from ardiff_policies.observation import RobotObservation
@@ -78,6 +78,7 @@ class Connection:
     default_session: str
     key: str | None = None  # which API key authenticated it (an id, never the key itself)
     current: str | None = None
+    batch: tuple[str, ...] = ()  # the sessions of its last request when that was a batch (all current; then current is None)
     used: set[str] = field(default_factory=set)  # sessions it used that are not ended
     remote: str = ""
     requests: int = 0
@@ -128,7 +129,37 @@ class SessionTable:
 
     async def infer(self, conn: Connection, session_id: str, observation: RobotObservation) -> InferReply:
         """Serve one request of ``session_id`` on ``conn`` (under the session's lock)."""
-        previous = conn.current if conn.current != session_id else None
+        left = [sid for sid in (conn.current, *conn.batch) if sid is not None and sid != session_id]
+        conn.batch = ()
+        return await self._infer(conn, session_id, observation, left=left)
+
+    async def infer_batch(self, conn: Connection, calls: list[tuple[str, RobotObservation]]) -> list[InferReply | Exception]:
+        """Serve one batch of distinct sessions on ``conn``: each call under its own session's lock, all sent to the
+        engine before any is awaited (so they can meet in one forward). Every one is on the robot now: the
+        connection's current sessions are the batch's (an id-less reset ends them all), the ones its previous request
+        was on and this batch is not are left (switched). Per call: its reply, or the EngineError / SessionForbidden
+        that refused it (the others stand)."""
+        ids = [sid for sid, _ in calls]
+        left = [sid for sid in (conn.current, *conn.batch) if sid is not None and sid not in ids]
+        conn.current, conn.batch = None, tuple(ids)
+        for session_id in left:  # the engine hears first (its control requests run ahead), no call waits on it
+            self._leave_later(conn, session_id)
+
+        async def one(session_id: str, observation: RobotObservation) -> InferReply | Exception:
+            try:
+                return await self._infer(conn, session_id, observation, left=(), single=False)
+            except (EngineError, SessionForbidden) as exc:
+                return exc
+
+        return list(await asyncio.gather(*(one(sid, obs) for sid, obs in calls)))
+
+    def current_sessions(self, conn: Connection) -> list[str]:
+        """The sessions the connection is on now: its last batch's, else its current (or generated) one."""
+        return list(conn.batch) if conn.batch else [self.resolve(conn, None)]
+
+    async def _infer(
+        self, conn: Connection, session_id: str, observation: RobotObservation, *, left: Sequence[str], single: bool = True
+    ) -> InferReply:
         async with self._locked(session_id) as entry:
             self._check_owner(entry, conn)
             if entry.ended or entry.owner is None:  # a fresh (or revived) entry belongs to this key
@@ -140,8 +171,9 @@ class SessionTable:
             entry.current_on.add(conn.conn_id)
             entry.last_used = time.monotonic()
             conn.used.add(session_id)
-            conn.current = session_id
-            if previous is not None:
+            if single:
+                conn.current = session_id
+            for previous in left:
                 await self._leave(conn, previous)  # before the request: its admission may need previous's place
             try:
                 reply = await self.engine.infer(session_id, observation)
@@ -162,6 +194,7 @@ class SessionTable:
             conn.used.discard(session_id)
             if conn.current == session_id:
                 conn.current = None
+            conn.batch = tuple(sid for sid in conn.batch if sid != session_id)
         return session_ids
 
     def used_by(self, conn: Connection) -> list[str]:
@@ -171,7 +204,7 @@ class SessionTable:
 
     async def disconnect(self, conn: Connection) -> None:
         """The connection closed: its sessions stay for ``ttl_s`` after nobody uses them."""
-        conn.current = None
+        conn.current, conn.batch = None, ()
         for session_id in sorted(conn.used):
             entry = self._entries.get(session_id)
             if entry is None or conn.conn_id not in entry.holders:
@@ -256,10 +289,11 @@ class SessionTable:
     @staticmethod
     def _idle(entry: _Entry, conn: Connection, waiting: int = 0) -> bool:
         """Open in the engine, no robot on it (but ``conn``'s, which is leaving it for a new
-        session), no request of anyone else holding or waiting for its lock (a detach or expiry
+        session, unless it is one of ``conn``'s batch), no request of anyone else holding or waiting for its lock (a detach or expiry
         may: the caller waits for it), not ended."""
         busy = entry.users - entry.background
-        return entry.opened and not entry.ended and busy <= waiting and not (entry.current_on - {conn.conn_id})
+        on_robot = entry.current_on - {conn.conn_id} or entry.session_id in conn.batch  # conn stays on its batch's
+        return entry.opened and not entry.ended and busy <= waiting and not on_robot
 
     def _counts(self, entry: _Entry, engine_sessions: set[str]) -> bool:
         return entry.counted and not entry.ended and (not entry.opened or entry.session_id in engine_sessions)
@@ -277,6 +311,16 @@ class SessionTable:
         return sum((r.stats[0].session_capacity if r.stats and r.stats[0].session_capacity else self.limits.max_sessions) for r in ready)
 
     # -- transitions (each under the session's lock) --------------------------------------
+
+    def _leave_later(self, conn: Connection, session_id: str) -> None:
+        """``conn`` moved on from ``session_id``: as :meth:`_leave`, the detach spawned (it runs before anything
+        the caller sends next, and waits for no lock the caller may take)."""
+        entry = self._entries.get(session_id)
+        if entry is None:
+            return
+        entry.current_on.discard(conn.conn_id)
+        if not (entry.current_on or entry.ended):
+            self._spawn(self._detach(session_id, "switched"))
 
     async def _leave(self, conn: Connection, session_id: str) -> None:
         """``conn`` moved on from ``session_id`` (under the new session's lock). If no robot is on it

@@ -6,9 +6,11 @@ whose message it is and hands it to that protocol's decoder, and the front end d
 
 * ``openpi`` (:class:`~ardiff_server.wire.openpi.OpenPIRequest`): RoboArena / DROID / an embodiment's
   ``observation/...`` keys, ``endpoint``, ``session_id``; every policy speaks it;
+* ``openpi_batch`` (:class:`~ardiff_server.wire.batch.BatchRequest`): OpenPI's batched form (openpi PR #941),
+  ``{"batch": [request, ...]}``, each element an OpenPI request decoded alone (``batch.py``); any policy;
 * ``lingbot_va`` (:class:`~ardiff_server.wire.lingbot_va.LingBotVARequest`): upstream LingBot-VA's own messages,
   understood only for a policy whose ``PolicyInfo.native_protocol`` is ``lingbot_va`` (any other policy decodes
-  them as OpenPI's, and refuses them as such).
+  them as OpenPI's, and refuses them as such). A batch of them is not taken: a batch's elements are OpenPI's.
 
 Both read their shared fields (prompt, guidance scales, ``continuation``) through ``fields.py``.
 """
@@ -19,24 +21,32 @@ from typing import Any, Literal
 
 from ardiff_policies.embodiment import ObservationSchema
 from ardiff_policies.info import PolicyInfo
+from ardiff_server.wire.batch import BATCH_KEY, BatchRequest, decode_batch, is_batch
 from ardiff_server.wire.budget import PixelBudget, request_budget
 from ardiff_server.wire.lingbot_va import LingBotVARequest, decode_lingbot_va, is_lingbot_va_message
 from ardiff_server.wire.openpi import MAX_CHUNK_ID, OpenPIRequest, decode_openpi
 from ardiff_server.wire.protocol import DecodeLimits, RequestError, unpack
 
 # MAX_CHUNK_ID: the largest continuation.chunk_id a request may name (the client checks replies against it)
-__all__ = ["MAX_CHUNK_ID", "LingBotVARequest", "OpenPIRequest", "Request", "RequestError", "decode_frame", "decode_request"]
+__all__ = ["MAX_CHUNK_ID", "BatchRequest", "LingBotVARequest", "OpenPIRequest", "Request", "RequestError", "decode_frame", "decode_request"]
 
-Request = OpenPIRequest | LingBotVARequest
+Request = OpenPIRequest | BatchRequest | LingBotVARequest
 
 
 def decode_frame(
-    frame: bytes, limits: DecodeLimits, info: PolicyInfo | None, *, max_request_pixels: int | Literal["auto"], continuation_refused: str | None
+    frame: bytes,
+    limits: DecodeLimits,
+    info: PolicyInfo | None,
+    *,
+    max_request_pixels: int | Literal["auto"],
+    continuation_refused: str | None,
+    max_batch_elements: int | None = None,
 ) -> Request:
     """The server's way in (run in a worker thread): one frame unpacked within ``limits`` (arrays as read-only views of
     it) and decoded under the served policy's rules: its observation schema (``info`` None: RoboArena's DROID keys,
     no engine ready yet), its own protocol, whether it takes per-request guidance (it advertises ``guidance`` in its
-    metadata), and the pixel budget ``server.max_request_pixels`` gives it, counted before any image is decoded."""
+    metadata), and the pixel budget ``server.max_request_pixels`` gives it (each element of a batch its own),
+    counted before any image is decoded; a batch holds at most ``max_batch_elements`` (None: batches are refused)."""
     budget = request_budget(max_request_pixels, info)  # and the frames its policy keeps
     payload = unpack(frame, limits, copy=False)
     return decode_request(
@@ -46,6 +56,7 @@ def decode_frame(
         guidance=info is not None and "guidance" in info.server_config,
         budget=budget,
         continuation_refused=continuation_refused,
+        max_batch_elements=max_batch_elements,
     )
 
 
@@ -57,11 +68,21 @@ def decode_request(
     guidance: bool = False,
     budget: PixelBudget | None = None,
     continuation_refused: str | None = None,
+    max_batch_elements: int | None = None,
 ) -> Request:
     """One unpacked message -> the typed request of its protocol (``schema``: the served embodiment's keys, None:
     RoboArena's DROID keys; ``native_protocol``: the policy's own protocol, also understood; ``guidance``: the policy
     takes per-request ``video_guidance_scale`` / ``action_guidance_scale``; ``budget``: the per-request pixel budget,
-    None: none; ``continuation_refused``: why this server serves no ``continuation``, None: it does)."""
+    None: none; ``continuation_refused``: why this server serves no ``continuation``, None: it does;
+    ``max_batch_elements``: the most elements a batch may hold, None: batches are refused)."""
+    if is_batch(payload):
+        if max_batch_elements is None:
+            raise RequestError(f"{BATCH_KEY}: batched requests are not taken here")
+
+        def element(item: Any) -> OpenPIRequest:
+            return decode_openpi(item, schema, guidance=guidance, budget=budget, continuation_refused=continuation_refused)
+
+        return decode_batch(payload, element, max_elements=max_batch_elements)
     if native_protocol == "lingbot_va" and schema is not None and is_lingbot_va_message(payload):  # its cameras: the schema's
         return decode_lingbot_va(payload, schema.cameras, budget)
     return decode_openpi(payload, schema, guidance=guidance, budget=budget, continuation_refused=continuation_refused)

@@ -290,3 +290,52 @@ def test_sessions_belong_to_the_key_that_opened_them():
         assert engine.ended() == [("robot-7", "reset")]
 
     run(scenario)
+
+
+def test_a_batch_is_on_all_its_sessions_at_once_and_leaves_the_ones_before_it():
+    """``infer_batch``: every call is sent before any is awaited (they overlap in the engine), none of a batch's sessions
+    is detached for another of the batch, the previous request's session is, and a single request after the batch
+    leaves every one of it. An id-less reset ends the whole batch."""
+
+    async def scenario():
+        engine = ScriptedEngine(infer_s=0.05)
+        table = SessionTable(engine, ttl_s=10)
+        conn = table.connect()
+        overlap: list[int] = []
+        real_infer = engine.infer
+
+        async def watched(session_id, observation):
+            overlap.append(len(engine.running) + 1)
+            return await real_infer(session_id, observation)
+
+        engine.infer = watched
+        assert await infer(table, conn, "single") == 1
+        replies = await table.infer_batch(conn, [(sid, OBS) for sid in ("b0", "b1", "b2")])
+        await table.drain()
+        assert [r.calls for r in replies] == [1, 1, 1] and overlap[1:] == [1, 2, 3]  # all three in the engine at once
+        assert [entry for entry in engine.log if entry[0] == "detach"] == [("detach", "single", "switched")]
+        again = await table.infer_batch(conn, [(sid, OBS) for sid in ("b0", "b1", "b2")])
+        await table.drain()
+        assert [r.calls for r in again] == [2, 2, 2] and len([e for e in engine.log if e[0] == "detach"]) == 1
+        assert table.current_sessions(conn) == ["b0", "b1", "b2"]
+        assert await infer(table, conn, "b1") == 3  # a single request of one of them leaves the other two
+        await table.drain()
+        assert sorted(sid for what, sid, _ in engine.log[-3:] if what == "detach") == ["b0", "b2"]
+        await table.infer_batch(conn, [(sid, OBS) for sid in ("b0", "b2")])
+        await table.end(conn, table.current_sessions(conn))
+        assert engine.ended() == [("b0", "reset"), ("b2", "reset")] and table.current_sessions(conn) == [conn.default_session]
+
+    run(scenario)
+
+
+def test_a_refused_call_of_a_batch_is_its_own_and_the_others_are_served():
+    async def scenario():
+        engine = ScriptedEngine()
+        table = SessionTable(engine, ttl_s=10)
+        owner, other = table.connect(key="key0"), table.connect(key="key1")
+        await table.infer(owner, "mine", OBS)
+        replies = await table.infer_batch(other, [("a", OBS), ("mine", OBS), ("b", OBS)])
+        assert isinstance(replies[1], SessionForbidden)
+        assert [r.calls for r in (replies[0], replies[2])] == [1, 1] and engine.calls["mine"] == 1
+
+    run(scenario)

@@ -139,6 +139,17 @@ def test_the_one_entry_point_decides_whose_message_a_frame_is():
     assert isinstance(openpi, OpenPIRequest) and (openpi.protocol, openpi.endpoint, openpi.session_id) == ("openpi", "infer", "a")
     assert openpi.observation.cameras["cam_high"].shape == (1, 8, 12, 3)
     assert frame_of({"endpoint": "reset", "reset": True}).protocol == "openpi"  # an OpenPI endpoint: OpenPI's reset
+    # a batch's elements are OpenPI's requests: a LingBot-VA message in one is refused as OpenPI's, in its slot
+    batch = decode_frame(
+        pack({"batch": [{**images, "session_id": "a"}, {"obs": frame()}]}),
+        DecodeLimits(),
+        info,
+        max_request_pixels="auto",
+        continuation_refused=None,
+        max_batch_elements=2,
+    )
+    assert batch.protocol == "openpi_batch" and isinstance(batch.elements[0], OpenPIRequest)
+    assert batch.elements[1].message.startswith("observation/cam_high: missing")
     assert decode_request({"obs": frame()}, schema, native_protocol="lingbot_va").protocol == "lingbot_va"
     other = PolicyInfo({"embodiment": schema.embodiment}, 32, 16, "m", observation_schema=schema)  # no native protocol
     with pytest.raises(RequestError, match=r"^observation/cam_high: missing"):

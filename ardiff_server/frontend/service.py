@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ardiff_policies.safety import rejected_check
 from ardiff_server import __version__
 from ardiff_server.config import AppConfig
 from ardiff_server.engine.client import EngineClient
@@ -313,6 +314,9 @@ class PolicyService:
                 server_timing["queue_ms"],
                 " ".join(f"{k}={v:.0f}" for k, v in reply.timing_ms.items()),
             )
+        safety = reply.info.get("safety")  # the gate's report (policy.safety): a chunk counted once per check that clamped
+        for check in safety["clamped"] if safety else ():
+            self.metrics.safety_clamps.labels(check).inc()
         actions = np.asarray(reply.actions, dtype=np.float32)
         if self.config.server.reply_format == "array":
             return pack(actions)
@@ -323,12 +327,15 @@ class PolicyService:
                 "policy_timing": reply.timing_ms,
                 "session": _session_info(session_id, reply),
                 **_chunk_info(reply),
+                **({"safety": safety} if safety else {}),
             }
         )
 
     def _error_frame(self, exc: EngineError, session_id: str) -> str:
         self.metrics.requests.labels(exc.kind.value).inc()
         if exc.kind is ErrorKind.BAD_REQUEST:
+            if (check := rejected_check(str(exc))) is not None:
+                self.metrics.safety_rejects.labels(check).inc()
             return f"bad request: {exc}"
         if exc.kind is ErrorKind.CAPACITY:
             return capacity_line(str(exc))

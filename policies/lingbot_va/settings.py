@@ -14,6 +14,7 @@ from typing import Literal
 import pydantic
 
 from ardiff_policies import hub
+from ardiff_policies.safety import SafetyConfig
 
 BUILTIN_TINY = "builtin:tiny"
 SYNTHETIC_PREFIX = "synthetic:"
@@ -37,6 +38,21 @@ class LingBotVAConfig(pydantic.BaseModel):
         None, description="upstream's embodiment config (default: tiny_robotwin for builtin:tiny, else robotwin)"
     )
     seed: int = pydantic.Field(0, ge=0, description="every session's noise generator is seeded with it at reset")
+    safety: SafetyConfig = pydantic.Field(
+        default_factory=SafetyConfig, description="the safety gate (ardiff_policies.safety): off only, LingBot-VA's actions cannot be gated"
+    )
+
+    @pydantic.field_validator("safety")
+    @classmethod
+    def _check_safety(cls, value: SafetyConfig) -> SafetyConfig:
+        # Its 30 action channels are end-effector poses (xyz + quaternion) and grippers, and a request carries no
+        # state of them: there is no observed state for the first action, and a quaternion's step is no distance.
+        if value.mode != "off":
+            raise ValueError(
+                f"mode {value.mode}: the safety gate cannot apply to lingbot_va (its actions are end-effector poses with "
+                "quaternions, and no request carries their state); leave policy.safety out"
+            )
+        return value
 
     @pydantic.model_validator(mode="after")
     def _check_pair(self) -> LingBotVAConfig:

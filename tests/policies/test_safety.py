@@ -152,3 +152,27 @@ def test_unknown_gate_keys_and_a_gate_without_limits_fail_at_config_load_naming_
     with pytest.raises(pydantic.ValidationError, match="cannot apply to lingbot_va"):
         LingBotVAConfig(safety={"mode": "reject", "limits": {"x": {"max_step": 0.1}}})
     assert LingBotVAConfig(safety={"mode": "off"}).safety.mode == "off"
+
+
+def test_clamp_with_the_bare_array_reply_that_cannot_say_so_fails_at_start_up():
+    from ardiff_server.config import ConfigError, validate_config
+
+    gate = {"mode": "clamp", "limits": {"joint_position": {"max_step": 0.1}}}
+    with pytest.raises(ConfigError, match=r"policy\.safety\.mode: clamp must say so in the reply, which server\.reply_format array"):
+        validate_config({"server": {"reply_format": "array"}, "policy": {"name": "dreamzero", "safety": gate}})
+    validate_config({"server": {"reply_format": "array"}, "policy": {"name": "dreamzero", "safety": {**gate, "mode": "reject"}}})
+    validate_config({"policy": {"name": "dreamzero", "safety": gate}})
+
+
+def test_the_readme_gate_example_builds_for_droid():
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    readme = Path(__file__).resolve().parents[2].joinpath("README.md").read_text()
+    block = re.search(r"\*\*Safety gate\*\*.*?```yaml\n(.*?)```", readme, re.S).group(1)
+    config = DreamZeroConfig(**yaml.safe_load(block)["policy"])
+    droid = {"joint_position": (0, 7), "gripper_position": (7, 8)}
+    built = SafetyGate.build(config.safety, embodiment="oxe_droid", actions=droid, states={**droid, "cartesian_position": (8, 14)})
+    assert built.mode == "clamp" and built.control_hz == 15.0

@@ -339,7 +339,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         run_each(live(calls), self._finish, agree)
         for call, saved in zip(calls, undo or ()):
             if isinstance(call.error, SafetyRejected):
-                saved.restore(window_start=call.events["prompt_change"] or call.events["window_restart"], populate_cross=self._repopulate_cross)
+                saved.restore(self._repopulate_cross)
             else:
                 saved.release()  # passed, or failed (the engine then ends the session)
         return [call.error if call.error is not None else call.result for call in calls]

@@ -2,8 +2,8 @@
 
 The gate sees the chunk only after the call's KV prefill was committed (and, at a window start, its cross-attention
 K/V rewritten), so a rejected call is undone: the KV pages go back to their snapshot (``ardiff_kv.SessionKV``'s
-snapshot / rollback), the session's own fields to what they were, and cross-attention K/V the call rewrote are
-projected again from the restored text and image features. The robot's next call then runs as if the rejected one
+snapshot / rollback), the session's own fields to what they were, and the cross-attention K/V are projected again
+from the restored text and image features. The robot's next call then runs as if the rejected one
 had never come. Only taken when the gate rejects (``policy.safety.mode: reject``): a snapshot keeps the pages a call
 evicts until it is released.
 """
@@ -33,17 +33,18 @@ class SessionUndo:
         session.kv.snapshot()
         return cls(session, list(session.frames), {name: getattr(session, name) for name in _FIELDS})
 
-    def restore(self, *, window_start: bool, populate_cross: Callable[[DreamZeroSession], None]) -> None:
-        """Back to before the call. A call that started a window (a prompt change, a window restart) rewrote the
-        cross-attention K/V: ``populate_cross`` projects the restored session's text and image features again."""
+    def restore(self, populate_cross: Callable[[DreamZeroSession], None]) -> None:
+        """Back to before the call. The call may have rewritten the cross-attention K/V (a window start, a session's
+        first call): they are marked unwritten and, for a session that had a window, ``populate_cross`` projects its
+        restored text and image features again (a few small projections: rejects are rare)."""
         s = self.session
         s.kv.rollback()
         s.frames = deque(self.frames, maxlen=s.frames.maxlen)
         for name, value in self.fields.items():
             setattr(s, name, value)
         s.prepared = None
-        if window_start and s.prompt is not None:  # a session's first call leaves nothing to restore
-            s.kv.invalidate_cross()
+        s.kv.invalidate_cross()
+        if s.prompt is not None:  # else a fresh session: its next call writes them
             populate_cross(s)
 
     def release(self) -> None:

@@ -89,23 +89,26 @@ def test_clamp_never_alters_a_continuations_frozen_rows(tiny_model):
     assert first.actions.shape == continued.actions.shape
 
 
-@pytest.mark.parametrize("window_start", [False, True], ids=["steady", "prompt_change"])
-def test_a_reject_leaves_the_session_as_if_the_call_never_came(tiny_model, window_start):
-    obs = list(observations(3))
-    bad = with_state(obs[1], gripper_position=[50.0])
-    if window_start:  # the rejected call also changed the prompt: its window start rewrote the cross-attention K/V
-        bad = with_prompt(bad, "stack the blocks")
+@pytest.mark.parametrize("when", ["first_call", "steady", "prompt_change"])
+def test_a_reject_leaves_the_session_as_if_the_call_never_came(tiny_model, when):
+    obs, other = list(observations(3)), list(observations(2, seed=7))  # the rejected call brings frames of its own
     policy, cache = make_policy(tiny_model, **FAST, safety={"mode": "reject", "limits": GRIPPER_FIRST})
     rejected, clean = open_session(policy, cache, "rejected"), open_session(policy, cache, "clean")
-    policy.step(rejected, obs[0])
-    policy.step(clean, obs[0])
+    if when == "first_call":  # a fresh session: nothing of it may stay (its cross-attention K/V included)
+        bad, after = with_state(other[0], gripper_position=[50.0]), obs[:2]
+    else:
+        policy.step(rejected, obs[0])
+        policy.step(clean, obs[0])
+        bad, after = with_state(other[1], gripper_position=[50.0]), obs[1:]
+        if when == "prompt_change":  # the rejected call also started a window: it rewrote the cross-attention K/V
+            bad = with_prompt(bad, "stack the blocks")
     pages_held, pages_free = rejected.kv.pages_held, cache.stats()["pages_free"]
     with pytest.raises(SafetyRejected, match=r"^safety gate: first: gripper_position\[0\]: the first action is .* from the observed state, limit 2"):
         policy.step(rejected, bad)
     assert rejected.kv.pages_held == pages_held and cache.stats()["pages_free"] == pages_free  # its pages went back
     assert not rejected.kv.has_snapshot
     assert (rejected.calls, rejected.chunks, rejected.current_start_frame) == (clean.calls, clean.chunks, clean.current_start_frame)
-    for o in obs[1:]:
+    for o in after:
         ours, theirs = policy.step(rejected, o), policy.step(clean, o)
         np.testing.assert_array_equal(ours.actions, theirs.actions)
         assert ours.info["chunk_id"] == theirs.info["chunk_id"]

@@ -176,3 +176,12 @@ def test_the_readme_gate_example_builds_for_droid():
     droid = {"joint_position": (0, 7), "gripper_position": (7, 8)}
     built = SafetyGate.build(config.safety, embodiment="oxe_droid", actions=droid, states={**droid, "cartesian_position": (8, 14)})
     assert built.mode == "clamp" and built.control_hz == 15.0
+
+
+def test_a_gate_key_typo_stops_the_server_config_naming_the_dotted_key():
+    from ardiff_server.config import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match=r"policy\.safety\.limits\.joint_position\.max_stepp: unknown key"):
+        validate_config({"policy": {"name": "dreamzero", "safety": {"mode": "clamp", "limits": {"joint_position": {"max_stepp": 0.1}}}}})
+    with pytest.raises(ConfigError, match=r"policy\.safety: .*cannot apply to lingbot_va"):
+        validate_config({"policy": {"name": "lingbot_va", "safety": {"mode": "reject", "limits": {"a": {"max_step": 1.0}}}}})

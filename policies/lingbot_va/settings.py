@@ -3,7 +3,8 @@
 Every key is read: ``checkpoint`` (a released checkpoint directory or Hugging Face id, ``builtin:tiny``, or
 ``synthetic:released`` / ``synthetic:tiny`` with ``,layers=N``: random weights made on the device, ``synthetic.py``), ``embodiment``
 (upstream's config it was trained with: ``robotwin``, ``franka``; ``tiny_robotwin`` for the tiny checkpoint), ``seed``
-(each session's noise generator is seeded with it at reset: upstream never seeds). Unknown keys are refused by name.
+(each session's noise generator is seeded with it at reset: upstream never seeds), ``safety`` (the safety gate,
+``ardiff_policies.safety``: off only, refused otherwise with the reason). Unknown keys are refused by name.
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ class LingBotVAConfig(pydantic.BaseModel):
     @pydantic.field_validator("safety")
     @classmethod
     def _check_safety(cls, value: SafetyConfig) -> SafetyConfig:
-        # Its 30 action channels are end-effector poses (xyz + quaternion) and grippers, and a request carries no
-        # state of them: there is no observed state for the first action, and a quaternion's step is no distance.
+        # Each arm's 7 channels are an end-effector position and quaternion (their statistics span [-1, 1] on 3-6), and no
+        # request carries a measured state of them: nothing to check a first action against, and a quaternion's step is no distance.
         if value.mode != "off":
             raise ValueError(
                 f"mode {value.mode}: the safety gate cannot apply to lingbot_va (its actions are end-effector poses with "

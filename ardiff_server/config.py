@@ -406,12 +406,18 @@ def validate_config(raw: dict[str, Any], source: str = "<config>", origins: Mapp
         raise ConfigError(f"{source}: policy.name: expected the name of a registered policy (e.g. dreamzero)")
     check_bench_only(config, origins or {})
     try:
-        config.policy_options()
+        options = config.policy_options()
     except KeyError as exc:
         raise ConfigError(f"{source}: policy.name: {exc.args[0]}") from None
     except pydantic.ValidationError as exc:
         model = policy_entry(config.policy_name).config_model()
         raise ConfigError(_describe(source, exc, prefix="policy", model=model, origins=origins)) from None
+    safety = getattr(options, "safety", None)
+    if safety is not None and safety.mode == "clamp" and config.server.reply_format == "array":  # (ardiff_policies.safety)
+        raise ConfigError(
+            f"{source}: policy.safety.mode: clamp must say so in the reply, which server.reply_format array (bare actions) cannot; "
+            "use reply_format dict, or mode reject (its error is a text frame)"
+        )
     return config
 
 

@@ -537,6 +537,12 @@ class SessionKV:
         state.cross_text_ready |= text
         state.cross_image_ready |= image
 
+    def invalidate_cross(self) -> None:
+        """Every branch's cross-attention K/V must be written again (a rolled-back call rewrote them: a rollback
+        restores pages, not the cross-attention slot)."""
+        for state in self._branches.values():
+            state.cross_text_ready = state.cross_image_ready = False
+
     def cross_ready(self, branch: Branch) -> tuple[bool, bool]:
         state = self._branches[branch]
         return state.cross_text_ready, state.cross_image_ready

@@ -143,7 +143,14 @@ def rows(prefix: str, model: type[pydantic.BaseModel]) -> list[str]:
         if not meaning:
             raise SystemExit(f"{model.__name__}.{name} has neither a description nor a comment: say in one line what it does")
         meaning = meaning.replace("|", "\\|")
-        out.append(f"| `{prefix}.{name}` | {type_name(field.annotation)} | {default_text(field)} | {meaning} |")
+        annotation, args = field.annotation, typing.get_args(field.annotation)
+        if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):  # a nested section, then its keys
+            out.append(f"| `{prefix}.{name}` | section | | {meaning} |")
+            out += rows(f"{prefix}.{name}", annotation)
+            continue
+        out.append(f"| `{prefix}.{name}` | {type_name(annotation)} | {default_text(field)} | {meaning} |")
+        if typing.get_origin(annotation) is dict and isinstance(args[1], type) and issubclass(args[1], pydantic.BaseModel):
+            out += rows(f"{prefix}.{name}.<key>", args[1])  # a mapping of sections: the keys of each
     return out
 
 

@@ -32,6 +32,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from ardiff_policies.safety import CHECKS as SAFETY_CHECKS
+
 OUTCOMES = (
     "ok",
     "reset",
@@ -104,6 +106,12 @@ class Metrics:
         self.key_refusals = Counter(
             "ardiff_key_refusals", "New sessions and connections refused by a key's limit (or a full engine), by key id", ["key", "limit"], registry=r
         )
+        # The safety gate (policy.safety): chunks it clamped and chunks it rejected, by the check that did.
+        self.safety_clamps = Counter("ardiff_safety_clamps", "Chunks the safety gate clamped, by check", ["check"], registry=r)
+        self.safety_rejects = Counter("ardiff_safety_rejects", "Chunks the safety gate rejected (a bad request), by check", ["check"], registry=r)
+        for check in SAFETY_CHECKS:
+            self.safety_clamps.labels(check)
+            self.safety_rejects.labels(check)
         self.tls_handshake_failures = Counter("ardiff_tls_handshake_failures", "TLS handshakes that failed, by kind", ["kind"], registry=r)
         self.tls_reloads = Counter("ardiff_tls_reloads", "Certificate reloads (SIGHUP), by result", ["result"], registry=r)
         engine_collector = EngineCollector(engine)

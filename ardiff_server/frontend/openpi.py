@@ -78,6 +78,7 @@ class OpenPIHandler:
             "policy_timing": reply.timing_ms,
             "session": session_info(session_id, reply),
             **chunk_info(reply),
+            **({"safety": reply.info["safety"]} if reply.info.get("safety") else {}),  # the gate clamped (policy.safety)
         }
 
 

@@ -14,6 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from ardiff_policies.safety import rejected_check
 from ardiff_server.engine.messages import EngineError, ErrorKind, InferReply, capacity_line
 from ardiff_server.frontend.metrics import Metrics
 
@@ -44,6 +45,8 @@ class Replies:
         self.metrics.queue_seconds.observe(reply.queue_ms / 1000.0)
         self.metrics.request_seconds.observe(now - clock.started)
         self.metrics.observe_deadline(reply)
+        for check in (reply.info.get("safety") or {}).get("clamped", ()):  # the gate's report (policy.safety): once per check
+            self.metrics.safety_clamps.labels(check).inc()
         timing = {"infer_ms": reply.infer_ms, "queue_ms": max(0.0, round_trip_ms - reply.infer_ms)}
         if reply.encode_ms:
             timing["encode_ms"] = reply.encode_ms
@@ -92,6 +95,8 @@ class Replies:
         """An engine error about ``session_id`` (or several, comma-separated), counted by its kind: the text frame."""
         self.metrics.requests.labels(exc.kind.value).inc()
         if exc.kind is ErrorKind.BAD_REQUEST:
+            if (check := rejected_check(str(exc))) is not None:  # a safety gate reject (policy.safety, mode reject)
+                self.metrics.safety_rejects.labels(check).inc()
             return f"bad request: {exc}"
         if exc.kind is ErrorKind.CAPACITY:
             return capacity_line(str(exc))

@@ -9,6 +9,7 @@ from typing import Literal
 import pydantic
 
 from ardiff_policies import hub
+from ardiff_policies.safety import SafetyConfig
 
 # Upstream's default (NUM_DIT_STEPS=8): which of the 16 denoise steps run the DiT.
 UPSTREAM_STEP_MASK = [True, True, True, False, False, False, True, False, False, False, True, False, False, True, True, True]
@@ -101,6 +102,10 @@ class DreamZeroConfig(pydantic.BaseModel):
         ge=0,
         description="RTC's s: the soft mask reaches 0 at horizon - s (default: each request's executed count, the whole overlap); "
         "inpaint and guided only (refused with clean_prefix, which has no soft mask)",
+    )
+
+    safety: SafetyConfig = pydantic.Field(
+        default_factory=SafetyConfig, description="the safety gate on the served embodiment's action keys (ardiff_policies.safety)"
     )
 
     @pydantic.field_validator("text_encoder_device", "image_encoder_device")

@@ -58,9 +58,11 @@ from ardiff_policies.dreamzero.samplers import DecoupledVideoSampler
 from ardiff_policies.dreamzero.session import FRAMES_PER_CALL, DreamZeroSession
 from ardiff_policies.dreamzero.step_cache import should_run
 from ardiff_policies.dreamzero.transforms import CROP_SCALE, NormStats, denormalize_actions, normalize_state, to_absolute, video_size
+from ardiff_policies.dreamzero.undo import SessionUndo
 from ardiff_policies.embodiment import Embodiment, ObservationSchema, metadata_frame
 from ardiff_policies.info import PolicyInfo, droid_server_config
 from ardiff_policies.observation import RobotObservation, UnsupportedObservation
+from ardiff_policies.safety import SafetyGate, SafetyRejected
 from ardiff_policies.streams import own_stream
 from ardiff_policies.wan.samplers import FlowUniPCSampler
 
@@ -120,6 +122,8 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         self.state_stats = NormStats.from_quantiles(self.embodiment.state_stats)
         state_slices = self.embodiment.state_slices
         self._relative = [(a, state_slices[key]) for key, a in self.embodiment.action_slices.items() if key in self.embodiment.relative_action_keys]
+        # Reply actions are absolute (relative keys plus the state): every key with a same-named state is a position.
+        self.gate = SafetyGate.build(config.safety, embodiment=self.embodiment.tag, actions=self.embodiment.action_slices, states=state_slices)
         self.use_guidance = config.cfg_scale != 1.0
         if self.guidance.is_parallel and not self.use_guidance:
             raise ValueError("CFG-parallel needs cfg_scale != 1 (there is no second branch to run)")
@@ -197,6 +201,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 "embodiment": {**e.describe(resolution), **({"observation": schema.describe()} if schema is not None else {})},
                 "frames_per_call": FRAMES_CONTRACT,
                 "continuation": {**CONTRACT, "mode": self.config.continuation, "execution_horizon": self.config.continuation_execution_horizon},
+                "safety": self.gate.describe() if self.gate is not None else {"mode": "off"},
             },
             max_batch=64,  # step_batch runs any number of sessions in one forward; engine.max_batch caps it
             observation_schema=schema,
@@ -297,6 +302,8 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         batched forward fails every session in it (the engine tears each down)."""
         calls = [Call(session, observation, slot) for slot, (session, observation) in enumerate(items)]
         agree = self.agree
+        # A rejecting gate sees the chunk after the call's KV commit: each call can be undone until it passes.
+        undo = [SessionUndo.take(c.session) for c in calls] if self.gate is not None and self.gate.mode == "reject" else None
         run_each(calls, self._begin, agree)
         pending = [c for c in live(calls) if c.video is not None]  # later calls: their observed frames
         for shape in dict.fromkeys(tuple(c.video.shape) for c in pending):  # one VAE encode per frame-stack shape
@@ -305,6 +312,11 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             run_phase([c for c in live(calls) if c.prefill_latents.shape[2] == frames], self._prefill, agree)
         run_phase(live(calls), self._denoise, agree)
         run_each(live(calls), self._finish, agree)
+        for call, saved in zip(calls, undo or ()):
+            if isinstance(call.error, SafetyRejected):
+                saved.restore(self._repopulate_cross)
+            else:
+                saved.release()  # passed, or failed (the engine then ends the session)
         return [call.error if call.error is not None else call.result for call in calls]
 
     def _begin(self, call: Call) -> None:
@@ -565,12 +577,20 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         if call.plan is not None:  # exactly what the robot executes, not its round trip through model space
             frozen = call.plan.frozen
             actions[:frozen] = call.plan.executed_actions
+        safety = None
+        if self.gate is not None:  # before the chunk is the session's: a reject leaves no trace (step_batch undoes the call)
+            actions, safety = self.gate.apply(actions, call.raw_state, frozen=frozen)
         session.chunks += 1
         session.last_chunk = continuation.LastChunk(session.chunks, call.actions.detach().clone(), actions.copy(), call.raw_state)
         call.result = StepResult(
             actions=actions,
             timing_ms=call.timing,
-            info={"dit_forwards": call.forwards, "current_start_frame": session.current_start_frame, **call.events},
+            info={
+                "dit_forwards": call.forwards,
+                "current_start_frame": session.current_start_frame,
+                **call.events,
+                **({"safety": safety} if safety is not None else {}),
+            },
             chunk=ChunkInfo(chunk_id=session.chunks, frozen=frozen, continuation=call.continuation),
         )
         if self.options.record:  # references for the recorder; its thread decodes the video beside the steps
@@ -624,6 +644,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             for layer, (text, image) in enumerate(projected):
                 session.kv.write_cross(branch, layer, text=text, image=image)
             session.kv.mark_cross_ready(branch, text=True, image=True)
+
+    def _repopulate_cross(self, session: DreamZeroSession) -> None:
+        """A restored session's cross-attention K/V from its own text and image features (SessionUndo)."""
+        self._populate_cross(session, self.inputs.prompt_embeds(session, self.branches))
 
     def _y(self, session: DreamZeroSession, start: int, frames: int) -> torch.Tensor | None:
         ys = session.ys

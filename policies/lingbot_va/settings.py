@@ -4,7 +4,8 @@ Every key is read: ``checkpoint`` (a released checkpoint directory or Hugging Fa
 ``synthetic:released`` / ``synthetic:tiny`` with ``,layers=N``: random weights made on the device, ``synthetic.py``), ``embodiment``
 (upstream's config it was trained with: ``robotwin``, ``franka``, ``libero``, ``demo``; ``tiny_robotwin`` or
 ``tiny_libero`` for the tiny checkpoint), ``seed``
-(each session's noise generator is seeded with it at reset: upstream never seeds). Unknown keys are refused by name.
+(each session's noise generator is seeded with it at reset: upstream never seeds), ``safety`` (the safety gate,
+``ardiff_policies.safety``: off only, refused otherwise with the reason). Unknown keys are refused by name.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Literal
 import pydantic
 
 from ardiff_policies import hub
+from ardiff_policies.safety import SafetyConfig
 
 BUILTIN_TINY = "builtin:tiny"
 SYNTHETIC_PREFIX = "synthetic:"
@@ -40,6 +42,21 @@ class LingBotVAConfig(pydantic.BaseModel):
         None, description="upstream's embodiment config (default: tiny_robotwin for builtin:tiny, else robotwin)"
     )
     seed: int = pydantic.Field(0, ge=0, description="every session's noise generator is seeded with it at reset")
+    safety: SafetyConfig = pydantic.Field(
+        default_factory=SafetyConfig, description="the safety gate (ardiff_policies.safety): off only, LingBot-VA's actions cannot be gated"
+    )
+
+    @pydantic.field_validator("safety")
+    @classmethod
+    def _check_safety(cls, value: SafetyConfig) -> SafetyConfig:
+        # Each arm's 7 channels are an end-effector position and quaternion (their statistics span [-1, 1] on 3-6), and no
+        # request carries a measured state of them: nothing to check a first action against, and a quaternion's step is no distance.
+        if value.mode != "off":
+            raise ValueError(
+                f"mode {value.mode}: the safety gate cannot apply to lingbot_va (its actions are end-effector poses with "
+                "quaternions, and no request carries their state); leave policy.safety out"
+            )
+        return value
 
     @pydantic.model_validator(mode="after")
     def _check_pair(self) -> LingBotVAConfig:

@@ -108,3 +108,11 @@ def test_a_budgeted_pool_keeps_the_undo_headroom_free_of_sessions():
         short = PagedKVCache.from_budget(spec, budget - spec.page_bytes, max_sessions=4, max_batch=max_batch)
         if max_batch > 1:
             assert short.session_capacity == 3 and short.pool.capacity - 3 * short.reservation_per_session >= headroom
+
+
+def test_invalidate_cross_asks_every_branch_for_its_cross_attention_kv_again():
+    _, session = make()
+    for branch in Branch:
+        session.mark_cross_ready(branch, text=True, image=True)
+    session.invalidate_cross()  # a rolled-back call rewrote the slot: the flags must not vouch for it
+    assert all(session.cross_ready(branch) == (False, False) for branch in Branch)

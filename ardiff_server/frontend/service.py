@@ -267,6 +267,7 @@ class PolicyService:
             guidance=guidance,
             budget=budget,
             continuation_refused=self._continuation_refusal(info),
+            inference_steps=info is not None and info.inference_steps is not None,
         )
 
     def _continuation_refusal(self, info) -> str | None:

@@ -7,13 +7,12 @@ from __future__ import annotations
 import math
 
 from ardiff_client.async_runner import ChunkEvent, EpisodeReport
-from ardiff_policies.continuation import NO_PREVIOUS_CHUNK, PROMPT_CHANGE, UNKNOWN_CHUNK_ID, WINDOW_RESTART
+from ardiff_policies.continuation import NO_PREVIOUS_CHUNK, PROMPT_CHANGE, UNKNOWN_CHUNK_ID
 
 # Why a server served an asked-for continuation as a fresh chunk (ardiff_policies.continuation's reasons).
 FRESH_MEANINGS = {
     NO_PREVIOUS_CHUNK: "no earlier chunk in the session to continue (its first call, or after a reset)",
     PROMPT_CHANGE: "the prompt changed: the old chunk plans another task",
-    WINDOW_RESTART: "the model's context window filled and restarted from the newest frame, so nothing was continued",
     UNKNOWN_CHUNK_ID: "the chunk_id named is not the session's last chunk",
 }
 LABEL = 22  # width of the summary's names

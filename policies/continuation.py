@@ -8,8 +8,9 @@ freezes the new chunk's first ``delay`` actions to the last chunk's ``[executed,
 (real-time chunking, Black et al. 2025). The reply says how many leading actions are frozen and
 which chunk it is (``chunk_id``); the next request names that id.
 
-A continuation that cannot apply (no previous chunk in the session, a prompt change, a window
-restart, another ``chunk_id``) is served as a fresh chunk: ``frozen`` 0 and the reason.
+A continuation that cannot apply (no previous chunk in the session, a prompt change, another
+``chunk_id``) is served as a fresh chunk: ``frozen`` 0 and the reason. A window restart is no such
+case: the video context restarts, the last chunk's actions are still there to continue.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ CONTINUATION_MODES: tuple[str, ...] = ("inpaint", "clean_prefix", "guided")
 # Why a requested continuation was served as a fresh chunk (the reply's ``continuation`` entry).
 NO_PREVIOUS_CHUNK = "no_previous_chunk"  # first call of the session, or the session was reset / ended
 PROMPT_CHANGE = "prompt_change"
-WINDOW_RESTART = "window_restart"
 UNKNOWN_CHUNK_ID = "unknown_chunk_id"
 APPLIED = "applied"
 
@@ -43,7 +43,7 @@ CONTRACT = {
         "chunk_id": "int: this chunk's id within the session (1, 2, ...); name it in the next continuation",
         "frozen": "int: leading actions equal to the last chunk's [executed, executed + frozen) as the robot executes them",
         "continuation": f"{APPLIED!r}, or why a requested continuation was served fresh: "
-        f"{NO_PREVIOUS_CHUNK!r}, {PROMPT_CHANGE!r}, {WINDOW_RESTART!r}, {UNKNOWN_CHUNK_ID!r}",
+        f"{NO_PREVIOUS_CHUNK!r}, {PROMPT_CHANGE!r}, {UNKNOWN_CHUNK_ID!r} (a window restart still continues)",
     },
 }
 

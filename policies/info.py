@@ -66,6 +66,9 @@ class PolicyInfo:
     # True: a call reads only the newest max_frames_per_call frames of a stack (DreamZero), so the front end drops
     # older ones before decoding them; False: every frame sent reaches the policy (LingBot-VA checks the count).
     keeps_newest_frames: bool = False
+    # (min, max) denoising steps a request's ``num_inference_steps`` may choose (DreamZero); None: the policy takes
+    # none per request, and the front end refuses the key by name.
+    inference_steps: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         keys = tuple(self.server_config)

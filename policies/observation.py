@@ -45,13 +45,16 @@ class RobotObservation:
     ``continuation`` (None unless the client sent one) says what the robot did with its last chunk
     (``policies/continuation.py``); it travels with the observation so the engine needs no field of its own.
 
+    ``num_inference_steps`` (None unless the client sent one) asks this call to denoise with that many steps
+    instead of the configured number (a policy whose ``PolicyInfo.inference_steps`` gives the bounds it takes).
+
     ``wire_keys`` maps a camera or state name to the request key the client sent it under (the
     DROID wire has two camera index conventions: ``exterior_left`` is ``_0_left`` or ``_1_left``),
     so that a policy's error names the client's own keys (:meth:`wire_key`). It is not part of the
     observation's value (equality ignores it).
     """
 
-    __slots__ = ("cameras", "continuation", "episode", "prompt", "states", "wire_keys")
+    __slots__ = ("cameras", "continuation", "episode", "num_inference_steps", "prompt", "states", "wire_keys")
 
     def __init__(
         self,
@@ -61,6 +64,7 @@ class RobotObservation:
         episode: EpisodeCall | None = None,
         continuation: Continuation | None = None,
         wire_keys: Mapping[str, str] | None = None,
+        num_inference_steps: int | None = None,
         **droid: Any,
     ) -> None:
         unknown = set(droid) - set(CAMERAS) - set(STATES)
@@ -75,6 +79,7 @@ class RobotObservation:
         object.__setattr__(self, "episode", episode)
         object.__setattr__(self, "continuation", continuation)
         object.__setattr__(self, "wire_keys", dict(wire_keys or {}))
+        object.__setattr__(self, "num_inference_steps", num_inference_steps)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("RobotObservation is immutable; use with_arrays()")
@@ -97,13 +102,14 @@ class RobotObservation:
             "episode": self.episode,
             "continuation": self.continuation,
             "wire_keys": self.wire_keys,
+            "num_inference_steps": self.num_inference_steps,
         }
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RobotObservation):
             return NotImplemented
-        mine = (self.cameras, self.states, self.prompt, self.episode, self.continuation)
-        return mine == (other.cameras, other.states, other.prompt, other.episode, other.continuation)
+        mine = (self.cameras, self.states, self.prompt, self.episode, self.continuation, self.num_inference_steps)
+        return mine == (other.cameras, other.states, other.prompt, other.episode, other.continuation, other.num_inference_steps)
 
     __hash__ = None  # holds arrays
 
@@ -115,10 +121,11 @@ class RobotObservation:
         states = {k: shape(v) for k, v in self.states.items()}
         tail = f", episode={self.episode.kind!r}" if self.episode is not None else ""
         tail += f", continuation={self.continuation!r}" if self.continuation is not None else ""
+        tail += f", num_inference_steps={self.num_inference_steps!r}" if self.num_inference_steps is not None else ""
         return f"RobotObservation(cameras={cameras}, states={states}, prompt={self.prompt!r}{tail})"
 
     def __reduce__(self):  # pickles as its fields (the engine's seam); optional ones only when set
-        extras = {name: getattr(self, name) for name in ("episode", "continuation", "wire_keys") if getattr(self, name)}
+        extras = {name: getattr(self, name) for name in ("episode", "continuation", "wire_keys", "num_inference_steps") if getattr(self, name)}
         return (_restore, (self.cameras, self.states, self.prompt, extras) if extras else (self.cameras, self.states, self.prompt))
 
     def wire_key(self, name: str) -> str | None:
@@ -141,7 +148,13 @@ class RobotObservation:
         if unknown:
             raise KeyError(f"no camera or state named {sorted(unknown)}")
         return RobotObservation(
-            cameras=cameras, states=states, prompt=self.prompt, episode=self.episode, continuation=self.continuation, wire_keys=self.wire_keys
+            cameras=cameras,
+            states=states,
+            prompt=self.prompt,
+            episode=self.episode,
+            continuation=self.continuation,
+            wire_keys=self.wire_keys,
+            num_inference_steps=self.num_inference_steps,
         )
 
 

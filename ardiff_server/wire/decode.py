@@ -41,6 +41,7 @@ def decode_frame(
     max_request_pixels: int | Literal["auto"],
     continuation_refused: str | None,
     max_batch_elements: int | None = None,
+    inference_steps: bool = False,
 ) -> Request:
     """The server's way in (run in a worker thread): one frame unpacked within ``limits`` (arrays as read-only views of
     it) and decoded under the served policy's rules: its observation schema (``info`` None: RoboArena's DROID keys,
@@ -57,6 +58,7 @@ def decode_frame(
         budget=budget,
         continuation_refused=continuation_refused,
         max_batch_elements=max_batch_elements,
+        inference_steps=inference_steps,
     )
 
 
@@ -69,20 +71,26 @@ def decode_request(
     budget: PixelBudget | None = None,
     continuation_refused: str | None = None,
     max_batch_elements: int | None = None,
+    inference_steps: bool = False,
 ) -> Request:
     """One unpacked message -> the typed request of its protocol (``schema``: the served embodiment's keys, None:
     RoboArena's DROID keys; ``native_protocol``: the policy's own protocol, also understood; ``guidance``: the policy
     takes per-request ``video_guidance_scale`` / ``action_guidance_scale``; ``budget``: the per-request pixel budget,
     None: none; ``continuation_refused``: why this server serves no ``continuation``, None: it does;
-    ``max_batch_elements``: the most elements a batch may hold, None: batches are refused)."""
+    ``max_batch_elements``: the most elements a batch may hold, None: batches are refused; ``inference_steps``: the
+    policy takes a per-request ``num_inference_steps``)."""
     if is_batch(payload):
         if max_batch_elements is None:
             raise RequestError(f"{BATCH_KEY}: batched requests are not taken here")
 
         def element(item: Any) -> OpenPIRequest:
-            return decode_openpi(item, schema, guidance=guidance, budget=budget, continuation_refused=continuation_refused)
+            return decode_openpi(
+                item, schema, guidance=guidance, budget=budget, continuation_refused=continuation_refused, inference_steps=inference_steps
+            )
 
         return decode_batch(payload, element, max_elements=max_batch_elements)
     if native_protocol == "lingbot_va" and schema is not None and is_lingbot_va_message(payload):  # its cameras: the schema's
         return decode_lingbot_va(payload, schema.cameras, budget)
-    return decode_openpi(payload, schema, guidance=guidance, budget=budget, continuation_refused=continuation_refused)
+    return decode_openpi(
+        payload, schema, guidance=guidance, budget=budget, continuation_refused=continuation_refused, inference_steps=inference_steps
+    )

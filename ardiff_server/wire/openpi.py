@@ -27,6 +27,9 @@ vectors obey the rules below, other keys are ignored. The rules this module appl
   (``chunk_id`` optional), see ``ardiff_policies.continuation``; absent or None = an ordinary request.
   The policy checks ``e + d`` against its chunk. A server that serves none (``continuation_refused``: its
   policy does not continue chunks, or its reply cannot say ``chunk_id`` / ``frozen``) refuses it by name.
+- ``num_inference_steps`` (optional, an integer >= 1): this call's denoising steps, for a policy that takes
+  them per request (``PolicyInfo.inference_steps``: DreamZero; the policy checks its bounds); refused by name
+  for any other.
 - ``video_guidance_scale`` / ``action_guidance_scale`` (optional, finite numbers): per-request
   classifier-free guidance, for a policy that advertises ``guidance`` in its metadata (LingBot-VA;
   the policy checks the bounds); refused by name for any other.
@@ -67,6 +70,7 @@ ENDPOINT_KEY = "endpoint"
 SESSION_ID_KEY = "session_id"
 SESSION_IDS_KEY = "session_ids"
 GUIDANCE_KEYS = ("video_guidance_scale", "action_guidance_scale")  # per request, policies that take them (LingBot-VA)
+INFERENCE_STEPS_KEY = "num_inference_steps"  # per request, policies that take it (DreamZero)
 CONTINUATION_FIELDS = ("executed", "delay", "chunk_id")
 MAX_CHUNK_ID = 2**63 - 1
 MAX_RESET_IDS = 256
@@ -104,12 +108,14 @@ def decode_openpi(
     guidance: bool = False,
     budget: PixelBudget | None = None,
     continuation_refused: str | None = None,
+    inference_steps: bool = False,
 ) -> OpenPIRequest:
     """Validate one decoded wire message and turn it into a typed request (``schema``: the served
     embodiment's keys; None: RoboArena's DROID keys; ``guidance``: the policy takes per-request
     ``video_guidance_scale`` / ``action_guidance_scale``, else they are refused by name; ``budget``: the
     server's per-request pixel budget and the frames the policy keeps, None: neither;
-    ``continuation_refused``: why this server serves no ``continuation``, None: it does)."""
+    ``continuation_refused``: why this server serves no ``continuation``, None: it does; ``inference_steps``: the
+    policy takes a per-request ``num_inference_steps``, else it is refused by name)."""
     request = _require_request_map(payload)
     endpoint = _decode_endpoint(request.get(ENDPOINT_KEY))
     session_id = decode_session_id(request.get(SESSION_ID_KEY))
@@ -127,16 +133,31 @@ def decode_openpi(
     observation = _decode_observation(request, budget) if schema is None else _decode_embodiment_observation(request, schema, budget)
     continuation = decode_continuation(request.get(CONTINUATION_KEY))
     call = _decode_guidance(request, guidance)
-    if continuation is not None or call is not None:
+    steps = decode_inference_steps(request.get(INFERENCE_STEPS_KEY), inference_steps)
+    if continuation is not None or call is not None or steps is not None:
         observation = RobotObservation(
             cameras=observation.cameras,
             states=observation.states,
             prompt=observation.prompt,
             episode=call,
             continuation=continuation,
+            num_inference_steps=steps,
             wire_keys=observation.wire_keys,
         )
     return OpenPIRequest(endpoint="infer", session_id=session_id, observation=observation)
+
+
+def decode_inference_steps(value: Any, accepted: bool) -> int | None:
+    """A request's ``num_inference_steps``: an integer >= 1, or None if absent (its bounds are the policy's to check)."""
+    if value is None:
+        return None
+    if not accepted:
+        raise RequestError(f"{INFERENCE_STEPS_KEY}: this server's policy takes no per-request denoising steps; leave it out")
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value.item()
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer) or int(value) < 1:
+        raise RequestError(f"{INFERENCE_STEPS_KEY}: expected an integer >= 1, got {short_repr(value)}")
+    return int(value)
 
 
 def _decode_guidance(request: dict[str, Any], accepted: bool) -> EpisodeCall | None:

@@ -44,6 +44,7 @@ class Call:
     error: BaseException | None = None
     result: StepResult | None = None
     raw_state: np.ndarray | None = None
+    steps: int = 0  # its denoising steps: the request's num_inference_steps, else the configured count
     video: torch.Tensor | None = None  # observed frames to encode (later calls)
     prefill_latents: torch.Tensor | None = None
     prefill_start: int = 0

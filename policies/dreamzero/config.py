@@ -11,6 +11,8 @@ import pydantic
 from ardiff_policies import hub
 from ardiff_policies.safety import SafetyConfig
 
+# The DiT's timesteps are integers in [0, 1000): more steps than that repeat noise levels.
+MAX_INFERENCE_STEPS = 1000
 # Upstream's default (NUM_DIT_STEPS=8): which of the 16 denoise steps run the DiT.
 UPSTREAM_STEP_MASK = [True, True, True, False, False, False, True, False, False, False, True, False, False, True, True, True]
 
@@ -73,7 +75,12 @@ class DreamZeroConfig(pydantic.BaseModel):
         description="camera size advertised to clients (default: 14B 180x320; 5B its target_video_height/width, 160x320, "
         "to which it first resizes every received frame, as upstream's 5B server)",
     )
-    num_inference_steps: int = pydantic.Field(16, ge=1, le=1000)  # denoise steps per call (upstream: 16)
+    num_inference_steps: int = pydantic.Field(16, ge=1, le=MAX_INFERENCE_STEPS)  # denoise steps per call (upstream: 16)
+    request_inference_steps: tuple[pydantic.PositiveInt, pydantic.PositiveInt] | None = pydantic.Field(
+        None,
+        description="[min, max] denoising steps a request's num_inference_steps may choose (default [1, num_inference_steps]: "
+        "fewer than configured, never more; at most 1000, the noise levels the DiT was trained on)",
+    )
     sigma_shift: float = pydantic.Field(5.0, gt=0)  # flow-matching schedule shift (upstream: 5.0)
     cfg_scale: float = pydantic.Field(5.0, ge=1.0)  # classifier-free guidance on the video (1: no negative branch; upstream: 5.0)
     seed: int = 1140  # the sampler's noise seed (upstream's)
@@ -123,6 +130,19 @@ class DreamZeroConfig(pydantic.BaseModel):
                 f"clean_prefix does not use (it pins the frozen actions only); unset it, or use continuation inpaint or guided"
             )
         return self
+
+    @pydantic.model_validator(mode="after")
+    def _check_request_steps(self) -> DreamZeroConfig:
+        if self.request_inference_steps is not None:
+            low, high = self.request_inference_steps
+            if not low <= high <= MAX_INFERENCE_STEPS:
+                raise ValueError(f"request_inference_steps: expected [min, max] with min <= max <= {MAX_INFERENCE_STEPS}, got [{low}, {high}]")
+        return self
+
+    @property
+    def inference_steps_bounds(self) -> tuple[int, int]:
+        """(min, max) steps a request may ask for (``request_inference_steps``, default 1 to the configured count)."""
+        return tuple(self.request_inference_steps) if self.request_inference_steps is not None else (1, self.num_inference_steps)
 
     @pydantic.model_validator(mode="after")
     def _check_mask(self) -> DreamZeroConfig:

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ardiff_policies.continuation import APPLIED, NO_PREVIOUS_CHUNK, PROMPT_CHANGE, UNKNOWN_CHUNK_ID, WINDOW_RESTART, Continuation, soft_mask
+from ardiff_policies.continuation import APPLIED, NO_PREVIOUS_CHUNK, PROMPT_CHANGE, UNKNOWN_CHUNK_ID, Continuation, soft_mask
 from ardiff_policies.dreamzero.transforms import NormStats
 
 RelativeSlices = list[tuple[tuple[int, int], tuple[int, int]]]  # (action columns, state columns) per relative key
@@ -66,15 +66,16 @@ class ContinuationPlan:
 
 
 def decide(continuation: Continuation | None, last: LastChunk | None, events: dict[str, bool]) -> str | None:
-    """Whether a requested continuation applies: :data:`APPLIED`, the reason it does not, or None (none asked)."""
+    """Whether a requested continuation applies: :data:`APPLIED`, the reason it does not, or None (none asked).
+
+    A window restart does not stop it: the plan needs only the last chunk's actions and the state they were
+    anchored to (:class:`LastChunk`), never the KV window; only the video context restarts."""
     if continuation is None:
         return None
     if last is None:
         return NO_PREVIOUS_CHUNK
     if events.get("prompt_change"):
         return PROMPT_CHANGE
-    if events.get("window_restart"):
-        return WINDOW_RESTART
     if continuation.chunk_id is not None and continuation.chunk_id != last.chunk_id:
         return UNKNOWN_CHUNK_ID
     return APPLIED

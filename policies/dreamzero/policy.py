@@ -14,8 +14,8 @@ Per call (upstream ``WANPolicyHead.lazy_joint_video_action``):
    (VAE re-encode: repeat x2, prepend the first frame, keep the last 2). Committed only after
    the forward succeeds.
 4. Denoise 2 latent frames + the 24-step action chunk with two flow-matching UniPC samplers
-   (16 steps, shift 5, fixed seed). CFG (5.0) on video only; actions use the conditional
-   branch. The DiT step cache may reuse the previous velocity instead of running the DiT.
+   (16 steps, or the request's ``num_inference_steps``; shift 5, fixed seed). CFG (5.0) on
+   video only; actions use the conditional branch. The DiT step cache may reuse the previous velocity instead of running the DiT.
 5. Actions: q99-denormalized, relative keys (DROID: the joints) plus the last observed state.
 
 What is robot-specific (cameras and their canvas, state / action keys, statistics, prompt
@@ -56,7 +56,7 @@ from ardiff_policies.dreamzero.inputs import InputEncoder
 from ardiff_policies.dreamzero.model import DreamZeroModel
 from ardiff_policies.dreamzero.samplers import DecoupledVideoSampler
 from ardiff_policies.dreamzero.session import FRAMES_PER_CALL, DreamZeroSession
-from ardiff_policies.dreamzero.step_cache import should_run
+from ardiff_policies.dreamzero.step_cache import StepCache
 from ardiff_policies.dreamzero.transforms import CROP_SCALE, NormStats, denormalize_actions, normalize_state, to_absolute, video_size
 from ardiff_policies.dreamzero.undo import SessionUndo
 from ardiff_policies.embodiment import Embodiment, ObservationSchema, metadata_frame
@@ -197,6 +197,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             details={
                 "dit_step_cache": self.config.dit_step_cache,
                 "num_inference_steps": self.config.num_inference_steps,
+                "request_inference_steps": list(self.config.inference_steps_bounds),
                 "backbone": "wan2.2-ti2v-5b" if self.model.vae.is_wan22 else "wan2.1-i2v-14b",
                 "embodiment": {**e.describe(resolution), **({"observation": schema.describe()} if schema is not None else {})},
                 "frames_per_call": FRAMES_CONTRACT,
@@ -208,6 +209,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             continuations=True,
             max_frames_per_call=FRAMES_PER_CALL,
             keeps_newest_frames=True,  # InputEncoder.canvas: the newest are used
+            inference_steps=self.config.inference_steps_bounds,
         )
 
     def check_observation(self, observation: RobotObservation) -> None:
@@ -221,6 +223,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 observation.continuation.check(self.action_head_config.action_horizon)
             except ValueError as exc:
                 raise UnsupportedObservation(str(exc)) from None
+        self._check_inference_steps(observation.num_inference_steps)
         lengths = {name: frames.shape[0] for name, frames in observation.cameras.items() if frames is not None}
         if len(set(lengths.values())) > 1:
             by_key = {self._wire_key(name, observation): n for name, n in lengths.items()}
@@ -231,6 +234,24 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                     f"{self._wire_key(name, observation)}: images need at least {MIN_IMAGE_SIDE} pixels per side (DreamZero center-crops "
                     f"to {CROP_SCALE:.0%}), got shape {frames.shape}"
                 )
+
+    def _check_inference_steps(self, steps: int | None) -> None:
+        """A request's denoising steps within the bounds this server takes (UnsupportedObservation naming the bound)."""
+        if steps is None:
+            return
+        low, high = self.config.inference_steps_bounds
+        if type(steps) is not int:
+            raise UnsupportedObservation(f"num_inference_steps: expected an integer, got {steps!r}")
+        if not low <= steps <= high:
+            side = f"below the minimum {low}" if steps < low else f"above the maximum {high}"
+            raise UnsupportedObservation(
+                f"num_inference_steps: {steps} is {side} this server takes (policy.request_inference_steps: [{low}, {high}])"
+            )
+
+    def _step_cache(self, steps: int) -> StepCache:
+        """The configured DiT step cache carried over to ``steps`` denoising steps (``step_cache.py``)."""
+        config = self.config
+        return StepCache.for_steps(config.dit_step_cache, config.dit_step_mask, config.num_inference_steps, steps)
 
     def _wire_key(self, camera: str, observation: RobotObservation | None = None) -> str:
         """The request key a camera arrives under (errors name what the client sent): the one the
@@ -295,8 +316,9 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         the image conditioning (CLIP, ``ys``, cross-attention K/V). Batched: the VAE encode of
         the observed frames (sessions whose frame stacks have one shape), the KV prefill (one
         forward per number of prefilled frames) and every denoise step (one forward over every
-        session x local CFG branch, in lockstep on one schedule). The DiT step cache decides per
-        session from that session's own velocities, and a step's forward runs only the sessions
+        session x local CFG branch, in lockstep on one schedule; sessions that asked for other
+        numbers of denoising steps denoise one group per step count, one after the other). The
+        DiT step cache decides per session from that session's own velocities, and a step's forward runs only the sessions
         that decided to run, so every session's result is its unbatched result (up to float
         summation order). A failure in a session's own part fails that session; a failure in a
         batched forward fails every session in it (the engine tears each down)."""
@@ -310,7 +332,8 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             run_phase([c for c in pending if tuple(c.video.shape) == shape], self._encode_observed, agree)
         for frames in sorted({call.prefill_latents.shape[2] for call in live(calls)}):
             run_phase([c for c in live(calls) if c.prefill_latents.shape[2] == frames], self._prefill, agree)
-        run_phase(live(calls), self._denoise, agree)
+        for steps in sorted({c.steps for c in live(calls)}):  # one lockstep schedule per step count
+            run_phase([c for c in live(calls) if c.steps == steps], self._denoise, agree)
         run_each(live(calls), self._finish, agree)
         for call, saved in zip(calls, undo or ()):
             if isinstance(call.error, SafetyRejected):
@@ -352,6 +375,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             timer.mark("vision")
             call.video = video
         call.raw_state = self._raw_state(call.observation)
+        call.steps = call.observation.num_inference_steps or self.config.num_inference_steps
         self._plan_continuation(call)
 
     def _plan_continuation(self, call: Call) -> None:
@@ -461,8 +485,8 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         return results
 
     def _denoise(self, calls: list[Call]) -> None:
-        """Denoise every session's next chunk + actions in lockstep on one schedule (two flow-matching
-        UniPC samplers per session: video and actions); CFG on video, actions from the conditional branch."""
+        """Denoise every session's next chunk + actions in lockstep on one schedule (calls of one step count; two
+        flow-matching UniPC samplers per session: video and actions); CFG on video, actions from the conditional branch."""
         started = time.perf_counter()
         dit, head, config = self.dit_config, self.action_head_config, self.config
         z = self.model.vae.latent_channels
@@ -476,8 +500,8 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 call.plan.noise = call.actions.clone()
             call.video_sampler = DecoupledVideoSampler(head.video_inference_final_noise) if head.decouple_inference_noise else FlowUniPCSampler()
             call.action_sampler = FlowUniPCSampler()
-            call.video_sampler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
-            call.action_sampler.set_timesteps(config.num_inference_steps, shift=config.sigma_shift)
+            call.video_sampler.set_timesteps(call.steps, shift=config.sigma_shift)
+            call.action_sampler.set_timesteps(call.steps, shift=config.sigma_shift)
         schedule = list(zip(calls[0].video_sampler.timesteps, calls[0].action_sampler.timesteps))
         failure: BaseException | None = None  # raised on this rank since the CFG ranks last agreed
         for i, (t_video, t_action) in enumerate(schedule):
@@ -511,10 +535,10 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
         """A denoise step up to its CFG exchange: the step cache's decision per call, the forward of the calls that run
         the DiT (a continuation's replacement applied to the DiT's action input). Returns those calls, this rank's
         predictions and whether the step runs guided (RTC's guidance: a VJP per step)."""
-        dit, head, config = self.dit_config, self.action_head_config, self.config
+        dit, head = self.dit_config, self.action_head_config
         running = []
         for call in calls:
-            run, call.countdown = should_run(config.dit_step_cache, config.dit_step_mask, i, call.history, call.countdown)
+            run, call.countdown = self._step_cache(call.steps).should_run(i, call.history, call.countdown)
             if run:
                 running.append(call)
         if not running:
@@ -587,6 +611,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             timing_ms=call.timing,
             info={
                 "dit_forwards": call.forwards,
+                "num_inference_steps": call.steps,
                 "current_start_frame": session.current_start_frame,
                 **call.events,
                 **({"safety": safety} if safety is not None else {}),

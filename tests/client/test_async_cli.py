@@ -150,15 +150,15 @@ def test_progress_while_it_runs_and_json_unchanged_in_content(scripted, capsys):
 
 
 def test_the_summary_has_units_steady_idle_the_seam_ratio_and_explains_fresh_chunks(scripted, capsys):
-    def restarting(calls: int, request: dict) -> dict:
+    def refreshing(calls: int, request: dict) -> dict:
         reply = _good(calls, request)
         if request.get("continuation") is not None and calls % 2:
-            reply.update(frozen=0, continuation="window_restart")
+            reply.update(frozen=0, continuation="unknown_chunk_id")
         elif request.get("continuation") is not None:
             reply["continuation"] = "applied"
         return reply
 
-    server = scripted(restarting)
+    server = scripted(refreshing)
     status, out, err = run_async(capsys, server, "--quiet", steps=60)
     assert status == 0, err
     text = out.splitlines()
@@ -169,7 +169,7 @@ def test_the_summary_has_units_steady_idle_the_seam_ratio_and_explains_fresh_chu
     assert "x the median step inside a chunk" in by_name["seam"] and "1x" in by_name["seam"]
     assert "steps" in by_name["idle"] and " s)" in by_name["idle"]
     fresh = by_name["fresh chunks"]
-    assert "window_restart" in fresh and "context window" in fresh and " of " in fresh and "continuations asked" in fresh
+    assert "unknown_chunk_id" in fresh and "not the session's last chunk" in fresh and " of " in fresh and "continuations asked" in fresh
 
 
 def test_parse_chunk_reply_accepts_what_servers_send():

@@ -6,6 +6,7 @@ soft mask, RTC's formula written out here; for batching, each session alone (fp3
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -17,7 +18,6 @@ from ardiff_policies.continuation import (
     NO_PREVIOUS_CHUNK,
     PROMPT_CHANGE,
     UNKNOWN_CHUNK_ID,
-    WINDOW_RESTART,
     Continuation,
     soft_mask,
 )
@@ -239,7 +239,7 @@ def test_guidance_weight_is_rtcs_clipped_schedule():
 
 def test_a_continuation_that_cannot_apply_is_a_fresh_chunk_and_says_why(policies, tiny_model):
     policy, cache = policies["inpaint"]
-    obs = list(observations(8, seed=2))
+    obs = list(observations(3, seed=2))
     plain = policy.start_session("plain", cache.open_session("plain"))
     reference = [policy.step(plain, o) for o in obs[:2]]
     session = policy.start_session("fresh", cache.open_session("fresh"))
@@ -251,14 +251,89 @@ def test_a_continuation_that_cannot_apply_is_a_fresh_chunk_and_says_why(policies
     assert np.array_equal(unknown.actions, reference[1].actions)
     changed = RobotObservation(cameras=obs[2].cameras, states=obs[2].states, prompt="wipe the table", continuation=Continuation(1, 1))
     assert policy.step(session, changed).chunk.continuation == PROMPT_CHANGE
-    reasons = []
-    for o in obs[3:8]:  # the window fills, then restarts
-        result = policy.step(session, continued(RobotObservation(cameras=o.cameras, states=o.states, prompt="wipe the table"), 1, 1))
-        reasons.append(result.chunk.continuation)
-    assert WINDOW_RESTART in reasons and reasons.count(APPLIED) == len(reasons) - 1
+    policy.end_session(session)  # a reset: the session ends, the robot's next call starts a new one
+    cache.end_session(session.kv)
+    session = policy.start_session("fresh", cache.open_session("fresh"))
+    after_reset = policy.step(session, continued(obs[0], 2, 2))
+    assert (after_reset.chunk.frozen, after_reset.chunk.continuation) == (0, NO_PREVIOUS_CHUNK)
+    assert np.array_equal(after_reset.actions, reference[0].actions)
     for s in (plain, session):
         policy.end_session(s)
         cache.end_session(s.kv)
+
+
+RESTART_CALL = 4  # the tiny DiT's window holds 1 + 2 + 2 + 2 latent frames: the fifth call restarts it
+
+
+@pytest.mark.parametrize("mode", ["inpaint", "clean_prefix", "guided"])
+def test_a_continuation_across_a_window_restart_continues_the_last_chunk(policies, mode):
+    """The window restart restarts the video context only: the call still continues the last chunk (its frozen rows
+    bit for bit as the robot executes them, re-anchored to the new state), and the chunk after it continues it in turn.
+    Its free rows are the continuation's, not the fresh chunk the same call makes without one."""
+    policy, cache = policies[mode]
+    obs = list(observations(RESTART_CALL + 2, seed=6))
+    session = policy.start_session(f"r-{mode}", cache.open_session(f"r-{mode}"))
+    replies = [policy.step(session, obs[0])]
+    for o in obs[1:]:
+        replies.append(policy.step(session, continued(o, executed=3, delay=5, chunk_id=replies[-1].chunk.chunk_id)))
+    plain = policy.start_session(f"r-plain-{mode}", cache.open_session(f"r-plain-{mode}"))
+    fresh = [policy.step(plain, o) for o in obs[: RESTART_CALL + 1]]
+    for s in (session, plain):
+        policy.end_session(s)
+        cache.end_session(s.kv)
+    assert [r.info["window_restart"] for r in replies] == [False] * RESTART_CALL + [True, False]
+    for before, after in itertools.pairwise(replies):
+        assert (after.chunk.frozen, after.chunk.continuation) == (5, APPLIED)
+        assert after.chunk.chunk_id == before.chunk.chunk_id + 1
+        assert np.array_equal(after.actions[:5], before.actions[3:8])  # bit for bit, across the restart too
+    restart = replies[RESTART_CALL]
+    assert fresh[RESTART_CALL].info["window_restart"] and "continuation" not in fresh[RESTART_CALL].info
+    assert np.abs(restart.actions[5:] - fresh[RESTART_CALL].actions[5:]).max() > 1e-3  # the rest continues too
+
+
+@pytest.mark.parametrize("mode", ["inpaint", "clean_prefix", "guided"])
+def test_continuations_across_a_window_restart_batch_and_equal_their_unbatched_results(tiny_model, mode):
+    """A batch holding a session whose window restarts under a continuation beside one that continues in a steady
+    window and one without continuations equals each session alone (fp32, <= 1e-5)."""
+    from ardiff_kv import PagedKVCache
+    from ardiff_policies.base import RuntimeOptions
+    from ardiff_policies.dreamzero.policy import DreamZeroPolicy
+
+    policy = DreamZeroPolicy(
+        DreamZeroConfig(view_size=(48, 80), continuation=mode, num_inference_steps=4, dit_step_mask=[True, False, True, True]),
+        RuntimeOptions(max_batch=3),
+        model=tiny_model,
+    )
+    spec = policy.kv_spec()
+    cache = PagedKVCache(spec, num_pages=6 * len(policy.branches) * spec.pages_per_branch + 1, max_sessions=6, branches=policy.branches, max_batch=3)
+    calls = RESTART_CALL + 2
+    requests = {  # a: continues, its window restarts in batch RESTART_CALL; c: joins one batch later; b: ordinary
+        "a": [o if i == 0 else continued(o, 2, 6) for i, o in enumerate(observations(calls, seed=7))],
+        "b": list(observations(calls, seed=8)),
+        "c": [o if i == 0 else continued(o, 4, 3) for i, o in enumerate(observations(calls - 1, seed=9))],
+    }
+    joins = {"a": 0, "b": 0, "c": 1}
+    alone = {}
+    for name, episode in requests.items():
+        session = policy.start_session(f"alone-{name}", cache.open_session(f"alone-{name}"))
+        alone[name] = [policy.step(session, o) for o in episode]
+        policy.end_session(session)
+        cache.end_session(session.kv)
+    sessions = {name: policy.start_session(name, cache.open_session(name)) for name in requests}
+    for batch in range(calls):
+        members = [(name, batch - joins[name]) for name in requests if 0 <= batch - joins[name] < len(requests[name])]
+        results = policy.step_batch([(sessions[name], requests[name][call]) for name, call in members])
+        for (name, call), result in zip(members, results, strict=True):
+            assert not isinstance(result, BaseException)
+            np.testing.assert_allclose(result.actions, alone[name][call].actions, atol=ATOL, rtol=0)
+            assert {k: result.info[k] for k in ("frozen", "window_restart", "chunk_id")} == {
+                k: alone[name][call].info[k] for k in ("frozen", "window_restart", "chunk_id")
+            }
+    for session in sessions.values():
+        policy.end_session(session)
+        cache.end_session(session.kv)
+    assert alone["a"][RESTART_CALL].info["window_restart"] and alone["a"][RESTART_CALL].chunk.frozen == 6
+    assert alone["c"][RESTART_CALL].info["window_restart"] and alone["c"][RESTART_CALL].chunk.frozen == 3
 
 
 @pytest.mark.parametrize("mode", ["inpaint", "clean_prefix", "guided"])

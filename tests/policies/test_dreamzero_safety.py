@@ -83,7 +83,7 @@ def test_clamp_never_alters_a_continuations_frozen_rows(tiny_model):
     g = open_session(gated, gated_cache, "g")
     gated_first = gated.step(g, obs[0])
     continued = gated.step(g, with_continuation(obs[1], Continuation(executed=2, delay=3)))
-    assert continued.info["frozen"] == 3
+    assert continued.chunk.frozen == 3
     np.testing.assert_array_equal(continued.actions[:3], gated_first.actions[2:5])
     assert np.all(np.abs(np.diff(continued.actions[2:, :7], axis=0)) <= 1e-4 + 1e-5)  # the rest from the last frozen row on
     assert first.actions.shape == continued.actions.shape
@@ -111,7 +111,7 @@ def test_a_reject_leaves_the_session_as_if_the_call_never_came(tiny_model, when)
     for o in after:
         ours, theirs = policy.step(rejected, o), policy.step(clean, o)
         np.testing.assert_array_equal(ours.actions, theirs.actions)
-        assert ours.info["chunk_id"] == theirs.info["chunk_id"]
+        assert ours.chunk.chunk_id == theirs.chunk.chunk_id
 
 
 def test_a_reject_in_a_batch_costs_only_its_own_call(tiny_model):
@@ -124,7 +124,7 @@ def test_a_reject_in_a_batch_costs_only_its_own_call(tiny_model):
     a, b = open_session(policy, cache, "a"), open_session(policy, cache, "b")
     policy.step_batch([(a, obs[0]), (b, obs[0])])
     results = policy.step_batch([(a, with_state(obs[1], gripper_position=[50.0])), (b, obs[1])])
-    assert isinstance(results[0], SafetyRejected) and results[1].info["chunk_id"] == 2
+    assert isinstance(results[0], SafetyRejected) and results[1].chunk.chunk_id == 2
     assert a.chunks == 1 and not a.kv.has_snapshot and not b.kv.has_snapshot
 
 

@@ -66,6 +66,13 @@ S = TypeVar("S")
 
 
 class Policy(abc.ABC, Generic[S]):
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # step() is the one-member case of step_batch(), defined here once; an override would be bypassed by the
+        # engine (it always calls step_batch) and serve scripts something else than robots get.
+        super().__init_subclass__(**kwargs)
+        if "step" in cls.__dict__:
+            raise TypeError(f"{cls.__qualname__} overrides Policy.step: implement step_batch (step is its one-member case)")
+
     @property
     @abc.abstractmethod
     def info(self) -> PolicyInfo:

@@ -114,12 +114,6 @@ class ModelledStepPolicy(Policy):
         return getattr(self.__dict__["inner"], name)
 
     # The one thing it changes.
-    def step(self, session: Any, observation: RobotObservation) -> StepResult:
-        result = self.step_batch([(session, observation)])[0]
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
     def step_batch(self, items: Sequence[tuple[Any, RobotObservation]]) -> list[StepResult | BaseException]:
         started = self.clock()
         results = self.inner.step_batch(items)

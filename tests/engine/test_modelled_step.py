@@ -92,13 +92,13 @@ def test_the_wrapper_sleeps_the_rest_of_t_b_and_never_shortens_a_longer_step():
     slept: list[float] = []
     took = [0.2]
     inner = build_policy("noop", {"name": "noop"}, RuntimeOptions())
-    real_step = inner.step
+    real_step_batch = inner.step_batch
 
-    def timed_step(session, observation):
-        now[0] += took[0]  # the real step, on the fake clock
-        return real_step(session, observation)
+    def timed_step_batch(items):
+        now[0] += took[0] * len(items)  # the real step, on the fake clock: its members one after another
+        return real_step_batch(items)
 
-    inner.step = timed_step
+    inner.step_batch = timed_step_batch
     policy = ModelledStepPolicy(inner, step_time_profile("14b"), clock=lambda: now[0], sleep=slept.append)
     session = policy.start_session("s", None)
     fast = policy.step(session, None)

@@ -194,11 +194,12 @@ class PinningPolicy(FakePolicy):
     def kv_spec(self) -> KVSpec:
         return KVSpec(num_layers=1, num_heads=1, head_dim=8, page_size=4, window_pages=self.config.window_pages, max_new_pages=1, max_pinned_pages=2)
 
-    def step(self, session, observation):
-        if not session.kv.branch(Branch.COND).pinned:
-            session.kv.begin_forward(Branch.COND, num_video_tokens=8, commit=True, entry=PIN).prepare()
-            session.kv.complete(Branch.COND)
-        return super().step(session, observation)
+    def step_batch(self, items):
+        for session, _ in items:
+            if not session.kv.branch(Branch.COND).pinned:
+                session.kv.begin_forward(Branch.COND, num_video_tokens=8, commit=True, entry=PIN).prepare()
+                session.kv.complete(Branch.COND)
+        return super().step_batch(items)
 
 
 def engine_of(sessions_in_pool: int, max_sessions: int = 16) -> SessionEngine:

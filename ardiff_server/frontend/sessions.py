@@ -126,8 +126,9 @@ class SessionTable:
     def resolve(self, conn: Connection, requested: str | None) -> str:
         return requested or conn.current or conn.default_session
 
-    async def infer(self, conn: Connection, session_id: str, observation: RobotObservation) -> InferReply:
-        """Serve one request of ``session_id`` on ``conn`` (under the session's lock)."""
+    async def infer(self, conn: Connection, session_id: str, observation: RobotObservation, *, deadline: float | None = None) -> InferReply:
+        """Serve one request of ``session_id`` on ``conn`` (under the session's lock); ``deadline``: when its robot runs
+        out of actions (``time.monotonic()``; None: due now), for the engine's schedule."""
         previous = conn.current if conn.current != session_id else None
         async with self._locked(session_id) as entry:
             self._check_owner(entry, conn)
@@ -144,7 +145,7 @@ class SessionTable:
             if previous is not None:
                 await self._leave(conn, previous)  # before the request: its admission may need previous's place
             try:
-                reply = await self.engine.infer(session_id, observation)
+                reply = await self.engine.infer(session_id, observation, deadline=deadline)
             except EngineError as exc:
                 if not (entry.opened and exc.kind is ErrorKind.BAD_REQUEST):  # else the engine holds it no more (or never did)
                     entry.counted = entry.opened = False

@@ -9,11 +9,10 @@ must be and what came, so ``ardiff-client --async`` reports it instead of a trac
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import math
 
 import numpy as np
 

@@ -54,7 +54,7 @@ def test_half_asks_at_half_the_chunk_and_adaptive_without_an_estimate_falls_back
     assert {c["executed"] for c in half} == {12}  # 12 left: max(5 + 1, 0.5 x 24)
     fallback, _ = episode("adaptive", 0.3, None)
     assert {c["executed"] for c in fallback} == {12}
-    adaptive, adaptive_summary = episode("adaptive", 0.3, 300.0)
+    _, adaptive_summary = episode("adaptive", 0.3, 300.0)
     # fewer calls for the same actions, and neither stands still after the first chunk
     assert adaptive_summary["calls_per_chunk"] < half_summary["calls_per_chunk"]
     assert adaptive_summary["steady_idle_per_chunk"] == half_summary["steady_idle_per_chunk"] == 0

@@ -24,8 +24,9 @@ When to ask (``asking``):
   to take at the current load (``server_timing.next_call_p90_ms``, docs/spec.md); the runner asks when the actions
   left reach ``ceil(that x rate)`` (or its own measured p90 latency, if more) ``+ margin_steps + blend_steps``.
   ``blend_steps`` old actions past the frozen ones are what the server's soft mask continues (RTC's execution
-  horizon ends there, ``docs/design-notes.md``): the seam's room. Before a reply carries an estimate (the first
-  call, a server that sends none) it asks as ``half`` does.
+  horizon ends there, ``docs/design-notes.md``): the seam's room, spent only while the ask stays later than half
+  a chunk (a slow call that needs half the chunk asks at ``delay + margin_steps``, never earlier than ``half``
+  would). Before a reply carries an estimate (the first call, a server that sends none) it asks as ``half`` does.
 * ``half``: when ``overlap`` of the chunk is left (0.5: LeRobot's ``chunk_size_threshold``), or the measured
   ``ceil(p90 latency x rate) + margin_steps`` if that is more. A robot whose latency is under half a chunk asks
   about twice as often as it must: on a shared server those calls are other robots' latency.
@@ -288,8 +289,9 @@ class AsyncChunkRunner:
         docstring): ``adaptive`` with the server's estimate, else ``half``'s."""
         delay = self.expected_delay_steps(latencies)
         if self.asking == "adaptive" and self.server_estimate_s is not None:
-            delay = max(delay, math.ceil(self.server_estimate_s * self.control_hz - 1e-9))
-            return delay + self.margin_steps + self.blend_steps
+            latest = max(delay, math.ceil(self.server_estimate_s * self.control_hz - 1e-9)) + self.margin_steps
+            # the blend rows are spent only while the ask stays later than half a chunk: never more calls than half's
+            return max(latest, min(latest + self.blend_steps, math.ceil(chunk_size / 2)))
         return max(delay + self.margin_steps, math.ceil(self.overlap * chunk_size))
 
     # -- the loop -----------------------------------------------------------------------------

@@ -39,9 +39,13 @@ def test_adaptive_asks_when_the_estimate_margin_and_blend_are_left():
     assert {c["executed"] for c in asked} == {15} and {c["delay"] for c in asked} == {5}
     assert all(c["actions_left_s"] == pytest.approx(9 / HZ) for c in asked)
     assert summary["steady_idle_per_chunk"] == 0 and summary["asked_left_median"] == 9
-    # a server that expects a slower call than the robot saw (the load grew): the estimate wins, 9 + 1 + 3 = 13 left
-    slower, _ = episode("adaptive", 0.3, 600.0)
-    assert {c["executed"] for c in slower} == {H - 13}
+    # a server that expects a slower call than the robot saw (the load grew): the estimate wins, 7 + 1 + 3 = 11 left
+    slower, _ = episode("adaptive", 0.3, 450.0)
+    assert {c["executed"] for c in slower} == {H - 11}
+    # slower still (0.6 s: 9 + 1 = 10 left at the latest): the blend rows are spent only up to half the chunk, 12 left,
+    # and a call that needs more than half (0.8 s: 12 + 1) asks at its delay and margin, as half asking would
+    assert {c["executed"] for c in episode("adaptive", 0.3, 600.0)[0]} == {H - 12}
+    assert {c["executed"] for c in episode("adaptive", 0.3, 800.0)[0]} == {H - 13}
     # a faster estimate than the robot's own measured latency never asks later than that latency allows
     faster, _ = episode("adaptive", 0.3, 50.0)
     assert {c["executed"] for c in faster} == {15}

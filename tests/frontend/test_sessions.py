@@ -28,7 +28,7 @@ class ScriptedEngine:
         self.fail_next: EngineError | None = None
         self.info = None
 
-    async def infer(self, session_id: str, observation: RobotObservation) -> InferReply:
+    async def infer(self, session_id: str, observation: RobotObservation, *, deadline: float | None = None) -> InferReply:
         assert session_id not in self.running, f"two requests of {session_id} ran at once"
         self.running.add(session_id)
         try:

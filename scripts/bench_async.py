@@ -88,6 +88,9 @@ def main() -> None:
     parser.add_argument(
         "--overlap", type=float, default=0.5, help="async modes ask no later than when this fraction of a chunk is left (default 0.5, the runner's)"
     )
+    parser.add_argument(
+        "--rows", default="", help=f"rows to run, comma separated, of {[policy_mode or mode for _, mode, policy_mode in ROWS]} (default all)"
+    )
     parser.add_argument("--asking", default="half,adaptive", help="asking modes of the async rows, comma separated (default half,adaptive)")
     parser.add_argument("--episodes", type=int, default=1, help="episodes per row (different start states)")
     parser.add_argument(
@@ -104,6 +107,10 @@ def main() -> None:
     policies = {mode: task_policy(model, checkpoint, mode) for mode in ("inpaint", "clean_prefix", "guided")}
     latencies = [float(v) for v in args.latencies.split(",")]
     asking_modes = [a for a in args.asking.split(",") if a]
+    wanted = [r for r in args.rows.split(",") if r]
+    rows = [row for row in ROWS if not wanted or (row[2] or row[1]) in wanted]
+    if wanted and len(rows) != len(wanted):
+        parser.error(f"--rows: expected some of {[policy_mode or mode for _, mode, policy_mode in ROWS]}, got {args.rows!r}")
     for name in asking_modes:
         if name not in ASKING:
             parser.error(f"--asking: expected some of {list(ASKING)}, got {name!r}")
@@ -116,7 +123,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for latency in latencies:
-        for (name, mode, policy_mode), asking in [(row, a) for row in ROWS for a in (["-"] if row[1] == "blocking" else asking_modes)]:
+        for (name, mode, policy_mode), asking in [(row, a) for row in rows for a in (["-"] if row[1] == "blocking" else asking_modes)]:
             policy, cache = policies[policy_mode or "inpaint"]
             runner_asking = "half" if asking == "-" else asking
             runs = [episode(policy, cache, mode, runner_asking, latency, args.hz, args.steps, seed, args.overlap) for seed in range(args.episodes)]

@@ -4,7 +4,8 @@
 ``service``     connections, HTTP routes and limits, transport-free (the Ray ingress runs it too): a frame to its handler
 ``openpi``      OpenPI's requests: reset and infer, the dict or array reply
 ``lingbot_va``  LingBot-VA's own messages (a policy whose ``native_protocol`` it is): reset, infer, compute_kv_cache
-``replies``     what both handlers share: server_timing, metrics, error frames
+``replies``     what both handlers share: server_timing, metrics, error frames, a request's deadline
+``latency``     the estimate of a session's next call each reply carries (recent service times per batch size)
 ``sessions``    SessionTable: ids, reset, detach, TTL, per-session locks (where a session resets), per-key limits
 ``tls``         wss:// and https:// on the port, certificate reload (SIGHUP)
 ``auth``        optional API keys

@@ -57,6 +57,12 @@ def summary_lines(report: EpisodeReport) -> list[str]:
             "old step at seam",
             f"{s['old_step_at_seam']:.4f}: the old chunk's own next step there, the seam of a continuation that follows it exactly",
         )
+    if report.asked_left:
+        row(
+            "asking",
+            f"{s['asking']}: {s['calls_per_chunk']:.2f} calls per chunk's worth of actions executed (1: one call per chunk), "
+            f"asked with a median {s['asked_left_median']:.0f} actions left",
+        )
     if report.frozen:
         row("frozen", f"{sum(report.frozen) / len(report.frozen):.1f} leading actions per chunk equal to what the robot executed meanwhile")
     if report.continuations_asked:

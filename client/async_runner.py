@@ -11,16 +11,25 @@ Robot code (openpi-client style: you bring ``observe`` and ``act``, the runner d
     print(report.summary())
 
 Every control tick (``control_hz``) the runner executes the next action of its queue. When the actions
-left reach a threshold (``ceil(p90 latency x rate) + margin``, from the measured latency, or ``overlap`` of
-the chunk if that is more: RTC's execution horizon, LeRobot's ``chunk_size_threshold``), it captures an observation and sends it in a background thread with ``continuation = {"chunk_id": the
-chunk being executed, "executed": actions of it already done, "delay": the actions it expects to do
-while waiting}``. The server freezes that many leading actions of the new chunk to the ones the robot
-executes meanwhile and generates the rest to continue them. When the reply arrives after ``n``
-executed actions, the queue becomes the new chunk from index ``n`` (the splice); ``frozen >= n`` means
-the splice is seamless by construction. Asking with more left than the delay needs (``overlap``) costs
-more chunks per second and buys the seam: the old chunk's actions past the frozen ones are what the
-server's soft mask continues (``docs/design-notes.md``); asked at the last moment there are none, and the
-first generated action must meet the frozen ones on its own.
+left reach a threshold it captures an observation and sends it in a background thread with ``continuation =
+{"chunk_id": the chunk being executed, "executed": actions of it already done, "delay": the actions it expects
+to do while waiting, "actions_left_s": the seconds of actions it has left (the server's deadline for it)}``. The
+server freezes that many leading actions of the new chunk to the ones the robot executes meanwhile and generates
+the rest to continue them. When the reply arrives after ``n`` executed actions, the queue becomes the new chunk
+from index ``n`` (the splice); ``frozen >= n`` means the splice is seamless by construction.
+
+When to ask (``asking``):
+
+* ``adaptive`` (the default): as late as is safe. The server's reply says what the session's next call is expected
+  to take at the current load (``server_timing.next_call_p90_ms``, docs/spec.md); the runner asks when the actions
+  left reach ``ceil(that x rate)`` (or its own measured p90 latency, if more) ``+ margin_steps + blend_steps``.
+  ``blend_steps`` old actions past the frozen ones are what the server's soft mask continues (RTC's execution
+  horizon ends there, ``docs/design-notes.md``): the seam's room, spent only while the ask stays later than half
+  a chunk (a slow call that needs half the chunk asks at ``delay + margin_steps``, never earlier than ``half``
+  would). Before a reply carries an estimate (the first call, a server that sends none) it asks as ``half`` does.
+* ``half``: when ``overlap`` of the chunk is left (0.5: LeRobot's ``chunk_size_threshold``), or the measured
+  ``ceil(p90 latency x rate) + margin_steps`` if that is more. A robot whose latency is under half a chunk asks
+  about twice as often as it must: on a shared server those calls are other robots' latency.
 
 Modes: ``continuation`` (the above), ``async`` (asks early but sends no continuation: LeRobot's async
 inference, DreamZero's clients), ``blocking`` (asks when the queue is empty and stands still until the
@@ -50,6 +59,8 @@ from ardiff_client.chunk_reply import parse_chunk_reply
 
 Mode = Literal["continuation", "async", "blocking"]
 MODES: tuple[str, ...] = ("continuation", "async", "blocking")
+Asking = Literal["adaptive", "half"]
+ASKING: tuple[str, ...] = ("adaptive", "half")
 
 
 class Requester(Protocol):
@@ -133,6 +144,7 @@ class EpisodeReport:
 
     mode: str
     control_hz: float
+    asking: str = "half"  # when it asked (AsyncChunkRunner's asking)
     steps: int = 0  # control ticks
     idle_steps: int = 0  # ticks with no action to execute (the robot stood still)
     idle_per_chunk: list[int] = field(default_factory=list)  # per reply: idle ticks since the previous one arrived
@@ -146,6 +158,8 @@ class EpisodeReport:
     old_steps: list[float] = field(default_factory=list)
     fresh_reasons: dict[str, int] = field(default_factory=dict)  # why asked continuations were not applied
     continuations_asked: int = 0  # replies to requests that carried a continuation (what fresh_reasons count in)
+    asked_left: list[int] = field(default_factory=list)  # per request after the first: actions left when it was asked
+    horizon: int = 0  # actions per chunk (the last reply's)
 
     def summary(self) -> dict[str, Any]:
         lat = np.asarray(self.latencies_s) * 1000.0
@@ -166,6 +180,10 @@ class EpisodeReport:
             "old_step_at_seam": float(np.median(self.old_steps)) if self.old_steps else float("nan"),
             "chunks": self.chunks,
             "chunks_per_s": self.chunks / (self.steps / self.control_hz) if self.steps else 0.0,
+            # calls per chunk's worth of actions executed: 1 asks once per chunk, half-chunk asking about 2
+            "asking": self.asking,
+            "calls_per_chunk": self.chunks * self.horizon / self.steps if self.steps else 0.0,
+            "asked_left_median": float(np.median(self.asked_left)) if self.asked_left else float("nan"),
             "fresh": dict(self.fresh_reasons),
         }
 
@@ -211,8 +229,10 @@ class AsyncChunkRunner:
 
     ``policy``: a :class:`Requester`, or any ``infer(request) -> reply`` callable (run in a thread).
     ``joint_columns``: action columns whose jump across a splice is reported (default: all).
-    ``overlap``: in the async modes, ask no later than when this fraction of a chunk is left (0: only as the
-    latency requires). ``on_chunk``: called with a :class:`ChunkEvent` for every reply spliced in.
+    ``asking``: ``adaptive`` (ask as late as the server's estimate allows, keeping ``blend_steps`` old actions past the
+    delay and ``margin_steps``) or ``half``. ``overlap``: in ``half`` asking (and ``adaptive`` before an estimate), ask
+    no later than when this fraction of a chunk is left (0: only as the latency requires). ``on_chunk``: called with
+    a :class:`ChunkEvent` for every reply spliced in.
     A reply that cannot be executed raises ``chunk_reply.ReplyError`` (one line naming the field).
     """
 
@@ -223,7 +243,9 @@ class AsyncChunkRunner:
         control_hz: float,
         prompt: str = "",
         mode: Mode = "continuation",
+        asking: Asking = "adaptive",
         margin_steps: int = 1,
+        blend_steps: int = 3,
         overlap: float = 0.5,
         latency_window: int = 8,
         session_id: str | None = None,
@@ -239,9 +261,15 @@ class AsyncChunkRunner:
             raise ValueError(f"control_hz must be > 0, got {control_hz}")
         if not 0.0 <= overlap < 1.0:
             raise ValueError(f"overlap must be in [0, 1), got {overlap}")
+        if asking not in ASKING:
+            raise ValueError(f"asking: expected one of {ASKING}, got {asking!r}")
+        if margin_steps < 0 or blend_steps < 0:
+            raise ValueError(f"margin_steps and blend_steps must be >= 0, got {margin_steps} and {blend_steps}")
         self.requester: Requester = policy if hasattr(policy, "submit") else ThreadedRequester(policy)  # type: ignore[assignment]
         self.control_hz, self.prompt, self.mode = control_hz, prompt, mode
+        self.asking, self.blend_steps = asking, blend_steps
         self.margin_steps, self.overlap, self.latency_window = margin_steps, overlap, latency_window
+        self.server_estimate_s: float | None = None  # the last reply's next_call_p90_ms, in seconds
         self.session_id = session_id or f"async-{uuid.uuid4()}"
         self.joint_columns = joint_columns if joint_columns is not None else slice(None)
         self.clock, self.sleep, self.drain_timeout_s = clock, sleep, drain_timeout_s
@@ -257,14 +285,20 @@ class AsyncChunkRunner:
         return math.ceil(float(np.percentile(recent, 90)) * self.control_hz)
 
     def threshold(self, latencies: list[float], chunk_size: int) -> int:
-        """Ask for the next chunk when this many actions of a ``chunk_size``-action chunk are left."""
-        return max(self.expected_delay_steps(latencies) + self.margin_steps, math.ceil(self.overlap * chunk_size))
+        """Ask for the next chunk when this many actions of a ``chunk_size``-action chunk are left (the module
+        docstring): ``adaptive`` with the server's estimate, else ``half``'s."""
+        delay = self.expected_delay_steps(latencies)
+        if self.asking == "adaptive" and self.server_estimate_s is not None:
+            latest = max(delay, math.ceil(self.server_estimate_s * self.control_hz - 1e-9)) + self.margin_steps
+            # the blend rows are spent only while the ask stays later than half a chunk: never more calls than half's
+            return max(latest, min(latest + self.blend_steps, math.ceil(chunk_size / 2)))
+        return max(delay + self.margin_steps, math.ceil(self.overlap * chunk_size))
 
     # -- the loop -----------------------------------------------------------------------------
 
     def run(self, observe: Callable[[], dict[str, Any]], act: Callable[[np.ndarray], None], steps: int) -> EpisodeReport:
         """``steps`` control ticks: ``observe()`` gives the observation keys of a request, ``act(action)`` executes one."""
-        report = EpisodeReport(self.mode, self.control_hz)
+        report = EpisodeReport(self.mode, self.control_hz, self.asking)
         chunk: _Chunk | None = None
         in_flight: _InFlight | None = None
         executed = 0  # actions executed so far (all chunks)
@@ -302,9 +336,12 @@ class AsyncChunkRunner:
 
     def _ask(self, observation: dict[str, Any], chunk: _Chunk | None, executed: int, report: EpisodeReport) -> _InFlight:
         request = {**observation, "prompt": self.prompt, "session_id": self.session_id, "endpoint": "infer"}
+        if report.chunks:
+            report.asked_left.append(chunk.remaining if chunk is not None else 0)
         if self.mode == "continuation" and chunk is not None:
             delay = min(self.expected_delay_steps(report.latencies_s), chunk.remaining)
-            continuation: dict[str, Any] = {"executed": chunk.index, "delay": delay}
+            # actions_left_s: this tick's action is still to come, so the robot runs dry remaining ticks from now
+            continuation: dict[str, Any] = {"executed": chunk.index, "delay": delay, "actions_left_s": chunk.remaining / self.control_hz}
             if chunk.chunk_id is not None:
                 continuation["chunk_id"] = chunk.chunk_id
             request["continuation"] = continuation
@@ -323,6 +360,9 @@ class AsyncChunkRunner:
     ) -> _Chunk:
         parsed = parse_chunk_reply(reply, report.chunks + 1)
         actions = parsed.actions
+        if parsed.next_call_s is not None:
+            self.server_estimate_s = parsed.next_call_s
+        report.horizon = len(actions)
         report.latencies_s.append(latency)
         report.idle_per_chunk.append(report.idle_steps - sum(report.idle_per_chunk))
         report.chunks += 1

@@ -1,13 +1,15 @@
 """One reply of the asynchronous chunk loop (``ardiff_client.async_runner``), checked before the robot executes it.
 
 A reply is a map with ``actions`` (N, D) and, from servers that continue chunks (docs/spec.md),
-``chunk_id``, ``frozen`` and ``continuation``; or a bare (N, D) array (DreamZero's own server). A reply
+``chunk_id``, ``frozen`` and ``continuation`` (and in ``server_timing``, ``next_call_p90_ms``: the server's estimate of
+the next call's latency, which adaptive asking reads); or a bare (N, D) array (DreamZero's own server). A reply
 the loop cannot execute is a :class:`ReplyError` whose message is one line naming the field, what it
 must be and what came, so ``ardiff-client --async`` reports it instead of a traceback.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +20,9 @@ from ardiff_client.records import ReplayError
 from ardiff_server.wire.decode import MAX_CHUNK_ID
 from ardiff_server.wire.protocol import short_repr
 
-__all__ = ["MAX_CHUNK_ID", "ChunkReply", "ReplyError", "parse_chunk_reply"]
+__all__ = ["MAX_CHUNK_ID", "NEXT_CALL_KEY", "ChunkReply", "ReplyError", "parse_chunk_reply"]
+
+NEXT_CALL_KEY = "next_call_p90_ms"  # server_timing: the server's estimate of this session's next call's latency
 
 
 class ReplyError(ReplayError):
@@ -31,6 +35,7 @@ class ChunkReply:
     chunk_id: int | None  # None: the server numbers no chunks
     frozen: int  # leading actions equal to the old chunk's, 0..N
     continuation: str | None  # "applied", why a requested continuation was served fresh, or None
+    next_call_s: float | None = None  # server_timing.next_call_p90_ms in seconds; None: the server sends no estimate
 
 
 def parse_chunk_reply(reply: Any, number: int) -> ChunkReply:
@@ -62,7 +67,17 @@ def parse_chunk_reply(reply: Any, number: int) -> ChunkReply:
     frozen = reply.get("frozen")
     frozen = 0 if frozen is None else _integer(frozen, f"{where}: frozen", len(actions), " (the chunk's actions)", "the chunk's {bound} actions")
     continuation = reply.get("continuation")
-    return ChunkReply(actions, chunk_id, frozen, continuation if isinstance(continuation, str) else None)
+    return ChunkReply(actions, chunk_id, frozen, continuation if isinstance(continuation, str) else None, _next_call_s(reply, where))
+
+
+def _next_call_s(reply: Mapping[str, Any], where: str) -> float | None:
+    timing = reply.get("server_timing")
+    value = timing.get(NEXT_CALL_KEY) if isinstance(timing, Mapping) else None
+    if value is None:
+        return None
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | float | np.integer | np.floating) or not math.isfinite(value) or value < 0:
+        raise ReplyError(f"{where}: server_timing.{NEXT_CALL_KEY}: expected a finite number of milliseconds >= 0, got {short_repr(value)}")
+    return float(value) / 1000.0
 
 
 def _integer(value: Any, what: str, bound: int, meaning: str, past: str) -> int:

@@ -60,7 +60,7 @@ import numpy as np
 from websockets.exceptions import ConnectionClosed
 
 from ardiff_client.async_report import progress_line, summary_lines
-from ardiff_client.async_runner import AsyncChunkRunner, ChunkEvent, joint_columns
+from ardiff_client.async_runner import ASKING, AsyncChunkRunner, ChunkEvent, joint_columns
 from ardiff_client.cameras import Camera, camera_keys, embodiment_schema, frames_for_call, open_cameras, take_frames
 from ardiff_client.episode import run_episode
 from ardiff_client.infer_request import (
@@ -149,10 +149,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     add("--control-hz", type=float, default=15.0, help="with --async: control rate (default 15, DROID)")
     add(
+        "--asking",
+        choices=ASKING,
+        default="adaptive",
+        help="with --async: when to ask for the next chunk: as late as the server's latency estimate allows (adaptive, the default) "
+        "or when --overlap of the chunk is left (half)",
+    )
+    add(
         "--overlap",
         type=float,
         default=0.5,
-        help="with --async: ask for the next chunk no later than when this fraction of the chunk is left (default 0.5; 0: only as the latency requires)",
+        help="with --async --asking half (and adaptive before the server's first estimate): ask for the next chunk no later than "
+        "when this fraction of the chunk is left (default 0.5; 0: only as the latency requires)",
     )
     add("--steps", type=_positive_int, default=120, help="with --async: control steps (default 120)")
     add("--version", action="version", version=f"ardiff-client {__version__}")
@@ -277,6 +285,7 @@ def _run_async(client: PolicyClient, cameras: Mapping[str, Camera], episode: Epi
         prompt=args.prompt,
         mode=_async_mode(args.mode, episode.metadata),
         session_id=episode.session_id,
+        asking=args.asking,
         overlap=args.overlap,
         joint_columns=joint_columns(episode.metadata),
         on_chunk=None if args.quiet else progress,

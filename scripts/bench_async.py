@@ -4,8 +4,11 @@
 A simulated robot (``ardiff_sim.tiny_task.SimulatedRobot``: it goes where its actions say, its cameras render its joints) runs
 ``AsyncChunkRunner`` at ``--hz`` against the policy in this process. Every reply takes exactly the injected
 latency of the robot's simulated clock (``DelayedRequester``: a knob only a bench sets; the model's real CPU
-time does not matter), so the schedule is deterministic. Rows: blocking / async without continuation /
-``inpaint`` / ``clean_prefix`` / ``guided`` x latency. Columns: control steps the robot stood still per chunk, the seam
+time does not matter), so the schedule is deterministic; each reply says that latency as the server's estimate of
+the next call (``server_timing.next_call_p90_ms``: a server whose every call takes exactly L). Rows: blocking /
+async without continuation / ``inpaint`` / ``clean_prefix`` / ``guided`` x asking (``half``: at half the chunk;
+``adaptive``: as late as the estimate allows, ``AsyncChunkRunner(asking=...)``) x latency. Columns: control steps
+the robot stood still per chunk, calls per chunk's worth of actions executed, the seam
 jump (median joint change across a splice), the median step inside a chunk, their ratio, the step the old chunk itself
 took where it was left (a continuation that followed it exactly would show that as its seam), chunks per second.
 
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ardiff_client.async_runner import AsyncChunkRunner, DelayedRequester, SimulatedClock
+from ardiff_client.async_runner import ASKING, AsyncChunkRunner, DelayedRequester, SimulatedClock
 from ardiff_kv import PagedKVCache
 from ardiff_policies.dreamzero.model import DreamZeroModel
 from ardiff_policies.dreamzero.policy import DreamZeroPolicy
@@ -41,7 +44,9 @@ ROWS = (
 )
 
 
-def episode(policy: DreamZeroPolicy, cache: PagedKVCache, mode: str, latency: float, hz: float, steps: int, seed: int, overlap: float) -> dict:
+def episode(
+    policy: DreamZeroPolicy, cache: PagedKVCache, mode: str, asking: str, latency: float, hz: float, steps: int, seed: int, overlap: float
+) -> dict:
     rng = np.random.default_rng(seed)
     robot = tiny_task.SimulatedRobot(tiny_task.random_state(rng))
     session_id = f"{mode}-{latency}-{seed}"
@@ -53,7 +58,7 @@ def episode(policy: DreamZeroPolicy, cache: PagedKVCache, mode: str, latency: fl
         result = policy.step(session, observation)
         chunk = result.chunk
         top = {"chunk_id": chunk.chunk_id, "frozen": chunk.frozen, "continuation": chunk.continuation}
-        return {"actions": result.actions, **{k: v for k, v in top.items() if v is not None}}
+        return {"actions": result.actions, "server_timing": {"next_call_p90_ms": latency * 1000.0}, **{k: v for k, v in top.items() if v is not None}}
 
     clock = SimulatedClock()
     runner = AsyncChunkRunner(
@@ -61,6 +66,7 @@ def episode(policy: DreamZeroPolicy, cache: PagedKVCache, mode: str, latency: fl
         control_hz=hz,
         prompt=tiny_task.PROMPT,
         mode=mode,
+        asking=asking,
         overlap=overlap,
         session_id=session_id,
         joint_columns=list(range(7)),
@@ -83,6 +89,10 @@ def main() -> None:
     parser.add_argument(
         "--overlap", type=float, default=0.5, help="async modes ask no later than when this fraction of a chunk is left (default 0.5, the runner's)"
     )
+    parser.add_argument(
+        "--rows", default="", help=f"rows to run, comma separated, of {[policy_mode or mode for _, mode, policy_mode in ROWS]} (default all)"
+    )
+    parser.add_argument("--asking", default="half,adaptive", help="asking modes of the async rows, comma separated (default half,adaptive)")
     parser.add_argument("--episodes", type=int, default=1, help="episodes per row (different start states)")
     parser.add_argument(
         "--train-steps",
@@ -97,19 +107,31 @@ def main() -> None:
     model = DreamZeroModel.load(checkpoint)
     policies = {mode: task_policy(model, checkpoint, mode) for mode in ("inpaint", "clean_prefix", "guided")}
     latencies = [float(v) for v in args.latencies.split(",")]
+    asking_modes = [a for a in args.asking.split(",") if a]
+    wanted = [r for r in args.rows.split(",") if r]
+    rows = [row for row in ROWS if not wanted or (row[2] or row[1]) in wanted]
+    if wanted and len(rows) != len(wanted):
+        parser.error(f"--rows: expected some of {[policy_mode or mode for _, mode, policy_mode in ROWS]}, got {args.rows!r}")
+    for name in asking_modes:
+        if name not in ASKING:
+            parser.error(f"--asking: expected some of {list(ASKING)}, got {name!r}")
     print(
         f"checkpoint {checkpoint}; {args.hz:g} Hz, 24-action chunks ({24 / args.hz:.2f} s), {args.steps} steps x {args.episodes} episode(s), overlap {args.overlap:g}\n"
     )
     print(
-        "| mode | latency (s) | idle steps / chunk | steady idle / chunk | seam jump | inner step | seam / inner | old step there | chunks/s | frozen |"
+        "| mode | asking | latency (s) | idle steps / chunk | steady idle / chunk | calls / chunk | asked at (left) | seam jump | inner step | "
+        "seam / inner | old step there | chunks/s | frozen |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for latency in latencies:
-        for name, mode, policy_mode in ROWS:
+        for (name, mode, policy_mode), asking in [(row, a) for row in rows for a in (["-"] if row[1] == "blocking" else asking_modes)]:
             policy, cache = policies[policy_mode or "inpaint"]
-            runs = [episode(policy, cache, mode, latency, args.hz, args.steps, seed, args.overlap) for seed in range(args.episodes)]
+            runner_asking = "half" if asking == "-" else asking
+            runs = [episode(policy, cache, mode, runner_asking, latency, args.hz, args.steps, seed, args.overlap) for seed in range(args.episodes)]
             keys = (
                 "idle_steps_per_chunk",
+                "calls_per_chunk",
+                "asked_left_median",
                 "steady_idle_per_chunk",
                 "seam_jump",
                 "median_inner_step",
@@ -120,7 +142,8 @@ def main() -> None:
             )
             mean = {k: float(np.mean([r[k] for r in runs])) for k in keys}
             print(
-                f"| {name} | {latency:g} | {mean['idle_steps_per_chunk']:.1f} | {mean['steady_idle_per_chunk']:.1f} | {mean['seam_jump']:.4f} | "
+                f"| {name} | {asking} | {latency:g} | {mean['idle_steps_per_chunk']:.1f} | {mean['steady_idle_per_chunk']:.1f} | "
+                f"{mean['calls_per_chunk']:.2f} | {mean['asked_left_median']:.0f} | {mean['seam_jump']:.4f} | "
                 f"{mean['median_inner_step']:.4f} | {mean['seam_ratio']:.2f} | {mean['old_step_at_seam']:.4f} | {mean['chunks_per_s']:.2f} | {mean['frozen_mean']:.1f} |",
                 flush=True,
             )

@@ -27,7 +27,6 @@ another.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import sys
@@ -41,7 +40,6 @@ from benchlib import ForeignLoad, ServerSubprocess  # scripts/, this script's ow
 
 from ardiff_client.async_runner import AsyncChunkRunner
 from ardiff_client.websocket_client import WebsocketPolicy
-from ardiff_server.config import EngineConfig
 from ardiff_server.engine.modelled_step import PROFILES, StepTimeProfile, step_time_profile
 from ardiff_sim import tiny_task
 from ardiff_sim.task_model import BENCH_STEPS, ensure_task_checkpoint
@@ -49,11 +47,10 @@ from ardiff_sim.task_model import BENCH_STEPS, ensure_task_checkpoint
 HORIZON = tiny_task.HORIZON  # actions per chunk
 SEAM_LIMIT = 2.0  # capacity: seams at most this many inner steps
 SCHEDULES = ("arrival", "deadline")
-# The runner-side switch: each asking mode is AsyncChunkRunner keyword arguments (adaptive asking is issue #35 item 3;
-# until the runner takes them the rows say so).
+# The runner-side switch: each asking mode is AsyncChunkRunner keyword arguments (ardiff_client.async_runner).
 ASKING: dict[str, dict[str, Any]] = {
-    "half": {"overlap": 0.5},
-    "adaptive": {"asking": "adaptive", "overlap": 0.0},
+    "half": {"asking": "half", "overlap": 0.5},
+    "adaptive": {"asking": "adaptive"},
 }
 CPU = "cpu"  # the profile without a modelled time
 DEADLINE_SLACK = "deadline_slack_ms"  # server_timing's per-call slack (negative: missed), for a request with a deadline
@@ -68,28 +65,38 @@ def fleet_limit(step_s, *, horizon: int = HORIZON, hz: float, max_batch: int, mo
 
     A robot executes a chunk of ``horizon`` actions at ``hz``. Its request waits at least its own step, t(b), and it
     executes d = ceil(hz t(b)) actions meanwhile (the frozen prefix: the new chunk's first d rows are the old one's).
-    One request in flight per robot; with N robots in ceil(N / b) batches of at most b the server is busy
-    ceil(N / b) t(b) per round, so each chunk must last that long past its delay: it is used for s = hz ceil(N / b)
-    t(b) actions (RTC's execution horizon; s >= d since a round holds the robot's own step). A chunk holds both:
-    d + s <= horizon. The limit is the largest N for which some b <= max_batch meets it (0: not even one robot).
+    One request in flight per robot; N robots served in k batches per round, of sizes as equal as can be (b_1..b_k,
+    each <= max_batch), keep the server busy P = t(b_1) + ... + t(b_k) per round, so each chunk must last that long
+    past its delay: it is used for s = hz P actions (RTC's execution horizon; s >= d since a round holds the robot's
+    own step). A chunk holds both: d + s <= horizon, with d of the largest batch. The limit is the largest N for which
+    some k meets it (0: not even one robot).
     """
     best = 0
     for robots in range(1, most + 1):
-        # t(b) only grows with b and ceil(N / b) with N: once N fits no batch size, no larger N does
-        if not any(_fits(step_s(b), robots, b, horizon, hz) for b in range(1, min(robots, max_batch) + 1)):
+        # t only grows with b: one robot fewer never lengthens a round nor its largest batch, so once N fits no k, no larger N does
+        if not any(_fits(step_s, robots, k, horizon, hz) for k in range(math.ceil(robots / max_batch), robots + 1)):
             break
         best = robots
     return best
 
 
-def _fits(t: float, robots: int, batch: int, horizon: int, hz: float) -> bool:
-    delay = math.ceil(hz * t - 1e-9)
-    rounds = math.ceil(robots / batch)
-    return delay + hz * rounds * t <= horizon + 1e-9
+def round_batches(robots: int, batches: int) -> list[int]:
+    """``robots`` in ``batches`` batches as equal as can be (largest first)."""
+    size, extra = divmod(robots, batches)
+    return [size + 1] * extra + [size] * (batches - extra)
+
+
+def _fits(step_s, robots: int, batches: int, horizon: int, hz: float) -> bool:
+    sizes = round_batches(robots, batches)
+    delay = math.ceil(hz * step_s(sizes[0]) - 1e-9)
+    return delay + hz * sum(step_s(b) for b in sizes) <= horizon + 1e-9
 
 
 def limit_formula(profile: StepTimeProfile, hz: float, max_batch: int) -> str:
-    return f"largest N with some b <= {max_batch}: ceil(f t(b)) + f ceil(N/b) t(b) <= H  (H = {HORIZON}, f = {hz:g} Hz, {profile.formula()})"
+    return (
+        f"largest N served in some k >= N/{max_batch} batches a round, sizes b_1 >= .. >= b_k as equal as can be: "
+        f"ceil(f t(b_1)) + f (t(b_1) + .. + t(b_k)) <= H  (H = {HORIZON}, f = {hz:g} Hz, {profile.formula()})"
+    )
 
 
 # ------------------------------------------------------------------------------------ one robot
@@ -169,13 +176,12 @@ class Row:
     latency_p99_ms: float = float("nan")
     mean_batch: float = float("nan")
     overrun: float | None = None  # share of steps longer than the modelled time (None: no modelled time)
-    unavailable: str | None = None  # why this configuration was not run
     error: str | None = None
 
     @property
     def serves(self) -> bool:
         """No robot stood still past its first chunk, and seams stayed within SEAM_LIMIT inner steps."""
-        return self.error is None and self.unavailable is None and self.steady_idle_per_chunk == 0.0 and self.seam_ratio <= SEAM_LIMIT
+        return self.error is None and self.steady_idle_per_chunk == 0.0 and self.seam_ratio <= SEAM_LIMIT
 
 
 def measure(url: str, profile: str, schedule: str, asking: str, robots: int, steps: int, hz: float) -> Row:
@@ -218,24 +224,7 @@ def measure(url: str, profile: str, schedule: str, asking: str, robots: int, ste
     return row
 
 
-# ------------------------------------------------------------------------------------ what exists
-
-
-def schedule_unavailable(schedule: str) -> str | None:
-    """Why the server cannot run ``schedule`` (None: it can)."""
-    if "schedule" in EngineConfig.model_fields:
-        return None
-    if schedule == "arrival":
-        return None  # today's only order
-    return "not yet available: the server has no engine.schedule (issue #35 item 2)"
-
-
-def asking_unavailable(asking: str) -> str | None:
-    """Why ``AsyncChunkRunner`` cannot ask this way (None: it can)."""
-    missing = [name for name in ASKING[asking] if name not in inspect.signature(AsyncChunkRunner).parameters]
-    if missing:
-        return f"not yet available: AsyncChunkRunner takes no {', '.join(missing)} argument (issue #35 item 3)"
-    return None
+# ------------------------------------------------------------------------------------ the server
 
 
 def server_argv(checkpoint: str, profile: str, schedule: str, max_robots: int, t1_s: float | None) -> list[str]:
@@ -246,8 +235,7 @@ def server_argv(checkpoint: str, profile: str, schedule: str, max_robots: int, t
         "engine.kv_budget_gib=1.0",
         "server.session_ttl_s=30",
     ]
-    if "schedule" in EngineConfig.model_fields:
-        sets.append(f"engine.schedule={schedule}")
+    sets.append(f"engine.schedule={schedule}")
     if profile != CPU:
         sets += ["bench=true", f"engine.modelled_step_time={profile}"]
         if t1_s is not None:
@@ -264,9 +252,7 @@ def _num(value: float | None, fmt: str) -> str:
 
 
 def row_line(row: Row) -> str:
-    head = f"| {row.profile} | {row.schedule} | {row.asking} | {row.robots if row.unavailable is None else '-'} |"
-    if row.unavailable is not None:
-        return head + f" {row.unavailable} |" + " |" * 7
+    head = f"| {row.profile} | {row.schedule} | {row.asking} | {row.robots} |"
     if row.error is not None:
         return head + f" failed: {row.error} |" + " |" * 7
     misses = "-" if row.deadline_misses is None else str(row.deadline_misses)
@@ -285,9 +271,7 @@ TABLE_HEAD = (
 
 def capacity(rows: list[Row], profile: str, schedule: str, asking: str) -> int | None:
     """The most robots served, counting up from the fewest measured (None: the configuration was not run)."""
-    mine = sorted(
-        (r for r in rows if (r.profile, r.schedule, r.asking) == (profile, schedule, asking) and r.unavailable is None), key=lambda r: r.robots
-    )
+    mine = sorted((r for r in rows if (r.profile, r.schedule, r.asking) == (profile, schedule, asking)), key=lambda r: r.robots)
     if not mine:
         return None
     served = 0
@@ -299,11 +283,10 @@ def capacity(rows: list[Row], profile: str, schedule: str, asking: str) -> int |
 
 
 def capacity_line(rows: list[Row], limit: int) -> str:
-    """The 14B's one line: arrival order with half-chunk asking against deadline order with the best asking there is."""
+    """The 14B's one line: arrival order with half-chunk asking against deadline order with adaptive asking (the
+    issue's comparison; a configuration not run reads n/a)."""
     arrival = capacity(rows, "14b", "arrival", "half")
     deadline = capacity(rows, "14b", "deadline", "adaptive")
-    if deadline is None:
-        deadline = capacity(rows, "14b", "deadline", "half")
     show = lambda v: "n/a" if v is None else str(v)  # noqa: E731
     return CAPACITY_LINE.format(arrival=show(arrival), deadline=show(deadline), limit=limit)
 
@@ -357,25 +340,12 @@ def main(argv: list[str] | None = None) -> None:
     for profile, counts in runs:
         t1 = args.t1_5b if profile == "5b" else None
         for schedule in schedules:
-            why = schedule_unavailable(schedule)
-            if why is not None:
+            with ServerSubprocess(f"{profile}/{schedule}", server_argv(checkpoint, profile, schedule, max(counts), t1)) as server:
+                url = f"ws://127.0.0.1:{server.port}"
                 for asking in asking_modes:
-                    rows.append(Row(profile, schedule, asking, 0, unavailable=why))
-                    print(row_line(rows[-1]), flush=True)
-                continue
-            runnable = [a for a in asking_modes if asking_unavailable(a) is None]
-            if runnable:
-                with ServerSubprocess(f"{profile}/{schedule}", server_argv(checkpoint, profile, schedule, max(counts), t1)) as server:
-                    url = f"ws://127.0.0.1:{server.port}"
-                    for asking in runnable:
-                        for count in counts:
-                            rows.append(measure(url, profile, schedule, asking, count, steps, args.hz))
-                            print(row_line(rows[-1]), flush=True)
-            for asking in asking_modes:
-                why = asking_unavailable(asking)
-                if why is not None:
-                    rows.append(Row(profile, schedule, asking, 0, unavailable=why))
-                    print(row_line(rows[-1]), flush=True)
+                    for count in counts:
+                        rows.append(measure(url, profile, schedule, asking, count, steps, args.hz))
+                        print(row_line(rows[-1]), flush=True)
 
     print(f"\ncapacity: the most robots with 0 steady idle steps and seams <= {SEAM_LIMIT:g}x the inner step (of those run)")
     print("| profile | scheduler | asking | capacity | limit |\n|---|---|---|---|---|")

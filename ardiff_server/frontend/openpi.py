@@ -60,7 +60,7 @@ class OpenPIHandler:
         session_id = self.sessions.resolve(conn, request.session_id)
         sent = time.perf_counter()
         try:
-            reply = await self.sessions.infer(conn, session_id, request.observation)
+            reply = await self.sessions.infer(conn, session_id, request.observation, deadline=clock.deadline(request.actions_left_s))
         except EngineError as exc:
             return self.replies.error(exc, session_id)
         return pack(self.answer(session_id, reply, clock, sent))

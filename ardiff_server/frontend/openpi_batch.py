@@ -51,7 +51,7 @@ class OpenPIBatchHandler:
 
     async def serve(self, conn: Connection, request: BatchRequest, clock: RequestClock) -> bytes:
         slots: list[Any] = [None] * len(request.elements)
-        calls: list[tuple[int, str, RobotObservation]] = []
+        calls: list[tuple[int, str, RobotObservation, float | None]] = []
         named: dict[str, int] = {}
         for index, element in enumerate(request.elements):
             if isinstance(element, RefusedElement):
@@ -63,10 +63,10 @@ class OpenPIBatchHandler:
                 slots[index] = error_slot(self.replies.bad_request(message), "bad_request")
                 continue
             named[session_id] = index
-            calls.append((index, session_id, element.observation))
+            calls.append((index, session_id, element.observation, clock.deadline(element.actions_left_s)))
         sent = time.perf_counter()
-        results = await self.sessions.infer_batch(conn, [(session_id, observation) for _, session_id, observation in calls]) if calls else []
-        for (index, session_id, _), result in zip(calls, results, strict=True):
+        results = await self.sessions.infer_batch(conn, [call[1:] for call in calls]) if calls else []
+        for (index, session_id, _, _), result in zip(calls, results, strict=True):
             if isinstance(result, InferReply):
                 slots[index] = self.single.answer(session_id, result, clock, sent)
             elif isinstance(result, EngineError):

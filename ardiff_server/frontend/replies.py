@@ -4,8 +4,10 @@ metrics, logs it and words an engine error, so both protocols report the same ti
 A call's ``server_timing`` (docs/spec.md §3): ``infer_ms``, its compute wherever it ran (its batched step and its own
 encodes on the engine's encoder thread, also as ``encode_ms`` when it had any); ``queue_ms``, the rest of the round
 trip to the engine, waiting behind other robots' work (and the trip itself); ``prev_total_ms``, the connection's
-previous request, from its frame's arrival to its reply. A reply that ran no policy call (LingBot-VA's reset) reports
-its own time as ``infer_ms``, as upstream's server does.
+previous request, from its frame's arrival to its reply; ``deadline_slack_ms``, for a request with a deadline, that
+deadline less its step's start (negative: missed); ``next_call_p90_ms``, the server's estimate of the session's next
+call's latency at the current load (``latency.py``: each answered call feeds it here). A reply that ran no policy call
+(LingBot-VA's reset) reports its own time as ``infer_ms``, as upstream's server does.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 from ardiff_policies.safety import rejected_check
 from ardiff_server.engine.messages import EngineError, ErrorKind, InferReply, capacity_line
+from ardiff_server.frontend.latency import ServiceTimes
 from ardiff_server.frontend.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -28,6 +31,13 @@ class RequestClock:
     started: float
     prev_total_ms: float | None = None
 
+    def deadline(self, actions_left_s: float | None) -> float | None:
+        """The engine's deadline of a request whose robot had ``actions_left_s`` of actions left: the frame's arrival
+        plus that, as ``time.monotonic()`` (the engine's clock on this host); None (no such field): due now."""
+        if actions_left_s is None:
+            return None
+        return time.monotonic() - (time.perf_counter() - self.started) + actions_left_s
+
 
 class Replies:
     """The reply helper both protocols' handlers share: ``metrics`` counted, tracebacks in errors only with ``debug``."""
@@ -35,6 +45,7 @@ class Replies:
     def __init__(self, metrics: Metrics, *, debug: bool = False) -> None:
         self.metrics = metrics
         self.debug = debug
+        self.service_times = ServiceTimes()
 
     def served(self, session_id: str, reply: InferReply, clock: RequestClock, sent: float) -> dict[str, float]:
         """An answered call (``sent``: when it went to the engine) counted and logged; its ``server_timing``."""
@@ -45,6 +56,7 @@ class Replies:
         self.metrics.queue_seconds.observe(reply.queue_ms / 1000.0)
         self.metrics.request_seconds.observe(now - clock.started)
         self.metrics.observe_deadline(reply)
+        self.service_times.record(reply.batch_size, now - clock.started)
         for check in (reply.info.get("safety") or {}).get("clamped", ()):  # the gate's report (policy.safety): once per check
             self.metrics.safety_clamps.labels(check).inc()
         timing = {"infer_ms": reply.infer_ms, "queue_ms": max(0.0, round_trip_ms - reply.infer_ms)}
@@ -54,6 +66,9 @@ class Replies:
             timing["deadline_slack_ms"] = reply.deadline_slack_s * 1000.0
         if clock.prev_total_ms is not None:
             timing["prev_total_ms"] = clock.prev_total_ms
+        expected = self.service_times.estimate(reply.batch_size)  # this call's own time included
+        if expected is not None:
+            timing["next_call_p90_ms"] = expected * 1000.0
         if logger.isEnabledFor(logging.INFO):
             logger.info(
                 "session %s call %d: infer %.0f ms (encode %.0f), queue %.0f ms, %s",

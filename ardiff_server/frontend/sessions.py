@@ -127,38 +127,46 @@ class SessionTable:
     def resolve(self, conn: Connection, requested: str | None) -> str:
         return requested or conn.current or conn.default_session
 
-    async def infer(self, conn: Connection, session_id: str, observation: RobotObservation) -> InferReply:
-        """Serve one request of ``session_id`` on ``conn`` (under the session's lock)."""
+    async def infer(self, conn: Connection, session_id: str, observation: RobotObservation, *, deadline: float | None = None) -> InferReply:
+        """Serve one request of ``session_id`` on ``conn`` (under the session's lock); ``deadline``: when its robot runs
+        out of actions (``time.monotonic()``; None: due now), for the engine's schedule."""
         left = [sid for sid in (conn.current, *conn.batch) if sid is not None and sid != session_id]
         conn.batch = ()
-        return await self._infer(conn, session_id, observation, left=left)
+        return await self._infer(conn, session_id, observation, left=left, deadline=deadline)
 
-    async def infer_batch(self, conn: Connection, calls: list[tuple[str, RobotObservation]]) -> list[InferReply | Exception]:
+    async def infer_batch(self, conn: Connection, calls: list[tuple[str, RobotObservation, float | None]]) -> list[InferReply | Exception]:
         """Serve one batch of distinct sessions on ``conn``: each call under its own session's lock, all sent to the
         engine before any is awaited (so they can meet in one forward). Every one is on the robot now: the
         connection's current sessions are the batch's (an id-less reset ends them all), the ones its previous request
         was on and this batch is not are left (switched). Per call: its reply, or the EngineError / SessionForbidden
-        that refused it (the others stand)."""
-        ids = [sid for sid, _ in calls]
+        that refused it (the others stand). Each call carries its own deadline (None: due now)."""
+        ids = [sid for sid, _, _ in calls]
         left = [sid for sid in (conn.current, *conn.batch) if sid is not None and sid not in ids]
         conn.current, conn.batch = None, tuple(ids)
         for session_id in left:  # the engine hears first (its control requests run ahead), no call waits on it
             self._leave_later(conn, session_id)
 
-        async def one(session_id: str, observation: RobotObservation) -> InferReply | Exception:
+        async def one(session_id: str, observation: RobotObservation, deadline: float | None) -> InferReply | Exception:
             try:
-                return await self._infer(conn, session_id, observation, left=(), single=False)
+                return await self._infer(conn, session_id, observation, left=(), single=False, deadline=deadline)
             except (EngineError, SessionForbidden) as exc:
                 return exc
 
-        return list(await asyncio.gather(*(one(sid, obs) for sid, obs in calls)))
+        return list(await asyncio.gather(*(one(*call) for call in calls)))
 
     def current_sessions(self, conn: Connection) -> list[str]:
         """The sessions the connection is on now: its last batch's, else its current (or generated) one."""
         return list(conn.batch) if conn.batch else [self.resolve(conn, None)]
 
     async def _infer(
-        self, conn: Connection, session_id: str, observation: RobotObservation, *, left: Sequence[str], single: bool = True
+        self,
+        conn: Connection,
+        session_id: str,
+        observation: RobotObservation,
+        *,
+        left: Sequence[str],
+        single: bool = True,
+        deadline: float | None = None,
     ) -> InferReply:
         async with self._locked(session_id) as entry:
             self._check_owner(entry, conn)
@@ -176,7 +184,7 @@ class SessionTable:
             for previous in left:
                 await self._leave(conn, previous)  # before the request: its admission may need previous's place
             try:
-                reply = await self.engine.infer(session_id, observation)
+                reply = await self.engine.infer(session_id, observation, deadline=deadline)
             except EngineError as exc:
                 if not (entry.opened and exc.kind is ErrorKind.BAD_REQUEST):  # else the engine holds it no more (or never did)
                     entry.counted = entry.opened = False

@@ -14,6 +14,10 @@ MAX_PROMPT_CHARS = 4096
 
 PROMPT_KEY = "prompt"
 CONTINUATION_KEY = "continuation"  # this server's real-time chunking (OpenPI's requests; refused by LingBot-VA's)
+ACTIONS_LEFT_KEY = "actions_left_s"  # in ``continuation``: seconds of actions the robot had left when it took the observation
+# No chunk lasts this long at any control rate a robot runs (DROID's: 1.6 s): a larger value is a client's bug (milliseconds
+# sent as seconds, a clock read as a duration), and as a deadline it would let every other robot pass this one for an hour.
+MAX_ACTIONS_LEFT_S = 600.0
 
 
 def check_prompt_length(prompt: str) -> str:
@@ -33,3 +37,25 @@ def decode_guidance_scale(payload: dict[str, Any], key: str) -> float | None:
     if not math.isfinite(float(value)):
         raise RequestError(f"{key}: expected a finite number, got {value}")
     return float(value)
+
+
+def decode_actions_left(continuation: Any) -> float | None:
+    """``continuation.actions_left_s``: the seconds of actions the robot had left when it took the observation (a
+    finite number in [0, MAX_ACTIONS_LEFT_S]); None if absent (the request is due now). The front end makes it the
+    engine's deadline (``frontend/replies.RequestClock.deadline``)."""
+    if not isinstance(continuation, dict):
+        return None  # not a map: the continuation's own decoder refuses it by name
+    value = continuation.get(ACTIONS_LEFT_KEY)
+    if value is None:
+        return None
+    where = f"{CONTINUATION_KEY}.{ACTIONS_LEFT_KEY}"
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value.item()
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise RequestError(f"{where}: expected the seconds of actions left (a number >= 0), got {short_repr(value)}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise RequestError(f"{where}: expected a finite number of seconds >= 0, got {value}")
+    if seconds > MAX_ACTIONS_LEFT_S:
+        raise RequestError(f"{where}: expected at most {MAX_ACTIONS_LEFT_S:g} s of actions left, got {seconds:g} (seconds, not milliseconds)")
+    return seconds

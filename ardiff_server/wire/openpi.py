@@ -23,8 +23,10 @@ vectors obey the rules below, other keys are ignored. The rules this module appl
   read and its declared pixels counted against the server's :class:`~ardiff_server.wire.budget.PixelBudget`
   (``budget=``; None: no budget) before any is decoded, and frames older than the policy keeps are
   dropped unread.
-- ``continuation`` (optional): ``{"executed": e, "delay": d, "chunk_id": c}``, integers >= 0
+- ``continuation`` (optional): ``{"executed": e, "delay": d, "chunk_id": c, "actions_left_s": t}``, integers >= 0
   (``chunk_id`` optional), see ``ardiff_policies.continuation``; absent or None = an ordinary request.
+  ``actions_left_s`` (optional, a number of seconds in [0, 600]): the actions the robot had left when it took
+  the observation; the front end makes it the request's deadline (:attr:`OpenPIRequest.actions_left_s`).
   The policy checks ``e + d`` against its chunk. A server that serves none (``continuation_refused``: its
   policy does not continue chunks, or its reply cannot say ``chunk_id`` / ``frozen``) refuses it by name.
 - ``num_inference_steps`` (optional, an integer >= 1): this call's denoising steps, for a policy that takes
@@ -59,7 +61,14 @@ from ardiff_policies.embodiment import ObservationSchema
 from ardiff_policies.episode import EpisodeCall
 from ardiff_policies.observation import RobotObservation
 from ardiff_server.wire.budget import PixelBudget
-from ardiff_server.wire.fields import CONTINUATION_KEY, PROMPT_KEY, check_prompt_length, decode_guidance_scale
+from ardiff_server.wire.fields import (
+    ACTIONS_LEFT_KEY,
+    CONTINUATION_KEY,
+    PROMPT_KEY,
+    check_prompt_length,
+    decode_actions_left,
+    decode_guidance_scale,
+)
 from ardiff_server.wire.images import IMAGE_EXPECTED, decode_images, read_image
 from ardiff_server.wire.protocol import RequestError, short_repr
 from ardiff_server.wire.protocol import describe as _describe
@@ -71,7 +80,7 @@ SESSION_ID_KEY = "session_id"
 SESSION_IDS_KEY = "session_ids"
 GUIDANCE_KEYS = ("video_guidance_scale", "action_guidance_scale")  # per request, policies that take them (LingBot-VA)
 INFERENCE_STEPS_KEY = "num_inference_steps"  # per request, policies that take it (DreamZero)
-CONTINUATION_FIELDS = ("executed", "delay", "chunk_id")
+CONTINUATION_FIELDS = ("executed", "delay", "chunk_id")  # the policy's (ardiff_policies.continuation.Continuation)
 MAX_CHUNK_ID = 2**63 - 1
 MAX_RESET_IDS = 256
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -99,6 +108,9 @@ class OpenPIRequest:
     # reset only: "named" (session_id / session_ids), "all" (session_ids: None), "current" (neither)
     reset_scope: Literal["named", "all", "current"] = "current"
     session_ids: tuple[str, ...] = ()
+    # infer only: seconds of actions its robot had left when it took the observation (``continuation.actions_left_s``);
+    # None: due now (a blocking client, a first call)
+    actions_left_s: float | None = None
 
 
 def decode_openpi(
@@ -132,6 +144,7 @@ def decode_openpi(
         raise RequestError(f"{CONTINUATION_KEY}: {continuation_refused}")
     observation = _decode_observation(request, budget) if schema is None else _decode_embodiment_observation(request, schema, budget)
     continuation = decode_continuation(request.get(CONTINUATION_KEY))
+    actions_left_s = decode_actions_left(request.get(CONTINUATION_KEY))
     call = _decode_guidance(request, guidance)
     steps = decode_inference_steps(request.get(INFERENCE_STEPS_KEY), inference_steps)
     if continuation is not None or call is not None or steps is not None:
@@ -144,7 +157,7 @@ def decode_openpi(
             num_inference_steps=steps,
             wire_keys=observation.wire_keys,
         )
-    return OpenPIRequest(endpoint="infer", session_id=session_id, observation=observation)
+    return OpenPIRequest(endpoint="infer", session_id=session_id, observation=observation, actions_left_s=actions_left_s)
 
 
 def decode_inference_steps(value: Any, accepted: bool) -> int | None:
@@ -171,13 +184,14 @@ def _decode_guidance(request: dict[str, Any], accepted: bool) -> EpisodeCall | N
 
 
 def decode_continuation(value: Any) -> Continuation | None:
-    """``{"executed": e, "delay": d[, "chunk_id": c]}`` -> :class:`Continuation`; None if absent."""
+    """``{"executed": e, "delay": d[, "chunk_id": c]}`` -> :class:`Continuation`; None if absent. Its
+    ``actions_left_s`` is the front end's, not the policy's (``fields.decode_actions_left``)."""
     if value is None:
         return None
-    expected = 'a map {"executed": int, "delay": int, "chunk_id": int (optional)}'
+    expected = 'a map {"executed": int, "delay": int, "chunk_id": int (optional), "actions_left_s": seconds (optional)}'
     if not isinstance(value, dict):
         raise RequestError(f"{CONTINUATION_KEY}: expected {expected}, got {_describe(value)}")
-    unknown = sorted(str(k) for k in value if k not in CONTINUATION_FIELDS)
+    unknown = sorted(str(k) for k in value if k not in CONTINUATION_FIELDS and k != ACTIONS_LEFT_KEY)
     if unknown:
         raise RequestError(f"{CONTINUATION_KEY}: unknown field(s) {short_repr(unknown)}; expected {expected}")
     numbers: dict[str, int | None] = {}

@@ -43,6 +43,9 @@ SUMMARY_KEYS = [
     "old_step_at_seam",
     "chunks",
     "chunks_per_s",
+    "asking",
+    "calls_per_chunk",
+    "asked_left_median",
     "fresh",
 ]
 

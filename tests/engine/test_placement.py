@@ -63,7 +63,7 @@ class FakeClient:
         self.stats = (EngineStats(kv_pages_free=free),)
         self.calls: list[tuple[str, str]] = []
 
-    async def infer(self, session_id, observation):
+    async def infer(self, session_id, observation, *, deadline=None):
         self.calls.append(("infer", session_id))
         return InferReply(0, session_id, None, {}, {}, True, 1, 0.0, replica=self.replica)
 

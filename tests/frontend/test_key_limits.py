@@ -44,7 +44,7 @@ class LruEngine:
         self.hold: asyncio.Event | None = None  # when set by a test: infer waits for it
         self.info = None
 
-    async def infer(self, session_id: str, observation: RobotObservation) -> InferReply:
+    async def infer(self, session_id: str, observation: RobotObservation, *, deadline: float | None = None) -> InferReply:
         if self.hold is not None:
             await self.hold.wait()
         if self.fail_next is not None:

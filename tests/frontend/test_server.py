@@ -50,7 +50,9 @@ def test_openpi_client_metadata_infer_reset_and_session_switch(server):
     first = client.infer(droid_observation(session_id="ep1-A", joint0=0.5))
     assert first["actions"].dtype == np.float32 and first["actions"].shape == (4, 8)
     assert first["actions"][0, :3].tolist() == [1.0, 0.5, session_tag("ep1-A")]
-    assert set(first["server_timing"]) == {"infer_ms", "queue_ms"}  # no previous request yet
+    # no previous request yet, no deadline; the estimate of the next call is this one's own service time so far
+    assert set(first["server_timing"]) == {"infer_ms", "queue_ms", "next_call_p90_ms"}
+    assert first["server_timing"]["next_call_p90_ms"] >= first["server_timing"]["infer_ms"]
     assert "compute" in first["policy_timing"]
     second = client.infer(droid_observation(4, session_id="ep1-A", joint0=0.25))
     assert second["actions"][0, :2].tolist() == [2.0, 0.25]

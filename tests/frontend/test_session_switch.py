@@ -50,7 +50,7 @@ class DirectEngine:
         self.detach_s = detach_s
         self._ids = itertools.count()
 
-    async def infer(self, session_id: str, observation: RobotObservation) -> InferReply:
+    async def infer(self, session_id: str, observation: RobotObservation, *, deadline: float | None = None) -> InferReply:
         reply = self.engine.handle(Infer(next(self._ids), session_id, observation))
         if isinstance(reply, ErrorReply):
             raise reply.error()

@@ -28,7 +28,7 @@ class ScriptedEngine:
         self.fail_next: EngineError | None = None
         self.info = None
 
-    async def infer(self, session_id: str, observation: RobotObservation) -> InferReply:
+    async def infer(self, session_id: str, observation: RobotObservation, *, deadline: float | None = None) -> InferReply:
         assert session_id not in self.running, f"two requests of {session_id} ran at once"
         self.running.add(session_id)
         try:
@@ -310,18 +310,18 @@ def test_a_batch_is_on_all_its_sessions_at_once_and_leaves_the_ones_before_it():
 
         engine.infer = watched
         assert await infer(table, conn, "single") == 1
-        replies = await table.infer_batch(conn, [(sid, OBS) for sid in ("b0", "b1", "b2")])
+        replies = await table.infer_batch(conn, [(sid, OBS, None) for sid in ("b0", "b1", "b2")])
         await table.drain()
         assert [r.calls for r in replies] == [1, 1, 1] and overlap[1:] == [1, 2, 3]  # all three in the engine at once
         assert [entry for entry in engine.log if entry[0] == "detach"] == [("detach", "single", "switched")]
-        again = await table.infer_batch(conn, [(sid, OBS) for sid in ("b0", "b1", "b2")])
+        again = await table.infer_batch(conn, [(sid, OBS, None) for sid in ("b0", "b1", "b2")])
         await table.drain()
         assert [r.calls for r in again] == [2, 2, 2] and len([e for e in engine.log if e[0] == "detach"]) == 1
         assert table.current_sessions(conn) == ["b0", "b1", "b2"]
         assert await infer(table, conn, "b1") == 3  # a single request of one of them leaves the other two
         await table.drain()
         assert sorted(sid for what, sid, _ in engine.log[-3:] if what == "detach") == ["b0", "b2"]
-        await table.infer_batch(conn, [(sid, OBS) for sid in ("b0", "b2")])
+        await table.infer_batch(conn, [(sid, OBS, None) for sid in ("b0", "b2")])
         await table.end(conn, table.current_sessions(conn))
         assert engine.ended() == [("b0", "reset"), ("b2", "reset")] and table.current_sessions(conn) == [conn.default_session]
 
@@ -334,7 +334,7 @@ def test_a_refused_call_of_a_batch_is_its_own_and_the_others_are_served():
         table = SessionTable(engine, ttl_s=10)
         owner, other = table.connect(key="key0"), table.connect(key="key1")
         await table.infer(owner, "mine", OBS)
-        replies = await table.infer_batch(other, [("a", OBS), ("mine", OBS), ("b", OBS)])
+        replies = await table.infer_batch(other, [("a", OBS, None), ("mine", OBS, None), ("b", OBS, None)])
         assert isinstance(replies[1], SessionForbidden)
         assert [r.calls for r in (replies[0], replies[2])] == [1, 1] and engine.calls["mine"] == 1
 

@@ -41,6 +41,7 @@ class FakeConfig(pydantic.BaseModel):
     window_pages: int = 4
     fail_start: bool = False  # raise while the worker builds the policy (start-up failure tests)
     max_batch: int = 1  # what info.max_batch claims; batch members still run one after another
+    continuations: bool = False  # what info.continuations claims (the front end then takes a request's continuation; the step ignores it)
 
 
 @dataclass
@@ -61,7 +62,14 @@ class FakePolicy(Policy[FakeSession]):
 
     @property
     def info(self) -> PolicyInfo:
-        return PolicyInfo(droid_server_config(), action_horizon=4, action_dim=8, model="fake", max_batch=self.config.max_batch)
+        return PolicyInfo(
+            droid_server_config(),
+            action_horizon=4,
+            action_dim=8,
+            model="fake",
+            max_batch=self.config.max_batch,
+            continuations=self.config.continuations,
+        )
 
     def kv_spec(self) -> KVSpec:
         return KVSpec(num_layers=1, num_heads=1, head_dim=8, page_size=4, window_pages=self.config.window_pages, max_new_pages=1)

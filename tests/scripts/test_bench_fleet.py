@@ -34,6 +34,18 @@ def test_the_limit_is_the_most_robots_whose_delay_and_execution_horizon_fit_in_o
     assert bench.fleet_limit(lambda b: 1.0, hz=15.0, max_batch=8) == 0
 
 
+def test_a_rounds_partial_batch_costs_its_own_step_not_a_full_ones(bench):
+    """34 robots of the 5B in batches of at most 6: 6 batches a round, 6 6 6 6 5 5 (t(6) = 0.225 s, d = 4), a round of
+    4 x 0.225 + 2 x 0.21 = 1.32 s: 4 + 19.8 <= 24 fits. Counting every batch at t(6), as ceil(N / b) t(b) did, makes
+    the round 1.35 s (4 + 20.25 > 24) and the limit 30."""
+    from ardiff_server.engine.modelled_step import step_time_profile
+
+    small = step_time_profile("5b")
+    assert bench.round_batches(34, 6) == [6, 6, 6, 6, 5, 5]
+    assert bench.fleet_limit(small.seconds, hz=15.0, max_batch=6) == 34
+    assert bench._fits(small.seconds, 34, 6, 24, 15.0) and not bench._fits(small.seconds, 35, 6, 24, 15.0)
+
+
 def test_capacity_counts_up_from_one_robot_and_stops_at_the_first_that_idles_or_jerks(bench):
     row = lambda n, idle, seam: bench.Row("14b", "arrival", "half", n, steady_idle_per_chunk=idle, seam_ratio=seam)  # noqa: E731
     rows = [row(1, 0.0, 1.5), row(2, 0.0, 1.9), row(3, 0.4, 1.5), row(4, 0.0, 1.5)]
@@ -87,5 +99,5 @@ def test_the_smallest_bench_prints_its_table_and_a_capacity_line(bench, capsys):
     assert float(cells[10]) == 1.0  # one robot: every step a batch of one
     assert cells[8] == "-" or float(cells[8]) >= 610.0  # every step lasts the 14B's t(1) at least
     assert re.fullmatch(r"\d+%", cells[11]), row  # the share of steps that overran the modelled time
-    assert "limit 14b = 1: largest N with some b <= 1" in out
+    assert "limit 14b = 1: largest N served in some k >= N/1 batches a round" in out
     assert re.fullmatch(r"capacity: arrival=(\d+|n/a) deadline=(\d+|n/a) limit=1", lines[-1]), lines[-1]

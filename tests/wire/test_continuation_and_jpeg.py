@@ -18,6 +18,7 @@ from ardiff_policies.embodiment import ObservationSchema, Part
 from ardiff_server.wire.decode import RequestError, decode_request
 from ardiff_server.wire.images import MAX_IMAGE_SIDE
 from ardiff_server.wire.jpeg import encode_jpeg
+from ardiff_server.wire.lingbot_va import decode_lingbot_va
 from ardiff_server.wire.protocol import unpack
 
 EXT = "observation/exterior_image_{}_left"
@@ -162,3 +163,39 @@ def test_a_jpeg_declaring_a_huge_image_is_refused_from_its_header():
     Image.new("RGB", (MAX_IMAGE_SIDE + 8, 8)).save(big, format="JPEG", quality=10)
     message = rejected(droid_request(**{WRIST: big.getvalue()}))
     assert message.startswith(f"{WRIST}: expected ") and f"8x{MAX_IMAGE_SIDE + 8} pixels" in message
+
+
+# --- continuation.actions_left_s: the request's deadline -----------------------------------------
+
+
+def test_actions_left_is_the_requests_own_and_not_the_policys():
+    asked = through_the_wire(droid_request(continuation={"executed": 3, "delay": 5, "chunk_id": 2, "actions_left_s": 0.75}))
+    assert asked.actions_left_s == 0.75 and asked.observation.continuation == Continuation(3, 5, 2)
+    assert through_the_wire(droid_request(continuation={"executed": 0, "delay": 0, "actions_left_s": 0})).actions_left_s == 0.0
+    assert through_the_wire(droid_request(continuation={"executed": 0, "delay": 0, "actions_left_s": np.float32(1.5)})).actions_left_s == 1.5
+    # without it (or without a continuation: a blocking client, a first call) the request is due now
+    assert through_the_wire(droid_request(continuation={"executed": 1, "delay": 2})).actions_left_s is None
+    assert through_the_wire(droid_request()).actions_left_s is None
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (-0.1, "continuation.actions_left_s: expected a finite number of seconds >= 0, got -0.1"),
+        (float("nan"), "continuation.actions_left_s: expected a finite number of seconds >= 0, got nan"),
+        (float("inf"), "continuation.actions_left_s: expected a finite number of seconds >= 0, got inf"),
+        ("0.5", "continuation.actions_left_s: expected the seconds of actions left (a number >= 0), got '0.5'"),
+        (True, "continuation.actions_left_s: expected the seconds of actions left (a number >= 0), got True"),
+        ([0.5], "continuation.actions_left_s: expected the seconds of actions left (a number >= 0), got [0.5]"),
+        (1500.0, "continuation.actions_left_s: expected at most 600 s of actions left, got 1500 (seconds, not milliseconds)"),
+    ],
+)
+def test_a_bad_actions_left_is_a_bad_request_naming_the_field(value, message):
+    assert rejected(droid_request(continuation={"executed": 1, "delay": 2, "actions_left_s": value})) == message
+
+
+def test_lingbot_vas_own_protocol_refuses_a_continuation_deadline_and_all_by_name():
+    """LingBot-VA's messages carry no continuation (its replies say no chunk_id / frozen): a deadline inside one is
+    refused with the continuation, never dropped silently."""
+    with pytest.raises(RequestError, match=r"^continuation: LingBot-VA does not continue chunks"):
+        decode_lingbot_va({"obs": {}, "continuation": {"executed": 0, "delay": 0, "actions_left_s": 0.5}}, ("cam_high",))

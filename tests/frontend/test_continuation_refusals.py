@@ -8,33 +8,10 @@ import json
 
 import numpy as np
 import pytest
-from openpi_client import msgpack_numpy
-from websockets.sync.client import connect
 
-from tests.helpers.inproc_server import InprocServer
+from tests.helpers.inproc_server import DROID, TINY_DREAMZERO, InprocServer, exchange
 
-DROID = {
-    "observation/exterior_image_0_left": np.zeros((48, 80, 3), np.uint8),
-    "observation/exterior_image_1_left": np.zeros((48, 80, 3), np.uint8),
-    "observation/wrist_image_left": np.zeros((48, 80, 3), np.uint8),
-    "observation/joint_position": np.zeros(7),
-    "observation/gripper_position": np.zeros(1),
-    "prompt": "pick up the cup",
-}
 CONTINUATION = {"executed": 2, "delay": 3}  # e + d inside either policy's chunk
-TINY_DREAMZERO = {"name": "dreamzero", "view_size": [48, 80], "image_resolution": [48, 80], "num_inference_steps": 2, "dit_step_cache": "off"}
-
-
-def exchange(server: InprocServer, requests: list[dict]) -> list:
-    """Each request's reply on one connection: the unpacked reply, or the text of an error frame."""
-    out = []
-    with connect(server.url, max_size=None) as ws:
-        ws.recv()  # the metadata frame
-        for request in requests:
-            ws.send(msgpack_numpy.packb(request))
-            reply = ws.recv()
-            out.append(reply if isinstance(reply, str) else msgpack_numpy.unpackb(reply))
-    return out
 
 
 def test_a_policy_that_does_not_continue_chunks_refuses_a_continuation_by_name():

@@ -3,8 +3,7 @@ refused naming the bound outside it with the session untouched, refused by name 
 
 from __future__ import annotations
 
-from tests.frontend.test_continuation_refusals import DROID, TINY_DREAMZERO, exchange
-from tests.helpers.inproc_server import InprocServer
+from tests.helpers.inproc_server import DROID, TINY_DREAMZERO, InprocServer, exchange
 
 
 def test_a_requests_steps_are_served_reported_and_bounded_by_name():

@@ -304,9 +304,9 @@ def test_a_batch_is_on_all_its_sessions_at_once_and_leaves_the_ones_before_it():
         overlap: list[int] = []
         real_infer = engine.infer
 
-        async def watched(session_id, observation):
+        async def watched(session_id, observation, *, deadline=None):
             overlap.append(len(engine.running) + 1)
-            return await real_infer(session_id, observation)
+            return await real_infer(session_id, observation, deadline=deadline)
 
         engine.infer = watched
         assert await infer(table, conn, "single") == 1

@@ -9,6 +9,10 @@ import threading
 import urllib.request
 from typing import Any
 
+import numpy as np
+from openpi_client import msgpack_numpy
+from websockets.sync.client import connect
+
 from ardiff_server.config import AppConfig, validate_config
 from ardiff_server.engine.builder import build_engine
 from ardiff_server.engine.inproc_client import InprocClient
@@ -61,3 +65,27 @@ class InprocServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# A DROID request at the tiny view size, and the tiny DreamZero's policy section, for requests over an InprocServer.
+DROID = {
+    "observation/exterior_image_0_left": np.zeros((48, 80, 3), np.uint8),
+    "observation/exterior_image_1_left": np.zeros((48, 80, 3), np.uint8),
+    "observation/wrist_image_left": np.zeros((48, 80, 3), np.uint8),
+    "observation/joint_position": np.zeros(7),
+    "observation/gripper_position": np.zeros(1),
+    "prompt": "pick up the cup",
+}
+TINY_DREAMZERO = {"name": "dreamzero", "view_size": [48, 80], "image_resolution": [48, 80], "num_inference_steps": 2, "dit_step_cache": "off"}
+
+
+def exchange(server: InprocServer, requests: list[dict]) -> list:
+    """Each request's reply on one connection: the unpacked reply, or the text of an error frame."""
+    out = []
+    with connect(server.url, max_size=None) as ws:
+        ws.recv()  # the metadata frame
+        for request in requests:
+            ws.send(msgpack_numpy.packb(request))
+            reply = ws.recv()
+            out.append(reply if isinstance(reply, str) else msgpack_numpy.unpackb(reply))
+    return out

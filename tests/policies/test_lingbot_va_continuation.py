@@ -145,7 +145,7 @@ def test_batched_equals_alone_and_a_failed_batch_puts_its_members_back(engine, m
     monkeypatch.setattr(LingBotVAPolicy, "_stand_in", fails_once)
     out = {"a": [], "b": []}
     ids = iter(range(100, 200))
-    for step, make in enumerate(steps):
+    for make in steps:
         replies = engine.run([Infer(next(ids), sid, make(sid, out)) for sid in ("a", "b")])
         assert [r.batch_size for r in replies] == [2, 2]
         for sid, reply in zip(("a", "b"), replies):

@@ -125,6 +125,7 @@ class _Pin:
     target: torch.Tensor  # (1, 30, F, N, 1): the last chunk's rows [e, H) at [0, H - e), zeros after
     weights: torch.Tensor  # (1, 1, F, N, 1): RTC's soft mask
     mask: torch.Tensor  # (1, 1, F, N, 1) bool: the frozen rows
+    stand_in: bool  # the last chunk is not committed and a commit dropped its prediction entries: write them again
 
     @property
     def position(self) -> int:
@@ -483,7 +484,12 @@ class LingBotVAPolicy:
                 accepted.append((i, request, self._check_infer(request)))
             except Exception as exc:  # an EpisodeError: refused, its session unchanged; anything else fails it alone
                 results[i] = exc
-        outcomes = run_batched(accepted, self._infer, undo=lambda items: self._keep([r.session for _, r, _ in items]))
+
+        def undo(items: list[tuple[int, InferRequest, _Checked]]) -> _Kept | None:
+            stand_ins = sum(c.pin is not None and c.pin.stand_in for _, _, c in items)  # a stand-in writes a chunk more
+            return self._keep([r.session for _, r, _ in items], chunks=len(items) + stand_ins)
+
+        outcomes = run_batched(accepted, self._infer, undo=undo)
         for (i, _, _), outcome in zip(accepted, outcomes):
             results[i] = outcome
         return results
@@ -500,7 +506,7 @@ class LingBotVAPolicy:
         for session, pin in zip(sessions, pins):
             if pin is None and session.last is not None and session.last.position > session.frame_start:
                 session.kv.drop_predictions()  # a continued chunk's entries, ahead of where this chunk goes
-            elif pin is not None and pin.last.position == session.frame_start and not pin.last.in_kv:
+            elif pin is not None and pin.stand_in:
                 self._stand_in(session, pin.last)  # the executing chunk's frames, not committed yet
         for (_, request, _), is_first in zip(accepted, first):
             if is_first:
@@ -609,21 +615,23 @@ class LingBotVAPolicy:
 
     # -- a failed batch, member by member (ardiff_policies.batch_retry) ---------------------
 
-    def _keep(self, sessions: list[LingBotVASession]) -> _Kept | None:
+    def _keep(self, sessions: list[LingBotVASession], chunks: int | None = None) -> _Kept | None:
         """The batch's sessions as they are, for :func:`~ardiff_policies.batch_retry.run_batched` to put back if the
-        batched call fails (then each member is retried alone); None if the pool has no room to keep them."""
-        return _Kept.take(sessions) if self._undo_fits(sessions) else None
+        batched call fails (then each member is retried alone); None if the pool has no room to keep them. ``chunks``:
+        the video and action chunks the call writes per branch (default one per session)."""
+        return _Kept.take(sessions) if self._undo_fits(sessions, len(sessions) if chunks is None else chunks) else None
 
     @functools.cached_property
     def _undo_pages_per_session(self) -> int:
         return len(self.branches) * self.kv_spec().undo_pages
 
-    def _undo_fits(self, sessions: list[LingBotVASession]) -> bool:
+    def _undo_fits(self, sessions: list[LingBotVASession], chunks: int) -> bool:
         """While a batched call may still be undone, each member keeps the pages it evicts or drops out of the pool:
-        the pool needs the pages the call writes (a video and an action chunk per branch and member) free."""
-        per_session = self._undo_pages_per_session
+        the pool needs the pages the call writes (a video and an action chunk per branch and member, one more for a
+        continuation's stand-in) free."""
+        per_chunk = self._undo_pages_per_session
         pool = sessions[0].kv.pool
-        if pool.num_free >= per_session * len(sessions):
+        if pool.num_free >= per_chunk * chunks:
             return True
         if not self._warned_headroom:
             self._warned_headroom = True
@@ -633,7 +641,7 @@ class LingBotVAPolicy:
                 "PagedKVCache.undo_headroom)",
                 pool.num_free,
                 len(sessions),
-                per_session * len(sessions),
+                per_chunk * chunks,
             )
         return False
 
@@ -686,7 +694,8 @@ class LingBotVAPolicy:
         mask = torch.zeros(horizon, dtype=torch.bool)
         mask[:frozen] = True
         shape = (1, 1, f, n, 1)
-        pin = _Pin(last, executed, frozen, target.reshape(1, e.action_dim, f, n, 1), weights.reshape(shape), mask.reshape(shape))
+        stand_in = last.position == session.frame_start and not last.in_kv
+        pin = _Pin(last, executed, frozen, target.reshape(1, e.action_dim, f, n, 1), weights.reshape(shape), mask.reshape(shape), stand_in)
         return reason, pin
 
     def compute_kv_cache(self, session: LingBotVASession, frames: Sequence[Mapping[str, np.ndarray]], state: np.ndarray) -> None:

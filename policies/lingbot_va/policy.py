@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from ardiff_kv import Branch, KVSpec, SessionKV
 from ardiff_policies.base import ChunkRecording, Policy, RuntimeOptions, StartRefused, StepResult
 from ardiff_policies.chunk import ChunkInfo
+from ardiff_policies.continuation import CONTRACT
 from ardiff_policies.embodiment import ObservationSchema
 from ardiff_policies.episode import EpisodeCall
 from ardiff_policies.info import PolicyInfo
@@ -136,6 +137,8 @@ class LingBotVAServing(Policy[ServedSession]):
                 "layout": e.layout,
                 "attn_window": e.attn_window,
                 "seed": self.config.seed,
+                # the shared wire contract; the new chunk is the model's next one, inpainted to the executing one's rows
+                "continuation": {**CONTRACT, "mode": "inpaint", "position": "the next chunk (over the executing one's predicted K/V)"},
             },
             max_batch=MAX_BATCH,
             observation_schema=self.schema,

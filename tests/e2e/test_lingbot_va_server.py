@@ -222,7 +222,12 @@ def test_both_protocols_continue_chunks_with_frozen_rows_exact(server):
     np.testing.assert_array_equal(continued["actions"][:6], plain["actions"][24:30])
     assert policy.infer({"endpoint": "reset", "session_ids": ["continued"]})["status"] == "reset successful"
     status, body = server.http("/info")
-    assert status == 200 and json.loads(body)["continuations"] == {"accepted": True}
+    info = json.loads(body)
+    assert status == 200 and info["continuations"] == {"accepted": True}
+    assert info["policy"]["continuation"]["mode"] == "inpaint" and set(info["policy"]["continuation"]["request"]["continuation"]) >= {
+        "executed",
+        "delay",
+    }
     assert server.metric('ardiff_kv_blocks_free{rank="0"}') == free
 
 

@@ -182,3 +182,23 @@ def test_openpi_continues_over_the_committed_chunk(engine):
     np.testing.assert_array_equal(second.actions[:6], first.actions[24:30])
     engine.end(sid, "test")
     assert engine.cache.pool.num_free == engine.cache.pool.capacity
+
+
+def test_the_shared_inpaint_step_moves_only_weighted_rows_and_pins_the_frozen_ones_exactly():
+    """``ardiff_policies.action_inpaint`` (both families): weight 0 leaves a row bitwise, weight 1 at sigma s makes it the
+    target noised to s, and the final pin puts the frozen rows exactly on the target."""
+    import torch
+
+    from ardiff_policies import action_inpaint
+    from ardiff_policies.continuation import soft_mask
+
+    g = torch.Generator().manual_seed(0)
+    x, target, noise = (torch.randn(1, 3, 8, generator=g) for _ in range(3))
+    weights = torch.from_numpy(soft_mask(8, 2, 6)).float().reshape(1, 1, 8)
+    moved = action_inpaint.toward(x, target, weights, noise, 0.3)
+    torch.testing.assert_close(moved[..., :2], 0.7 * target[..., :2] + 0.3 * noise[..., :2])
+    assert torch.equal(moved[..., 6:], x[..., 6:]) and not torch.equal(moved[..., 2:6], x[..., 2:6])
+    frozen = torch.zeros(1, 1, 8, dtype=torch.bool)
+    frozen[..., :2] = True
+    pinned = action_inpaint.pin(x, target, weights, frozen)
+    assert torch.equal(pinned[..., :2], target[..., :2]) and torch.equal(pinned[..., 6:], x[..., 6:])

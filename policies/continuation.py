@@ -66,6 +66,22 @@ class Continuation:
             raise ValueError(f"continuation.executed + continuation.delay = {self.executed} + {self.delay} is past the {horizon}-action chunk")
 
 
+def decide_for(continuation: Continuation | None, last_chunk_id: int | None, events: dict[str, bool]) -> str | None:
+    """Whether a requested continuation applies: :data:`APPLIED`, the reason it does not, or None (none asked).
+    ``last_chunk_id``: the session's last chunk (None: none since the session began or was reset); ``events``: this
+    call's ``prompt_change`` (a family without prompt changes passes none). A window restart is no reason: the
+    continuation needs the last chunk's actions, not the KV window."""
+    if continuation is None:
+        return None
+    if last_chunk_id is None:
+        return NO_PREVIOUS_CHUNK
+    if events.get("prompt_change"):
+        return PROMPT_CHANGE
+    if continuation.chunk_id is not None and continuation.chunk_id != last_chunk_id:
+        return UNKNOWN_CHUNK_ID
+    return APPLIED
+
+
 def soft_mask(horizon: int, frozen: int, end: int) -> np.ndarray:
     """RTC's prefix weights (Black et al. 2025, eq. 5): 1 for the first ``frozen`` actions, then
     ``c (e^c - 1) / (e - 1)`` with ``c = (end - i) / (end - frozen + 1)`` decaying towards 0, and 0 from

@@ -2,7 +2,8 @@
 
 * ``reset``: the connection's session ends (its KV pages back to the pool) and the prompt is kept for the episode;
   the next ``infer`` opens a fresh session, whose first step encodes the prompt. Reply ``{server_timing}``.
-* ``infer``: ``{action: (channels, frames, actions per frame) float32, server_timing}`` as upstream's server replies.
+* ``infer``: ``{action: (channels, frames, actions per frame) float32, server_timing}`` as upstream's server replies,
+  with ``chunk_id`` / ``frozen`` (and, when it carried a ``continuation``, ``continuation``: applied or why not).
 * ``compute_kv_cache``: ``{server_timing}``.
 
 A bad request gets a one-line text frame naming the key (upstream's client raises on any text frame) and the
@@ -17,6 +18,7 @@ import time
 from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine.client import EngineClient
 from ardiff_server.engine.messages import EngineError
+from ardiff_server.frontend.openpi import chunk_info
 from ardiff_server.frontend.replies import Replies, RequestClock
 from ardiff_server.frontend.sessions import Connection, SessionTable
 from ardiff_server.wire.lingbot_va import LingBotVARequest, action_reply
@@ -50,10 +52,12 @@ class LingBotVAHandler:
         if prompt is None:
             return self.replies.bad_request(f"{request.kind} before reset: send {{reset: True, prompt}} first")
         observation = request.observation
-        observation = RobotObservation(cameras=observation.cameras, states={}, prompt=prompt, episode=observation.episode)
+        observation = RobotObservation(
+            cameras=observation.cameras, states={}, prompt=prompt, episode=observation.episode, continuation=observation.continuation
+        )
         sent = time.perf_counter()
         try:
-            reply = await self.sessions.infer(conn, session_id, observation)
+            reply = await self.sessions.infer(conn, session_id, observation, deadline=clock.deadline(request.actions_left_s))
         except EngineError as exc:
             return self.replies.error(exc, session_id)
         server_timing = self.replies.served(session_id, reply, clock, sent)
@@ -61,4 +65,4 @@ class LingBotVAHandler:
             return pack({"server_timing": server_timing})
         layout = self.engine.info.details["action_layout"]
         action = action_reply(reply.actions, layout["channels"], layout["frames"], layout["per_frame"])
-        return pack({"action": action, "server_timing": server_timing})
+        return pack({"action": action, "server_timing": server_timing, **chunk_info(reply)})

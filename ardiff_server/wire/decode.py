@@ -23,8 +23,9 @@ from ardiff_policies.embodiment import ObservationSchema
 from ardiff_policies.info import PolicyInfo
 from ardiff_server.wire.batch import BATCH_KEY, BatchRequest, decode_batch, is_batch
 from ardiff_server.wire.budget import PixelBudget, request_budget
+from ardiff_server.wire.fields import MAX_CHUNK_ID
 from ardiff_server.wire.lingbot_va import LingBotVARequest, decode_lingbot_va, is_lingbot_va_message
-from ardiff_server.wire.openpi import MAX_CHUNK_ID, OpenPIRequest, decode_openpi
+from ardiff_server.wire.openpi import OpenPIRequest, decode_openpi
 from ardiff_server.wire.protocol import DecodeLimits, RequestError, unpack
 
 # MAX_CHUNK_ID: the largest continuation.chunk_id a request may name (the client checks replies against it)

@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ardiff_server.wire.protocol import RequestError, short_repr
+from ardiff_policies.continuation import Continuation
+from ardiff_server.wire.protocol import RequestError, describe, short_repr
 
 MAX_PROMPT_CHARS = 4096
 
@@ -18,6 +19,8 @@ ACTIONS_LEFT_KEY = "actions_left_s"  # in ``continuation``: seconds of actions t
 # No chunk lasts this long at any control rate a robot runs (DROID's: 1.6 s): a larger value is a client's bug (milliseconds
 # sent as seconds, a clock read as a duration), and as a deadline it would let every other robot pass this one for an hour.
 MAX_ACTIONS_LEFT_S = 600.0
+CONTINUATION_FIELDS = ("executed", "delay", "chunk_id")  # the policy's (ardiff_policies.continuation.Continuation)
+MAX_CHUNK_ID = 2**63 - 1  # the largest continuation.chunk_id a request may name (the client checks replies against it)
 
 
 def check_prompt_length(prompt: str) -> str:
@@ -59,3 +62,34 @@ def decode_actions_left(continuation: Any) -> float | None:
     if seconds > MAX_ACTIONS_LEFT_S:
         raise RequestError(f"{where}: expected at most {MAX_ACTIONS_LEFT_S:g} s of actions left, got {seconds:g} (seconds, not milliseconds)")
     return seconds
+
+
+def decode_continuation(value: Any) -> Continuation | None:
+    """``{"executed": e, "delay": d[, "chunk_id": c]}`` -> :class:`Continuation`; None if absent. Its
+    ``actions_left_s`` is the front end's, not the policy's (``fields.decode_actions_left``)."""
+    if value is None:
+        return None
+    expected = 'a map {"executed": int, "delay": int, "chunk_id": int (optional), "actions_left_s": seconds (optional)}'
+    if not isinstance(value, dict):
+        raise RequestError(f"{CONTINUATION_KEY}: expected {expected}, got {describe(value)}")
+    unknown = sorted(str(k) for k in value if k not in CONTINUATION_FIELDS and k != ACTIONS_LEFT_KEY)
+    if unknown:
+        raise RequestError(f"{CONTINUATION_KEY}: unknown field(s) {short_repr(unknown)}; expected {expected}")
+    numbers: dict[str, int | None] = {}
+    for name in CONTINUATION_FIELDS:
+        item = value.get(name)
+        if item is None:
+            if name != "chunk_id":
+                raise RequestError(f"{CONTINUATION_KEY}.{name}: missing; expected {expected}")
+            numbers[name] = None
+            continue
+        if isinstance(item, np.ndarray) and item.ndim == 0:
+            item = item.item()
+        if isinstance(item, bool | np.bool_) or not isinstance(item, int | np.integer):
+            raise RequestError(f"{CONTINUATION_KEY}.{name}: expected an integer >= 0, got {short_repr(item)}")
+        if int(item) < 0:
+            raise RequestError(f"{CONTINUATION_KEY}.{name}: expected an integer >= 0, got {int(item)}")
+        if int(item) > MAX_CHUNK_ID:
+            raise RequestError(f"{CONTINUATION_KEY}.{name}: expected an integer in [0, 2**63 - 1 = {MAX_CHUNK_ID}], got {int(item)}")
+        numbers[name] = int(item)
+    return Continuation(executed=numbers["executed"], delay=numbers["delay"], chunk_id=numbers["chunk_id"])

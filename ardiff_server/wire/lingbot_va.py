@@ -12,8 +12,9 @@ Upstream's server (``wan_va/wan_va_server.py`` behind openpi's websocket server)
 
 Here each connection is its own session. ``save_visualization`` / ``imagine`` / ``observation.state`` / ``task`` are
 accepted and unused (upstream's server does not read them either); ``prompt`` on an infer is the reset's (upstream
-reads the reset's). ``continuation`` (this server's real-time chunking) is refused by name: LingBot-VA does not
-continue chunks. A message is LingBot-VA's when it holds ``reset``, ``compute_kv_cache`` or ``obs`` and no OpenPI
+reads the reset's). An infer may carry ``continuation`` (this server's real-time chunking, the OpenPI wire's field:
+``{executed, delay, chunk_id}``, ``ardiff_policies.continuation``); its reply then says ``chunk_id`` / ``frozen`` /
+``continuation`` beside ``action``; a commit carrying one is refused by name (a commit continues nothing). A message is LingBot-VA's when it holds ``reset``, ``compute_kv_cache`` or ``obs`` and no OpenPI
 ``observation/...`` key (:func:`is_lingbot_va_message`, asked by ``decode.py`` for a policy whose
 ``PolicyInfo.native_protocol`` is ``lingbot_va``); anything else is decoded as OpenPI's (``openpi.py``).
 """
@@ -25,10 +26,11 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from ardiff_policies.continuation import Continuation
 from ardiff_policies.episode import EpisodeCall
 from ardiff_policies.observation import RobotObservation
 from ardiff_server.wire.budget import PixelBudget
-from ardiff_server.wire.fields import CONTINUATION_KEY, check_prompt_length, decode_guidance_scale
+from ardiff_server.wire.fields import CONTINUATION_KEY, check_prompt_length, decode_actions_left, decode_continuation, decode_guidance_scale
 from ardiff_server.wire.images import MAX_FRAMES, MAX_IMAGE_SIDE
 from ardiff_server.wire.protocol import RequestError, short_repr
 
@@ -44,6 +46,7 @@ class LingBotVARequest:
     kind: Literal["reset", "infer", "compute_kv_cache"]
     prompt: str | None = None  # reset: the episode's prompt
     observation: RobotObservation | None = None  # infer / compute_kv_cache (its prompt is filled in from the reset)
+    actions_left_s: float | None = None  # infer: its continuation's seconds of actions left (the engine's deadline)
 
 
 def is_lingbot_va_message(payload: Any) -> bool:
@@ -63,11 +66,11 @@ def decode_lingbot_va(payload: dict[str, Any], cameras: tuple[str, ...], budget:
         if not isinstance(prompt, str):
             raise RequestError(f"prompt: a reset needs the episode's prompt (a string), got {short_repr(prompt)}")
         return LingBotVARequest("reset", prompt=check_prompt_length(prompt))
-    if payload.get(CONTINUATION_KEY) is not None:
-        raise RequestError(f"{CONTINUATION_KEY}: LingBot-VA does not continue chunks (its replies carry no chunk_id/frozen); leave it out")
     if "obs" not in payload:
         raise RequestError(f"obs: missing; expected the observation (or key frames) under 'obs', got keys {short_repr(sorted(payload)[:8])}")
     if _flag(payload, "compute_kv_cache"):
+        if payload.get(CONTINUATION_KEY) is not None:
+            raise RequestError(f"{CONTINUATION_KEY}: a compute_kv_cache commits what the robot saw and continues nothing; send it with the infer")
         state = payload.get("state")
         if not isinstance(state, np.ndarray) or state.dtype.kind not in "fiu" or state.ndim != 3:
             raise RequestError(f"state: expected the chunk's actions as a (channels, frames, actions per frame) array, got {short_repr(state)}")
@@ -78,7 +81,9 @@ def decode_lingbot_va(payload: dict[str, Any], cameras: tuple[str, ...], budget:
         decode_guidance_scale(payload, "video_guidance_scale"),
         decode_guidance_scale(payload, "action_guidance_scale"),
     )
-    return LingBotVARequest("infer", observation=_observation(payload["obs"], cameras, call, budget))
+    continuation = decode_continuation(payload.get(CONTINUATION_KEY))
+    observation = _observation(payload["obs"], cameras, call, budget, continuation)
+    return LingBotVARequest("infer", observation=observation, actions_left_s=decode_actions_left(payload.get(CONTINUATION_KEY)))
 
 
 def _flag(payload: dict[str, Any], key: str) -> bool:
@@ -90,7 +95,9 @@ def _flag(payload: dict[str, Any], key: str) -> bool:
     return bool(value)
 
 
-def _observation(obs: Any, cameras: tuple[str, ...], call: EpisodeCall, budget: PixelBudget | None) -> RobotObservation:
+def _observation(
+    obs: Any, cameras: tuple[str, ...], call: EpisodeCall, budget: PixelBudget | None, continuation: Continuation | None = None
+) -> RobotObservation:
     """``obs`` (one frame map, or a list of them) -> one (T, H, W, 3) stack per camera."""
     frames = obs if isinstance(obs, list) else [obs]
     if not frames:
@@ -111,7 +118,7 @@ def _observation(obs: Any, cameras: tuple[str, ...], call: EpisodeCall, budget: 
     if budget is not None:  # before any stack is copied
         budget.check((key, len(stack), *stack[0].shape[:2]) for key, stack in images.items())
     stacks = {name: np.stack(images[CAMERA_PREFIX + name]) for name in cameras}
-    return RobotObservation(cameras=stacks, states={}, prompt=None, episode=call)
+    return RobotObservation(cameras=stacks, states={}, prompt=None, episode=call, continuation=continuation)
 
 
 def _image(key: str, value: Any) -> np.ndarray:

@@ -56,17 +56,16 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from ardiff_policies.continuation import Continuation
 from ardiff_policies.embodiment import ObservationSchema
 from ardiff_policies.episode import EpisodeCall
 from ardiff_policies.observation import RobotObservation
 from ardiff_server.wire.budget import PixelBudget
 from ardiff_server.wire.fields import (
-    ACTIONS_LEFT_KEY,
     CONTINUATION_KEY,
     PROMPT_KEY,
     check_prompt_length,
     decode_actions_left,
+    decode_continuation,
     decode_guidance_scale,
 )
 from ardiff_server.wire.images import IMAGE_EXPECTED, decode_images, read_image
@@ -80,8 +79,6 @@ SESSION_ID_KEY = "session_id"
 SESSION_IDS_KEY = "session_ids"
 GUIDANCE_KEYS = ("video_guidance_scale", "action_guidance_scale")  # per request, policies that take them (LingBot-VA)
 INFERENCE_STEPS_KEY = "num_inference_steps"  # per request, policies that take it (DreamZero)
-CONTINUATION_FIELDS = ("executed", "delay", "chunk_id")  # the policy's (ardiff_policies.continuation.Continuation)
-MAX_CHUNK_ID = 2**63 - 1
 MAX_RESET_IDS = 256
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 WRIST_IMAGE_KEY = "observation/wrist_image_left"
@@ -181,37 +178,6 @@ def _decode_guidance(request: dict[str, Any], accepted: bool) -> EpisodeCall | N
     if not accepted:
         raise RequestError(f"{present[0]}: this server's policy takes no per-request guidance; leave it out")
     return EpisodeCall("chunk", *(decode_guidance_scale(request, key) for key in GUIDANCE_KEYS))
-
-
-def decode_continuation(value: Any) -> Continuation | None:
-    """``{"executed": e, "delay": d[, "chunk_id": c]}`` -> :class:`Continuation`; None if absent. Its
-    ``actions_left_s`` is the front end's, not the policy's (``fields.decode_actions_left``)."""
-    if value is None:
-        return None
-    expected = 'a map {"executed": int, "delay": int, "chunk_id": int (optional), "actions_left_s": seconds (optional)}'
-    if not isinstance(value, dict):
-        raise RequestError(f"{CONTINUATION_KEY}: expected {expected}, got {_describe(value)}")
-    unknown = sorted(str(k) for k in value if k not in CONTINUATION_FIELDS and k != ACTIONS_LEFT_KEY)
-    if unknown:
-        raise RequestError(f"{CONTINUATION_KEY}: unknown field(s) {short_repr(unknown)}; expected {expected}")
-    numbers: dict[str, int | None] = {}
-    for name in CONTINUATION_FIELDS:
-        item = value.get(name)
-        if item is None:
-            if name != "chunk_id":
-                raise RequestError(f"{CONTINUATION_KEY}.{name}: missing; expected {expected}")
-            numbers[name] = None
-            continue
-        if isinstance(item, np.ndarray) and item.ndim == 0:
-            item = item.item()
-        if isinstance(item, bool | np.bool_) or not isinstance(item, int | np.integer):
-            raise RequestError(f"{CONTINUATION_KEY}.{name}: expected an integer >= 0, got {short_repr(item)}")
-        if int(item) < 0:
-            raise RequestError(f"{CONTINUATION_KEY}.{name}: expected an integer >= 0, got {int(item)}")
-        if int(item) > MAX_CHUNK_ID:
-            raise RequestError(f"{CONTINUATION_KEY}.{name}: expected an integer in [0, 2**63 - 1 = {MAX_CHUNK_ID}], got {int(item)}")
-        numbers[name] = int(item)
-    return Continuation(executed=numbers["executed"], delay=numbers["delay"], chunk_id=numbers["chunk_id"])
 
 
 def _require_request_map(payload: Any) -> dict[str, Any]:

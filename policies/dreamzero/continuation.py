@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ardiff_policies.continuation import APPLIED, NO_PREVIOUS_CHUNK, PROMPT_CHANGE, UNKNOWN_CHUNK_ID, Continuation, soft_mask
+from ardiff_policies import action_inpaint
+from ardiff_policies.continuation import Continuation, decide_for, soft_mask
 from ardiff_policies.dreamzero.transforms import NormStats
 
 RelativeSlices = list[tuple[tuple[int, int], tuple[int, int]]]  # (action columns, state columns) per relative key
@@ -66,19 +67,10 @@ class ContinuationPlan:
 
 
 def decide(continuation: Continuation | None, last: LastChunk | None, events: dict[str, bool]) -> str | None:
-    """Whether a requested continuation applies: :data:`APPLIED`, the reason it does not, or None (none asked).
-
-    A window restart does not stop it: the plan needs only the last chunk's actions and the state they were
-    anchored to (:class:`LastChunk`), never the KV window; only the video context restarts."""
-    if continuation is None:
-        return None
-    if last is None:
-        return NO_PREVIOUS_CHUNK
-    if events.get("prompt_change"):
-        return PROMPT_CHANGE
-    if continuation.chunk_id is not None and continuation.chunk_id != last.chunk_id:
-        return UNKNOWN_CHUNK_ID
-    return APPLIED
+    """Whether a requested continuation applies (:func:`ardiff_policies.continuation.decide_for`). A window restart
+    does not stop it: the plan needs only the last chunk's actions and the state they were anchored to
+    (:class:`LastChunk`), never the KV window; only the video context restarts."""
+    return decide_for(continuation, None if last is None else last.chunk_id, events)
 
 
 def reanchor(last: LastChunk, executed: int, raw_state: np.ndarray, stats: NormStats, relative: RelativeSlices) -> np.ndarray:
@@ -137,8 +129,7 @@ def before_step(plan: ContinuationPlan, actions: torch.Tensor, sigma: float) -> 
         out = actions.clone()
         out[:, : plan.frozen] = plan.target[:, : plan.frozen]
         return out
-    noisy_target = (1.0 - sigma) * plan.target + sigma * plan.noise
-    return actions + plan.weights * (noisy_target - actions)
+    return action_inpaint.toward(actions, plan.target, plan.weights, plan.noise, sigma)
 
 
 def constraint(plan: ContinuationPlan | None, sigma: float | torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:

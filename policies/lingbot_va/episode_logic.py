@@ -15,6 +15,14 @@ prompt's cross-attention K/V, its noise generator, its frame position), and the 
 * ``compute_kv_cache``: the prediction entries are dropped, the frames the robot saw and the actions it executed are
   written as observation entries (t = 0), and the frame position advances.
 
+A continuation (this server's real-time chunking, :mod:`ardiff_policies.continuation`; not upstream's): an ``infer``
+asked while the last chunk executes, ``executed`` e and ``delay`` d actions into it. The new chunk is the model's next
+chunk, one chunk past the last one's frames; the last chunk's frames that are not committed yet are stood in for by
+its own prediction entries (its trailing t = 0 forwards; written again from its kept latents and actions if a commit
+dropped them), which the real frames replace when ``compute_kv_cache`` commits them. Its actions are inpainted
+(:mod:`ardiff_policies.action_inpaint`) towards the last chunk's rows ``[e, H)``, RTC's soft mask from 1 on the first d
+rows: the first d are the last chunk's ``[e, e + d)`` exactly. Without a continuation nothing of this runs.
+
 Where this deliberately differs from upstream (docs/lingbot-va.md): the guidance scales a request carries are used
 (bounded), upstream ignores them; noise comes from a per-session generator seeded at reset.
 
@@ -32,7 +40,7 @@ import importlib.util
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +49,9 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKLWan
 
 from ardiff_kv import Branch, EntryKind, KVSpec, SessionKV, prepare_batch
+from ardiff_policies import action_inpaint
 from ardiff_policies.batch_retry import run_batched, single
+from ardiff_policies.continuation import APPLIED, Continuation, decide_for, soft_mask
 from ardiff_policies.lingbot_va.config import Embodiment
 from ardiff_policies.lingbot_va.model import LingBotVATransformer, TextKV, action_grid, load_transformer, video_grid
 from ardiff_policies.observation import UnsupportedObservation
@@ -88,6 +98,48 @@ class InferRequest:
     observation: Mapping[str, np.ndarray] | Sequence[Mapping[str, np.ndarray]]
     video_guidance_scale: float | None = None
     action_guidance_scale: float | None = None
+    continuation: Continuation | None = None  # what the robot did with the last chunk (real-time chunking)
+
+
+@dataclass(frozen=True)
+class ServedChunk:
+    """A session's last chunk: what a continuation continues, and what its reply says."""
+
+    chunk_id: int
+    position: int  # its first latent frame
+    latents: torch.Tensor  # (1, 48, F, h, w) its denoised video: the stand-in for its frames until they are committed
+    model_actions: torch.Tensor  # (1, 30, F, N, 1) its normalized actions
+    actions: np.ndarray  # (channels, F, N) float32: as the robot got them
+    frozen: int  # leading actions equal to the chunk it continued
+    continuation: str | None  # a requested continuation: APPLIED, or why it was served fresh
+    in_kv: bool = True  # its prediction entries are in the session's KV (a commit drops them)
+
+
+@dataclass(frozen=True)
+class _Pin:
+    """How a continued infer pins its actions to the last chunk's (rows time-major: frame x per frame)."""
+
+    last: ServedChunk
+    executed: int
+    frozen: int
+    target: torch.Tensor  # (1, 30, F, N, 1): the last chunk's rows [e, H) at [0, H - e), zeros after
+    weights: torch.Tensor  # (1, 1, F, N, 1): RTC's soft mask
+    mask: torch.Tensor  # (1, 1, F, N, 1) bool: the frozen rows
+    stand_in: bool  # the last chunk is not committed and a commit dropped its prediction entries: write them again
+
+    @property
+    def position(self) -> int:
+        return self.last.position + self.last.latents.shape[2]
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """An accepted infer: its guidance scales and its continuation."""
+
+    video_guidance: float
+    action_guidance: float
+    continuation: str | None = None
+    pin: _Pin | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +161,8 @@ class LingBotVASession:
     first_start: _StreamState | None = None  # the generator and VAE streams as the first infer found them, until its commit
     predicted_latents: torch.Tensor | None = None  # the last infer's denoised video, when the policy keeps it
     predicted_actions: torch.Tensor | None = None  # and its normalized actions (1, 30, F, N, 1)
+    chunks: int = 0  # chunks served this episode: the last one's chunk_id
+    last: ServedChunk | None = None  # the last chunk (reset: none)
 
 
 @dataclass(frozen=True)
@@ -143,17 +197,21 @@ class _Saved:
     frame_start: int
     first_latent: torch.Tensor | None
     first_start: _StreamState | None
+    chunks: int
+    last: ServedChunk | None
 
     @classmethod
     def take(cls, session: LingBotVASession) -> _Saved:
         session.kv.snapshot()
-        return cls(session, _StreamState.of(session), session.frame_start, session.first_latent, session.first_start)
+        s = session
+        return cls(s, _StreamState.of(s), s.frame_start, s.first_latent, s.first_start, s.chunks, s.last)
 
     def restore(self) -> None:
         s = self.session
         s.kv.rollback()
         self.streams.restore(s)
         s.frame_start, s.first_latent, s.first_start = self.frame_start, self.first_latent, self.first_start
+        s.chunks, s.last = self.chunks, self.last
 
     def release(self) -> None:
         self.session.kv.release()
@@ -276,6 +334,7 @@ class LingBotVAPolicy:
             stream.clear()
         session.generator = torch.Generator().manual_seed(seed)
         session.frame_start, session.first_latent, session.first_start = 0, None, None
+        session.chunks, session.last = 0, None
         session.text_kv = text_kv if text_kv is not None else self.encode_prompt(prompt)
 
     @torch.no_grad()
@@ -403,9 +462,12 @@ class LingBotVAPolicy:
         *,
         video_guidance_scale: float | None = None,
         action_guidance_scale: float | None = None,
+        continuation: Continuation | None = None,
     ) -> np.ndarray:
-        """One chunk: actions (len(used channels), frame_chunk_size, action_per_frame) float32."""
-        return single(self.infer_batch([InferRequest(session, observation, video_guidance_scale, action_guidance_scale)]))
+        """One chunk: actions (len(used channels), frame_chunk_size, action_per_frame) float32 (``session.last`` says
+        its chunk_id and how much of it is frozen)."""
+        request = InferRequest(session, observation, video_guidance_scale, action_guidance_scale, continuation)
+        return single(self.infer_batch([request]))
 
     @torch.no_grad()
     def infer_batch(self, requests: Sequence[InferRequest]) -> list[np.ndarray | Exception]:
@@ -416,25 +478,37 @@ class LingBotVAPolicy:
         if len({id(r.session) for r in requests}) != len(requests):
             raise ValueError("a batch takes each session once")
         results: list[np.ndarray | Exception | None] = [None] * len(requests)
-        accepted: list[tuple[int, InferRequest, float, float]] = []
+        accepted: list[tuple[int, InferRequest, _Checked]] = []
         for i, request in enumerate(requests):
             try:
-                accepted.append((i, request, *self._check_infer(request)))
+                accepted.append((i, request, self._check_infer(request)))
             except Exception as exc:  # an EpisodeError: refused, its session unchanged; anything else fails it alone
                 results[i] = exc
-        outcomes = run_batched(accepted, self._infer, undo=lambda items: self._keep([r.session for _, r, _, _ in items]))
-        for (i, _, _, _), outcome in zip(accepted, outcomes):
+
+        def undo(items: list[tuple[int, InferRequest, _Checked]]) -> _Kept | None:
+            stand_ins = sum(c.pin is not None and c.pin.stand_in for _, _, c in items)  # a stand-in writes a chunk more
+            return self._keep([r.session for _, r, _ in items], chunks=len(items) + stand_ins)
+
+        outcomes = run_batched(accepted, self._infer, undo=undo)
+        for (i, _, _), outcome in zip(accepted, outcomes):
             results[i] = outcome
         return results
 
-    def _infer(self, accepted: list[tuple[int, InferRequest, float, float]]) -> list[np.ndarray]:
+    def _infer(self, accepted: list[tuple[int, InferRequest, _Checked]]) -> list[np.ndarray]:
         """The chunk of every accepted request, in one forward per denoising step."""
         e = self.embodiment
-        sessions = [r.session for _, r, _, _ in accepted]
-        video_scales = [v for _, _, v, _ in accepted]
-        action_scales = [a for _, _, _, a in accepted]
-        first = [s.frame_start == 0 for s in sessions]
-        for (_, request, _, _), is_first in zip(accepted, first):
+        sessions = [r.session for _, r, _ in accepted]
+        video_scales = [c.video_guidance for _, _, c in accepted]
+        action_scales = [c.action_guidance for _, _, c in accepted]
+        pins = [c.pin for _, _, c in accepted]
+        positions = [s.frame_start if pin is None else pin.position for s, pin in zip(sessions, pins)]
+        first = [position == 0 for position in positions]
+        for session, pin in zip(sessions, pins):
+            if pin is None and session.last is not None and session.last.position > session.frame_start:
+                session.kv.drop_predictions()  # a continued chunk's entries, ahead of where this chunk goes
+            elif pin is not None and pin.stand_in:
+                self._stand_in(session, pin.last)  # the executing chunk's frames, not committed yet
+        for (_, request, _), is_first in zip(accepted, first):
             if is_first:
                 self._begin_first_chunk(request.session)
                 frames = [request.observation] if isinstance(request.observation, Mapping) else list(request.observation)
@@ -454,7 +528,7 @@ class LingBotVAPolicy:
         # the conditioning of a session's first chunk: latent frame 0 is its observation, action frame 0 zeros, both
         # at timestep 0 (re-imposed after every step, as upstream)
         latent_cond = {i: sessions[i].first_latent[:, :, 0:1].to(self.dtype) for i in first_rows}
-        grids = torch.stack([video_grid(f, h // 2, w // 2, s.frame_start) for s in sessions]).to(self.device)
+        grids = torch.stack([video_grid(f, h // 2, w // 2, p) for p in positions]).to(self.device)
         sigmas = flow_match_sigmas(e.num_inference_steps, e.snr_shift)
         for step in range(len(sigmas) + 1):  # the trailing t = 0 forward keeps the chunk's K/V
             last = step == len(sigmas)
@@ -469,14 +543,22 @@ class LingBotVAPolicy:
                 latents[i : i + 1, :, 0:1] = latent_cond[i]
 
         unused = ~self.action_mask.to(self.device)
-        grids = torch.stack([action_grid(f, n, s.frame_start) for s in sessions]).to(self.device)
+        grids = torch.stack([action_grid(f, n, p) for p in positions]).to(self.device)
         sigmas = flow_match_sigmas(e.action_num_inference_steps, e.action_snr_shift)
+        pinned = [(i, pin) for i, pin in enumerate(pins) if pin is not None]
+        noise = {i: actions[i : i + 1].clone() for i, _ in pinned}  # the continued rows are noised with the call's own
         for step in range(len(sigmas) + 1):
             last = step == len(sigmas)
             timesteps = torch.full((len(sessions), f), 0.0 if last else float(sigmas[step] * 1000), device=self.device)
             for i in first_rows:
                 actions[i, :, 0:1] = 0.0
                 timesteps[i, 0] = 0.0
+            for i, pin in pinned:  # before the forward: the trailing one keeps the pinned chunk's K/V
+                target, weights = pin.target.to(actions), pin.weights.to(actions)
+                if last:
+                    actions[i : i + 1] = action_inpaint.pin(actions[i : i + 1], target, weights, pin.mask.to(self.device))
+                else:
+                    actions[i : i + 1] = action_inpaint.toward(actions[i : i + 1], target, weights, noise[i], float(sigmas[step]))
             actions[:, unused] *= 0
             pred = self._forward(sessions, actions, timesteps, grids, action_mode=True, update=1 if last else 0, text_kv=text_kv)
             if not last:
@@ -488,7 +570,38 @@ class LingBotVAPolicy:
             for row, session in enumerate(sessions):
                 session.predicted_latents = latents[row : row + 1].detach()
                 session.predicted_actions = actions[row : row + 1].detach()
-        return [self._denormalize(actions[row : row + 1]) for row in range(len(sessions))]
+        out = []
+        for row, (session, position, (_, _, checked)) in enumerate(zip(sessions, positions, accepted)):
+            chunk = self._denormalize(actions[row : row + 1])
+            pin = checked.pin
+            if pin is not None:  # exactly what the robot executes, not its round trip through model space
+                flat, old = chunk.reshape(chunk.shape[0], -1), pin.last.actions.reshape(chunk.shape[0], -1)
+                flat[:, : pin.frozen] = old[:, pin.executed : pin.executed + pin.frozen]
+            session.chunks += 1
+            session.last = ServedChunk(
+                session.chunks,
+                position,
+                latents[row : row + 1].detach().clone(),
+                actions[row : row + 1].detach().clone(),
+                chunk.copy(),
+                0 if pin is None else pin.frozen,
+                checked.continuation,
+            )
+            out.append(chunk)
+        return out
+
+    def _stand_in(self, session: LingBotVASession, chunk: ServedChunk) -> None:
+        """The chunk's prediction entries again, from its kept latents and actions (a commit dropped them): the same
+        trailing t = 0 forwards its infer ran, now over the frames committed since."""
+        e = self.embodiment
+        f, n = e.frame_chunk_size, e.action_per_frame
+        h, w = e.latent_size
+        zeros = torch.zeros(1, f, device=self.device)
+        text_kv = self._text_kv([session])
+        grid = video_grid(f, h // 2, w // 2, chunk.position).unsqueeze(0).to(self.device)
+        self._forward([session], chunk.latents.to(self.device, self.dtype), zeros, grid, action_mode=False, update=1, text_kv=text_kv)
+        grid = action_grid(f, n, chunk.position).unsqueeze(0).to(self.device)
+        self._forward([session], chunk.model_actions.to(self.device, self.dtype), zeros, grid, action_mode=True, update=1, text_kv=text_kv)
 
     @staticmethod
     def _begin_first_chunk(session: LingBotVASession) -> None:
@@ -502,21 +615,23 @@ class LingBotVAPolicy:
 
     # -- a failed batch, member by member (ardiff_policies.batch_retry) ---------------------
 
-    def _keep(self, sessions: list[LingBotVASession]) -> _Kept | None:
+    def _keep(self, sessions: list[LingBotVASession], chunks: int | None = None) -> _Kept | None:
         """The batch's sessions as they are, for :func:`~ardiff_policies.batch_retry.run_batched` to put back if the
-        batched call fails (then each member is retried alone); None if the pool has no room to keep them."""
-        return _Kept.take(sessions) if self._undo_fits(sessions) else None
+        batched call fails (then each member is retried alone); None if the pool has no room to keep them. ``chunks``:
+        the video and action chunks the call writes per branch (default one per session)."""
+        return _Kept.take(sessions) if self._undo_fits(sessions, len(sessions) if chunks is None else chunks) else None
 
     @functools.cached_property
     def _undo_pages_per_session(self) -> int:
         return len(self.branches) * self.kv_spec().undo_pages
 
-    def _undo_fits(self, sessions: list[LingBotVASession]) -> bool:
+    def _undo_fits(self, sessions: list[LingBotVASession], chunks: int) -> bool:
         """While a batched call may still be undone, each member keeps the pages it evicts or drops out of the pool:
-        the pool needs the pages the call writes (a video and an action chunk per branch and member) free."""
-        per_session = self._undo_pages_per_session
+        the pool needs the pages the call writes (a video and an action chunk per branch and member, one more for a
+        continuation's stand-in) free."""
+        per_chunk = self._undo_pages_per_session
         pool = sessions[0].kv.pool
-        if pool.num_free >= per_session * len(sessions):
+        if pool.num_free >= per_chunk * chunks:
             return True
         if not self._warned_headroom:
             self._warned_headroom = True
@@ -526,12 +641,13 @@ class LingBotVAPolicy:
                 "PagedKVCache.undo_headroom)",
                 pool.num_free,
                 len(sessions),
-                per_session * len(sessions),
+                per_chunk * chunks,
             )
         return False
 
-    def _check_infer(self, request: InferRequest) -> tuple[float, float]:
-        """The request's guidance scales, or EpisodeError naming the key (nothing of the session has changed)."""
+    def _check_infer(self, request: InferRequest) -> _Checked:
+        """The request's guidance scales and continuation, or EpisodeError naming the key (nothing of the session has
+        changed)."""
         session, e = request.session, self.embodiment
         if session.text_kv is None:
             raise EpisodeError("infer before reset: send {reset: True, prompt} first")
@@ -541,13 +657,46 @@ class LingBotVAPolicy:
             if value > 1 and len(self.branches) == 1:
                 # the negative prompt's K/V were never written: the configured scales are both 1
                 raise EpisodeError(f"{key}: {value} needs the unconditional branch, which this policy does not run")
-        if session.frame_start == 0:
+        reason, pin = self._check_continuation(request)
+        if session.frame_start == 0 and pin is None:
             observation = request.observation
             frames = [observation] if isinstance(observation, Mapping) else list(observation)
             if len(frames) != 1:
                 raise EpisodeError(f"obs: the first infer of an episode takes one observation, got {len(frames)}")
             self._check_frames(frames, "obs")
-        return video_g, action_g
+        return _Checked(video_g, action_g, reason, pin)
+
+    def _check_continuation(self, request: InferRequest) -> tuple[str | None, _Pin | None]:
+        """Whether the request continues its session's last chunk (:func:`ardiff_policies.continuation.decide`), and
+        the pin if it does; EpisodeError when the numbers do not fit or the chunk before the last is not committed."""
+        asked, session, e = request.continuation, request.session, self.embodiment
+        if asked is None:
+            return None, None
+        f, n = e.frame_chunk_size, e.action_per_frame
+        horizon = f * n
+        try:
+            asked.check(horizon)
+        except ValueError as exc:
+            raise EpisodeError(str(exc)) from None
+        last = session.last
+        reason = decide_for(asked, None if last is None else last.chunk_id, {})
+        if reason != APPLIED:
+            return reason, None
+        if last.position not in (session.frame_start - f, session.frame_start):
+            raise EpisodeError(
+                f"continuation: chunk {last.chunk_id} starts at latent frame {last.position} and {session.frame_start} are "
+                f"committed; compute_kv_cache the chunk it continued first (one chunk may run ahead of the commits)"
+            )
+        executed, frozen = asked.executed, asked.delay
+        target = torch.zeros(1, e.action_dim, horizon, dtype=torch.float32)
+        target[:, :, : horizon - executed] = last.model_actions.float().cpu().reshape(1, e.action_dim, horizon)[:, :, executed:]
+        weights = torch.from_numpy(soft_mask(horizon, frozen, horizon - executed)).float()
+        mask = torch.zeros(horizon, dtype=torch.bool)
+        mask[:frozen] = True
+        shape = (1, 1, f, n, 1)
+        stand_in = last.position == session.frame_start and not last.in_kv
+        pin = _Pin(last, executed, frozen, target.reshape(1, e.action_dim, f, n, 1), weights.reshape(shape), mask.reshape(shape), stand_in)
+        return reason, pin
 
     def compute_kv_cache(self, session: LingBotVASession, frames: Sequence[Mapping[str, np.ndarray]], state: np.ndarray) -> None:
         """What the robot saw and did: the prediction's pages are dropped, these written as committed."""
@@ -580,6 +729,8 @@ class LingBotVAPolicy:
             if session.frame_start == 0:
                 latent = session.first_latent if latent is None else torch.cat([session.first_latent, latent], dim=2)
             session.kv.drop_predictions()  # upstream's clear_pred_cache: the observation replaces the prediction
+            if session.last is not None and session.last.in_kv:
+                session.last = replace(session.last, in_kv=False)
             sessions.append(session)
             latents.append(latent.to(self.dtype))
             actions.append(action_in)

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from ardiff_kv import Branch, KVSpec, SessionKV
 from ardiff_policies.base import ChunkRecording, Policy, RuntimeOptions, StartRefused, StepResult
 from ardiff_policies.chunk import ChunkInfo
+from ardiff_policies.continuation import CONTRACT
 from ardiff_policies.embodiment import ObservationSchema
 from ardiff_policies.episode import EpisodeCall
 from ardiff_policies.info import PolicyInfo
@@ -119,7 +120,7 @@ class LingBotVAServing(Policy[ServedSession]):
                 "execute_from": "the reply's session.execute_from: the first chunk's first frame of actions conditions the model and is not executed",
             },
             "needs_session_id": True,
-            "continuations": False,  # a request's continuation is refused by name; ardiff-client --async asks without one
+            "continuations": True,  # a request's continuation: the next chunk inpainted to the executing one (episode_logic.py)
             "image_resolution": list(self.schema.resolutions[0]),
             "protocols": ["openpi", "lingbot_va"],
             "guidance": {"video_guidance_scale": e.guidance_scale, "action_guidance_scale": e.action_guidance_scale, "max": MAX_GUIDANCE},
@@ -136,11 +137,14 @@ class LingBotVAServing(Policy[ServedSession]):
                 "layout": e.layout,
                 "attn_window": e.attn_window,
                 "seed": self.config.seed,
+                # the shared wire contract; the new chunk is the model's next one, inpainted to the executing one's rows
+                "continuation": {**CONTRACT, "mode": "inpaint", "position": "the next chunk (over the executing one's predicted K/V)"},
             },
             max_batch=MAX_BATCH,
             observation_schema=self.schema,
             native_protocol="lingbot_va",
             max_frames_per_call=max(commit_frames.values()),  # every frame sent is read; check_observation refuses other counts
+            continuations=True,
         )
 
     @property
@@ -268,14 +272,13 @@ class LingBotVAServing(Policy[ServedSession]):
                 # OpenPI: an episode starts from one observation; a stack (a robot whose session was evicted, or a
                 # client that always sends its key frames) starts it from its newest frame
                 frames = frames[-1:]
-            requests.append(InferRequest(session.episode, frames[0] if len(frames) == 1 else frames, video_g, action_g))
+            requests.append(InferRequest(session.episode, frames[0] if len(frames) == 1 else frames, video_g, action_g, observation.continuation))
             rows.append(i)
         if requests:
-            first = [items[i][0].episode.frame_start == 0 for i in rows]
             start = time.perf_counter()
             outcomes = self.episodes.infer_batch(requests)
             ms = (time.perf_counter() - start) * 1000.0
-            for i, is_first, outcome in zip(rows, first, outcomes):
+            for i, outcome in zip(rows, outcomes):
                 session = items[i][0]
                 if isinstance(outcome, BaseException):
                     results[i] = outcome
@@ -283,10 +286,12 @@ class LingBotVAServing(Policy[ServedSession]):
                 session.timing_ms["infer"] = ms
                 session.last_actions = outcome
                 kind = "commit+infer" if session.committed else "infer"
-                results[i] = self._result(session, outcome, kind, execute_from=self.per_frame if is_first else 0)
+                served = session.episode.last  # its chunk_id, frozen rows, continuation; the episode's first chunk at 0
+                chunk = ChunkInfo(served.chunk_id, served.frozen, served.continuation, kind, self.per_frame if served.position == 0 else 0)
+                results[i] = self._result(session, outcome, chunk)
         for i, (session, _) in enumerate(items):
             if results[i] is None:  # a commit only (LingBot-VA's compute_kv_cache)
-                results[i] = self._result(session, None, "compute_kv_cache", execute_from=0)
+                results[i] = self._result(session, None, ChunkInfo(call="compute_kv_cache", execute_from=0))
         if self.record:
             for (session, observation), result in zip(items, results):
                 if isinstance(result, StepResult):
@@ -312,13 +317,13 @@ class LingBotVAServing(Policy[ServedSession]):
         stacks = [np.asarray(observation.cameras[name]) for name in self.cameras]
         return [{camera: stack[t] for camera, stack in zip(self.embodiment.cameras, stacks)} for t in range(stacks[0].shape[0])]
 
-    def _result(self, session: ServedSession, actions: np.ndarray | None, kind: str, *, execute_from: int) -> StepResult:
+    def _result(self, session: ServedSession, actions: np.ndarray | None, chunk: ChunkInfo) -> StepResult:
         if actions is None:
             out = np.zeros((0, self.channels), np.float32)
         else:
             out = np.ascontiguousarray(actions.reshape(self.channels, -1).T, dtype=np.float32)
         info = {"frame_start": session.episode.frame_start}
-        return StepResult(out, dict(session.timing_ms), info, chunk=ChunkInfo(call=kind, execute_from=execute_from))
+        return StepResult(out, dict(session.timing_ms), info, chunk=chunk)
 
     # -- recordings ------------------------------------------------------------------------------
 

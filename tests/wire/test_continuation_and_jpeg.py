@@ -18,7 +18,6 @@ from ardiff_policies.embodiment import ObservationSchema, Part
 from ardiff_server.wire.decode import RequestError, decode_request
 from ardiff_server.wire.images import MAX_IMAGE_SIDE
 from ardiff_server.wire.jpeg import encode_jpeg
-from ardiff_server.wire.lingbot_va import decode_lingbot_va
 from ardiff_server.wire.protocol import unpack
 
 EXT = "observation/exterior_image_{}_left"
@@ -192,10 +191,3 @@ def test_actions_left_is_the_requests_own_and_not_the_policys():
 )
 def test_a_bad_actions_left_is_a_bad_request_naming_the_field(value, message):
     assert rejected(droid_request(continuation={"executed": 1, "delay": 2, "actions_left_s": value})) == message
-
-
-def test_lingbot_vas_own_protocol_refuses_a_continuation_deadline_and_all_by_name():
-    """LingBot-VA's messages carry no continuation (its replies say no chunk_id / frozen): a deadline inside one is
-    refused with the continuation, never dropped silently."""
-    with pytest.raises(RequestError, match=r"^continuation: LingBot-VA does not continue chunks"):
-        decode_lingbot_va({"obs": {}, "continuation": {"executed": 0, "delay": 0, "actions_left_s": 0.5}}, ("cam_high",))

@@ -102,16 +102,25 @@ def test_openpi_requests_carry_guidance_only_to_a_policy_that_takes_it():
         decode_request(openpi(action_guidance_scale=2.0), schema)  # never silently ignored
 
 
-def test_a_continuation_on_lingbot_vas_own_protocol_is_refused_by_name():
-    """Upstream's messages never carry ``continuation`` (this server's real-time chunking, OpenPI only, and not for
-    LingBot-VA yet): one that does is refused naming it, not decoded without it."""
-    for message in (
-        {"obs": frame(), "continuation": {"executed": 1, "delay": 2}},
-        {"obs": [frame()] * 4, "compute_kv_cache": True, "state": np.zeros((16, 2, 16)), "continuation": 3},
-    ):
-        with pytest.raises(RequestError, match=r"^continuation: LingBot-VA does not continue chunks"):
-            decode(message)
-    assert decode({"obs": frame(), "continuation": None}).kind == "infer"
+def test_an_infer_carries_a_continuation_and_a_commit_refuses_one_by_name():
+    """LingBot-VA's own ``infer`` takes the OpenPI wire's ``continuation`` (decoded alike, bad numbers named alike); a
+    ``compute_kv_cache`` continues nothing, so one carrying it is refused naming it, not decoded without it."""
+    from ardiff_policies.continuation import Continuation
+
+    request = decode({"obs": frame(), "continuation": {"executed": 1, "delay": 2, "chunk_id": 3}})
+    assert request.kind == "infer" and request.observation.continuation == Continuation(1, 2, 3)
+    assert decode({"obs": frame(), "continuation": None}).observation.continuation is None
+    timed = decode({"obs": frame(), "continuation": {"executed": 1, "delay": 2, "actions_left_s": 0.5}})  # its deadline, as OpenPI's
+    assert timed.actions_left_s == 0.5 and request.actions_left_s is None
+    with pytest.raises(RequestError, match=r"^continuation.actions_left_s: expected a finite number of seconds >= 0"):
+        decode({"obs": frame(), "continuation": {"executed": 1, "delay": 2, "actions_left_s": -1}})
+    with pytest.raises(RequestError, match=r"^continuation.delay: expected an integer >= 0"):
+        decode({"obs": frame(), "continuation": {"executed": 1, "delay": -2}})
+    with pytest.raises(RequestError, match=r"^continuation: unknown field"):
+        decode({"obs": frame(), "continuation": {"executed": 1, "delay": 2, "late": 1}})
+    commit = {"obs": [frame()] * 4, "compute_kv_cache": True, "state": np.zeros((16, 2, 16)), "continuation": {"executed": 1, "delay": 2}}
+    with pytest.raises(RequestError, match=r"^continuation: a compute_kv_cache commits what the robot saw and continues nothing"):
+        decode(commit)
 
 
 def test_the_one_entry_point_decides_whose_message_a_frame_is():

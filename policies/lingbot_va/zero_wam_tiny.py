@@ -24,7 +24,7 @@ from ardiff_policies.lingbot_va.zero_wam_config import ZeroWAMConfig
 from ardiff_policies.lingbot_va.zero_wam_model import CROSS_ALIASES, ZeroWAMTransformer, alias_tensors, dropped_tensors
 from ardiff_policies.wan.tiny import cache_root, ensure_generated, init_tensor, write_json
 
-TINY_ZERO_WAM_VERSION = 1
+TINY_ZERO_WAM_VERSION = 2
 TINY_ZERO_WAM_SEED = 36
 # LingBot-VA's tiny sizes (so the text encoder and VAE are the same), the action expert's feed-forward at another
 # width than the video's (so a swap of the two is caught), one MCP head reading both layers, a window of two chunks.

@@ -241,3 +241,10 @@ def test_the_released_size():
     dropped = sum(torch.Size(s).numel() for s in dropped_tensors(cfg).values())
     assert 10.75e9 < served + dropped < 10.85e9, (served, dropped)
     assert 9.35e9 < served < 9.45e9, served  # what the GPU holds
+
+
+def test_the_tiny_checkpoint_is_the_same_bytes_every_time(tiny_dir, tmp_path):
+    from ardiff_policies.lingbot_va.tiny import tree_digest
+    from ardiff_policies.lingbot_va.zero_wam_tiny import write_tiny_zero_wam_checkpoint
+
+    assert tree_digest(write_tiny_zero_wam_checkpoint(tmp_path / "again")) == tree_digest(tiny_dir)

@@ -161,7 +161,8 @@ class ForwardContext:
             visible = branch_kv.pinned + video_pages
         else:
             held = branch_kv.resident + branch_kv.provisional
-            window = visible_pages(held, video_pages, window_pages=spec.window_pages, sink_pages=spec.sink_pages)
+            limit = spec.window_pages + (len(video_pages) if spec.window_of_history else 0)
+            window = visible_pages(held, video_pages, window_pages=limit, sink_pages=spec.sink_pages)
             visible = (branch_kv.pinned if self.attend_pinned else []) + window
         table = visible + extra_pages
         table += [0] * (spec.block_table_width - len(table))

@@ -62,6 +62,10 @@ class KVSpec:
     # LingBot-VA's window: before every forward (a denoising step's too), the oldest pages are freed until the
     # held pages plus the forward's new ones fit in ``window_pages``; attention sees every page held (window.pages_to_fit)
     evict_to_fit: bool = False
+    # Zero-WAM's frame-id window: the window counts the pages the branch holds, not the forward's own, so every
+    # forward sees the newest ``window_pages`` held pages and its own (upstream's |query frame - key frame| <= W,
+    # which leaves an action query the oldest chunk's actions but not its video: docs/zero-wam.md).
+    window_of_history: bool = False
     # Pages a call may write beyond the window while it can still be undone (LingBot-VA's member-by-member retry
     # keeps what it evicts until the batch succeeded): the pool keeps them free per batch slot and branch.
     undo_pages: int = 0
@@ -86,6 +90,8 @@ class KVSpec:
             raise ValueError(f"KVSpec: window_pages ({self.window_pages}) must be a whole number of chunks ({self.chunk_pages} pages)")
         if self.evict_to_fit and (self.sink_chunks or self.reset_at_boundary):
             raise ValueError("KVSpec: evict_to_fit frees the oldest pages one forward at a time; it has no sink and no window reset")
+        if self.window_of_history and (self.evict_to_fit or self.reset_at_boundary or self.sink_chunks):
+            raise ValueError("KVSpec: window_of_history is a sliding chunk window (no evict_to_fit, sink or window reset)")
         if self.sink_pages >= self.window_pages:
             raise ValueError(f"KVSpec: sink ({self.sink_pages} pages) must be smaller than the window ({self.window_pages})")
 
@@ -136,8 +142,9 @@ class KVSpec:
     @property
     def block_table_width(self) -> int:
         """Fixed width so that shapes never change as the window fills (compile / CUDA graphs): the pinned
-        block, the window, the extra tokens."""
-        return self.max_pinned_pages + self.window_pages + max(1, self.extra_pages)
+        block, the window (and the forward's own pages when the window counts history only), the extra tokens."""
+        own = self.max_new_pages if self.window_of_history else 0
+        return self.max_pinned_pages + self.window_pages + own + max(1, self.extra_pages)
 
     @property
     def cross_tokens(self) -> int:

@@ -26,6 +26,10 @@ card's free memory is its size less 0.5 GiB for the CUDA context.
 LingBot-VA (``policies/lingbot_va/memory.py``): the released 5B transformer, UMT5-XXL and the Wan2.2 VAE on one GPU,
 bf16, both CFG branches, per upstream embodiment config; "+session" is a session's KV window plus its prompt K/V.
 
+Zero-WAM (``policies/lingbot_va/zero_wam_memory.py``): its served transformer (9.4 B of the released 10.8 B), UMT5-XXL
+and the Wan2.2 VAE, bf16; a session's cache counted token by token as upstream keeps it (a demonstration of up to 32
+latent frames pinned, the window of 32 chunks, the predicted chunk), with and without the in-context CFG half.
+
     python scripts/memory_plan.py            # the markdown tables
     python scripts/memory_plan.py --json
     python scripts/memory_plan.py --measure-vae   # re-measure the VAE activation constant on this CPU (minutes)
@@ -174,6 +178,38 @@ def lingbot_va_table() -> tuple[str, list[dict]]:
     return "\n".join(lines), out
 
 
+def zero_wam_table() -> tuple[str, list[dict]]:
+    from ardiff_policies.lingbot_va import zero_wam_memory as zw
+
+    cards = " | ".join(f"{c} GiB" for c in CARDS_GIB)
+    lines = [
+        f"| Zero-WAM (10.8 B file, 9.4 B served) | weights | cache, 1 session | prompt K/V | activations | reserve | **GiB per GPU** | +session | {cards} |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(CARDS_GIB),
+    ]
+    out = []
+    for geometry in (zw.ROBOTWIN, zw.ROBOTWIN_NO_CFG):
+        p = zw.plan(geometry)
+        fits = {card: p.sessions_on(int((card - CONTEXT_GIB) * GiB)) for card in CARDS_GIB}
+        lines.append(
+            f"| {p.name} | {sum(p.weights.values()) / GiB:.1f} | {p.kv_session / GiB:.2f} | {p.text_session / GiB:.2f} | {p.activations / GiB:.1f} "
+            f"| {p.reserve / GiB:.1f} | **{p.total() / GiB:.1f}** | {p.per_session / GiB:.2f} | "
+            + " | ".join(str(n) if n else "-" for n in fits.values())
+            + " |"
+        )
+        out.append(
+            {
+                "model": p.name,
+                "weights": {k: v / GiB for k, v in p.weights.items()},
+                "kv_session": p.kv_session / GiB,
+                "text_session": p.text_session / GiB,
+                "activations": p.activations / GiB,
+                "total": p.total() / GiB,
+                "sessions": fits,
+            }
+        )
+    return "\n".join(lines), out
+
+
 def parameters() -> dict[str, dict[str, int]]:
     return {name: {c: s.floating for c, s in g.sizes.items()} for name, g in (("14B", geometry_14b()), ("5B", geometry_5b()))}
 
@@ -249,8 +285,11 @@ def main() -> None:
     lingbot, lingbot_rows = lingbot_va_table()
     print()
     print(lingbot)
+    zero_wam, zero_wam_rows = zero_wam_table()
+    print()
+    print(zero_wam)
     if args.json:
-        print(json.dumps({"parameters": counts, "rows": [r.__dict__ for r in table], "lingbot_va": lingbot_rows}))
+        print(json.dumps({"parameters": counts, "rows": [r.__dict__ for r in table], "lingbot_va": lingbot_rows, "zero_wam": zero_wam_rows}))
 
 
 if __name__ == "__main__":

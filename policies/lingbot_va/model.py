@@ -69,6 +69,22 @@ def action_grid(frames: int, actions_per_frame: int, start_frame: int) -> torch.
     return torch.stack([f, minus_one, minus_one]).flatten(1)
 
 
+def patchify(latents: torch.Tensor, patch_size: tuple[int, int, int]) -> torch.Tensor:
+    """(B, C, F, H, W) -> (B, tokens, C * patch volume): b c (f p1) (h p2) (w p3) -> b (f h w) (c p1 p2 p3)."""
+    _, _, frames, height, width = latents.shape
+    pt, ph, pw = patch_size
+    patches = latents.unflatten(4, (width // pw, pw)).unflatten(3, (height // ph, ph)).unflatten(2, (frames // pt, pt))
+    return patches.permute(0, 2, 4, 6, 1, 3, 5, 7).flatten(4).flatten(1, 3)
+
+
+def unpatchify(tokens: torch.Tensor, patch_size: tuple[int, int, int], channels: int, size: tuple[int, int, int]) -> torch.Tensor:
+    """:func:`patchify`'s inverse for the output projection's (B, tokens, patch volume * C) -> (B, C, F, H, W)."""
+    frames, height, width = size
+    pt, ph, pw = patch_size
+    out = tokens.view(tokens.shape[0], frames // pt, height // ph, width // pw, pt, ph, pw, channels)
+    return out.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(tokens.shape[0], channels, frames, height, width)
+
+
 class RotaryPositions(nn.Module):
     """3-D RoPE angles for float positions. The head dimension splits into frame / height / width parts
     (:func:`rope_axis_dims`: upstream's d - 2 (d // 3), d // 3 and d // 3); frequencies 1 / 10000^(2k / part) per
@@ -236,12 +252,8 @@ class LingBotVATransformer(nn.Module):
             x = self.action_embedder(inputs.flatten(2).transpose(1, 2))  # one token per (frame, action)
             tokens_per_frame = height * width
         else:
-            pt, ph, pw = cfg.patch_size
-            # b c (f p1) (h p2) (w p3) -> b (f h w) (c p1 p2 p3)
-            patches = inputs.unflatten(4, (width // pw, pw)).unflatten(3, (height // ph, ph)).unflatten(2, (frames // pt, pt))
-            patches = patches.permute(0, 2, 4, 6, 1, 3, 5, 7).flatten(4).flatten(1, 3)
-            x = self.patch_embedding_mlp(patches)
-            tokens_per_frame = (height // ph) * (width // pw)
+            x = self.patch_embedding_mlp(patchify(inputs, cfg.patch_size))
+            tokens_per_frame = (height // cfg.patch_size[1]) * (width // cfg.patch_size[2])
         if isinstance(text, torch.Tensor):
             text = self.project_text(text)
         rope = self.rope(grid)
@@ -254,9 +266,7 @@ class LingBotVATransformer(nn.Module):
         if action_mode:
             # b (f n) c -> b c f n 1
             return self.action_proj_out(x).transpose(1, 2).reshape(batch, cfg.action_dim, frames, height, width)
-        pt, ph, pw = cfg.patch_size
-        out = self.proj_out(x).view(batch, frames // pt, height // ph, width // pw, pt, ph, pw, cfg.out_channels)
-        return out.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(batch, cfg.out_channels, frames, height, width)
+        return unpatchify(self.proj_out(x), cfg.patch_size, cfg.out_channels, (frames, height, width))
 
 
 # ----------------------------------------------------------------------------- loading

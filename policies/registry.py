@@ -30,7 +30,7 @@ class PolicyEntry:
 
 _REGISTRY: dict[str, PolicyEntry] = {
     "dreamzero": PolicyEntry("ardiff_policies.dreamzero.config:DreamZeroConfig", "ardiff_policies.dreamzero.policy:build_dreamzero"),
-    "lingbot_va": PolicyEntry("ardiff_policies.lingbot_va.settings:LingBotVAConfig", "ardiff_policies.lingbot_va.policy:build_lingbot_va"),
+    "lingbot_va": PolicyEntry("ardiff_policies.lingbot_va.config:LingBotVAConfig", "ardiff_policies.lingbot_va.policy:build_lingbot_va"),
     "noop": PolicyEntry("ardiff_policies.noop.config:NoopConfig", "ardiff_policies.noop.policy:build_noop"),
 }
 

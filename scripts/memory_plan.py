@@ -145,7 +145,7 @@ def markdown(table: list[Row]) -> str:
 
 def lingbot_va_table() -> tuple[str, list[dict]]:
     from ardiff_policies.lingbot_va import memory as lv_memory
-    from ardiff_policies.lingbot_va.config import FRANKA, ROBOTWIN
+    from ardiff_policies.lingbot_va.embodiments import FRANKA, ROBOTWIN
     from ardiff_policies.lingbot_va.upstream_configs import LIBERO
 
     cards = " | ".join(f"{c} GiB" for c in CARDS_GIB)

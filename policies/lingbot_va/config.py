@@ -1,305 +1,98 @@
-"""LingBot-VA's checkpoint configs, read key by key (torch-free).
+"""Settings of the LingBot-VA policy (torch-free: the front end validates them without loading a model).
 
-``transformer/config.json`` of a released checkpoint is diffusers' ``register_to_config`` record of
-upstream's ``WanTransformer3DModel.__init__`` arguments (``wan_va/modules/model.py``). Every key is
-read here: the network's sizes go into :class:`TransformerConfig`; keys that do not change the
-network (upstream accepts them and never uses them) are checked and named; anything else is refused
-by name, so a checkpoint of another model or a newer format fails at start-up, not mid-episode.
-
-The embodiment (cameras and their layout, chunking, action channel map, quantile statistics, steps, shifts, guidance)
-is not in a LingBot-VA checkpoint: upstream keeps it in Python configs. :class:`Embodiment` holds those keys;
-:data:`ROBOTWIN` and :data:`FRANKA` are upstream's two shipped configs.
+Every key is read: ``checkpoint`` (a released checkpoint directory or Hugging Face id, ``builtin:tiny``, or
+``synthetic:released`` / ``synthetic:tiny`` with ``,layers=N``: random weights made on the device, ``synthetic.py``), ``embodiment``
+(upstream's config it was trained with: ``robotwin``, ``franka``, ``libero``, ``demo``; ``tiny_robotwin`` or
+``tiny_libero`` for the tiny checkpoint), ``seed``
+(each session's noise generator is seeded with it at reset: upstream never seeds), ``safety`` (the safety gate,
+``ardiff_policies.safety``: off only, refused otherwise with the reason). Unknown keys are refused by name.
 """
 
 from __future__ import annotations
 
-import json
-import math
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
-TRANSFORMER_CLASS = "WanTransformer3DModel"
+import pydantic
 
-# diffusers' bookkeeping, written by save_pretrained: nothing in them shapes the network.
-_DIFFUSERS_METADATA = frozenset({"_class_name", "_diffusers_version", "_name_or_path"})
-# upstream's attention kernel choice (wan_va/modules/model.py: custom_sdpa or flash_attn_func; LeRobot's port adds
-# flex): the same attention either way. Here attention is the engine's paged attention, so the value is checked and
-# otherwise unused.
-ATTN_MODES = frozenset({"torch", "flashattn", "flex"})
+from ardiff_policies import hub
+from ardiff_policies.safety import SafetyConfig
+
+BUILTIN_TINY = "builtin:tiny"
+SYNTHETIC_PREFIX = "synthetic:"
+SYNTHETIC_PRESETS = ("released", "tiny")  # synthetic.py
+CHECKPOINT_EXAMPLE = "/path/to/lingbot-va-posttrain-robotwin"
+# What the server reads of a released checkpoint (diffusers-style directories), and so all it fetches of a hub repo.
+CHECKPOINT_FILES = ("transformer/*", "vae/*", "text_encoder/*", "tokenizer/*")
+EMBODIMENTS = ("robotwin", "franka", "libero", "demo", "tiny_robotwin", "tiny_libero")
+TINY_EMBODIMENTS = ("tiny_robotwin", "tiny_libero")  # the geometries the tiny checkpoints are served with
 
 
-@dataclass(frozen=True)
-class TransformerConfig:
-    """The network's sizes, with upstream's names and defaults (the released 5B's values)."""
+class LingBotVAConfig(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
 
-    patch_size: tuple[int, int, int] = (1, 2, 2)
-    num_attention_heads: int = 24
-    attention_head_dim: int = 128
-    in_channels: int = 48
-    out_channels: int = 48
-    action_dim: int = 30
-    text_dim: int = 4096
-    freq_dim: int = 256
-    ffn_dim: int = 14336
-    num_layers: int = 30
-    cross_attn_norm: bool = True
-    eps: float = 1e-6
-    # Stored by upstream and never used (RoPE angles are computed from grid ids, unbounded); kept so that a
-    # config round-trips, and checked to be a positive integer.
-    rope_max_seq_len: int = 1024
-    attn_mode: str = "torch"
+    name: Literal["lingbot_va"] = "lingbot_va"
+    checkpoint: str = pydantic.Field(
+        BUILTIN_TINY,
+        description="checkpoint directory, Hugging Face id (robbyant/lingbot-va-posttrain-robotwin, robbyant/lingbot-va-base, "
+        "robbyant/lingbot-va-posttrain-libero-long), builtin:tiny "
+        "or synthetic:released / synthetic:tiny[,layers=N]",
+    )
+    embodiment: Literal["robotwin", "franka", "libero", "demo", "tiny_robotwin", "tiny_libero"] | None = pydantic.Field(
+        None, description="upstream's embodiment config (default: tiny_robotwin for builtin:tiny, else robotwin)"
+    )
+    seed: int = pydantic.Field(0, ge=0, description="every session's noise generator is seeded with it at reset")
+    safety: SafetyConfig = pydantic.Field(
+        default_factory=SafetyConfig, description="the safety gate (ardiff_policies.safety): off only, LingBot-VA's actions cannot be gated"
+    )
 
-    def __post_init__(self) -> None:
-        if len(self.patch_size) != 3 or any(int(p) != p or p < 1 for p in self.patch_size):
-            raise ValueError(f"transformer config: patch_size must be 3 positive integers, got {list(self.patch_size)}")
-        for name in (
-            "num_attention_heads",
-            "attention_head_dim",
-            "in_channels",
-            "out_channels",
-            "action_dim",
-            "text_dim",
-            "freq_dim",
-            "ffn_dim",
-            "num_layers",
-            "rope_max_seq_len",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"transformer config: {name} must be a positive integer, got {value!r}")
-        if self.freq_dim % 2:
-            raise ValueError(f"transformer config: freq_dim must be even (sin and cos halves), got {self.freq_dim}")
-        d = self.attention_head_dim
-        if d % 2 or (d // 3) % 2:
-            # RoPE splits the head into frame / height / width parts of d - 2 (d // 3), d // 3, d // 3 dimensions,
-            # each rotated in pairs: upstream's complex view fails on an odd part.
+    @pydantic.field_validator("safety")
+    @classmethod
+    def _check_safety(cls, value: SafetyConfig) -> SafetyConfig:
+        # Each arm's 7 channels are an end-effector position and quaternion (their statistics span [-1, 1] on 3-6), and no
+        # request carries a measured state of them: nothing to check a first action against, and a quaternion's step is no distance.
+        if value.mode != "off":
             raise ValueError(
-                f"transformer config: attention_head_dim {d} splits into RoPE parts {d - 2 * (d // 3)}/{d // 3}/{d // 3}; each must be even"
+                f"mode {value.mode}: the safety gate cannot apply to lingbot_va (its actions are end-effector poses with "
+                "quaternions, and no request carries their state); leave policy.safety out"
             )
-        if self.attn_mode not in ATTN_MODES:
-            raise ValueError(f"transformer config: attn_mode {self.attn_mode!r} is not one of {sorted(ATTN_MODES)}")
-        if not isinstance(self.cross_attn_norm, bool):
-            raise ValueError(f"transformer config: cross_attn_norm must be true or false, got {self.cross_attn_norm!r}")
-        if not self.eps > 0:
-            raise ValueError(f"transformer config: eps must be positive, got {self.eps!r}")
+        return value
+
+    @pydantic.model_validator(mode="after")
+    def _check_pair(self) -> LingBotVAConfig:
+        tiny = self.checkpoint == BUILTIN_TINY or self.checkpoint.startswith(SYNTHETIC_PREFIX + "tiny")
+        if self.checkpoint.startswith(SYNTHETIC_PREFIX):
+            preset = self.checkpoint.removeprefix(SYNTHETIC_PREFIX).split(",")[0]
+            if preset not in SYNTHETIC_PRESETS:
+                raise ValueError(f"policy.checkpoint: unknown synthetic preset {preset!r}; presets: {', '.join(SYNTHETIC_PRESETS)}")
+        if self.checkpoint.startswith("builtin:") and not tiny:
+            raise ValueError(f"policy.checkpoint: unknown {self.checkpoint!r}; built in: {BUILTIN_TINY}")
+        if tiny and self.embodiment not in (None, *TINY_EMBODIMENTS):
+            raise ValueError(
+                f"policy.embodiment: {self.checkpoint} is served with the tiny geometries only ({', '.join(TINY_EMBODIMENTS)}), not {self.embodiment!r}"
+            )
+        if not tiny and self.embodiment in TINY_EMBODIMENTS:
+            raise ValueError(f"policy.embodiment: {self.embodiment} is a geometry of builtin:tiny and synthetic:tiny only")
+        return self
 
     @property
-    def dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
+    def embodiment_name(self) -> str:
+        tiny = self.checkpoint == BUILTIN_TINY or self.checkpoint.startswith(SYNTHETIC_PREFIX + "tiny")
+        return self.embodiment or ("tiny_robotwin" if tiny else "robotwin")
 
-    @property
-    def patch_volume(self) -> int:
-        return math.prod(self.patch_size)
+    def preflight(self) -> LingBotVAConfig:
+        """Before any worker is spawned: a Hugging Face id becomes a local snapshot directory; the directory is checked.
+        Raises ValueError naming the problem and the fix."""
+        if self.checkpoint == BUILTIN_TINY or self.checkpoint.startswith(SYNTHETIC_PREFIX):
+            return self
+        return self.model_copy(update={"checkpoint": str(self.local_checkpoint())})
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> TransformerConfig:
-        raw = dict(raw)
-        class_name = raw.pop("_class_name", TRANSFORMER_CLASS)
-        if class_name != TRANSFORMER_CLASS:
-            raise ValueError(f"transformer config: _class_name {class_name!r} is not LingBot-VA's {TRANSFORMER_CLASS!r}")
-        for key in _DIFFUSERS_METADATA:
-            raw.pop(key, None)
-        # Passed by upstream to its time/text embedder, which ignores it: only the released value (null) is accepted,
-        # so a checkpoint that relies on a learned position table is refused rather than served without it.
-        if raw.pop("pos_embed_seq_len", None) is not None:
-            raise ValueError("transformer config: pos_embed_seq_len must be null (upstream has no position table)")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"transformer config: unknown key(s) {unknown}; LingBot-VA's WanTransformer3DModel takes {sorted(known)}")
-        if "patch_size" in raw:
-            raw["patch_size"] = tuple(raw["patch_size"])
-        return cls(**raw)
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> TransformerConfig:
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cannot read the transformer config {path}: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ValueError(f"transformer config {path}: expected a JSON object")
-        try:
-            return cls.from_dict(raw)
-        except ValueError as exc:
-            raise ValueError(f"{path}: {exc}") from None
-        except TypeError as exc:  # a key of the wrong shape (e.g. patch_size not a list)
-            raise ValueError(f"{path}: {exc}") from None
-
-    def to_dict(self) -> dict[str, Any]:
-        """``config.json`` as diffusers writes it for upstream's class."""
-        out = {"_class_name": TRANSFORMER_CLASS, **asdict(self), "pos_embed_seq_len": None}
-        out["patch_size"] = list(self.patch_size)
-        return out
-
-
-@dataclass(frozen=True)
-class Embodiment:
-    """The keys of upstream's ``va_*_cfg.py`` the episode reads (LingBot-VA checkpoints do not carry them)."""
-
-    layout: str  # "robotwin_tshape" (high camera + two half-size wrists through a second VAE stream) or "none"
-    cameras: tuple[str, ...]
-    height: int
-    width: int
-    frame_chunk_size: int
-    action_per_frame: int
-    attn_window: int
-    used_action_channel_ids: tuple[int, ...]
-    q01: tuple[float, ...]
-    q99: tuple[float, ...]
-    action_dim: int = 30
-    guidance_scale: float = 5.0
-    action_guidance_scale: float = 1.0
-    num_inference_steps: int = 25
-    action_num_inference_steps: int = 50
-    snr_shift: float = 5.0
-    action_snr_shift: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.layout not in ("robotwin_tshape", "none"):
-            raise ValueError(f"embodiment layout {self.layout!r}: expected robotwin_tshape or none")
-        if self.layout == "robotwin_tshape" and len(self.cameras) != 3:
-            raise ValueError("the robotwin_tshape layout takes three cameras: high, left wrist, right wrist")
-        if len(self.q01) != self.action_dim or len(self.q99) != self.action_dim:
-            raise ValueError(f"q01 / q99 need {self.action_dim} values each")
-        if sorted(set(self.used_action_channel_ids)) != sorted(self.used_action_channel_ids) or not all(
-            0 <= c < self.action_dim for c in self.used_action_channel_ids
-        ):
-            raise ValueError(f"used_action_channel_ids must be distinct channels in [0, {self.action_dim})")
-        # whole 2x2 patches of latents: T layout rows (h / 16) * 3 / 2 even, wrists at half size
-        rows, cols = (64, 32) if self.layout == "robotwin_tshape" else (32, 32)
-        if self.height % rows or self.width % cols:
-            raise ValueError(f"the {self.layout} layout needs height a multiple of {rows} and width of {cols}")
-        if self.guidance_scale <= 1 and self.action_guidance_scale > 1:
-            # upstream encodes the negative prompt only for video guidance > 1 and then fails on the action CFG
-            raise ValueError("action_guidance_scale > 1 needs guidance_scale > 1 (upstream's negative prompt)")
-
-    @property
-    def latent_size(self) -> tuple[int, int]:
-        """The latent frame: T layout (wrists side by side above the high camera) or cameras side by side."""
-        if self.layout == "robotwin_tshape":
-            return (self.height // 16) * 3 // 2, self.width // 16
-        return self.height // 16, self.width // 16 * len(self.cameras)
-
-    @property
-    def video_tokens_per_chunk(self) -> int:
-        h, w = self.latent_size
-        return self.frame_chunk_size * (h // 2) * (w // 2)
-
-    @property
-    def action_tokens_per_chunk(self) -> int:
-        return self.frame_chunk_size * self.action_per_frame
-
-
-def _channels() -> tuple[int, ...]:
-    # left arm 0-6, left gripper 28, right arm 7-13, right gripper 29 (va_robotwin_cfg.py / va_franka_cfg.py)
-    return (*range(0, 7), 28, *range(7, 14), 29)
-
-
-# Upstream's two shipped embodiments (wan_va/configs/va_robotwin_cfg.py, va_franka_cfg.py at 6f092cb).
-ROBOTWIN = Embodiment(
-    layout="robotwin_tshape",
-    cameras=("observation.images.cam_high", "observation.images.cam_left_wrist", "observation.images.cam_right_wrist"),
-    height=256,
-    width=320,
-    frame_chunk_size=2,
-    action_per_frame=16,
-    attn_window=72,
-    used_action_channel_ids=_channels(),
-    q01=(
-        -0.06172713458538055,
-        -3.6716461181640625e-05,
-        -0.08783501386642456,
-        -1,
-        -1,
-        -1,
-        -1,
-        -0.3547105032205582,
-        -1.3113021850585938e-06,
-        -0.11975435614585876,
-        -1,
-        -1,
-        -1,
-        -1,
-        *[0.0] * 16,
-    ),
-    q99=(
-        0.3462600058317184,
-        0.39966784834861746,
-        0.14745532035827624,
-        1,
-        1,
-        1,
-        1,
-        0.034201726913452024,
-        0.39142737388610793,
-        0.1792279863357542,
-        1,
-        1,
-        1,
-        1,
-        *[0.0] * 14,
-        1.0,
-        1.0,
-    ),
-    guidance_scale=5.0,
-    action_guidance_scale=1.0,
-    num_inference_steps=25,
-    action_num_inference_steps=50,
-    snr_shift=5.0,
-    action_snr_shift=1.0,
-)
-FRANKA = Embodiment(
-    layout="none",
-    cameras=("observation.images.cam_high", "observation.images.cam_left_wrist", "observation.images.cam_right_wrist"),
-    height=224,
-    width=320,
-    frame_chunk_size=4,
-    action_per_frame=20,
-    attn_window=30,
-    used_action_channel_ids=_channels(),
-    q01=(
-        0.3051295876502991,
-        -0.22647984325885773,
-        0.19957000017166138,
-        -0.022680532187223434,
-        -0.05553057789802551,
-        -0.2693849802017212,
-        -0.29341773986816405,
-        0.2935442328453064,
-        -0.4431332051753998,
-        0.21256473660469055,
-        -0.7962440848350525,
-        -0.40816226601600647,
-        -0.28359392285346985,
-        -0.44507765769958496,
-        *[0.0] * 16,
-    ),
-    q99=(
-        0.7572150230407715,
-        0.47736290097236633,
-        0.6428080797195435,
-        0.9835678935050964,
-        0.9927203059196472,
-        0.28041139245033264,
-        0.47529348731040877,
-        0.7564866304397571,
-        0.04082797020673729,
-        0.5355993628501885,
-        0.9976375699043274,
-        0.8973174452781656,
-        0.6016915678977965,
-        0.5027598619461056,
-        *[0.0] * 14,
-        1.0,
-        1.0,
-    ),
-    guidance_scale=5.0,
-    action_guidance_scale=1.0,
-    num_inference_steps=5,
-    action_num_inference_steps=10,
-    snr_shift=5.0,
-    action_snr_shift=1.0,
-)
+    def local_checkpoint(self) -> Path:
+        root = hub.resolve(self.checkpoint, key="policy.checkpoint", example=CHECKPOINT_EXAMPLE, allow_patterns=CHECKPOINT_FILES)
+        missing = [part for part in ("transformer", "vae", "text_encoder", "tokenizer") if not (root / part).is_dir()]
+        if missing:
+            raise ValueError(
+                f"policy.checkpoint: {root} lacks {', '.join(f'{m}/' for m in missing)}; point it at a released LingBot-VA "
+                f"checkpoint (--set policy.checkpoint=robbyant/lingbot-va-posttrain-robotwin or a local copy)"
+            )
+        return root

@@ -52,7 +52,7 @@ from ardiff_kv import Branch, EntryKind, KVSpec, SessionKV, prepare_batch
 from ardiff_policies import action_inpaint
 from ardiff_policies.batch_retry import run_batched, single
 from ardiff_policies.continuation import APPLIED, Continuation, decide_for, soft_mask
-from ardiff_policies.lingbot_va.config import Embodiment
+from ardiff_policies.lingbot_va.embodiments import Embodiment
 from ardiff_policies.lingbot_va.model import LingBotVATransformer, TextKV, action_grid, load_transformer, video_grid
 from ardiff_policies.observation import UnsupportedObservation
 from ardiff_policies.wan.prompt import clean_prompt

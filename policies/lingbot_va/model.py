@@ -39,7 +39,7 @@ from diffusers.models.embeddings import PixArtAlphaTextProjection, TimestepEmbed
 from diffusers.models.normalization import FP32LayerNorm
 
 from ardiff_kv import PagedLayerInputs, paged_write_attend
-from ardiff_policies.lingbot_va.config import TransformerConfig
+from ardiff_policies.lingbot_va.checkpoint import TransformerConfig
 from ardiff_policies.wan.rope import apply_rope, rope_axis_dims, rope_frequencies
 
 LayerKV = PagedLayerInputs | None

@@ -44,11 +44,11 @@ from ardiff_policies.continuation import CONTRACT
 from ardiff_policies.embodiment import ObservationSchema
 from ardiff_policies.episode import EpisodeCall
 from ardiff_policies.info import PolicyInfo
-from ardiff_policies.lingbot_va import config as lv_config
+from ardiff_policies.lingbot_va import embodiments
+from ardiff_policies.lingbot_va.config import BUILTIN_TINY, SYNTHETIC_PREFIX, LingBotVAConfig
 from ardiff_policies.lingbot_va.episode_logic import MAX_GUIDANCE, CommitRequest, EpisodeError, InferRequest, LingBotVAPolicy, LingBotVASession
 from ardiff_policies.lingbot_va.memory import describe_loaded
 from ardiff_policies.lingbot_va.model import TextKV
-from ardiff_policies.lingbot_va.settings import BUILTIN_TINY, SYNTHETIC_PREFIX, LingBotVAConfig
 from ardiff_policies.observation import RobotObservation, UnsupportedObservation
 from ardiff_policies.streams import own_stream
 
@@ -59,13 +59,13 @@ MAX_BATCH = 64  # sessions per forward: any number works, the engine's max_batch
 FRAMES_PER_LATENT = 4  # key frames per latent frame (the VAE's temporal stride)
 
 
-def embodiment_by_name(name: str) -> lv_config.Embodiment:
+def embodiment_by_name(name: str) -> embodiments.Embodiment:
     from ardiff_policies.lingbot_va import upstream_configs
     from ardiff_policies.lingbot_va.tiny import TINY_EMBODIMENT, TINY_LIBERO_EMBODIMENT
 
     return {
-        "robotwin": lv_config.ROBOTWIN,
-        "franka": lv_config.FRANKA,
+        "robotwin": embodiments.ROBOTWIN,
+        "franka": embodiments.FRANKA,
         "libero": upstream_configs.LIBERO,
         "demo": upstream_configs.DEMO,
         "tiny_robotwin": TINY_EMBODIMENT,

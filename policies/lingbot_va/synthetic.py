@@ -21,10 +21,11 @@ import math
 
 import torch
 
-from ardiff_policies.lingbot_va.config import Embodiment, TransformerConfig
+from ardiff_policies.lingbot_va.checkpoint import TransformerConfig
+from ardiff_policies.lingbot_va.config import SYNTHETIC_PREFIX, SYNTHETIC_PRESETS
+from ardiff_policies.lingbot_va.embodiments import Embodiment
 from ardiff_policies.lingbot_va.episode_logic import LingBotVAPolicy
 from ardiff_policies.lingbot_va.model import LingBotVATransformer
-from ardiff_policies.lingbot_va.settings import SYNTHETIC_PREFIX, SYNTHETIC_PRESETS
 from ardiff_policies.lingbot_va.tiny import CORPUS, TINY_TRANSFORMER, TINY_VAE
 from ardiff_policies.wan.synthetic import materialize
 from ardiff_policies.wan.text import UMT5_XXL_ENCODER_CONFIG, TextEncoder

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ardiff_policies.lingbot_va.config import ROBOTWIN, TransformerConfig
+from ardiff_policies.lingbot_va.checkpoint import TransformerConfig
+from ardiff_policies.lingbot_va.embodiments import ROBOTWIN
 from ardiff_policies.lingbot_va.model import LingBotVATransformer
 from ardiff_policies.lingbot_va.upstream_configs import LIBERO
 from ardiff_policies.wan.text import TextEncoder

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ardiff_policies.lingbot_va.config import Embodiment
+from ardiff_policies.lingbot_va.embodiments import Embodiment
 
 UPSTREAM_REPO = "Robbyant/lingbot-va"
 

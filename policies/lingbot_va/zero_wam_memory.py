@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ardiff_policies.lingbot_va.zero_wam_config import ZeroWAMConfig
+from ardiff_policies.lingbot_va.zero_wam_checkpoint import ZeroWAMConfig
 from ardiff_policies.wan.memory import CUDA_RESERVE_BYTES, encoder_bytes, itemsize, module_size, transformer_forward_bytes, vae_chunk_bytes
 from ardiff_policies.wan.text import UMT5_XXL_ENCODER_CONFIG, TextEncoder
 from ardiff_policies.wan.vae import WAN22_VAE_CONFIG

@@ -38,7 +38,7 @@ from diffusers.models.normalization import FP32LayerNorm
 
 from ardiff_kv import PagedLayerInputs, paged_write_attend
 from ardiff_policies.lingbot_va.model import Attention, LayerKV, RotaryPositions, TextKV, TimeTextEmbedding, _sdpa, patchify, unpatchify
-from ardiff_policies.lingbot_va.zero_wam_config import ZeroWAMConfig
+from ardiff_policies.lingbot_va.zero_wam_checkpoint import ZeroWAMConfig
 from ardiff_policies.wan.rope import apply_rope
 
 # The action embedder's never-read copy of the text projection (upstream deep-copies the video embedder).

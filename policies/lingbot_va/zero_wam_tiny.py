@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from ardiff_policies.lingbot_va import tiny as lingbot_tiny
-from ardiff_policies.lingbot_va.zero_wam_config import ZeroWAMConfig
+from ardiff_policies.lingbot_va.zero_wam_checkpoint import ZeroWAMConfig
 from ardiff_policies.lingbot_va.zero_wam_model import CROSS_ALIASES, ZeroWAMTransformer, alias_tensors, dropped_tensors
 from ardiff_policies.wan.tiny import cache_root, ensure_generated, init_tensor, write_json
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ardiff_policies.lingbot_va import memory
-from ardiff_policies.lingbot_va.config import FRANKA, ROBOTWIN
+from ardiff_policies.lingbot_va.embodiments import FRANKA, ROBOTWIN
 
 GiB = 2**30
 
@@ -51,8 +51,8 @@ def test_the_pools_reserved_pages_are_what_the_engine_keeps_free():
 def test_start_up_logs_the_plan_of_the_model_as_loaded(caplog):
     """The worker's log has LingBot-VA's plan as DreamZero's has its own: weights as loaded, a session's KV and prompt K/V."""
     from ardiff_policies.base import RuntimeOptions
+    from ardiff_policies.lingbot_va.config import LingBotVAConfig
     from ardiff_policies.lingbot_va.policy import build_lingbot_va
-    from ardiff_policies.lingbot_va.settings import LingBotVAConfig
     from ardiff_policies.wan.memory import module_size
 
     with caplog.at_level("INFO", logger="ardiff_policies.lingbot_va.policy"):

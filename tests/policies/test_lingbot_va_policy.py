@@ -1,218 +1,180 @@
-"""LingBot-VA's episode logic (policies/lingbot_va/episode_logic.py) against upstream's own server on the tiny checkpoint.
-
-The reference (scripts/record_upstream_lingbot_va.py, ``policy.*``) is a whole episode of upstream's ``VA_Server``:
-reset, four chunks of infer + compute_kv_cache with the RoboTwin client's messages, the window sliding twice, its
-global generator seeded after the reset. The same episode here, from a session generator seeded at reset and batched
-with other robots' sessions, gives the same actions within 1e-5.
-"""
+"""LingBot-VA through the engine (``policies/lingbot_va/policy.py``): batched == alone for every kind of call, bad
+requests refused before any state changes, the observation's episode call across the process seam."""
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
-import torch
 
-from ardiff_kv import PagedKVCache
-from ardiff_policies.lingbot_va.episode_logic import CommitRequest, EpisodeError, InferRequest, LingBotVAPolicy
-from ardiff_policies.lingbot_va.tiny import TINY_EMBODIMENT, ensure_tiny_checkpoint
-from tests.helpers.lingbot_va import ATOL, load_reference
-from tests.helpers.scripts import load_script
+from ardiff_policies.episode import EpisodeCall
+from ardiff_policies.observation import RobotObservation, UnsupportedObservation
+from ardiff_server.config import load_config
+from ardiff_server.engine.builder import build_engine
+from ardiff_server.engine.messages import ErrorKind, ErrorReply, Infer
 
-RECORD = load_script("record_upstream_lingbot_va")  # its observation and key-frame functions: the inputs
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return load_reference()
+ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def policy() -> LingBotVAPolicy:
-    return LingBotVAPolicy.load(ensure_tiny_checkpoint(), TINY_EMBODIMENT)
+def engine():
+    config = load_config("tiny_lingbot_va", overrides=["engine.warmup=false", "engine.max_batch=4"])
+    engine = build_engine(config)
+    yield engine
+    engine.close()
 
 
-def make_cache(policy, sessions=2):
-    spec = policy.kv_spec()
-    return PagedKVCache(
-        spec,
-        num_pages=sessions * 2 * spec.pages_per_branch + PagedKVCache.undo_headroom(spec, 2, sessions) + 1,
-        max_sessions=sessions,
-        attention_backend="sdpa",
-        max_batch=sessions,
-    )
+def cameras(engine, frames: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    policy = engine.policy
+    return {name: rng.integers(0, 256, (frames, h, w, 3), dtype=np.uint8) for name, (h, w) in zip(policy.cameras, policy.schema.resolutions)}
 
 
-def chunk(policy, session, index, seed_offset=0):
-    """One chunk of the RoboTwin client's loop: infer, then compute_kv_cache with the key frames it saw (4 per latent
-    frame; the first chunk's frame 0 is the observation) and the actions it executed."""
-    e = TINY_EMBODIMENT
-    action = policy.infer(session, RECORD.observation(e.cameras, index + seed_offset))
-    frames = RECORD.key_frames(e.cameras, index + seed_offset, 4 * (e.frame_chunk_size - (index == 0)))
-    policy.compute_kv_cache(session, frames, action)
-    return action
+def robotwin_calls(engine, last_actions: list) -> list:
+    """LingBot-VA's protocol: infer, compute_kv_cache, infer, compute_kv_cache, infer (guidance per request)."""
+    infer = EpisodeCall("infer", video_guidance_scale=4.0, action_guidance_scale=2.0)
 
-
-def test_a_reset_replays_the_episode_from_its_seed(reference, policy):
-    meta, tensors = reference
-    p = meta["policy"]
-    cache = make_cache(policy)
-    session = policy.start_session("robot", cache.open_session("robot"))
-    observation = RECORD.observation(TINY_EMBODIMENT.cameras, 0)
-    policy.reset(session, "pick up the red cup", seed=5)
-    policy.infer(session, observation)  # a half-done episode: predicted pages, a used generator and VAE streams
-    policy.reset(session, p["prompt"], seed=p["seed"])
-    assert np.abs(policy.infer(session, observation) - tensors["policy.actions.0"].numpy()).max() <= ATOL
-    policy.reset(session, p["prompt"], seed=p["seed"] + 1)
-    assert not np.allclose(policy.infer(session, observation), tensors["policy.actions.0"].numpy(), atol=1e-3)
-
-
-def test_an_episode_batched_with_other_robots_matches_upstreams_server(reference, policy):
-    """The whole recorded episode (4 chunks, the window sliding twice) while sessions share every denoising forward, each with its own pages, noise, guidance scales and frame position
-    (the other robot is a chunk ahead: one conditions on its first observation while the other reads its window), and
-    a refused request in the batch costs nobody else: the reference robot's actions are still upstream's."""
-    meta, tensors = reference
-    p = meta["policy"]
-    e = TINY_EMBODIMENT
-    cache = make_cache(policy, sessions=3)
-    robot = policy.start_session("robot", cache.open_session("robot"))
-    other = policy.start_session("other", cache.open_session("other"))
-    idle = policy.start_session("idle", cache.open_session("idle"))  # never reset: refused
-    policy.reset(robot, p["prompt"], seed=p["seed"])
-    policy.reset(other, "pick up the red cup", seed=3)
-    chunk(policy, other, 0, seed_offset=7)
-    evicted = []
-    for index in range(p["chunks"]):
-        results = policy.infer_batch(
-            [
-                InferRequest(robot, RECORD.observation(e.cameras, index)),  # the configured scales: upstream's run
-                InferRequest(idle, RECORD.observation(e.cameras, index)),
-                InferRequest(other, RECORD.observation(e.cameras, index + 8), 3.0, 2.0),
-            ]
+    def commit(frames, seed):
+        return lambda: RobotObservation(
+            cameras(engine, frames, seed), {}, "stack the cube", EpisodeCall("compute_kv_cache", executed_actions=last_actions[-1])
         )
-        assert isinstance(results[1], EpisodeError) and "before reset" in str(results[1])
-        expected = tensors[f"policy.actions.{index}"].numpy()
-        assert results[0].shape == expected.shape == (16, 2, 16) and results[0].dtype == np.float32
-        error = np.abs(results[0] - expected).max()
-        assert error <= ATOL, f"chunk {index} batched: max abs error {error:.3g} vs upstream"
-        assert np.isfinite(results[2]).all() and not np.allclose(results[2], results[0])
-        if index == 0:
-            latent_error = (robot.first_latent - tensors["policy.first_latent"]).abs().max().item()
-            assert latent_error <= ATOL, f"the encoded first observation: max abs error {latent_error:.3g}"
-        evicted.append(robot.kv.branch(0).evicted_pages)
-        committed = policy.compute_kv_cache_batch(
-            [
-                CommitRequest(robot, RECORD.key_frames(e.cameras, index, 4 * (e.frame_chunk_size - (index == 0))), results[0]),
-                CommitRequest(idle, RECORD.key_frames(e.cameras, index, 8), results[0]),
-                CommitRequest(other, RECORD.key_frames(e.cameras, index + 8, 4 * e.frame_chunk_size), results[2]),
-            ]
-        )
-        assert committed[0] is None and committed[2] is None and "before reset" in str(committed[1])
-    assert idle.kv.pages_held == 0 and other.frame_start == robot.frame_start + 2 == 2 * p["chunks"] + 2
-    assert evicted[1] == 0 and evicted[-1] > 0, "the episode was meant to slide the window"
-    for session in (robot, other, idle):
-        cache.end_session(session.kv)
-    assert cache.pool.num_allocated == 0
+
+    def infer_call(seed):
+        return lambda: RobotObservation(cameras(engine, 1, seed), {}, "stack the cube", infer)
+
+    return [infer_call(1), commit(4, 2), infer_call(1), commit(8, 3), infer_call(1)]
 
 
-def test_bad_requests_are_refused_by_key_and_leave_the_episode_intact(reference, policy):
-    meta, tensors = reference
-    p = meta["policy"]
-    e = TINY_EMBODIMENT
-    cache = make_cache(policy)
-    session = policy.start_session("robot", cache.open_session("robot"))
-    with pytest.raises(EpisodeError, match="before reset"):
-        policy.infer(session, RECORD.observation(e.cameras, 0))
-    with pytest.raises(EpisodeError, match="prompt"):
-        policy.reset(session, ["not", "a", "string"], seed=1)
-    with pytest.raises(EpisodeError, match="seed"):
-        policy.reset(session, p["prompt"], seed=-1)
-    policy.reset(session, p["prompt"], seed=p["seed"])
-    with pytest.raises(EpisodeError, match="video_guidance_scale"):
-        policy.infer(session, RECORD.observation(e.cameras, 0), video_guidance_scale=1e9)
-    with pytest.raises(EpisodeError, match="action_guidance_scale"):
-        policy.infer(session, RECORD.observation(e.cameras, 0), action_guidance_scale=float("nan"))
-    broken = RECORD.observation(e.cameras, 0)
-    del broken[e.cameras[2]]
-    with pytest.raises(EpisodeError, match="cam_right_wrist"):
-        policy.infer(session, broken)
-    action = policy.infer(session, RECORD.observation(e.cameras, 0))
-    assert np.abs(action - tensors["policy.actions.0"].numpy()).max() <= ATOL  # nothing above moved the episode
-    with pytest.raises(EpisodeError, match="state"):
-        policy.compute_kv_cache(session, RECORD.key_frames(e.cameras, 0, 4), action[:, :1])
-    with pytest.raises(EpisodeError, match="obs: 3 key frames"):
-        policy.compute_kv_cache(session, RECORD.key_frames(e.cameras, 0, 3), action)
-    policy.compute_kv_cache(session, RECORD.key_frames(e.cameras, 0, 4), action)
-    action = policy.infer(session, RECORD.observation(e.cameras, 1))
-    assert np.abs(action - tensors["policy.actions.1"].numpy()).max() <= ATOL
+def openpi_calls(engine) -> list:
+    """OpenPI: one chunk per call, its frames committing the chunk out."""
+    return [lambda f=f, s=s: RobotObservation(cameras(engine, f, s), {}, "grab the mug") for f, s in ((1, 11), (4, 12), (8, 13), (8, 14), (8, 15))]
 
 
-def test_a_repeated_first_infer_is_served_as_the_first_and_the_episode_goes_on(reference, policy):
-    """reset, infer, infer: the second infer of the first chunk (no commit between) starts again from where the first
-    did (VAE streams, generator, no predicted pages), so it is the first's chunk; with another observation, that
-    observation's first chunk. The commit and the next chunk are then the episode's as if it had been asked once."""
-    meta, tensors = reference
-    p = meta["policy"]
-    e = TINY_EMBODIMENT
-    cache = make_cache(policy)
-    session = policy.start_session("robot", cache.open_session("robot"))
-    policy.reset(session, p["prompt"], seed=p["seed"])
-    observation = RECORD.observation(e.cameras, 0)
-    first = policy.infer(session, observation)
-    assert np.abs(first - tensors["policy.actions.0"].numpy()).max() <= ATOL
-    np.testing.assert_array_equal(policy.infer(session, observation), first)
-    elsewhere = policy.infer(session, RECORD.observation(e.cameras, 5))
-    fresh = policy.start_session("fresh", cache.open_session("fresh"))
-    policy.reset(fresh, p["prompt"], seed=p["seed"])
-    np.testing.assert_array_equal(elsewhere, policy.infer(fresh, RECORD.observation(e.cameras, 5)))
-    cache.end_session(fresh.kv)
-    np.testing.assert_array_equal(policy.infer(session, observation), first)
-    policy.compute_kv_cache(session, RECORD.key_frames(e.cameras, 0, 4 * (e.frame_chunk_size - 1)), first)
-    action = policy.infer(session, RECORD.observation(e.cameras, 1))
-    assert np.abs(action - tensors["policy.actions.1"].numpy()).max() <= ATOL
-    cache.end_session(session.kv)
-    assert cache.pool.num_allocated == 0
+def run(engine, rounds: list[list[tuple[str, callable]]], trail: dict) -> list[list]:
+    """Each round's requests given to the engine together (one batch); ``trail`` keeps a session's last actions."""
+    out = []
+    ids = iter(range(10_000, 20_000))
+    for members in rounds:
+        requests = [Infer(next(ids), sid, make()) for sid, make in members]
+        replies = {r.request_id: r for r in engine.run(requests)}
+        row = []
+        for request in requests:
+            reply = replies[request.request_id]
+            assert not isinstance(reply, ErrorReply), reply.message
+            row.append(reply)
+            if len(reply.actions):
+                trail.setdefault(request.session_id, []).append(reply.actions.T.reshape(16, 2, 16).copy())
+        out.append(row)
+    return out
 
 
-def test_a_repeated_first_infer_in_a_failed_batch_is_retried_alone_and_still_the_first(reference, policy, monkeypatch):
-    meta, tensors = reference
-    p = meta["policy"]
-    e = TINY_EMBODIMENT
-    cache = make_cache(policy)
-    robot = policy.start_session("robot", cache.open_session("robot"))
-    other = policy.start_session("other", cache.open_session("other"))
-    policy.reset(robot, p["prompt"], seed=p["seed"])
-    policy.reset(other, "pick up the red cup", seed=3)
-    observation = RECORD.observation(e.cameras, 0)
-    first = policy.infer(robot, observation)
-    forward = policy._forward
-
-    def batched_forward_fails(sessions, *args, **kwargs):
-        if len(sessions) > 1:
-            raise RuntimeError("injected: a batched forward failed")
-        return forward(sessions, *args, **kwargs)
-
-    monkeypatch.setattr(policy, "_forward", batched_forward_fails)
-    again, _ = policy.infer_batch([InferRequest(robot, observation), InferRequest(other, RECORD.observation(e.cameras, 9))])
-    monkeypatch.undo()
-    np.testing.assert_array_equal(again, first)
-    policy.compute_kv_cache(robot, RECORD.key_frames(e.cameras, 0, 4 * (e.frame_chunk_size - 1)), first)
-    action = policy.infer(robot, RECORD.observation(e.cameras, 1))
-    assert np.abs(action - tensors["policy.actions.1"].numpy()).max() <= ATOL
-    for session in (robot, other):
-        cache.end_session(session.kv)
-    assert cache.pool.num_allocated == 0
+def test_batched_equals_alone_for_infer_and_compute_kv_cache(engine):
+    results = {}
+    for mode in ("alone", "batched"):
+        trail = {}
+        a, b = f"robotwin-{mode}", f"openpi-{mode}"
+        last = trail.setdefault(a, [])
+        pairs = list(zip(robotwin_calls(engine, last), openpi_calls(engine), strict=True))
+        if mode == "alone":
+            rounds = [[(a, ra)] for ra, _ in pairs] + [[(b, rb)] for _, rb in pairs]
+            replies = run(engine, rounds, trail)
+            results[mode] = [r[0].actions for r in replies]
+        else:
+            replies = []
+            for ra, rb in pairs:
+                (row,) = run(engine, [[(a, ra), (b, rb)]], trail)
+                assert [r.batch_size for r in row] == [2, 2]  # one batch: a commit beside a chunk, an infer beside one
+                replies.append(row)
+            results[mode] = [r[0].actions for r in replies] + [r[1].actions for r in replies]
+        engine.end(a, "test")
+        engine.end(b, "test")
+    for alone, batched in zip(results["alone"], results["batched"], strict=True):
+        assert alone.shape == batched.shape and alone.shape in ((32, 16), (0, 16))
+        np.testing.assert_allclose(batched, alone, atol=ATOL, rtol=0)
+    assert sum(len(a) for a in results["alone"]) == 8 * 32  # 3 RoboTwin chunks, 5 OpenPI chunks
 
 
-def test_the_kv_geometry_of_the_shipped_embodiments():
-    from ardiff_policies.lingbot_va.config import FRANKA, ROBOTWIN, TransformerConfig
-    from ardiff_policies.lingbot_va.episode_logic import kv_spec
+def test_bad_requests_are_refused_before_the_session_changes(engine):
+    first = engine.infer("checked", RobotObservation(cameras(engine, 1, 0), {}, "x", EpisodeCall("infer")))
+    action = first.result.actions.T.reshape(16, 2, 16)
+    bad = [
+        (EpisodeCall("infer", video_guidance_scale=21.0), 1, "video_guidance_scale"),
+        (EpisodeCall("compute_kv_cache", executed_actions=action[:, :1]), 4, "state"),
+        (EpisodeCall("compute_kv_cache", executed_actions=np.full_like(action, np.nan)), 4, "NaN"),
+        (EpisodeCall("compute_kv_cache", executed_actions=action), 5, "key frames"),
+        (None, 3, "frames per camera"),
+    ]
+    for call, frames, words in bad:
+        (reply,) = engine.run([Infer(1, "checked", RobotObservation(cameras(engine, frames, 1), {}, "x", call))])
+        assert isinstance(reply, ErrorReply) and reply.kind is ErrorKind.BAD_REQUEST and words in reply.message
+    missing = cameras(engine, 4, 1)
+    del missing["cam_right_wrist"]
+    (reply,) = engine.run([Infer(2, "checked", RobotObservation(missing, {}, "x", EpisodeCall("compute_kv_cache", executed_actions=action)))])
+    assert reply.kind is ErrorKind.BAD_REQUEST and "cam_right_wrist" in reply.message
+    commit = engine.infer("checked", RobotObservation(cameras(engine, 4, 1), {}, "x", EpisodeCall("compute_kv_cache", executed_actions=action)))
+    assert commit.calls == 2 and commit.result.info["frame_start"] == 2  # the session went on from where it was
+    engine.end("checked", "test")
 
-    full = TransformerConfig()
-    robotwin = kv_spec(ROBOTWIN, full, torch.bfloat16)
-    # 24x20 latents -> 120 tokens per frame, 240 per chunk, 32 actions: pages of 16; 36 chunks of 17 pages
-    assert (robotwin.page_size, robotwin.window_pages, robotwin.max_new_pages) == (16, 612, 15)
-    franka = kv_spec(FRANKA, full, torch.bfloat16)
-    # 14x60 latents -> 210 tokens per frame, 840 per chunk, 80 actions: pages of 40; 15 chunks of 23 pages
-    assert (franka.page_size, franka.window_pages, franka.max_new_pages) == (40, 345, 21)
-    gib = robotwin.window_pages * robotwin.page_bytes * 2 / 2**30  # both CFG branches
-    assert 6.5 < gib < 7.0  # a RoboTwin session's window in bf16: ~6.7 GiB
+
+def test_a_prompt_change_mid_episode_is_a_bad_request_and_the_episode_goes_on(engine):
+    engine.infer("prompted", RobotObservation(cameras(engine, 1, 0), {}, "grab the mug"))
+    with pytest.raises(UnsupportedObservation, match="prompt"):
+        engine.infer("prompted", RobotObservation(cameras(engine, 4, 0), {}, "open the drawer"))
+    assert "prompted" in engine.sessions  # refused before the session changed: the robot's episode carries on
+    outcome = engine.infer("prompted", RobotObservation(cameras(engine, 4, 0), {}, "grab the mug"))
+    assert not outcome.new_session and outcome.calls == 2
+    engine.end("prompted", "test")
+    assert engine.cache.pool.num_free == engine.cache.pool.capacity
+
+
+def test_it_advertises_the_most_frames_a_call_reads_and_that_none_may_be_dropped(engine):
+    """The front end's pixel budget counts PolicyInfo.max_frames_per_call frames per camera, and drops none (a count
+    LingBot-VA does not take is refused, never cut to one it does)."""
+    info, policy = engine.policy.info, engine.policy
+    assert not info.keeps_newest_frames
+    policy.check_observation(RobotObservation(cameras(engine, info.max_frames_per_call, 0), {}, "x"))  # the most it takes
+    for more in (info.max_frames_per_call + 1, 64):
+        with pytest.raises(UnsupportedObservation, match="frames per camera"):
+            policy.check_observation(RobotObservation(cameras(engine, more, 0), {}, "x"))
+
+
+def test_the_episode_call_crosses_the_process_seam():
+    call = EpisodeCall("compute_kv_cache", executed_actions=np.arange(6, dtype=np.float32).reshape(1, 2, 3))
+    observation = RobotObservation({"cam_high": np.zeros((4, 2, 2, 3), np.uint8)}, {}, "x", call)
+    copy = pickle.loads(pickle.dumps(observation))
+    assert copy.episode == call and copy.prompt == "x" and copy.cameras["cam_high"].shape == (4, 2, 2, 3)
+    assert copy.with_arrays({"cam_high": np.ones((4, 2, 2, 3), np.uint8)}).episode == call
+    assert call != EpisodeCall("compute_kv_cache", executed_actions=np.zeros((1, 2, 3), np.float32)) != EpisodeCall("infer")
+    plain = RobotObservation({"cam_high": np.zeros((1, 2, 2, 3), np.uint8)}, {}, "x")
+    assert pickle.loads(pickle.dumps(plain)).episode is None
+
+
+def test_an_openpi_episode_starts_from_the_newest_frame_of_a_stack(engine):
+    """A robot whose session was evicted sends its key frames to a fresh session: the episode starts over from the
+    newest frame instead of failing."""
+    stack = cameras(engine, 8, 21)
+    newest = {name: frames[-1:] for name, frames in stack.items()}
+    from_stack = engine.infer("stacked", RobotObservation(stack, {}, "grab the mug"))
+    from_frame = engine.infer("single", RobotObservation(newest, {}, "grab the mug"))
+    assert from_stack.result.chunk.execute_from == 16
+    np.testing.assert_array_equal(from_stack.result.actions, from_frame.result.actions)
+    engine.end("stacked", "test")
+    engine.end("single", "test")
+
+
+def test_openpi_guidance_per_request_equals_the_robotwin_protocols_and_is_bounded(engine):
+    """An OpenPI chunk with guidance scales gives what LingBot-VA's own infer with those scales gives; a scale out of
+    bounds is a bad request naming it and the session goes on."""
+    scales = {"video_guidance_scale": 2.0, "action_guidance_scale": 3.0}
+    own = engine.infer("own", RobotObservation(cameras(engine, 1, 31), {}, "grab the mug", EpisodeCall("infer", **scales)))
+    default = engine.infer("default", RobotObservation(cameras(engine, 1, 31), {}, "grab the mug"))
+    with pytest.raises(UnsupportedObservation, match=r"action_guidance_scale: 21\.0 outside"):
+        engine.infer("openpi", RobotObservation(cameras(engine, 1, 31), {}, "grab the mug", EpisodeCall("chunk", 2.0, 21.0)))
+    chunk = engine.infer("openpi", RobotObservation(cameras(engine, 1, 31), {}, "grab the mug", EpisodeCall("chunk", **scales)))
+    np.testing.assert_allclose(chunk.result.actions, own.result.actions, atol=ATOL, rtol=0)
+    assert np.abs(chunk.result.actions - default.result.actions).max() > 1e-4  # the scales were used
+    later = engine.infer("openpi", RobotObservation(cameras(engine, 4, 32), {}, "grab the mug", EpisodeCall("chunk", 1.0, 1.0)))
+    assert later.calls == 2 and later.result.chunk.call == "commit+infer" and later.result.actions.shape == (32, 16)
+    for sid in ("own", "default", "openpi"):
+        engine.end(sid, "test")

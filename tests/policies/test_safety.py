@@ -8,7 +8,7 @@ import pytest
 
 from ardiff_policies.dreamzero.config import DreamZeroConfig
 from ardiff_policies.errors import StartRefused
-from ardiff_policies.lingbot_va.settings import LingBotVAConfig
+from ardiff_policies.lingbot_va.config import LingBotVAConfig
 from ardiff_policies.observation import UnsupportedObservation
 from ardiff_policies.safety import SafetyConfig, SafetyGate, SafetyRejected, rejected_check
 

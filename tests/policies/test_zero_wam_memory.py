@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from ardiff_policies.lingbot_va import zero_wam_memory as zw
-from ardiff_policies.lingbot_va.zero_wam_config import ZeroWAMConfig
+from ardiff_policies.lingbot_va.zero_wam_checkpoint import ZeroWAMConfig
 from ardiff_policies.lingbot_va.zero_wam_model import parameter_count
 from ardiff_policies.wan.memory import GiB
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ardiff_policies.lingbot_va.config import TransformerConfig
+from ardiff_policies.lingbot_va.checkpoint import TransformerConfig
 from ardiff_policies.lingbot_va.model import LingBotVATransformer, load_transformer, video_grid
 from ardiff_policies.lingbot_va.tiny import ensure_tiny_checkpoint
-from ardiff_policies.lingbot_va.zero_wam_config import ZeroWAMConfig
+from ardiff_policies.lingbot_va.zero_wam_checkpoint import ZeroWAMConfig
 from ardiff_policies.lingbot_va.zero_wam_model import (
     ZeroWAMTransformer,
     dropped_tensors,

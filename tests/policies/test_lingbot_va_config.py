@@ -5,7 +5,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from ardiff_policies.lingbot_va.settings import LingBotVAConfig
+from ardiff_policies.lingbot_va.config import LingBotVAConfig
 from ardiff_server.config import ConfigError, load_config, validate_config
 
 

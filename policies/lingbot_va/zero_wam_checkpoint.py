@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ardiff_policies.lingbot_va.config import TransformerConfig
+from ardiff_policies.lingbot_va.checkpoint import TransformerConfig
 
 ZERO_WAM_CLASS = "WanICLTransformer3DModel"
 _DIFFUSERS_METADATA = frozenset({"_class_name", "_diffusers_version", "_name_or_path"})

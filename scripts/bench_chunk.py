@@ -2,7 +2,7 @@
 """End-to-end DreamZero policy latency per call, by phase, and the DiT's achieved FLOP/s.
 
 Two configurations, each built in-process exactly as the server builds it (``DreamZeroPolicy``,
-a ``kv.PagedKVCache`` from ``policy.kv_spec()``, ``policy.start_session``) and driven through
+a ``ardiff_kv.PagedKVCache`` from ``policy.kv_spec()``, ``policy.start_session``) and driven through
 one full attention window and a restart (first call 1 frame, then 4-frame stacks):
 
 * ``tiny``  -- ``configs/tiny.yaml``'s embedded checkpoint (60 tokens per latent frame);
@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from benchlib import ForeignLoad, contended
+from benchlib import ForeignLoad, contended, contention_warning
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from ardiff_kv import CrossKV, DenseKVCache
@@ -427,11 +427,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     report["foreign_load_cores"] = load.cores()
     report["contended"] = contended(report["foreign_load_cores"], args.threads)
     if report["contended"]:
-        print(
-            f"\nWARNING: other processes kept {report['foreign_load_cores']:.1f} cores busy during the run; "
-            "with fewer free cores than threads, parallel ops stall at thread barriers and these numbers are "
-            "distorted (rerun on an idle machine, or with --threads 1)"
-        )
+        print("\n" + contention_warning(report["foreign_load_cores"]))
     if args.json:
         print(json.dumps(report))
 

@@ -55,6 +55,15 @@ def contended(foreign_cores: float | None, threads: int) -> bool:
     return foreign_cores is not None and foreign_cores > max(0, cores - threads) + 0.2
 
 
+def contention_warning(foreign_cores: float) -> str:
+    """What a bench prints when :func:`contended` says its numbers are distorted."""
+    return (
+        f"WARNING: other processes kept {foreign_cores:.1f} cores busy during the run; "
+        "with fewer free cores than threads, parallel ops stall at thread barriers and these numbers are "
+        "distorted (rerun on an idle machine, or with --threads 1)"
+    )
+
+
 class ServerSubprocess:
     """A server in a subprocess: started, awaited until it prints its port, stopped with SIGTERM."""
 

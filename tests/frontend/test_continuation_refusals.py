@@ -8,10 +8,8 @@ import json
 
 import numpy as np
 import pytest
-from openpi_client import msgpack_numpy
-from websockets.sync.client import connect
 
-from tests.helpers.inproc_server import InprocServer
+from tests.helpers.inproc_server import TINY_DREAMZERO, InprocServer
 
 DROID = {
     "observation/exterior_image_0_left": np.zeros((48, 80, 3), np.uint8),
@@ -22,25 +20,11 @@ DROID = {
     "prompt": "pick up the cup",
 }
 CONTINUATION = {"executed": 2, "delay": 3}  # e + d inside either policy's chunk
-TINY_DREAMZERO = {"name": "dreamzero", "view_size": [48, 80], "image_resolution": [48, 80], "num_inference_steps": 2, "dit_step_cache": "off"}
-
-
-def exchange(server: InprocServer, requests: list[dict]) -> list:
-    """Each request's reply on one connection: the unpacked reply, or the text of an error frame."""
-    out = []
-    with connect(server.url, max_size=None) as ws:
-        ws.recv()  # the metadata frame
-        for request in requests:
-            ws.send(msgpack_numpy.packb(request))
-            reply = ws.recv()
-            out.append(reply if isinstance(reply, str) else msgpack_numpy.unpackb(reply))
-    return out
 
 
 def test_a_policy_that_does_not_continue_chunks_refuses_a_continuation_by_name():
     with InprocServer({"engine": {"warmup": False}, "policy": {"name": "noop"}}) as server:
-        before, refused, after = exchange(
-            server,
+        before, refused, after = server.exchange(
             [
                 {**DROID, "session_id": "s"},
                 {**DROID, "session_id": "s", "continuation": CONTINUATION},
@@ -63,8 +47,7 @@ def test_the_bare_array_reply_refuses_a_continuation_it_could_not_say_is_frozen(
     """``server.reply_format: array`` (DreamZero's own client, which asks for no continuation) has no room for
     ``chunk_id`` / ``frozen``: a continuation there is refused per request naming the setting; plain requests are served
     as bare arrays, so DreamZero's client still runs."""
-    first, refused, second = exchange(
-        dreamzero_array,
+    first, refused, second = dreamzero_array.exchange(
         [
             {**DROID, "session_id": "a"},
             {**DROID, "session_id": "a", "continuation": CONTINUATION},
@@ -82,8 +65,8 @@ def test_the_bare_array_reply_refuses_a_continuation_it_could_not_say_is_frozen(
 
 def test_a_dict_reply_from_a_policy_that_continues_chunks_accepts_them():
     with InprocServer({"engine": {"warmup": False}, "policy": TINY_DREAMZERO}) as server:
-        first, continued = exchange(
-            server, [{**DROID, "session_id": "c"}, {**DROID, "session_id": "c", "continuation": {**CONTINUATION, "chunk_id": 1}}]
+        first, continued = server.exchange(
+            [{**DROID, "session_id": "c"}, {**DROID, "session_id": "c", "continuation": {**CONTINUATION, "chunk_id": 1}}]
         )
         assert (first["chunk_id"], continued["chunk_id"], continued["frozen"], continued["continuation"]) == (1, 2, 3, "applied")
         assert json.loads(server.http("/info")[1])["continuations"] == {"accepted": True}

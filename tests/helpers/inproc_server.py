@@ -9,10 +9,16 @@ import threading
 import urllib.request
 from typing import Any
 
+from openpi_client import msgpack_numpy
+from websockets.sync.client import connect
+
 from ardiff_server.config import AppConfig, validate_config
 from ardiff_server.engine.builder import build_engine
 from ardiff_server.engine.inproc_client import InprocClient
 from ardiff_server.frontend.server import PolicyServer
+
+# A DreamZero policy section that serves in seconds on a CPU: the tiny checkpoint, 48x80 views, two denoising steps.
+TINY_DREAMZERO = {"name": "dreamzero", "view_size": [48, 80], "image_resolution": [48, 80], "num_inference_steps": 2, "dit_step_cache": "off"}
 
 
 def app_config(raw: dict[str, Any]) -> AppConfig:
@@ -50,6 +56,17 @@ class InprocServer:
                 return response.status, response.read().decode()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode()
+
+    def exchange(self, requests: list[dict]) -> list:
+        """Each request's reply on one connection: the unpacked reply, or the text of an error frame."""
+        out = []
+        with connect(self.url, max_size=None) as ws:
+            ws.recv()  # the metadata frame
+            for request in requests:
+                ws.send(msgpack_numpy.packb(request))
+                reply = ws.recv()
+                out.append(reply if isinstance(reply, str) else msgpack_numpy.unpackb(reply))
+        return out
 
     def close(self) -> None:
         self._call(self.server.stop())

@@ -9,16 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from tests.helpers.inproc_server import TINY_DREAMZERO, InprocServer
+from tests.helpers.inproc_server import DROID, TINY_DREAMZERO, InprocServer
 
-DROID = {
-    "observation/exterior_image_0_left": np.zeros((48, 80, 3), np.uint8),
-    "observation/exterior_image_1_left": np.zeros((48, 80, 3), np.uint8),
-    "observation/wrist_image_left": np.zeros((48, 80, 3), np.uint8),
-    "observation/joint_position": np.zeros(7),
-    "observation/gripper_position": np.zeros(1),
-    "prompt": "pick up the cup",
-}
 CONTINUATION = {"executed": 2, "delay": 3}  # e + d inside either policy's chunk
 
 

@@ -9,6 +9,7 @@ import threading
 import urllib.request
 from typing import Any
 
+import numpy as np
 from openpi_client import msgpack_numpy
 from websockets.sync.client import connect
 
@@ -17,6 +18,15 @@ from ardiff_server.engine.builder import build_engine
 from ardiff_server.engine.inproc_client import InprocClient
 from ardiff_server.frontend.server import PolicyServer
 
+# A DROID request at the tiny policies' 48x80 views (blank frames, one per camera).
+DROID = {
+    "observation/exterior_image_0_left": np.zeros((48, 80, 3), np.uint8),
+    "observation/exterior_image_1_left": np.zeros((48, 80, 3), np.uint8),
+    "observation/wrist_image_left": np.zeros((48, 80, 3), np.uint8),
+    "observation/joint_position": np.zeros(7),
+    "observation/gripper_position": np.zeros(1),
+    "prompt": "pick up the cup",
+}
 # A DreamZero policy section that serves in seconds on a CPU: the tiny checkpoint, 48x80 views, two denoising steps.
 TINY_DREAMZERO = {"name": "dreamzero", "view_size": [48, 80], "image_resolution": [48, 80], "num_inference_steps": 2, "dit_step_cache": "off"}
 

@@ -310,6 +310,7 @@ def write_attend(
     value: torch.Tensor,
     extra_key: torch.Tensor | None,
     extra_value: torch.Tensor | None,
+    scale: float,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     video_slots: torch.Tensor,
@@ -319,10 +320,10 @@ def write_attend(
     seq_lens: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
-    scale: float,
     backend: str,
 ) -> torch.Tensor:
-    # A custom op takes tensors and scalars, not a NamedTuple: the layer's inputs arrive spread out.
+    # A custom op takes tensors and scalars, not a NamedTuple: the layer's inputs arrive spread out, last and in
+    # PagedLayerInputs' field order, so a caller passes ``*inputs``.
     inputs = PagedLayerInputs(
         key_cache, value_cache, video_slots, extra_slots, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, max_seqlen_k, backend
     )
@@ -358,21 +359,4 @@ def paged_write_attend(
 
     ``query`` holds the video queries followed by the extra (action/state) queries.
     """
-    return torch.ops.ardiff.paged_write_attend(
-        query,
-        key,
-        value,
-        extra_key,
-        extra_value,
-        inputs.key_cache,
-        inputs.value_cache,
-        inputs.video_slots,
-        inputs.extra_slots,
-        inputs.block_table,
-        inputs.cu_seqlens_q,
-        inputs.seq_lens,
-        inputs.max_seqlen_q,
-        inputs.max_seqlen_k,
-        scale,
-        inputs.backend,
-    )
+    return torch.ops.ardiff.paged_write_attend(query, key, value, extra_key, extra_value, scale, *inputs)

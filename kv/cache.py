@@ -3,7 +3,7 @@
 Admission: a session reserves its worst case (``local branches x pages_per_branch``: a full window and, where the
 spec pins, a full in-context block per branch) when it opens, so a forward never meets an exhausted pool half-way
 through, and a demonstration pinned at a reset always finds its pages. When nothing more can
-be reserved, :class:`kv.pool.CapacityError` tells the engine to evict an idle session first.
+be reserved, :class:`ardiff_kv.pool.CapacityError` tells the engine to evict an idle session first.
 Sessions are opened and ended here (:meth:`PagedKVCache.open_session` / :meth:`end_session`):
 ending one returns every page and cross-attention slot it holds.
 """

@@ -2,15 +2,15 @@
 
 RTC's guided continuation (``policy.continuation: guided``) needs a vector-Jacobian product through
 a denoise forward: the gradient of the predicted actions with respect to the noisy actions. The
-paged write + attend op (:func:`kv.attention.paged_write_attend`) has no autograd formula: it writes
+paged write + attend op (:func:`ardiff_kv.attention.paged_write_attend`) has no autograd formula: it writes
 the current K/V into pages and attends over them in place. A denoise step commits nothing, so its
 K/V need not be written at all: :class:`ReadOnlyPagedLayer` gathers the visible window's cached K/V
 (constants for autograd) and concatenates the current tokens' live K/V after them, in the order the
 block table lays a sequence out (``[cached window | current chunk | extra tokens]``,
-:func:`kv.window.visible_pages`), then calls ``scaled_dot_product_attention``, which has a
+:func:`ardiff_kv.window.visible_pages`), then calls ``scaled_dot_product_attention``, which has a
 backward. The forward values equal the sdpa backend's (tests/kv/test_readonly.py).
 
-It is the ``attend`` interface of :class:`kv.dense.DenseLayerKV`, so the DiT takes it as a layer's
+It is the ``attend`` interface of :class:`ardiff_kv.dense.DenseLayerKV`, so the DiT takes it as a layer's
 ``self_kv`` unchanged. CPU-sized: one gather per sequence and layer, like the sdpa reference backend.
 """
 

@@ -294,7 +294,7 @@ class KVSnapshot:
 
 class SessionKV:
     """Everything one robot session holds in the cache, for both CFG branches. Opened and ended
-    by :class:`~kv.cache.PagedKVCache` (``open_session`` / ``end_session``)."""
+    by :class:`~ardiff_kv.cache.PagedKVCache` (``open_session`` / ``end_session``)."""
 
     def __init__(self, storage: PagedStorage, pool: PagePool, session_id: str) -> None:
         self.storage = storage

@@ -2,7 +2,7 @@
 
 Layout per layer: a K tensor and a V tensor, each ``(num_pages_total, page_size, heads, head_dim)``,
 which a block-table kernel reads in place and the sdpa path gathers from. Page ids
-``1 .. pool_pages - 1`` belong to the :class:`~kv.pool.PagePool` (0 is the null page); the pages
+``1 .. pool_pages - 1`` belong to the :class:`~ardiff_kv.pool.PagePool` (0 is the null page); the pages
 after them are scratch, K/V that is never committed: one region per local CFG branch and batch
 slot, so that the sequences of a batched forward (several sessions' denoise steps in one
 forward) never write over each other.

@@ -102,7 +102,7 @@ class ObservationSchema:
 
 @dataclass(frozen=True)
 class Embodiment:
-    """One robot as the model was trained on it. Build it with ``policies.dreamzero.embodiments.resolve``."""
+    """One robot as the model was trained on it. Build it with ``ardiff_policies.dreamzero.embodiments.resolve``."""
 
     tag: str  # the embodiment tag of the training run (metadata.json's key)
     cameras: tuple[str, ...]  # in the order the model lays them out
@@ -190,7 +190,7 @@ def metadata_frame(
     continuations: bool = False,
 ) -> dict[str, Any]:
     """The metadata frame a client of a non-DROID embodiment receives on connect: what to send, what
-    comes back. (DROID's is RoboArena's ``PolicyServerConfig``, ``policies.info.droid_server_config``.)"""
+    comes back. (DROID's is RoboArena's ``PolicyServerConfig``, ``ardiff_policies.info.droid_server_config``.)"""
     return {
         "embodiment": embodiment.tag,
         "observation": schema.describe(),

@@ -2,7 +2,7 @@
 
 LingBot-VA's own protocol (``reset`` / ``infer`` / ``compute_kv_cache``) splits a chunk into two requests: ``infer``
 predicts the next chunk, ``compute_kv_cache`` commits what the robot then saw (its key frames, in the observation's
-camera stacks) and the actions it executed. An :class:`EpisodeCall` on a :class:`~policies.observation.RobotObservation`
+camera stacks) and the actions it executed. An :class:`EpisodeCall` on a :class:`~ardiff_policies.observation.RobotObservation`
 says which of the two a request is, with the options it carries. A request without one (the OpenPI / RoboArena wire)
 is one whole chunk: the frames in its observation commit the session's previous chunk (when there is one), then the
 next chunk is predicted; when it carries per-request options (guidance scales), its call is a ``chunk``. Policies

@@ -4,7 +4,7 @@
   RoboArena's ``PolicyServerConfig`` fields, because RoboArena's server test and DreamZero's
   client build that dataclass with ``PolicyServerConfig(**metadata)`` and reject any other key.
   A policy serving another embodiment sends that embodiment's frame instead
-  (``policies.embodiment.metadata_frame``: cameras, state keys, action split) and sets
+  (``ardiff_policies.embodiment.metadata_frame``: cameras, state keys, action split) and sets
   ``observation_schema``, by which the server decodes its requests.
 * :class:`PolicyInfo` carries it plus everything else an operator may want (action shape,
   model, checkpoint), which the server publishes at ``GET /info``.

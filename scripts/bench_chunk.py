@@ -2,7 +2,7 @@
 """End-to-end DreamZero policy latency per call, by phase, and the DiT's achieved FLOP/s.
 
 Two configurations, each built in-process exactly as the server builds it (``DreamZeroPolicy``,
-a ``kv.PagedKVCache`` from ``policy.kv_spec()``, ``policy.start_session``) and driven through
+a ``ardiff_kv.PagedKVCache`` from ``policy.kv_spec()``, ``policy.start_session``) and driven through
 one full attention window and a restart (first call 1 frame, then 4-frame stacks):
 
 * ``tiny``  -- ``configs/tiny.yaml``'s embedded checkpoint (60 tokens per latent frame);
@@ -39,14 +39,13 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from benchlib import ForeignLoad, contended
+from benchlib import ForeignLoad, contended, contention_warning, droid_observations
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from ardiff_kv import CrossKV, DenseKVCache
@@ -222,23 +221,9 @@ def matmul_rate(dtype: torch.dtype, size: int = 2048, seconds: float = 1.5) -> f
 # ------------------------------------------------------------------------------- rollout
 
 
-def observations(n: int, seed: int = 0) -> Iterator[RobotObservation]:
+def observations(n: int, seed: int = 0) -> list[RobotObservation]:
     """DROID-shaped observations: 1 frame first, then 4-frame stacks, one prompt."""
-    rng = np.random.default_rng(seed)
-    for call in range(n):
-        shape = (1 if call == 0 else 4, *CAMERA, 3)
-
-        def cam(shape: tuple[int, ...] = shape) -> np.ndarray:
-            return rng.integers(0, 256, shape, dtype=np.uint8)
-
-        yield RobotObservation(
-            exterior_left=cam(),
-            exterior_right=cam(),
-            wrist=cam(),
-            joint_position=rng.uniform(-1, 1, 7).astype(np.float32),
-            gripper_position=np.array([0.3], np.float32),
-            prompt="pick up the cup and put it in the bowl",
-        )
+    return droid_observations(n, seed, CAMERA)
 
 
 @dataclass
@@ -427,11 +412,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     report["foreign_load_cores"] = load.cores()
     report["contended"] = contended(report["foreign_load_cores"], args.threads)
     if report["contended"]:
-        print(
-            f"\nWARNING: other processes kept {report['foreign_load_cores']:.1f} cores busy during the run; "
-            "with fewer free cores than threads, parallel ops stall at thread barriers and these numbers are "
-            "distorted (rerun on an idle machine, or with --threads 1)"
-        )
+        print("\n" + contention_warning(report["foreign_load_cores"]))
     if args.json:
         print(json.dumps(report))
 

@@ -3,9 +3,9 @@
 
 What is measured: only self-attention and its KV handling, per AR call ("chunk"), for
 
-* ``paged``  -- ``kv.PagedKVCache`` + ``kv.paged_write_attend`` (the serving path): each forward
+* ``paged``  -- ``ardiff_kv.PagedKVCache`` + ``ardiff_kv.paged_write_attend`` (the serving path): each forward
   writes its K/V into pages (``index_copy_``), gathers the visible pages and attends;
-* ``concat`` -- ``kv.DenseKVCache`` / ``DenseLayerKV.attend``, upstream DreamZero's
+* ``concat`` -- ``ardiff_kv.DenseKVCache`` / ``DenseLayerKV.attend``, upstream DreamZero's
   ``cat(cache, new)[-window:]``: every forward concatenates the window, appends the action/state
   K/V and (prefill) clones the result back into the cache.
 
@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from benchlib import ForeignLoad, contended
+from benchlib import ForeignLoad, contended, contention_warning
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ardiff_kv import Branch, DenseKVCache, KVSpec, PagedKVCache, PagedLayerInputs, paged_write_attend
@@ -196,24 +196,7 @@ def attend_op(cache: PagedKVCache, inputs: PagedLayerInputs, q, k, v, ek, ev, sc
 
 def attend_op_body(cache: PagedKVCache, inputs: PagedLayerInputs, q, k, v, ek, ev, scale: float) -> torch.Tensor:
     """What the custom op executes, called directly so a dispatch mode sees its aten ops."""
-    return write_attend(
-        q,
-        k,
-        v,
-        ek,
-        ev,
-        inputs.key_cache,
-        inputs.value_cache,
-        inputs.video_slots,
-        inputs.extra_slots,
-        inputs.block_table,
-        inputs.cu_seqlens_q,
-        inputs.seq_lens,
-        inputs.max_seqlen_q,
-        inputs.max_seqlen_k,
-        scale,
-        inputs.backend,
-    )
+    return write_attend(q, k, v, ek, ev, scale, *inputs)
 
 
 class PagedPath:
@@ -818,11 +801,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print()
     report["contended"] = contended(report["foreign_load_cores"], args.threads)
     if report["contended"]:
-        print(
-            f"WARNING: other processes kept {report['foreign_load_cores']:.1f} cores busy during the run; "
-            "with fewer free cores than threads, parallel ops stall at thread barriers and these numbers are "
-            "distorted (rerun on an idle machine, or with --threads 1)"
-        )
+        print(contention_warning(report["foreign_load_cores"]))
     print(
         f"copy count: analytic == instrumented for {', '.join(verified)}: {report['copy_count_verified']}"
         + ("" if report["copy_count_verified"] else f" ({verified})")

@@ -55,6 +55,15 @@ def contended(foreign_cores: float | None, threads: int) -> bool:
     return foreign_cores is not None and foreign_cores > max(0, cores - threads) + 0.2
 
 
+def contention_warning(foreign_cores: float) -> str:
+    """What a bench prints when :func:`contended` says its numbers are distorted."""
+    return (
+        f"WARNING: other processes kept {foreign_cores:.1f} cores busy during the run; "
+        "with fewer free cores than threads, parallel ops stall at thread barriers and these numbers are "
+        "distorted (rerun on an idle machine, or with --threads 1)"
+    )
+
+
 class ServerSubprocess:
     """A server in a subprocess: started, awaited until it prints its port, stopped with SIGTERM."""
 
@@ -123,6 +132,29 @@ def process_tree_cpu_s(pid: int) -> float:
         tree.update(children)
         frontier.extend(children)
     return sum(used[p] for p in tree)
+
+
+def droid_observations(calls: int, seed: int = 0, camera: tuple[int, int] = (180, 320), prompt: str = "pick up the cup and put it in the bowl"):
+    """DROID-shaped observations for a policy or engine: 1 frame first, then 4-frame stacks of random pictures."""
+    from ardiff_policies.observation import RobotObservation
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for call in range(calls):
+        shape = (1 if call == 0 else 4, *camera, 3)
+        cams = [rng.integers(0, 256, shape, dtype=np.uint8) for _ in range(3)]
+        joints = rng.uniform(-1, 1, 7).astype(np.float32)
+        out.append(
+            RobotObservation(
+                exterior_left=cams[0],
+                exterior_right=cams[1],
+                wrist=cams[2],
+                joint_position=joints,
+                gripper_position=np.array([0.3], np.float32),
+                prompt=prompt,
+            )
+        )
+    return out
 
 
 def droid_request(session_id: str, seed: int) -> dict:

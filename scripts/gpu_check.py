@@ -190,26 +190,9 @@ class Variant:
 
 def observations(calls: int, seed: int = 0):
     """DROID-shaped observations: 1 frame first, then 4-frame stacks; the same for every variant."""
-    import numpy as np
+    from benchlib import droid_observations
 
-    from ardiff_policies.observation import RobotObservation
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for call in range(calls):
-        shape = (1 if call == 0 else 4, *CAMERA, 3)
-        cams = [rng.integers(0, 256, shape, dtype=np.uint8) for _ in range(3)]
-        out.append(
-            RobotObservation(
-                exterior_left=cams[0],
-                exterior_right=cams[1],
-                wrist=cams[2],
-                joint_position=rng.uniform(-1, 1, 7).astype(np.float32),
-                gripper_position=np.array([0.3], np.float32),
-                prompt=PROMPT,
-            )
-        )
-    return out
+    return droid_observations(calls, seed, CAMERA, PROMPT)
 
 
 def kv_spec_for(checkpoint: str, dtype: str):

@@ -3,7 +3,7 @@
 
 Everything comes from ``policies/dreamzero/memory.py`` (its shared arithmetic: ``policies/wan/memory.py``), the plan the server prints and checks at
 start-up: weights from the networks built on the meta device (exact parameter counts), the KV
-pool from ``kv.PagedKVCache.pages_for_budget``, the activation estimate and the CUDA reserve (a
+pool from ``ardiff_kv.PagedKVCache.pages_for_budget``, the activation estimate and the CUDA reserve (a
 prior, not measured: its column says so).
 
 Geometries:

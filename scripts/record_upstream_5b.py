@@ -1,7 +1,7 @@
 """Record upstream DreamZero's own outputs on the tiny Wan2.2-5B checkpoint: the parity anchor of the 5B tests.
 
 Upstream's code (dreamzero0/dreamzero, imported from the path given on the command line, never copied here) runs
-the tiny 5B (``builtin:tiny_5b``, written by ``policies.dreamzero.tiny``) on the CPU in float32 and the outputs go to
+the tiny 5B (``builtin:tiny_5b``, written by ``ardiff_policies.dreamzero.tiny``) on the CPU in float32 and the outputs go to
 ``tests/reference_data/upstream_5b_tiny.{safetensors,json}``, which ``tests/policies/test_wan22.py`` reads:
 
 * DiT: three ``CausalWanModel`` calls through its KV-cache path (prefill of the first frame, prefill of two frames,

@@ -17,9 +17,9 @@ so the released checkpoint's ``action_head.model.*`` tensors load unchanged:
 
 Inference only. Self-attention K/V come from the caller per layer (``self_kv``):
 
-* :class:`kv.PagedLayerInputs` — the paged cache (serving path): the layer writes its current
+* :class:`ardiff_kv.PagedLayerInputs` — the paged cache (serving path): the layer writes its current
   K/V into pages and attends over the block table in one custom op;
-* :class:`kv.DenseLayerKV` — upstream's concat-and-slice cache, the reference for parity;
+* :class:`ardiff_kv.DenseLayerKV` — upstream's concat-and-slice cache, the reference for parity;
 * ``None`` — full attention over the tokens of this call (no cache).
 
 Cross-attention K/V are projected once per session/window by :meth:`CausalWanModel.project_cross_kv`

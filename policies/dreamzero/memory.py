@@ -4,8 +4,8 @@ Per device the plan adds up:
 
 * weights: exact parameter counts of the four networks, built on the meta device from the
   checkpoint's configs (nothing is allocated), times the engine dtype's size;
-* the KV pool exactly as the engine sizes it (``kv.kv_budget_bytes``, then
-  ``kv.PagedKVCache.pages_for_budget`` on the policy's ``KVSpec``): pages, scratch, the null page
+* the KV pool exactly as the engine sizes it (``ardiff_kv.kv_budget_bytes``, then
+  ``ardiff_kv.PagedKVCache.pages_for_budget`` on the policy's ``KVSpec``): pages, scratch, the null page
   and the cross-attention slots of every session the pool holds;
 * activations: an estimate of the largest phase that runs there (a DiT forward, a VAE encode or
   decode, a text / image encode; phases run one after another, so the largest counts), see
@@ -499,7 +499,7 @@ def _count(value: int) -> str:
 
 def check_plan(geometry: ModelGeometry, config: Any, options: RuntimeOptions, device: torch.device) -> None:
     """Log this process's memory plan and refuse (StartRefused, one line) if a device cannot hold its part.
-    ``config`` is the policy's :class:`~policies.dreamzero.config.DreamZeroConfig`."""
+    ``config`` is the policy's :class:`~ardiff_policies.dreamzero.config.DreamZeroConfig`."""
     if device.type == "cuda" and device.index is None:  # "cuda": this process's current GPU, named like the placements
         device = torch.device("cuda", torch.cuda.current_device())
     settings = PlanSettings(

@@ -31,7 +31,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -62,22 +62,8 @@ TINY_DIT = DiTConfig(
 TINY_IMAGE_ENCODER = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "projection_dim": 32}
 TINY_VAE = {"base_dim": 4, "num_res_blocks": 1}
 
-TINY_5B_DIT = DiTConfig(
-    model_type="ti2v",
-    in_dim=48,
-    out_dim=48,
-    concat_first_frame_latent=False,
-    frame_seqlen=18,
-    dim=64,
-    ffn_dim=128,
-    text_dim=32,
-    num_heads=4,
-    num_layers=2,
-    hidden_size=32,
-    clip_dim=32,
-    max_chunk_size=4,
-    num_frame_per_block=2,
-)
+# The tiny 14B's widths with the 5B's TI2V input (48 latent channels, no first-frame concat, its 18-token frames).
+TINY_5B_DIT = replace(TINY_DIT, model_type="ti2v", in_dim=48, out_dim=48, concat_first_frame_latent=False, frame_seqlen=18)
 # The Wan2.2 VAE at toy width (z_dim stays 48: upstream normalizes with its 48 fixed statistics); the decoder at its
 # own width, as upstream's (160 / 256).
 TINY_5B_VAE = {"is_residual": True, "base_dim": 4, "decoder_base_dim": 8, "num_res_blocks": 1}

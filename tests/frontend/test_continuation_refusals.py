@@ -9,15 +9,14 @@ import json
 import numpy as np
 import pytest
 
-from tests.helpers.inproc_server import DROID, TINY_DREAMZERO, InprocServer, exchange
+from tests.helpers.inproc_server import DROID, TINY_DREAMZERO, InprocServer
 
 CONTINUATION = {"executed": 2, "delay": 3}  # e + d inside either policy's chunk
 
 
 def test_a_policy_that_does_not_continue_chunks_refuses_a_continuation_by_name():
     with InprocServer({"engine": {"warmup": False}, "policy": {"name": "noop"}}) as server:
-        before, refused, after = exchange(
-            server,
+        before, refused, after = server.exchange(
             [
                 {**DROID, "session_id": "s"},
                 {**DROID, "session_id": "s", "continuation": CONTINUATION},
@@ -40,8 +39,7 @@ def test_the_bare_array_reply_refuses_a_continuation_it_could_not_say_is_frozen(
     """``server.reply_format: array`` (DreamZero's own client, which asks for no continuation) has no room for
     ``chunk_id`` / ``frozen``: a continuation there is refused per request naming the setting; plain requests are served
     as bare arrays, so DreamZero's client still runs."""
-    first, refused, second = exchange(
-        dreamzero_array,
+    first, refused, second = dreamzero_array.exchange(
         [
             {**DROID, "session_id": "a"},
             {**DROID, "session_id": "a", "continuation": CONTINUATION},
@@ -59,8 +57,8 @@ def test_the_bare_array_reply_refuses_a_continuation_it_could_not_say_is_frozen(
 
 def test_a_dict_reply_from_a_policy_that_continues_chunks_accepts_them():
     with InprocServer({"engine": {"warmup": False}, "policy": TINY_DREAMZERO}) as server:
-        first, continued = exchange(
-            server, [{**DROID, "session_id": "c"}, {**DROID, "session_id": "c", "continuation": {**CONTINUATION, "chunk_id": 1}}]
+        first, continued = server.exchange(
+            [{**DROID, "session_id": "c"}, {**DROID, "session_id": "c", "continuation": {**CONTINUATION, "chunk_id": 1}}]
         )
         assert (first["chunk_id"], continued["chunk_id"], continued["frozen"], continued["continuation"]) == (1, 2, 3, "applied")
         assert json.loads(server.http("/info")[1])["continuations"] == {"accepted": True}

@@ -3,13 +3,12 @@ refused naming the bound outside it with the session untouched, refused by name 
 
 from __future__ import annotations
 
-from tests.helpers.inproc_server import DROID, TINY_DREAMZERO, InprocServer, exchange
+from tests.helpers.inproc_server import DROID, TINY_DREAMZERO, InprocServer
 
 
 def test_a_requests_steps_are_served_reported_and_bounded_by_name():
     with InprocServer({"engine": {"warmup": False}, "policy": TINY_DREAMZERO}) as server:
-        asked, default, refused, after = exchange(
-            server,
+        asked, default, refused, after = server.exchange(
             [
                 {**DROID, "session_id": "s", "num_inference_steps": 1},
                 {**DROID, "session_id": "s"},
@@ -25,5 +24,5 @@ def test_a_requests_steps_are_served_reported_and_bounded_by_name():
 
 def test_a_policy_that_takes_no_steps_refuses_the_key_by_name():
     with InprocServer({"engine": {"warmup": False}, "policy": {"name": "noop"}}) as server:
-        (refused,) = exchange(server, [{**DROID, "session_id": "s", "num_inference_steps": 4}])
+        (refused,) = server.exchange([{**DROID, "session_id": "s", "num_inference_steps": 4}])
         assert refused == "bad request: num_inference_steps: this server's policy takes no per-request denoising steps; leave it out"

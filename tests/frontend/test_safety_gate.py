@@ -6,13 +6,9 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from openpi_client import msgpack_numpy
-from websockets.sync.client import connect
 
-from tests.helpers.inproc_server import InprocServer
+from tests.helpers.inproc_server import TINY_DREAMZERO, InprocServer
 from tests.helpers.server_harness import metric_value
-
-TINY_DREAMZERO = {"name": "dreamzero", "view_size": [48, 80], "image_resolution": [48, 80], "num_inference_steps": 2, "dit_step_cache": "off"}
 
 
 def droid(gripper: float = 0.3, frames: int = 1) -> dict:
@@ -28,21 +24,10 @@ def droid(gripper: float = 0.3, frames: int = 1) -> dict:
     }
 
 
-def exchange(server: InprocServer, requests: list[dict]) -> list:
-    out = []
-    with connect(server.url, max_size=None) as ws:
-        ws.recv()  # the metadata frame
-        for request in requests:
-            ws.send(msgpack_numpy.packb(request))
-            reply = ws.recv()
-            out.append(reply if isinstance(reply, str) else msgpack_numpy.unpackb(reply))
-    return out
-
-
 def test_a_reject_is_a_one_line_bad_request_and_the_session_and_server_carry_on():
     gate = {"mode": "reject", "limits": {"gripper_position": {"max_first_step": 2.0}}}
     with InprocServer({"engine": {"warmup": False}, "policy": {**TINY_DREAMZERO, "safety": gate}}) as server:
-        first, rejected, after = exchange(server, [droid(), droid(gripper=50.0, frames=4), droid(frames=4)])
+        first, rejected, after = server.exchange([droid(), droid(gripper=50.0, frames=4), droid(frames=4)])
         assert isinstance(rejected, str) and "\n" not in rejected
         assert rejected.startswith("bad request: safety gate: first: gripper_position[0]: the first action is ")
         assert "limit 2 (policy.safety.limits.gripper_position.max_first_step)" in rejected
@@ -57,7 +42,7 @@ def test_a_reject_is_a_one_line_bad_request_and_the_session_and_server_carry_on(
 def test_a_clamp_says_which_checks_clamped_in_the_reply_and_in_the_metrics():
     gate = {"mode": "clamp", "limits": {"joint_position": {"max_step": 0.001}}}
     with InprocServer({"engine": {"warmup": False}, "policy": {**TINY_DREAMZERO, "safety": gate}}) as server:
-        (reply,) = exchange(server, [droid()])
+        (reply,) = server.exchange([droid()])
         assert reply["safety"]["mode"] == "clamp" and reply["safety"]["clamped"]["step"]["values"] > 0
         assert np.all(np.abs(np.diff(reply["actions"][:, :7], axis=0)) <= 0.001 + 1e-5)
         assert metric_value(server.http("/metrics")[1], 'ardiff_safety_clamps_total{check="step"}') == 1

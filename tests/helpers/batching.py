@@ -11,6 +11,7 @@ from ardiff_policies.dreamzero.policy import DreamZeroPolicy
 from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine.core import SessionEngine
 from ardiff_server.engine.messages import ErrorReply, Infer, InferReply
+from tests.helpers.dreamzero import droid_observation
 
 TINY = {"view_size": (48, 80), "image_resolution": (48, 80)}
 ATOL = 1e-5
@@ -25,16 +26,7 @@ def make_engine(tiny_model, *, max_sessions: int = 6, max_batch: int = 4, pool_s
 
 
 def observation(rng: np.random.Generator, first: bool, prompt: str = "pick up the cup") -> RobotObservation:
-    shape = (1 if first else 4, 48, 80, 3)
-    cam = lambda: rng.integers(0, 256, shape, dtype=np.uint8)  # noqa: E731
-    return RobotObservation(
-        exterior_left=cam(),
-        exterior_right=cam(),
-        wrist=cam(),
-        joint_position=rng.uniform(-1, 1, 7).astype(np.float32),
-        gripper_position=np.array([0.3], np.float32),
-        prompt=prompt,
-    )
+    return droid_observation(rng, 1 if first else 4, size=(48, 80), prompt=prompt)
 
 
 def serve(engine: SessionEngine, requests: list[Infer]) -> dict[str, InferReply | ErrorReply]:

@@ -18,6 +18,18 @@ from ardiff_server.engine.builder import build_engine
 from ardiff_server.engine.inproc_client import InprocClient
 from ardiff_server.frontend.server import PolicyServer
 
+# A DROID request at the tiny policies' 48x80 views (blank frames, one per camera).
+DROID = {
+    "observation/exterior_image_0_left": np.zeros((48, 80, 3), np.uint8),
+    "observation/exterior_image_1_left": np.zeros((48, 80, 3), np.uint8),
+    "observation/wrist_image_left": np.zeros((48, 80, 3), np.uint8),
+    "observation/joint_position": np.zeros(7),
+    "observation/gripper_position": np.zeros(1),
+    "prompt": "pick up the cup",
+}
+# A DreamZero policy section that serves in seconds on a CPU: the tiny checkpoint, 48x80 views, two denoising steps.
+TINY_DREAMZERO = {"name": "dreamzero", "view_size": [48, 80], "image_resolution": [48, 80], "num_inference_steps": 2, "dit_step_cache": "off"}
+
 
 def app_config(raw: dict[str, Any]) -> AppConfig:
     return validate_config({**raw, "server": {"port": 0, **raw.get("server", {})}}, source="<test>")
@@ -55,6 +67,17 @@ class InprocServer:
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode()
 
+    def exchange(self, requests: list[dict]) -> list:
+        """Each request's reply on one connection: the unpacked reply, or the text of an error frame."""
+        out = []
+        with connect(self.url, max_size=None) as ws:
+            ws.recv()  # the metadata frame
+            for request in requests:
+                ws.send(msgpack_numpy.packb(request))
+                reply = ws.recv()
+                out.append(reply if isinstance(reply, str) else msgpack_numpy.unpackb(reply))
+        return out
+
     def close(self) -> None:
         self._call(self.server.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -65,27 +88,3 @@ class InprocServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-# A DROID request at the tiny view size, and the tiny DreamZero's policy section, for requests over an InprocServer.
-DROID = {
-    "observation/exterior_image_0_left": np.zeros((48, 80, 3), np.uint8),
-    "observation/exterior_image_1_left": np.zeros((48, 80, 3), np.uint8),
-    "observation/wrist_image_left": np.zeros((48, 80, 3), np.uint8),
-    "observation/joint_position": np.zeros(7),
-    "observation/gripper_position": np.zeros(1),
-    "prompt": "pick up the cup",
-}
-TINY_DREAMZERO = {"name": "dreamzero", "view_size": [48, 80], "image_resolution": [48, 80], "num_inference_steps": 2, "dit_step_cache": "off"}
-
-
-def exchange(server: InprocServer, requests: list[dict]) -> list:
-    """Each request's reply on one connection: the unpacked reply, or the text of an error frame."""
-    out = []
-    with connect(server.url, max_size=None) as ws:
-        ws.recv()  # the metadata frame
-        for request in requests:
-            ws.send(msgpack_numpy.packb(request))
-            reply = ws.recv()
-            out.append(reply if isinstance(reply, str) else msgpack_numpy.unpackb(reply))
-    return out

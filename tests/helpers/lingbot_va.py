@@ -1,4 +1,5 @@
-"""Inputs of the LingBot-VA parity tests, drawn as scripts/record_upstream_lingbot_va.py draws them."""
+"""The LingBot-VA tests' shared parts: the parity inputs, drawn as scripts/record_upstream_lingbot_va.py draws them, and a
+KV cache for the tiny policy."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+from ardiff_kv import PagedKVCache
 
 REFERENCE = Path(__file__).parents[1] / "reference_data" / "upstream_lingbot_va_tiny"
 ATOL = 1e-5  # float32, max abs error against upstream
@@ -31,3 +34,15 @@ def text_embeddings(meta: dict, dim: int) -> torch.Tensor:
 
 def sha(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+
+
+def make_cache(policy, sessions: int = 2) -> PagedKVCache:
+    """A pool for ``sessions`` sessions of both branches, batched together, with the headroom a batch's undo keeps."""
+    spec = policy.kv_spec()
+    return PagedKVCache(
+        spec,
+        num_pages=sessions * 2 * spec.pages_per_branch + PagedKVCache.undo_headroom(spec, 2, sessions) + 1,
+        max_sessions=sessions,
+        attention_backend="sdpa",
+        max_batch=sessions,
+    )

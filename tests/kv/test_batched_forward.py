@@ -1,4 +1,4 @@
-"""Several sequences in one forward (kv.prepare_batch): each attends only to its own pages and new tokens.
+"""Several sequences in one forward (ardiff_kv.prepare_batch): each attends only to its own pages and new tokens.
 
 The reference is the dense attention of each sequence alone (its resident window + its new
 tokens), computed without the cache; every backend that runs here (sdpa, flex) must agree with it

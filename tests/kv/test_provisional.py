@@ -155,24 +155,7 @@ def test_attention_reads_the_predicted_pages_values():
     inputs = ctx.prepare()
     k = torch.randn(PAGE, 1, 4)
     v = torch.randn(PAGE, 1, 4)
-    torch.ops.ardiff.paged_write_attend(
-        k,
-        k,
-        v,
-        None,
-        None,
-        inputs[0].key_cache,
-        inputs[0].value_cache,
-        inputs[0].video_slots,
-        inputs[0].extra_slots,
-        inputs[0].block_table,
-        inputs[0].cu_seqlens_q,
-        inputs[0].seq_lens,
-        inputs[0].max_seqlen_q,
-        inputs[0].max_seqlen_k,
-        1.0,
-        "sdpa",
-    )
+    torch.ops.ardiff.paged_write_attend(k, k, v, None, None, 1.0, *inputs[0]._replace(backend="sdpa"))
     s.complete(Branch.COND)
     page = s.branch(Branch.COND).provisional[0]
     assert torch.equal(cache.storage.key_cache(0)[page], k) and torch.equal(cache.storage.value_cache(0)[page], v)

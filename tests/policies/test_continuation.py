@@ -27,7 +27,7 @@ from ardiff_policies.dreamzero.model import DreamZeroModel
 from ardiff_policies.dreamzero.tiny import ensure_tiny_checkpoint
 from ardiff_policies.dreamzero.transforms import NormStats, denormalize_actions
 from ardiff_policies.observation import RobotObservation
-from tests.helpers.dreamzero import make_policy, observations
+from tests.helpers.dreamzero import batched, each_alone, make_policy, observations
 
 ATOL = 1e-5
 
@@ -295,77 +295,46 @@ def test_a_continuation_across_a_window_restart_continues_the_last_chunk(policie
 def test_continuations_across_a_window_restart_batch_and_equal_their_unbatched_results(tiny_model, mode):
     """A batch holding a session whose window restarts under a continuation beside one that continues in a steady
     window and one without continuations equals each session alone (fp32, <= 1e-5)."""
-    from ardiff_kv import PagedKVCache
-    from ardiff_policies.base import RuntimeOptions
-    from ardiff_policies.dreamzero.policy import DreamZeroPolicy
-
-    policy = DreamZeroPolicy(
-        DreamZeroConfig(view_size=(48, 80), continuation=mode, num_inference_steps=4, dit_step_mask=[True, False, True, True]),
-        RuntimeOptions(max_batch=3),
-        model=tiny_model,
+    policy, cache = make_policy(
+        tiny_model, max_batch=3, max_sessions=6, continuation=mode, num_inference_steps=4, dit_step_mask=[True, False, True, True]
     )
-    spec = policy.kv_spec()
-    cache = PagedKVCache(spec, num_pages=6 * len(policy.branches) * spec.pages_per_branch + 1, max_sessions=6, branches=policy.branches, max_batch=3)
     calls = RESTART_CALL + 2
     requests = {  # a: continues, its window restarts in batch RESTART_CALL; c: joins one batch later; b: ordinary
         "a": [o if i == 0 else continued(o, 2, 6) for i, o in enumerate(observations(calls, seed=7))],
         "b": list(observations(calls, seed=8)),
         "c": [o if i == 0 else continued(o, 4, 3) for i, o in enumerate(observations(calls - 1, seed=9))],
     }
-    joins = {"a": 0, "b": 0, "c": 1}
-    alone = {}
-    for name, episode in requests.items():
-        session = policy.start_session(f"alone-{name}", cache.open_session(f"alone-{name}"))
-        alone[name] = [policy.step(session, o) for o in episode]
-        policy.end_session(session)
-        cache.end_session(session.kv)
-    sessions = {name: policy.start_session(name, cache.open_session(name)) for name in requests}
-    for batch in range(calls):
-        members = [(name, batch - joins[name]) for name in requests if 0 <= batch - joins[name] < len(requests[name])]
-        results = policy.step_batch([(sessions[name], requests[name][call]) for name, call in members])
-        for (name, call), result in zip(members, results, strict=True):
-            assert not isinstance(result, BaseException)
-            np.testing.assert_allclose(result.actions, alone[name][call].actions, atol=ATOL, rtol=0)
-            assert (result.chunk, result.info["window_restart"]) == (alone[name][call].chunk, alone[name][call].info["window_restart"])
-    for session in sessions.values():
-        policy.end_session(session)
-        cache.end_session(session.kv)
+    alone = each_alone(policy, cache, requests)
+    together = batched(policy, cache, requests, joins={"c": 1})
+    for name in requests:
+        for result, reference in zip(together[name], alone[name], strict=True):
+            np.testing.assert_allclose(result.actions, reference.actions, atol=ATOL, rtol=0)
+            assert (result.chunk.frozen, result.chunk.chunk_id, result.info["window_restart"]) == (
+                reference.chunk.frozen,
+                reference.chunk.chunk_id,
+                reference.info["window_restart"],
+            )
     assert alone["a"][RESTART_CALL].info["window_restart"] and alone["a"][RESTART_CALL].chunk.frozen == 6
     assert alone["c"][RESTART_CALL].info["window_restart"] and alone["c"][RESTART_CALL].chunk.frozen == 3
 
 
 @pytest.mark.parametrize("mode", ["inpaint", "clean_prefix", "guided"])
 def test_continuations_batch_with_ordinary_calls_and_equal_their_unbatched_results(tiny_model, mode):
-    from ardiff_kv import PagedKVCache
-    from ardiff_policies.base import RuntimeOptions
-    from ardiff_policies.dreamzero.policy import DreamZeroPolicy
-
-    policy = DreamZeroPolicy(
-        DreamZeroConfig(view_size=(48, 80), continuation=mode, num_inference_steps=4, dit_step_mask=[True, False, True, True]),
-        RuntimeOptions(max_batch=3),
-        model=tiny_model,
+    policy, cache = make_policy(
+        tiny_model, max_batch=3, max_sessions=6, continuation=mode, num_inference_steps=4, dit_step_mask=[True, False, True, True]
     )
-    spec = policy.kv_spec()
-    cache = PagedKVCache(spec, num_pages=6 * len(policy.branches) * spec.pages_per_branch + 1, max_sessions=6, branches=policy.branches, max_batch=3)
     episodes = {name: list(observations(2, seed=seed)) for seed, name in enumerate("abc")}
     requests = {  # a: continues, b: ordinary, c: asks for a continuation that cannot apply (unknown chunk)
         "a": [episodes["a"][0], continued(episodes["a"][1], 3, 5)],
         "b": episodes["b"],
         "c": [episodes["c"][0], continued(episodes["c"][1], 3, 5, chunk_id=9)],
     }
-    alone = {}
-    for name, episode in requests.items():
-        session = policy.start_session(f"alone-{name}", cache.open_session(f"alone-{name}"))
-        alone[name] = [policy.step(session, o) for o in episode]
-        policy.end_session(session)
-        cache.end_session(session.kv)
-    sessions = {name: policy.start_session(name, cache.open_session(name)) for name in requests}
-    for call in range(2):
-        results = policy.step_batch([(sessions[name], requests[name][call]) for name in requests])
-        for name, result in zip(requests, results, strict=True):
-            assert not isinstance(result, BaseException)
-            np.testing.assert_allclose(result.actions, alone[name][call].actions, atol=ATOL, rtol=0)
-            assert result.chunk.frozen == alone[name][call].chunk.frozen
+    alone = each_alone(policy, cache, requests)
+    together = batched(policy, cache, requests)
+    for name in requests:
+        for result, reference in zip(together[name], alone[name], strict=True):
+            np.testing.assert_allclose(result.actions, reference.actions, atol=ATOL, rtol=0)
+            assert result.chunk.frozen == reference.chunk.frozen
     assert alone["a"][1].chunk.frozen == 5 and alone["c"][1].chunk.frozen == 0
 
 

@@ -12,7 +12,7 @@ from ardiff_policies.continuation import Continuation
 from ardiff_policies.dreamzero.config import UPSTREAM_STEP_MASK, DreamZeroConfig
 from ardiff_policies.dreamzero.step_cache import THRESHOLDS, StepCache, resample_mask, scale_thresholds
 from ardiff_policies.observation import RobotObservation, UnsupportedObservation
-from tests.helpers.dreamzero import make_policy, observations
+from tests.helpers.dreamzero import batched, each_alone, make_policy, observations
 
 ATOL = 1e-5
 
@@ -97,38 +97,20 @@ def test_steps_out_of_bounds_are_refused_naming_the_bound(tiny_model, policy):
 def test_a_batch_of_mixed_step_counts_equals_each_session_alone(tiny_model):
     """Sessions asking for 2, 3 and the configured 4 steps (one of them continuing its chunk) in one batch: each
     step count denoises in its own lockstep group, every result is the session's alone (fp32, <= 1e-5)."""
-    from ardiff_kv import PagedKVCache
-    from ardiff_policies.base import RuntimeOptions
-    from ardiff_policies.dreamzero.policy import DreamZeroPolicy
-
-    policy = DreamZeroPolicy(
-        DreamZeroConfig(view_size=(48, 80), num_inference_steps=4, dit_step_cache="dynamic"), RuntimeOptions(max_batch=4), model=tiny_model
-    )
-    spec = policy.kv_spec()
-    cache = PagedKVCache(spec, num_pages=8 * len(policy.branches) * spec.pages_per_branch + 1, max_sessions=8, branches=policy.branches, max_batch=4)
+    policy, cache = make_policy(tiny_model, max_batch=4, max_sessions=8, num_inference_steps=4, dit_step_cache="dynamic")
     steps = {"a": 2, "b": None, "c": 3, "d": 2}
     requests = {
         name: [with_steps(o, steps[name], Continuation(3, 4) if name == "d" and i else None) for i, o in enumerate(observations(2, seed=20 + k))]
         for k, name in enumerate(steps)
     }
-    alone = {}
-    for name, episode in requests.items():
-        session = policy.start_session(f"alone-{name}", cache.open_session(f"alone-{name}"))
-        alone[name] = [policy.step(session, o) for o in episode]
-        policy.end_session(session)
-        cache.end_session(session.kv)
-    sessions = {name: policy.start_session(name, cache.open_session(name)) for name in requests}
-    for call in range(2):
-        results = policy.step_batch([(sessions[name], requests[name][call]) for name in requests])
-        for name, result in zip(requests, results, strict=True):
-            assert not isinstance(result, BaseException)
-            np.testing.assert_allclose(result.actions, alone[name][call].actions, atol=ATOL, rtol=0)
+    alone = each_alone(policy, cache, requests)
+    together = batched(policy, cache, requests)
+    for name in requests:
+        for result, reference in zip(together[name], alone[name], strict=True):
+            np.testing.assert_allclose(result.actions, reference.actions, atol=ATOL, rtol=0)
             for key in ("num_inference_steps", "dit_forwards"):
-                assert result.info[key] == alone[name][call].info[key], (name, key)
-            assert result.chunk == alone[name][call].chunk, name
-    for session in sessions.values():
-        policy.end_session(session)
-        cache.end_session(session.kv)
+                assert result.info[key] == reference.info[key], (name, key)
+            assert result.chunk.frozen == reference.chunk.frozen, name
     assert [alone[name][1].info["num_inference_steps"] for name in steps] == [2, 4, 3, 2]
     assert alone["d"][1].chunk.frozen == 4
 

@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from ardiff_kv import PagedKVCache
 from ardiff_policies.lingbot_va.episode_logic import CommitRequest, EpisodeError, InferRequest, LingBotVAPolicy
 from ardiff_policies.lingbot_va.tiny import TINY_EMBODIMENT, ensure_tiny_checkpoint
-from tests.helpers.lingbot_va import ATOL, load_reference
+from tests.helpers.lingbot_va import ATOL, load_reference, make_cache
 from tests.helpers.scripts import load_script
 
 RECORD = load_script("record_upstream_lingbot_va")  # its observation and key-frame functions: the inputs
@@ -29,17 +28,6 @@ def reference():
 @pytest.fixture(scope="module")
 def policy() -> LingBotVAPolicy:
     return LingBotVAPolicy.load(ensure_tiny_checkpoint(), TINY_EMBODIMENT)
-
-
-def make_cache(policy, sessions=2):
-    spec = policy.kv_spec()
-    return PagedKVCache(
-        spec,
-        num_pages=sessions * 2 * spec.pages_per_branch + PagedKVCache.undo_headroom(spec, 2, sessions) + 1,
-        max_sessions=sessions,
-        attention_backend="sdpa",
-        max_batch=sessions,
-    )
 
 
 def chunk(policy, session, index, seed_offset=0):

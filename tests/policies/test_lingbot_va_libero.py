@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ardiff_kv import PagedKVCache
 from ardiff_policies.lingbot_va import upstream_configs
 from ardiff_policies.lingbot_va.episode_logic import InferRequest, LingBotVAPolicy, kv_spec
 from ardiff_policies.lingbot_va.tiny import TINY_LIBERO_EMBODIMENT, TINY_TRANSFORMER, ensure_tiny_checkpoint, tree_digest
 from ardiff_policies.lingbot_va.upstream_configs import DEMO, LIBERO, LIBERO_CFG, UpstreamConfig, embodiment_from_upstream
+from tests.helpers.lingbot_va import make_cache
 from tests.helpers.scripts import load_script
 
 RECORD = load_script("record_upstream_lingbot_va_libero")
@@ -95,17 +95,6 @@ def test_libero_actions_are_channels_0_to_6_and_the_gripper_round_trips(policy):
     assert back.shape == (1, 30, 4, 4, 1)
     np.testing.assert_allclose(back[0, :7, ..., 0].numpy(), model_out[0, :7, ..., 0].numpy(), atol=1e-5)
     assert (back[0, 7:] == -1).all()  # the zero row normalized with zero quantiles; the commit zeroes these channels
-
-
-def make_cache(policy, sessions=2):
-    spec = policy.kv_spec()
-    return PagedKVCache(
-        spec,
-        num_pages=sessions * 2 * spec.pages_per_branch + PagedKVCache.undo_headroom(spec, 2, sessions) + 1,
-        max_sessions=sessions,
-        attention_backend="sdpa",
-        max_batch=sessions,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -94,7 +94,7 @@ def test_kv_pool_is_what_the_engine_allocates(tiny):
 
 
 def test_the_plans_pool_is_the_engines_allocation_when_the_pool_holds_fewer_than_max_sessions(tiny):
-    """The engine's path (kv.kv_budget_bytes from what the weights leave free, then
+    """The engine's path (ardiff_kv.kv_budget_bytes from what the weights leave free, then
     PagedKVCache.from_budget) against the plan: the same bytes of tensors, cross-attention slots
     for the sessions the pool holds (3 of max_sessions 8), and no page that no session could use."""
     from ardiff_kv import Branch, kv_budget_bytes

@@ -1,7 +1,7 @@
 """Record upstream LingBot-VA's own transformer outputs on the tiny checkpoint: the parity anchor of the LingBot-VA tests.
 
 Upstream's code (Robbyant/lingbot-va ``wan_va/modules/model.py`` and ``wan_va/utils/{utils,scheduler}.py``, imported
-from the path given on the command line, never copied here) runs the tiny transformer (``policies.lingbot_va.tiny``)
+from the path given on the command line, never copied here) runs the tiny transformer (``ardiff_policies.lingbot_va.tiny``)
 on the CPU in float32, and the outputs go to ``tests/reference_data/upstream_lingbot_va_tiny.{safetensors,json}``,
 which ``tests/policies/test_lingbot_va_model.py`` and ``tests/kv/test_provisional.py`` read:
 
@@ -17,7 +17,7 @@ which ``tests/policies/test_lingbot_va_model.py`` and ``tests/kv/test_provisiona
 
 * ``policy.*``: a whole episode of upstream's own server (``VA_Server._reset`` / ``_infer`` / ``_compute_kv_cache``
   through ``VA_Server.infer``, the messages the RoboTwin client sends) on the tiny checkpoint with the tiny RoboTwin
-  embodiment (``policies.lingbot_va.tiny.TINY_EMBODIMENT``): reset, then four chunks of infer + compute_kv_cache
+  embodiment (``ardiff_policies.lingbot_va.tiny.TINY_EMBODIMENT``): reset, then four chunks of infer + compute_kv_cache
   (the window slides twice), its global generator seeded right after the reset; the actions of every chunk and the
   first chunk's encoded observation.
 

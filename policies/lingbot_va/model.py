@@ -16,7 +16,7 @@ over float positions (``grid_id``): video tokens at (frame, row, column), action
 
 Inference only. Self-attention K/V come from the caller per layer (``self_kv``):
 
-* :class:`kv.PagedLayerInputs`: the paged cache (serving path); the layer writes this forward's
+* :class:`ardiff_kv.PagedLayerInputs`: the paged cache (serving path); the layer writes this forward's
   K/V into its pages and attends over the session's block table in one custom op. Which pages
   those are (committed, provisional, scratch) is the session's business (``kv/``);
 * ``None``: attention over this call's tokens only (no cache).

@@ -26,6 +26,22 @@ _DIFFUSERS_METADATA = frozenset({"_class_name", "_diffusers_version", "_name_or_
 ATTN_MODES = frozenset({"torch", "flashattn", "flex"})
 
 
+def read_diffusers_header(raw: dict[str, Any], class_name: str, model: str, where: str) -> dict[str, Any]:
+    """``config.json``'s keys less diffusers' own bookkeeping, once its ``_class_name`` is ``class_name`` (``model``'s)
+    and its ``pos_embed_seq_len`` null: a copy, so the caller may pop what it reads."""
+    raw = dict(raw)
+    found = raw.pop("_class_name", class_name)
+    if found != class_name:
+        raise ValueError(f"{where}: _class_name {found!r} is not {model}'s {class_name!r}")
+    for key in _DIFFUSERS_METADATA:
+        raw.pop(key, None)
+    # Passed by upstream to its time/text embedder, which ignores it: only the released value (null) is accepted,
+    # so a checkpoint that relies on a learned position table is refused rather than served without it.
+    if raw.pop("pos_embed_seq_len", None) is not None:
+        raise ValueError(f"{where}: pos_embed_seq_len must be null (upstream has no position table)")
+    return raw
+
+
 @dataclass(frozen=True)
 class TransformerConfig:
     """The network's sizes, with upstream's names and defaults (the released 5B's values)."""
@@ -91,16 +107,7 @@ class TransformerConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> TransformerConfig:
-        raw = dict(raw)
-        class_name = raw.pop("_class_name", TRANSFORMER_CLASS)
-        if class_name != TRANSFORMER_CLASS:
-            raise ValueError(f"transformer config: _class_name {class_name!r} is not LingBot-VA's {TRANSFORMER_CLASS!r}")
-        for key in _DIFFUSERS_METADATA:
-            raw.pop(key, None)
-        # Passed by upstream to its time/text embedder, which ignores it: only the released value (null) is accepted,
-        # so a checkpoint that relies on a learned position table is refused rather than served without it.
-        if raw.pop("pos_embed_seq_len", None) is not None:
-            raise ValueError("transformer config: pos_embed_seq_len must be null (upstream has no position table)")
+        raw = read_diffusers_header(raw, TRANSFORMER_CLASS, "LingBot-VA", "transformer config")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:

@@ -17,10 +17,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ardiff_policies.lingbot_va.checkpoint import TransformerConfig
+from ardiff_policies.lingbot_va.checkpoint import TransformerConfig, read_diffusers_header
 
 ZERO_WAM_CLASS = "WanICLTransformer3DModel"
-_DIFFUSERS_METADATA = frozenset({"_class_name", "_diffusers_version", "_name_or_path"})
 # LingBot-VA's keys Zero-WAM's class also takes (everything but ``attn_mode``: Zero-WAM has one attention path).
 _SHARED_KEYS = tuple(f.name for f in fields(TransformerConfig) if f.name != "attn_mode")
 
@@ -72,14 +71,7 @@ class ZeroWAMConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ZeroWAMConfig:
-        raw = dict(raw)
-        class_name = raw.pop("_class_name", ZERO_WAM_CLASS)
-        if class_name != ZERO_WAM_CLASS:
-            raise ValueError(f"zero-wam transformer config: _class_name {class_name!r} is not Zero-WAM's {ZERO_WAM_CLASS!r}")
-        for key in _DIFFUSERS_METADATA:
-            raw.pop(key, None)
-        if raw.pop("pos_embed_seq_len", None) is not None:
-            raise ValueError("zero-wam transformer config: pos_embed_seq_len must be null (upstream has no position table)")
+        raw = read_diffusers_header(raw, ZERO_WAM_CLASS, "Zero-WAM", "zero-wam transformer config")
         # Upstream raises on any other value ("The released ICL checkpoints require ..."): so does this.
         if raw.pop("attn_moe", True) is not True:
             raise ValueError("zero-wam transformer config: attn_moe must be true (the action expert's own attention projections)")

@@ -302,7 +302,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT_DIR, help=f"folder for {NAME}.safetensors / .json (default: %(default)s)")
     args = parser.parse_args()
     import diffusers
-    from safetensors.torch import save_file
 
     from ardiff_policies.lingbot_va.tiny import tree_digest, write_tiny_checkpoint
 
@@ -369,11 +368,18 @@ def main() -> None:
             "input_sha256": inputs,
             "policy": policy,
         }
-    args.out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous().float() for k, v in out.items()}, args.out / f"{NAME}.safetensors", metadata={"format": "pt"})
-    (args.out / f"{NAME}.json").write_text(json.dumps(meta, indent=1) + "\n")
-    size = (args.out / f"{NAME}.safetensors").stat().st_size
-    print(f"wrote {args.out / NAME}.safetensors ({size / 1e3:.0f} kB, {len(out)} tensors) and .json")
+    write_reference(args.out, NAME, out, meta)
+
+
+def write_reference(out_dir: Path, name: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """``<name>.safetensors`` (float32) and ``<name>.json`` under ``out_dir``: what the parity tests read."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous().float() for k, v in tensors.items()}, out_dir / f"{name}.safetensors", metadata={"format": "pt"})
+    (out_dir / f"{name}.json").write_text(json.dumps(meta, indent=1) + "\n")
+    size = (out_dir / f"{name}.safetensors").stat().st_size
+    print(f"wrote {out_dir / name}.safetensors ({size / 1e3:.0f} kB, {len(tensors)} tensors) and .json")
 
 
 if __name__ == "__main__":

@@ -32,16 +32,12 @@ Usage (upstream's LIBERO code is in its history from c479967 on; 58c2ae5 is the 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import record_upstream_lingbot_va as robotwin  # scripts/, this script's folder: its upstream server builder, frames, writer
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import record_upstream_lingbot_va as robotwin  # noqa: E402  (its upstream server builder and frame generator)
 
 REPO = Path(__file__).resolve().parents[1]
 OUT_DIR = REPO / "tests" / "reference_data"
@@ -106,7 +102,6 @@ def main() -> None:
     import dataclasses
 
     import diffusers
-    from safetensors.torch import save_file
 
     from ardiff_policies.lingbot_va.tiny import TINY_LIBERO_EMBODIMENT, tree_digest, write_tiny_checkpoint
     from ardiff_policies.lingbot_va.upstream_configs import LIBERO_CFG
@@ -132,11 +127,7 @@ def main() -> None:
             "episodes": list(EPISODES),
             "calls": calls,
         }
-    args.out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous().float() for k, v in out.items()}, args.out / f"{NAME}.safetensors", metadata={"format": "pt"})
-    (args.out / f"{NAME}.json").write_text(json.dumps(meta, indent=1) + "\n")
-    size = (args.out / f"{NAME}.safetensors").stat().st_size
-    print(f"wrote {args.out / NAME}.safetensors ({size / 1e3:.0f} kB, {len(out)} tensors) and .json")
+    robotwin.write_reference(args.out, NAME, out, meta)
 
 
 if __name__ == "__main__":

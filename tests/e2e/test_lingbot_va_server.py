@@ -68,7 +68,7 @@ def test_both_protocols_report_the_same_timings_and_metrics(server):
     """LingBot-VA's replies are timed and counted as OpenPI's (``frontend/replies.py``): every call's server_timing has
     its compute and its wait in the engine (and the connection's previous request), and every call is observed in the
     infer, queue and request histograms (LingBot-VA's once fed only the first)."""
-    timing_keys = {"infer_ms", "queue_ms", "encode_ms", "prev_total_ms"}  # encode_ms: only a call that encoded
+    timing_keys = {"infer_ms", "queue_ms", "encode_ms", "prev_total_ms", "next_call_p90_ms"}  # encode_ms: only a call that encoded
     histograms = ("ardiff_infer_seconds_count", "ardiff_queue_seconds_count", "ardiff_request_seconds_count")
     before = [server.metric(name) for name in (*histograms, 'ardiff_requests_total{outcome="ok"}')]
     frame = robotwin_frame(np.random.default_rng(7), *SIZE, "x")

@@ -160,16 +160,20 @@ def test_shutdown_writes_every_queued_call_at_once_without_waiting_for_decodes(t
     timings is lost and close() does not wait for the decodes. Before: close() decoded every one first."""
     frames = np.zeros((4, 16, 16, 3), np.uint8)
 
+    decodes = []
+
     def slow_decode(predicted):
+        decodes.append(predicted)
         time.sleep(1.0)
         return predicted
 
     recorder = Recorder(tmp_path, max_bytes=10**9, decode=slow_decode)
     for call in range(1, 7):
         recorder.add("busy", Chunk(call, "p", frames, frames, np.zeros((24, 8)), np.zeros((24, 32)), np.zeros(8), {}, 1.0))
-    started = time.perf_counter()
     recorder.close()
-    assert time.perf_counter() - started < 3.0  # at most the decode in progress, not six
+    # close() waited for at most the decode in progress (and one begun as it was called), not six: counted, not timed,
+    # since writing six calls' video at the recorder's nice 19 takes what a loaded machine leaves it
+    assert len(decodes) <= 2, len(decodes)
     timings = json.loads((tmp_path / "busy" / "timings.json").read_text())
     assert [t["call"] for t in timings["calls"]] == [1, 2, 3, 4, 5, 6] and timings["ended"] == "shutdown"
     assert sum(not t["prediction_decoded"] for t in timings["calls"]) >= 4

@@ -26,6 +26,17 @@ _DIFFUSERS_METADATA = frozenset({"_class_name", "_diffusers_version", "_name_or_
 ATTN_MODES = frozenset({"torch", "flashattn", "flex"})
 
 
+def read_config_json(path: Path) -> dict[str, Any]:
+    """A transformer's ``config.json`` as a dict, or a one-line ValueError naming the file."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read the transformer config {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"transformer config {path}: expected a JSON object")
+    return raw
+
+
 def read_diffusers_header(raw: dict[str, Any], class_name: str, model: str, where: str) -> dict[str, Any]:
     """``config.json``'s keys less diffusers' own bookkeeping, once its ``_class_name`` is ``class_name`` (``model``'s)
     and its ``pos_embed_seq_len`` null: a copy, so the caller may pop what it reads."""
@@ -119,12 +130,7 @@ class TransformerConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> TransformerConfig:
         path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cannot read the transformer config {path}: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ValueError(f"transformer config {path}: expected a JSON object")
+        raw = read_config_json(path)
         try:
             return cls.from_dict(raw)
         except ValueError as exc:

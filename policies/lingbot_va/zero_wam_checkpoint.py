@@ -12,12 +12,11 @@ anything unknown.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ardiff_policies.lingbot_va.checkpoint import TransformerConfig, read_diffusers_header
+from ardiff_policies.lingbot_va.checkpoint import TransformerConfig, read_config_json, read_diffusers_header
 
 ZERO_WAM_CLASS = "WanICLTransformer3DModel"
 # LingBot-VA's keys Zero-WAM's class also takes (everything but ``attn_mode``: Zero-WAM has one attention path).
@@ -91,12 +90,7 @@ class ZeroWAMConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> ZeroWAMConfig:
         path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cannot read the transformer config {path}: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ValueError(f"transformer config {path}: expected a JSON object")
+        raw = read_config_json(path)
         try:
             return cls.from_dict(raw)
         except (ValueError, TypeError) as exc:  # TypeError: a key of the wrong shape

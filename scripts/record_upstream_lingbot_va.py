@@ -354,7 +354,7 @@ def main() -> None:
         meta = {
             "note": (
                 "Outputs of upstream LingBot-VA's WanTransformer3DModel (Robbyant/lingbot-va wan_va/modules/model.py) "
-                "on the tiny checkpoint (policies.lingbot_va.tiny), float32 on the CPU, through its own KV cache, "
+                "on the tiny checkpoint (ardiff_policies.lingbot_va.tiny), float32 on the CPU, through its own KV cache, "
                 "recorded by scripts/record_upstream_lingbot_va.py."
             ),
             "upstream_commit": args.commit,

@@ -222,7 +222,7 @@ def upstream_server(path: Path, checkpoint: Path, embodiment: Any, save_root: Pa
     from transformers import AutoTokenizer
 
     sys.path.insert(0, str(path / "wan_va"))
-    import wan_va_server as server_module
+    import wan_va_server
     from modules.utils import WanVAEStreamingWrapper, load_text_encoder, load_transformer, load_vae
     from utils import FlowMatchScheduler
 
@@ -255,7 +255,7 @@ def upstream_server(path: Path, checkpoint: Path, embodiment: Any, save_root: Pa
         param_dtype=torch.float32,
         save_root=str(save_root),
     )
-    srv = object.__new__(server_module.VA_Server)
+    srv = object.__new__(wan_va_server.VA_Server)
     srv.cache_name, srv.job_config, srv.save_root = "pos", config, config.save_root
     srv.dtype, srv.device = torch.float32, torch.device("cpu")
     srv.scheduler = FlowMatchScheduler(shift=e.snr_shift, sigma_min=0.0, extra_one_step=True)

@@ -303,7 +303,8 @@ def main() -> None:
     args = parser.parse_args()
     import diffusers
 
-    from ardiff_policies.lingbot_va.tiny import tree_digest, write_tiny_checkpoint
+    from ardiff_policies.lingbot_va.tiny import write_tiny_checkpoint
+    from ardiff_policies.wan.tiny import tree_digest
 
     up = import_upstream(args.upstream.resolve())
     out: dict[str, torch.Tensor] = {}

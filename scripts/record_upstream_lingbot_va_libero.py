@@ -103,8 +103,9 @@ def main() -> None:
 
     import diffusers
 
-    from ardiff_policies.lingbot_va.tiny import TINY_LIBERO_EMBODIMENT, tree_digest, write_tiny_checkpoint
+    from ardiff_policies.lingbot_va.tiny import TINY_LIBERO_EMBODIMENT, write_tiny_checkpoint
     from ardiff_policies.lingbot_va.upstream_configs import LIBERO_CFG
+    from ardiff_policies.wan.tiny import tree_digest
 
     out: dict[str, torch.Tensor] = {}
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():

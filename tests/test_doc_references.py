@@ -105,6 +105,9 @@ def named_paths(document: Path) -> list[tuple[int, str]]:
 
 
 def exists(path: str) -> bool:
+    """Whether ``path`` is a file or folder of this repository (an absolute path never is)."""
+    if path.startswith("/"):
+        return False
     if any((REPO / root / path).exists() for root in ROOTS):
         return True
     return "/" not in path.rstrip("/") and path.rstrip("/") in tracked_names()

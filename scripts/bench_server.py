@@ -92,15 +92,13 @@ class TrivialPolicy:
 
 async def _serve_reference(port: int, compute_ms: float) -> None:
     """openpi's WebsocketPolicyServer, reduced to what matters for latency (same control flow)."""
-    import http as http_status
-
     import websockets
-    import websockets.asyncio.server as ws_server
     from openpi_client import msgpack_numpy
+    from websockets.asyncio.server import Request, Response, ServerConnection, serve
 
     policy = TrivialPolicy(compute_ms)
 
-    async def handler(websocket: ws_server.ServerConnection) -> None:
+    async def handler(websocket: ServerConnection) -> None:
         packer = msgpack_numpy.Packer()
         await websocket.send(packer.pack(METADATA))
         prev_total_time: float | None = None
@@ -119,16 +117,16 @@ async def _serve_reference(port: int, compute_ms: float) -> None:
             except websockets.ConnectionClosed:
                 break
 
-    def health_check(connection: ws_server.ServerConnection, request: ws_server.Request) -> ws_server.Response | None:
+    def health_check(connection: ServerConnection, request: Request) -> Response | None:
         if request.path == "/healthz":
-            return connection.respond(http_status.HTTPStatus.OK, "OK\n")
+            return connection.respond(http.HTTPStatus.OK, "OK\n")
         return None
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with ws_server.serve(handler, "127.0.0.1", port, compression=None, max_size=None, process_request=health_check) as server:
+    async with serve(handler, "127.0.0.1", port, compression=None, max_size=None, process_request=health_check) as server:
         bound = server.sockets[0].getsockname()[1]
         print(f"listening on ws://127.0.0.1:{bound}", flush=True)
         await stop.wait()

@@ -17,7 +17,6 @@ import argparse
 import ast
 import inspect
 import io
-import re
 import sys
 import textwrap
 import tokenize
@@ -85,7 +84,7 @@ def field_comments(model: type) -> dict[str, str]:
             above.insert(0, comments[n])
             n -= 1
         text = " ".join(trailing) or " ".join(above)
-        out[node.target.id] = re.sub(r"\s*\(fmt: skip\)|\s*fmt: skip", "", text).strip()
+        out[node.target.id] = text.strip()
     return out
 
 

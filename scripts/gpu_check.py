@@ -857,8 +857,8 @@ def lingbot_va_check(args, cuda: bool, full: bool) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from ardiff_policies.lingbot_va import memory as lv_memory
     from ardiff_policies.lingbot_va.episode_logic import kv_spec
+    from ardiff_policies.lingbot_va.memory import plan as memory_plan
     from ardiff_policies.lingbot_va.policy import embodiment_by_name
     from ardiff_policies.lingbot_va.synthetic import parse_spec
     from ardiff_policies.observation import RobotObservation
@@ -874,7 +874,7 @@ def lingbot_va_check(args, cuda: bool, full: bool) -> dict[str, Any]:
     spec = parse_spec(args.checkpoint)
     budget = kv_budget_gib(kv_spec(embodiment, spec.transformer, dtype), sessions, max_batch=max(sizes))
     # the memory plan models the released networks (UMT5-XXL, the Wan2.2 VAE): held against the peak at full size only
-    plan = lv_memory.plan(name, embodiment, dtype=dtype, max_batch=max(sizes), cfg=spec.transformer) if spec.preset == "released" else None
+    plan = memory_plan(name, embodiment, dtype=dtype, max_batch=max(sizes), cfg=spec.transformer) if spec.preset == "released" else None
     raw = {
         "engine": {
             "device": args.device,

@@ -10,11 +10,11 @@ python scripts/make_tiny_checkpoint.py --variant tiny_yam --out /tmp/yam   # a p
 from __future__ import annotations
 
 import argparse
-import hashlib
 import time
 from pathlib import Path
 
 from ardiff_policies.dreamzero.tiny import TINY_VARIANTS, default_cache_dir, ensure_tiny_checkpoint, write_tiny_checkpoint
+from ardiff_policies.wan.tiny import describe_written
 
 
 def main() -> None:
@@ -33,13 +33,7 @@ def main() -> None:
         out = ensure_tiny_checkpoint(variant=args.variant)
     else:
         out = write_tiny_checkpoint(args.out or default_cache_dir(args.variant), seed=args.seed, variant=args.variant)
-    digest = hashlib.sha256()
-    files = sorted(p for p in out.rglob("*") if p.is_file())
-    for path in files:
-        digest.update(path.relative_to(out).as_posix().encode())
-        digest.update(path.read_bytes())
-    size = sum(p.stat().st_size for p in files)
-    print(f"{out}: {len(files)} files, {size / 2**20:.1f} MiB, sha256 {digest.hexdigest()[:16]} ({time.perf_counter() - start:.1f} s)")
+    print(describe_written(out, time.perf_counter() - start))
 
 
 if __name__ == "__main__":

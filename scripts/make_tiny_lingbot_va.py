@@ -11,7 +11,8 @@ import argparse
 import time
 from pathlib import Path
 
-from ardiff_policies.lingbot_va.tiny import TINY_SEED, default_cache_dir, ensure_tiny_checkpoint, tree_digest, write_tiny_checkpoint
+from ardiff_policies.lingbot_va.tiny import TINY_SEED, default_cache_dir, ensure_tiny_checkpoint, write_tiny_checkpoint
+from ardiff_policies.wan.tiny import describe_written
 
 
 def main() -> None:
@@ -24,9 +25,7 @@ def main() -> None:
         out = ensure_tiny_checkpoint()
     else:
         out = write_tiny_checkpoint(args.out or default_cache_dir(), seed=args.seed)
-    files = [p for p in out.rglob("*") if p.is_file()]
-    size = sum(p.stat().st_size for p in files)
-    print(f"{out}: {len(files)} files, {size / 2**20:.1f} MiB, sha256 {tree_digest(out)[:16]} ({time.perf_counter() - start:.1f} s)")
+    print(describe_written(out, time.perf_counter() - start))
 
 
 if __name__ == "__main__":

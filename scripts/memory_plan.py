@@ -144,8 +144,8 @@ def markdown(table: list[Row]) -> str:
 
 
 def lingbot_va_table() -> tuple[str, list[dict]]:
-    from ardiff_policies.lingbot_va import memory as lv_memory
     from ardiff_policies.lingbot_va.embodiments import FRANKA, ROBOTWIN
+    from ardiff_policies.lingbot_va.memory import plan
     from ardiff_policies.lingbot_va.upstream_configs import LIBERO
 
     cards = " | ".join(f"{c} GiB" for c in CARDS_GIB)
@@ -155,7 +155,7 @@ def lingbot_va_table() -> tuple[str, list[dict]]:
     ]
     out = []
     for name, embodiment in (("RoboTwin (posttrain-robotwin)", ROBOTWIN), ("Franka (base)", FRANKA), ("LIBERO (posttrain-libero-long)", LIBERO)):
-        p = lv_memory.plan(name, embodiment)
+        p = plan(name, embodiment)
         fits = {card: p.sessions_on(int((card - CONTEXT_GIB) * GiB)) for card in CARDS_GIB}
         lines.append(
             f"| {name} | {sum(p.weights.values()) / GiB:.1f} | {p.kv_session / GiB:.1f} | {p.text_session / GiB:.2f} | {p.kv_reserved / GiB:.2f} | {p.activations / GiB:.1f} "
@@ -179,7 +179,7 @@ def lingbot_va_table() -> tuple[str, list[dict]]:
 
 
 def zero_wam_table() -> tuple[str, list[dict]]:
-    from ardiff_policies.lingbot_va import zero_wam_memory as zw
+    from ardiff_policies.lingbot_va import zero_wam_memory
 
     cards = " | ".join(f"{c} GiB" for c in CARDS_GIB)
     lines = [
@@ -187,8 +187,8 @@ def zero_wam_table() -> tuple[str, list[dict]]:
         "|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(CARDS_GIB),
     ]
     out = []
-    for geometry in (zw.ROBOTWIN, zw.ROBOTWIN_NO_CFG):
-        p = zw.plan(geometry)
+    for geometry in (zero_wam_memory.ROBOTWIN, zero_wam_memory.ROBOTWIN_NO_CFG):
+        p = zero_wam_memory.plan(geometry)
         fits = {card: p.sessions_on(int((card - CONTEXT_GIB) * GiB)) for card in CARDS_GIB}
         lines.append(
             f"| {p.name} | {sum(p.weights.values()) / GiB:.1f} | {p.kv_session / GiB:.2f} | {p.text_session / GiB:.2f} | {p.activations / GiB:.1f} "

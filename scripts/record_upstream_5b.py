@@ -217,26 +217,36 @@ def import_upstream(path: Path) -> types.SimpleNamespace:
     torch.compile = lambda model=None, **kwargs: model if model is not None else (lambda fn: fn)  # eager upstream
     sys.path.insert(0, str(path))
     try:
-        from groot.vla.model.dreamzero.action_head import wan_flow_matching_action_tf as head
-        from groot.vla.model.dreamzero.modules import wan2_1_submodule as submodule
-        from groot.vla.model.dreamzero.modules import wan_video_dit_action_casual_chunk as dit
-        from groot.vla.model.dreamzero.modules import wan_video_image_encoder as image_encoder
-        from groot.vla.model.dreamzero.modules import wan_video_text_encoder as text_encoder
-        from groot.vla.model.dreamzero.modules import wan_video_vae as vae
+        from groot.vla.model.dreamzero.action_head import wan_flow_matching_action_tf
+        from groot.vla.model.dreamzero.modules import (
+            wan2_1_submodule,
+            wan_video_dit_action_casual_chunk,
+            wan_video_image_encoder,
+            wan_video_text_encoder,
+            wan_video_vae,
+        )
     finally:
         torch.compile = compile_
-    from groot.vla.model.dreamzero.modules import wan2_1_attention as attention
+    from groot.vla.model.dreamzero.modules import wan2_1_attention
 
-    defaults = list(attention.AttentionModule.__init__.__defaults__)
+    defaults = list(wan2_1_attention.AttentionModule.__init__.__defaults__)
     defaults[next(i for i, d in enumerate(defaults) if d is torch.bfloat16)] = torch.float32  # the `dtype` argument
-    attention.AttentionModule.__init__.__defaults__ = tuple(defaults)
-    from groot.vla.model.dreamzero.modules import attention as cross_attention
+    wan2_1_attention.AttentionModule.__init__.__defaults__ = tuple(defaults)
+    from groot.vla.model.dreamzero.modules import attention
 
     def sdpa_in_float32(q, k, v, q_lens=None, k_lens=None, **_: Any) -> torch.Tensor:
-        return cross_attention._sdpa_attention_fallback(q, k, v, q_lens=q_lens, k_lens=k_lens, dtype=torch.float32)
+        return attention._sdpa_attention_fallback(q, k, v, q_lens=q_lens, k_lens=k_lens, dtype=torch.float32)
 
-    submodule.flash_attention = sdpa_in_float32
-    return types.SimpleNamespace(head=head, submodule=submodule, dit=dit, image_encoder=image_encoder, text_encoder=text_encoder, vae=vae)
+    wan2_1_submodule.flash_attention = sdpa_in_float32
+    # by role: the modules this script drives (``_UP.dit.CausalWanModel``, ...)
+    return types.SimpleNamespace(
+        head=wan_flow_matching_action_tf,
+        submodule=wan2_1_submodule,
+        dit=wan_video_dit_action_casual_chunk,
+        image_encoder=wan_video_image_encoder,
+        text_encoder=wan_video_text_encoder,
+        vae=wan_video_vae,
+    )
 
 
 # ------------------------------------------------------------------------------------------ tiny modules

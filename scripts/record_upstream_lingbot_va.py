@@ -222,7 +222,7 @@ def upstream_server(path: Path, checkpoint: Path, embodiment: Any, save_root: Pa
     from transformers import AutoTokenizer
 
     sys.path.insert(0, str(path / "wan_va"))
-    import wan_va_server as server_module
+    import wan_va_server
     from modules.utils import WanVAEStreamingWrapper, load_text_encoder, load_transformer, load_vae
     from utils import FlowMatchScheduler
 
@@ -255,7 +255,7 @@ def upstream_server(path: Path, checkpoint: Path, embodiment: Any, save_root: Pa
         param_dtype=torch.float32,
         save_root=str(save_root),
     )
-    srv = object.__new__(server_module.VA_Server)
+    srv = object.__new__(wan_va_server.VA_Server)
     srv.cache_name, srv.job_config, srv.save_root = "pos", config, config.save_root
     srv.dtype, srv.device = torch.float32, torch.device("cpu")
     srv.scheduler = FlowMatchScheduler(shift=e.snr_shift, sigma_min=0.0, extra_one_step=True)
@@ -303,7 +303,8 @@ def main() -> None:
     args = parser.parse_args()
     import diffusers
 
-    from ardiff_policies.lingbot_va.tiny import tree_digest, write_tiny_checkpoint
+    from ardiff_policies.lingbot_va.tiny import write_tiny_checkpoint
+    from ardiff_policies.wan.tiny import tree_digest
 
     up = import_upstream(args.upstream.resolve())
     out: dict[str, torch.Tensor] = {}
@@ -354,7 +355,7 @@ def main() -> None:
         meta = {
             "note": (
                 "Outputs of upstream LingBot-VA's WanTransformer3DModel (Robbyant/lingbot-va wan_va/modules/model.py) "
-                "on the tiny checkpoint (policies.lingbot_va.tiny), float32 on the CPU, through its own KV cache, "
+                "on the tiny checkpoint (ardiff_policies.lingbot_va.tiny), float32 on the CPU, through its own KV cache, "
                 "recorded by scripts/record_upstream_lingbot_va.py."
             ),
             "upstream_commit": args.commit,

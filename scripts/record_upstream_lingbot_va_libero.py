@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import record_upstream_lingbot_va as robotwin  # scripts/, this script's folder: its upstream server builder, frames, writer
+import record_upstream_lingbot_va  # scripts/, this script's folder: its upstream server builder, frames, writer
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ SEED = 0  # tiny_lingbot_va_libero's policy.seed
 
 def libero_frame(cameras: tuple[str, ...], seed: int) -> dict[str, Any]:
     """One observation as the client's ``_extract_obs`` builds it: each camera (128, 128, 3) uint8."""
-    return {camera: robotwin.camera_frame(seed * 10 + i, CAMERA_SIZE) for i, camera in enumerate(cameras)}
+    return {camera: record_upstream_lingbot_va.camera_frame(seed * 10 + i, CAMERA_SIZE) for i, camera in enumerate(cameras)}
 
 
 def episode_frames(cameras: tuple[str, ...], episode: dict[str, Any], chunk: int, count: int) -> list[dict[str, Any]]:
@@ -71,8 +71,8 @@ def key_frame_count(chunk: int, action_shape: tuple[int, ...]) -> int:
 def record(path: Path, checkpoint: Path, save_root: Path, out: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
     from ardiff_policies.lingbot_va.tiny import TINY_LIBERO_EMBODIMENT as e
 
-    robotwin.import_upstream(path)  # its flash_attn stand-in (imported at module load, unused with attn_mode="torch")
-    srv = robotwin.upstream_server(path, checkpoint, e, save_root)
+    record_upstream_lingbot_va.import_upstream(path)  # its flash_attn stand-in (imported at module load, unused with attn_mode="torch")
+    srv = record_upstream_lingbot_va.upstream_server(path, checkpoint, e, save_root)
     calls: list[dict[str, Any]] = []
     for n, episode in enumerate(EPISODES):
         srv.infer({"reset": True, "prompt": episode["prompt"]})
@@ -103,8 +103,9 @@ def main() -> None:
 
     import diffusers
 
-    from ardiff_policies.lingbot_va.tiny import TINY_LIBERO_EMBODIMENT, tree_digest, write_tiny_checkpoint
+    from ardiff_policies.lingbot_va.tiny import TINY_LIBERO_EMBODIMENT, write_tiny_checkpoint
     from ardiff_policies.lingbot_va.upstream_configs import LIBERO_CFG
+    from ardiff_policies.wan.tiny import tree_digest
 
     out: dict[str, torch.Tensor] = {}
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
@@ -127,7 +128,7 @@ def main() -> None:
             "episodes": list(EPISODES),
             "calls": calls,
         }
-    robotwin.write_reference(args.out, NAME, out, meta)
+    record_upstream_lingbot_va.write_reference(args.out, NAME, out, meta)
 
 
 if __name__ == "__main__":

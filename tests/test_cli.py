@@ -106,3 +106,18 @@ def test_the_listening_socket_bound_at_start_up_is_the_one_served(monkeypatch):
         return port
 
     assert asyncio.run(serve_and_stop()) == bound
+
+
+@pytest.mark.parametrize(
+    ("argv", "written"),
+    [
+        (["--set", "engine.max_sessions", "4"], "--set engine.max_sessions=4"),
+        (["--config", "tiny", "--set", "engine.max_sessions", "--port", "0"], "--set engine.max_sessions=VALUE"),
+    ],
+)
+def test_set_with_a_space_says_how_to_write_it_in_one_line(argv, written, capsys):
+    """``--set key value`` is not argparse's usage text but one line with the argument as it should be (#38 item 6)."""
+    with pytest.raises(SystemExit) as exited:
+        cli.parse_args(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err == f"ardiff-serve: --set takes KEY=VALUE as one argument: write {written}\n"

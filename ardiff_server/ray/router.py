@@ -77,10 +77,10 @@ class SessionAffinityRouter(RequestRouter):
         self._idle_ttl_s = idle_ttl_s
         self._placement: SessionPlacement[ReplicaID] = SessionPlacement()
         self._last_sweep = time.monotonic()
-        import ardiff_server.ray.router as registry  # the real module, not this class's pickled copy
+        from ardiff_server.ray import router  # the real module, not this class's pickled copy
 
         deployment = self._deployment_id
-        registry._ROUTERS[registry.router_key(deployment.app_name, deployment.name)] = self
+        router._ROUTERS[router.router_key(deployment.app_name, deployment.name)] = self
 
     def _state(self) -> None:
         if not hasattr(self, "_placement"):  # Serve calls initialize_state first; be safe regardless

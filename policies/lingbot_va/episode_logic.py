@@ -667,7 +667,7 @@ class LingBotVAPolicy:
         return _Checked(video_g, action_g, reason, pin)
 
     def _check_continuation(self, request: InferRequest) -> tuple[str | None, _Pin | None]:
-        """Whether the request continues its session's last chunk (:func:`ardiff_policies.continuation.decide`), and
+        """Whether the request continues its session's last chunk (:func:`ardiff_policies.continuation.decide_for`), and
         the pin if it does; EpisodeError when the numbers do not fit or the chunk before the last is not committed."""
         asked, session, e = request.continuation, request.session, self.embodiment
         if asked is None:

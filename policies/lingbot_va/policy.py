@@ -162,15 +162,18 @@ class LingBotVAServing(Policy[ServedSession]):
 
     def check_observation(self, observation: RobotObservation) -> None:
         call = observation.episode
-        counts = set()
+        counts: dict[str, int] = {}
         for name in self.cameras:
             stack = observation.cameras.get(name)
             if stack is None:
-                raise UnsupportedObservation(f"obs: camera {name!r} missing (this server serves {self.tag}: cameras {list(self.cameras)})")
-            counts.add(int(np.shape(stack)[0]))
-        if len(counts) != 1:
-            raise UnsupportedObservation(f"obs: every camera needs the same number of frames, got {sorted(counts)}")
-        (count,) = counts
+                raise UnsupportedObservation(f"{_field(call, name)}: camera missing (this server serves {self.tag}: cameras {list(self.cameras)})")
+            counts[name] = int(np.shape(stack)[0])
+        if len(set(counts.values())) != 1:  # named as the client sent them: OpenPI's camera keys, or LingBot-VA's obs
+            sent = (
+                ", ".join(f"{_field(call, name)}: {count}" for name, count in counts.items()) if _openpi(call) else f"{sorted(set(counts.values()))}"
+            )
+            raise UnsupportedObservation(f"{_field(call, None)}: every camera needs the same number of frames, got {sent}")
+        (count,) = set(counts.values())
         commit_counts = {FRAMES_PER_LATENT * (self.frames - 1), FRAMES_PER_LATENT * self.frames}
         if _openpi(call) and count not in {1, *commit_counts}:  # a session's first call (one frame), or the chunk out's key frames
             raise UnsupportedObservation(
@@ -377,6 +380,14 @@ class LingBotVAServing(Policy[ServedSession]):
         for count in (1, FRAMES_PER_LATENT * (self.frames - 1), FRAMES_PER_LATENT * self.frames):
             cameras = {name: np.zeros((count, h, w, 3), np.uint8) for name, (h, w) in zip(self.cameras, self.schema.resolutions)}
             yield RobotObservation(cameras=cameras, states={}, prompt="warm up")
+
+
+def _field(call: EpisodeCall | None, camera: str | None) -> str:
+    """The field an error names, as the request's protocol spells it: OpenPI's ``observation/<camera>`` (``observation``
+    for all of them), LingBot-VA's ``obs`` (its cameras under upstream's keys)."""
+    if _openpi(call):
+        return "observation" if camera is None else ObservationSchema.key(camera)
+    return "obs" if camera is None else f"obs: {CAMERA_PREFIX}{camera}"
 
 
 def _openpi(call: EpisodeCall | None) -> bool:

@@ -122,16 +122,6 @@ def definition_digest() -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
 
 
-def tree_digest(directory: str | Path) -> str:
-    """sha256 over every file's relative path and bytes (what the parity references record)."""
-    directory = Path(directory)
-    digest = hashlib.sha256()
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        digest.update(path.relative_to(directory).as_posix().encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
 def default_cache_dir() -> Path:
     return cache_root() / f"tiny-lingbot-va-v{TINY_VERSION}-{definition_digest()}"
 

@@ -3,7 +3,7 @@
 Upstream keeps an embodiment in a Python config (``wan_va/configs/va_<name>_cfg.py``: an EasyDict over
 ``shared_config.py``). :class:`UpstreamConfig` records one such config's values (what its module evaluates to, not its
 code) with the repository, path and commit they were read from; :func:`embodiment_from_upstream` turns it into an
-:class:`~ardiff_policies.lingbot_va.config.Embodiment`, reading every key: the embodiment's keys are mapped, the
+:class:`~ardiff_policies.lingbot_va.embodiments.Embodiment`, reading every key: the embodiment's keys are mapped, the
 keys that only say how upstream deploys (checkpoint path, port, dtype, offload, output folder) are named and left to
 this server's own settings, and anything else is refused by name, as are values the episode logic does not implement
 (another normalization than quantiles, a cut video loop, another patch size, an inverse channel map that disagrees

@@ -4,7 +4,7 @@ Zero-WAM (``jianwenli96/Zero-WAM``, weights ``robbyant-research/zero-wam-*``) is
 its own action expert: the action stream keeps LingBot-VA's shapes but gets its own attention projections, norms,
 feed-forward and output modulation (upstream ``WanICLTransformer3DModel``, ``wan_va/modules/icl_model.py``). Its
 ``transformer/config.json`` is diffusers' record of that class's ``__init__`` arguments. Every key is read here:
-the shared sizes go into LingBot-VA's :class:`~ardiff_policies.lingbot_va.config.TransformerConfig` (one
+the shared sizes go into LingBot-VA's :class:`~ardiff_policies.lingbot_va.checkpoint.TransformerConfig` (one
 definition of what the two share), the action expert's and the window's into :class:`ZeroWAMConfig`; the keys
 upstream itself refuses at other values (``attn_moe``, ``fully_share``) are refused here by name, and so is
 anything unknown.

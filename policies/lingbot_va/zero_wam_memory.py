@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ardiff_policies.lingbot_va.memory import LingBotVAPlan
 from ardiff_policies.lingbot_va.zero_wam_checkpoint import ZeroWAMConfig
 from ardiff_policies.wan.memory import CUDA_RESERVE_BYTES, encoder_bytes, itemsize, module_size, transformer_forward_bytes, vae_chunk_bytes
 from ardiff_policies.wan.text import UMT5_XXL_ENCODER_CONFIG, TextEncoder
@@ -75,30 +76,6 @@ ROBOTWIN = ZeroWAMGeometry("RoboTwin (posttrain-robotwin)")
 ROBOTWIN_NO_CFG = ZeroWAMGeometry("RoboTwin, icl_guidance_scale <= 1", cfg=False)
 
 
-@dataclass(frozen=True)
-class ZeroWAMPlan:
-    name: str
-    weights: dict[str, int]
-    kv_session: int
-    text_session: int
-    activations: int
-    reserve: int
-
-    @property
-    def per_session(self) -> int:
-        return self.kv_session + self.text_session
-
-    @property
-    def fixed(self) -> int:
-        return sum(self.weights.values()) + self.activations + self.reserve
-
-    def total(self, sessions: int = 1) -> int:
-        return self.fixed + sessions * self.per_session
-
-    def sessions_on(self, card_bytes: int) -> int:
-        return max(0, (card_bytes - self.fixed) // self.per_session)
-
-
 def weight_counts(cfg: ZeroWAMConfig) -> dict[str, int]:
     from diffusers import AutoencoderKLWan
 
@@ -109,7 +86,7 @@ def weight_counts(cfg: ZeroWAMConfig) -> dict[str, int]:
     return {"transformer": parameter_count(cfg)} | {name: module_size(module).floating for name, module in encoders.items()}
 
 
-def plan(geometry: ZeroWAMGeometry, *, cfg: ZeroWAMConfig | None = None, dtype: torch.dtype = torch.bfloat16) -> ZeroWAMPlan:
+def plan(geometry: ZeroWAMGeometry, *, cfg: ZeroWAMConfig | None = None, dtype: torch.dtype = torch.bfloat16) -> LingBotVAPlan:
     cfg = cfg or ZeroWAMConfig()
     b = itemsize(dtype)
     base = cfg.base
@@ -126,11 +103,12 @@ def plan(geometry: ZeroWAMGeometry, *, cfg: ZeroWAMConfig | None = None, dtype: 
     )
     text = UMT5_XXL_ENCODER_CONFIG
     text_bytes = 2 * encoder_bytes(TEXT_LENGTH, text["d_model"], text["d_ff"], text["num_heads"], b)
-    return ZeroWAMPlan(
+    return LingBotVAPlan(  # LingBot-VA's plan, read the same way; no pool pages are held apart from the sessions'
         geometry.name,
         {k: v * b for k, v in weight_counts(cfg).items()},
-        cached * per_token,
-        halves * TEXT_LENGTH * per_token,
-        max(step, reset, vae_bytes, text_bytes),
-        CUDA_RESERVE_BYTES,
+        kv_session=cached * per_token,
+        text_session=halves * TEXT_LENGTH * per_token,
+        kv_reserved=0,
+        activations=max(step, reset, vae_bytes, text_bytes),
+        reserve=CUDA_RESERVE_BYTES,
     )

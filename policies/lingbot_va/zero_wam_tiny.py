@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ardiff_policies.lingbot_va import tiny as lingbot_tiny
+from ardiff_policies.lingbot_va import tiny
 from ardiff_policies.lingbot_va.zero_wam_checkpoint import ZeroWAMConfig
 from ardiff_policies.lingbot_va.zero_wam_model import CROSS_ALIASES, ZeroWAMTransformer, alias_tensors, dropped_tensors
 from ardiff_policies.wan.tiny import cache_root, ensure_generated, init_tensor, write_json
@@ -29,8 +29,8 @@ TINY_ZERO_WAM_SEED = 36
 # LingBot-VA's tiny sizes (so the text encoder and VAE are the same), the action expert's feed-forward at another
 # width than the video's (so a swap of the two is caught), one MCP head reading both layers, a window of two chunks.
 TINY_ZERO_WAM = ZeroWAMConfig(
-    base=dataclasses.replace(lingbot_tiny.TINY_TRANSFORMER),
-    action_inner_dim=lingbot_tiny.TINY_TRANSFORMER.dim,
+    base=dataclasses.replace(tiny.TINY_TRANSFORMER),
+    action_inner_dim=tiny.TINY_TRANSFORMER.dim,
     action_ffn_dim=144,
     attn_window=4,
     num_mcp_modules=1,
@@ -56,7 +56,7 @@ def tiny_zero_wam_state(cfg: ZeroWAMConfig, generator: torch.Generator) -> dict[
 def write_tiny_zero_wam_checkpoint(out: str | Path, cfg: ZeroWAMConfig = TINY_ZERO_WAM, seed: int = TINY_ZERO_WAM_SEED) -> Path:
     """Write the tiny checkpoint to ``out`` (created). Same bytes for the same inputs and library versions."""
     out = Path(out)
-    lingbot_tiny.write_tiny_checkpoint(out)  # vae / text_encoder / tokenizer: the tiny LingBot-VA's
+    tiny.write_tiny_checkpoint(out)  # vae / text_encoder / tokenizer: the tiny LingBot-VA's
     shutil.rmtree(out / "transformer")
     (out / "transformer").mkdir()
     write_json(out / "transformer" / "config.json", cfg.to_dict())
@@ -66,7 +66,7 @@ def write_tiny_zero_wam_checkpoint(out: str | Path, cfg: ZeroWAMConfig = TINY_ZE
 
 
 def definition_digest() -> str:
-    spec = [TINY_ZERO_WAM_VERSION, TINY_ZERO_WAM_SEED, TINY_ZERO_WAM.to_dict(), lingbot_tiny.definition_digest()]
+    spec = [TINY_ZERO_WAM_VERSION, TINY_ZERO_WAM_SEED, TINY_ZERO_WAM.to_dict(), tiny.definition_digest()]
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
 
 

@@ -8,6 +8,7 @@ weights are committed.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -86,3 +87,20 @@ def ensure_generated(target: Path, marker: str, write: Callable[[Path], object])
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def tree_digest(directory: str | Path) -> str:
+    """sha256 over every file's relative path and bytes (what the parity references record)."""
+    directory = Path(directory)
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(directory).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def describe_written(directory: Path, seconds: float) -> str:
+    """The line the ``scripts/make_tiny_*.py`` print for a checkpoint they wrote or found: files, size, digest, time."""
+    files = [p for p in directory.rglob("*") if p.is_file()]
+    size = sum(p.stat().st_size for p in files)
+    return f"{directory}: {len(files)} files, {size / 2**20:.1f} MiB, sha256 {tree_digest(directory)[:16]} ({seconds:.1f} s)"

@@ -49,7 +49,8 @@ WAN21_VAE_CONFIG: dict[str, Any] = {
     "latents_std": list(WAN21_LATENTS_STD),
 }
 
-# Per-channel statistics of Wan2.2 VAE latents (upstream `WanVideoVAE38.mean` / `.std`).
+# Per-channel statistics of Wan2.2 VAE latents (upstream `WanVideoVAE38.mean` / `.std`); unformatted for the same reason:
+# eight to a row, as upstream lists them, to read and compare against it.
 # fmt: off
 WAN22_LATENTS_MEAN = (
     -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557,

@@ -244,3 +244,18 @@ def test_ardiff_client_async_continues_lingbot_va_chunks(server, capsys):
     assert summary["mode"] == "continuation" and summary["steps"] == 96 and summary["chunks"] >= 2
     assert summary["fresh"] == {}, summary  # every chunk after the first continued the one before
     assert server.metric('ardiff_kv_blocks_free{rank="0"}') == free  # the episode's reset returned its pages
+
+
+def test_ardiff_client_plain_drives_robotwin_from_its_metadata_and_resets(server, capsys):
+    """Plain ``ardiff-client`` against LingBot-VA's RoboTwin twin (#38 item 4): the cameras and frames per call come from
+    the metadata (1 frame, then 4, then 8: the call that failed before it read them), and the run ends its session."""
+    from ardiff_client import replay
+
+    free = server.metric('ardiff_kv_blocks_free{rank="0"}')
+    status = replay.main(["--port", str(server.port), "--calls", "4", "--json", "--quiet"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    report = json.loads(out)
+    assert report["calls"] == 4 and report["error"] is None
+    assert [record["frames"] for record in report["records"]] == [1, 4, 8, 8]
+    assert server.metric('ardiff_kv_blocks_free{rank="0"}') == free  # the run's reset returned its pages

@@ -120,16 +120,16 @@ class GpuReplica:
 def test_replicas_start_only_if_the_host_holds_what_the_first_one_holds_for_each(monkeypatch):
     """Replica 0 holds its CPU encoders in host RAM; replicas 1-3 would each hold as much. The host is
     checked once, for all of them, before any of them loads; one line says how many fit."""
-    from ardiff_server.engine import replicas as replicas_module
+    from ardiff_server.engine import replicas
     from ardiff_server.engine.messages import EngineError
 
-    held = replicas_module.process_anonymous_bytes(os.getpid())
+    held = replicas.process_anonymous_bytes(os.getpid())
     assert held > 0  # this process's own tensors and heap
 
     started: list[int] = []
 
     def start(available: int) -> None:
-        monkeypatch.setattr(replicas_module, "host_available_bytes", lambda: available)
+        monkeypatch.setattr(replicas, "host_available_bytes", lambda: available)
         started.clear()
         asyncio.run(ReplicaSet([GpuReplica(i, started) for i in range(4)]).start())
 

@@ -310,15 +310,15 @@ def test_dreamzero_prepares_window_starts_off_the_batch_and_gives_the_same_actio
 
 
 def test_frames_past_what_the_policy_keeps_are_dropped_before_any_pixel_work(tiny_model, monkeypatch):
-    import ardiff_policies.dreamzero.inputs as dz
+    from ardiff_policies.dreamzero import inputs
 
     policy, _ = make_policy(tiny_model)
     seen: list[int] = []
-    real = dz.crop_and_resize
-    monkeypatch.setattr(dz, "crop_and_resize", lambda frames, *a, **k: (seen.append(frames.shape[0]), real(frames, *a, **k))[1])
+    real = inputs.crop_and_resize
+    monkeypatch.setattr(inputs, "crop_and_resize", lambda frames, *a, **k: (seen.append(frames.shape[0]), real(frames, *a, **k))[1])
     frames = np.zeros((64, 90, 160, 3), np.uint8)
     canvas = policy.inputs.canvas(RobotObservation(exterior_left=frames, exterior_right=frames, wrist=frames, prompt="x"))
-    assert canvas.shape[0] == dz.FRAMES_PER_CALL and seen == [dz.FRAMES_PER_CALL] * 3
+    assert canvas.shape[0] == inputs.FRAMES_PER_CALL and seen == [inputs.FRAMES_PER_CALL] * 3
 
 
 def test_the_front_end_drops_the_frames_dreamzero_would_before_decoding_and_the_canvas_is_the_same(tiny_model, monkeypatch):
@@ -326,13 +326,13 @@ def test_the_front_end_drops_the_frames_dreamzero_would_before_decoding_and_the_
     decodes only those: a 64-frame JPEG stack costs 4 decodes, and the policy's canvas equals the whole stack's."""
     from PIL import ImageFile
 
-    import ardiff_policies.dreamzero.inputs as dz
+    from ardiff_policies.dreamzero import inputs
     from ardiff_server.wire.budget import request_budget
     from ardiff_server.wire.decode import decode_request
     from ardiff_server.wire.jpeg import decode_jpeg, encode_jpeg
 
     policy, _ = make_policy(tiny_model)
-    assert (policy.info.max_frames_per_call, policy.info.keeps_newest_frames) == (dz.FRAMES_PER_CALL, True)
+    assert (policy.info.max_frames_per_call, policy.info.keeps_newest_frames) == (inputs.FRAMES_PER_CALL, True)
     rng = np.random.default_rng(0)
     jpegs = [encode_jpeg(rng.integers(0, 256, (90, 160, 3), dtype=np.uint8)) for _ in range(64)]
     whole = np.stack([decode_jpeg(j, 4096) for j in jpegs])
@@ -343,7 +343,7 @@ def test_the_front_end_drops_the_frames_dreamzero_would_before_decoding_and_the_
     # a load with tiles left decodes pixels (a loaded image's later load() calls decode nothing)
     monkeypatch.setattr(ImageFile.ImageFile, "load", lambda image: (image.tile and loads.append(image.size), real_load(image))[1])
     observation = decode_request(request, budget=request_budget("auto", policy.info)).observation
-    assert len(loads) == 3 * dz.FRAMES_PER_CALL and observation.wrist.shape == (dz.FRAMES_PER_CALL, 90, 160, 3)
+    assert len(loads) == 3 * inputs.FRAMES_PER_CALL and observation.wrist.shape == (inputs.FRAMES_PER_CALL, 90, 160, 3)
     sent = RobotObservation(exterior_left=whole, exterior_right=whole, wrist=whole, prompt="x")
     assert np.array_equal(policy.inputs.canvas(observation), policy.inputs.canvas(sent))
 

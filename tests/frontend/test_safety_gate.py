@@ -48,3 +48,23 @@ def test_a_clamp_says_which_checks_clamped_in_the_reply_and_in_the_metrics():
         assert metric_value(server.http("/metrics")[1], 'ardiff_safety_clamps_total{check="step"}') == 1
         info = json.loads(server.http("/info")[1])["policy"]["safety"]
         assert info["limits"] == {"joint_position": {"max_step": 0.001}} and info["control_hz"] == 15.0
+
+
+def test_after_a_reject_a_continuation_of_the_last_chunk_applies_as_if_the_rejected_call_never_came():
+    """The attack: a rejected call that asked to continue chunk 1, then a continuation of chunk 1 again. The rejected
+    call left chunk 1 the session's last chunk, so the continuation applies and its frozen rows are chunk 1's; the
+    chunk that follows is the one a twin session that never sent the rejected call gets."""
+    gate = {"mode": "reject", "limits": {"gripper_position": {"max_first_step": 2.0}}}
+    with InprocServer({"engine": {"warmup": False}, "policy": {**TINY_DREAMZERO, "safety": gate}}) as server:
+        twin = {"session_id": "twin"}
+        first, twin_first = server.exchange([droid(), {**droid(), **twin}])
+        # no frozen rows (delay 0): the first action is checked against the observed gripper, and refused
+        bad = {**droid(gripper=50.0, frames=4), "continuation": {"chunk_id": 1, "executed": 2, "delay": 0}}
+        after = {**droid(frames=4), "continuation": {"chunk_id": 1, "executed": 4, "delay": 2}}
+        rejected, continued, twin_continued = server.exchange([bad, after, {**after, **twin}])
+        assert isinstance(rejected, str) and rejected.startswith("bad request: safety gate: first: ")
+        assert (continued["chunk_id"], continued["frozen"], continued["session"]["calls"]) == (2, 2, 2)
+        assert "continuation" not in continued or continued["continuation"] == "applied"
+        np.testing.assert_array_equal(continued["actions"][:2], first["actions"][4:6])  # chunk 1's rows, as executed
+        np.testing.assert_array_equal(first["actions"], twin_first["actions"])
+        np.testing.assert_array_equal(continued["actions"], twin_continued["actions"])

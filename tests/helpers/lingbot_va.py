@@ -7,6 +7,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -46,3 +47,10 @@ def make_cache(policy, sessions: int = 2) -> PagedKVCache:
         attention_backend="sdpa",
         max_batch=sessions,
     )
+
+
+def cameras(engine, frames: int, seed: int) -> dict[str, np.ndarray]:
+    """Random uint8 frames for every camera of the engine's LingBot-VA policy, ``frames`` per camera, at its sizes."""
+    rng = np.random.default_rng(seed)
+    policy = engine.policy
+    return {name: rng.integers(0, 256, (frames, h, w, 3), dtype=np.uint8) for name, (h, w) in zip(policy.cameras, policy.schema.resolutions)}

@@ -16,6 +16,7 @@ from ardiff_policies.observation import RobotObservation
 from ardiff_server.config import load_config
 from ardiff_server.engine.builder import build_engine
 from ardiff_server.engine.messages import ErrorKind, ErrorReply, Infer
+from tests.helpers.lingbot_va import cameras
 
 ATOL = 1e-5
 H = 32  # tiny RoboTwin: 2 latent frames x 16 actions
@@ -27,12 +28,6 @@ def engine():
     engine = build_engine(load_config("tiny_lingbot_va", overrides=["engine.warmup=false", "engine.max_batch=4"]))
     yield engine
     engine.close()
-
-
-def cameras(engine, frames: int, seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    policy = engine.policy
-    return {name: rng.integers(0, 256, (frames, h, w, 3), dtype=np.uint8) for name, (h, w) in zip(policy.cameras, policy.schema.resolutions)}
 
 
 def infer(engine, frames=1, seed=0, continuation=None) -> RobotObservation:

@@ -15,8 +15,9 @@ from safetensors.torch import load_file
 
 from ardiff_policies.lingbot_va import upstream_configs
 from ardiff_policies.lingbot_va.episode_logic import InferRequest, LingBotVAPolicy, kv_spec
-from ardiff_policies.lingbot_va.tiny import TINY_LIBERO_EMBODIMENT, TINY_TRANSFORMER, ensure_tiny_checkpoint, tree_digest
+from ardiff_policies.lingbot_va.tiny import TINY_LIBERO_EMBODIMENT, TINY_TRANSFORMER, ensure_tiny_checkpoint
 from ardiff_policies.lingbot_va.upstream_configs import DEMO, LIBERO, LIBERO_CFG, UpstreamConfig, embodiment_from_upstream
+from ardiff_policies.wan.tiny import tree_digest
 from tests.helpers.lingbot_va import make_cache
 from tests.helpers.scripts import load_script
 

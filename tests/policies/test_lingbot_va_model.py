@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from ardiff_policies.lingbot_va.checkpoint import TransformerConfig
 from ardiff_policies.lingbot_va.model import LingBotVATransformer, action_grid, load_transformer, video_grid
-from ardiff_policies.lingbot_va.tiny import TINY_TRANSFORMER, ensure_tiny_checkpoint, tree_digest
+from ardiff_policies.lingbot_va.tiny import TINY_TRANSFORMER, ensure_tiny_checkpoint
+from ardiff_policies.wan.tiny import tree_digest
 from tests.helpers.lingbot_va import ATOL, load_reference, randn, sha, text_embeddings
 
 

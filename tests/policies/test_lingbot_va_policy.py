@@ -13,6 +13,7 @@ from ardiff_policies.observation import RobotObservation, UnsupportedObservation
 from ardiff_server.config import load_config
 from ardiff_server.engine.builder import build_engine
 from ardiff_server.engine.messages import ErrorKind, ErrorReply, Infer
+from tests.helpers.lingbot_va import cameras
 
 ATOL = 1e-5
 
@@ -23,12 +24,6 @@ def engine():
     engine = build_engine(config)
     yield engine
     engine.close()
-
-
-def cameras(engine, frames: int, seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    policy = engine.policy
-    return {name: rng.integers(0, 256, (frames, h, w, 3), dtype=np.uint8) for name, (h, w) in zip(policy.cameras, policy.schema.resolutions)}
 
 
 def robotwin_calls(engine, last_actions: list) -> list:

@@ -314,15 +314,15 @@ def test_free_memory_is_read_per_device():
 
 def test_the_policy_refuses_before_loading_a_weight(monkeypatch):
     """A plan that does not fit stops the policy before the checkpoint is read (free memory injected)."""
-    from ardiff_policies.dreamzero import policy as policy_module
     from ardiff_policies.dreamzero.model import DreamZeroModel
+    from ardiff_policies.dreamzero.policy import DreamZeroPolicy
 
     loads = []
     monkeypatch.setattr(DreamZeroModel, "load", classmethod(lambda cls, *a, **k: loads.append(a) or pytest.fail("loaded weights")))
     monkeypatch.setattr(memory, "free_bytes", lambda device: 64 * 2**20)
     config = DreamZeroConfig(view_size=TINY_VIEW_SIZE)
     with pytest.raises(memory.MemoryPlanError, match=r"needs 1\.\d GiB on cpu, has 0\.1 GiB free .*set engine.kv_budget_gib=0"):
-        policy_module.DreamZeroPolicy(config, RuntimeOptions(kv_budget_gib=1.0))
+        DreamZeroPolicy(config, RuntimeOptions(kv_budget_gib=1.0))
     assert not loads
 
 

@@ -26,6 +26,7 @@ from ardiff_policies.dreamzero.policy import DreamZeroConfig, DreamZeroPolicy
 from ardiff_policies.dreamzero.tiny import TINY_5B_DIT, ensure_tiny_checkpoint
 from ardiff_policies.guidance import Guidance
 from ardiff_policies.observation import RobotObservation
+from tests.helpers.scripts import load_script
 
 REFERENCE = Path(__file__).parents[1] / "reference_data" / "upstream_5b_tiny"
 ATOL = 1e-5
@@ -46,14 +47,6 @@ def tiny_5b(tiny_5b_dir) -> DreamZeroModel:
     return DreamZeroModel.load(tiny_5b_dir)
 
 
-def _digest(directory: Path) -> str:  # scripts/record_upstream_5b.py's
-    h = hashlib.sha256()
-    for path in [*sorted(directory.glob("*.safetensors")), directory / "config.json"]:
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
-
-
 def _close(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
     assert ours.shape == theirs.shape, f"{what}: {tuple(ours.shape)} vs upstream {tuple(theirs.shape)}"
     error = (ours.float() - theirs.float()).abs().max().item()
@@ -62,7 +55,9 @@ def _close(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
 
 def test_the_reference_was_recorded_on_these_weights(reference, tiny_5b_dir):
     meta, _ = reference
-    assert meta["checkpoint_sha256"] == _digest(tiny_5b_dir), "the tiny 5B changed: rerun scripts/record_upstream_5b.py"
+    assert meta["checkpoint_sha256"] == load_script("record_upstream_5b").digest(tiny_5b_dir), (
+        "the tiny 5B changed: rerun scripts/record_upstream_5b.py"
+    )
 
 
 def test_the_5b_is_detected_from_config_json(tiny_5b_dir, tiny_5b):
@@ -257,7 +252,6 @@ def test_full_size_5b_checkpoint_layout_has_a_home_in_the_synthetic_5b():
 
 def test_synthetic_5b_policy_steps_and_gpu_check_knows_the_family():
     from ardiff_policies.dreamzero.synthetic import release_cached_model
-    from tests.helpers.scripts import load_script
 
     gpu_check = load_script("gpu_check")
     assert gpu_check.FAMILY_CHECKPOINTS["5b"] == ("synthetic:droid_5b", "synthetic:tiny_5b,layers=2")

@@ -244,7 +244,7 @@ def test_the_released_size():
 
 
 def test_the_tiny_checkpoint_is_the_same_bytes_every_time(tiny_dir, tmp_path):
-    from ardiff_policies.lingbot_va.tiny import tree_digest
     from ardiff_policies.lingbot_va.zero_wam_tiny import write_tiny_zero_wam_checkpoint
+    from ardiff_policies.wan.tiny import tree_digest
 
     assert tree_digest(write_tiny_zero_wam_checkpoint(tmp_path / "again")) == tree_digest(tiny_dir)

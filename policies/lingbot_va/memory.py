@@ -22,7 +22,8 @@ import torch
 from ardiff_kv import PagedKVCache
 from ardiff_policies.lingbot_va.checkpoint import TransformerConfig
 from ardiff_policies.lingbot_va.embodiments import Embodiment
-from ardiff_policies.lingbot_va.episode_logic import TEXT_LENGTH, LingBotVAPolicy, kv_spec
+from ardiff_policies.lingbot_va.episode_io import TEXT_LENGTH
+from ardiff_policies.lingbot_va.episode_logic import LingBotVAPolicy, kv_spec
 from ardiff_policies.wan.memory import CUDA_RESERVE_BYTES, encoder_bytes, itemsize, module_size, transformer_forward_bytes, vae_chunk_bytes
 from ardiff_policies.wan.text import UMT5_XXL_ENCODER_CONFIG, TextEncoder
 from ardiff_policies.wan.vae import WAN22_VAE_CONFIG

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ardiff_policies.lingbot_va.episode_logic import EpisodeError
+from ardiff_policies.lingbot_va.episode_io import EpisodeError
 
 _FLAT_KEYS = ("latent_num_frames", "latent_height", "latent_width")
 

@@ -96,7 +96,7 @@ class KVSpec:
                 raise ValueError(f"KVSpec.{name} must be >= 0, got {getattr(self, name)}")
         if self.max_new_pages > self.window_pages:
             raise ValueError(f"KVSpec: a forward's new pages ({self.max_new_pages}) must fit in the window ({self.window_pages})")
-        if self.window_pages % self.chunk_pages:
+        if self.window_pages % self.chunk_pages and not self.frame_window:  # a frame window trims by frame ids
             raise ValueError(f"KVSpec: window_pages ({self.window_pages}) must be a whole number of chunks ({self.chunk_pages} pages)")
         if self.evict_to_fit and (self.sink_chunks or self.reset_at_boundary):
             raise ValueError("KVSpec: evict_to_fit frees the oldest pages one forward at a time; it has no sink and no window reset")

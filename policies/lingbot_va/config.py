@@ -49,14 +49,7 @@ class LingBotVAConfig(pydantic.BaseModel):
     @pydantic.field_validator("safety")
     @classmethod
     def _check_safety(cls, value: SafetyConfig) -> SafetyConfig:
-        # Each arm's 7 channels are an end-effector position and quaternion (their statistics span [-1, 1] on 3-6), and no
-        # request carries a measured state of them: nothing to check a first action against, and a quaternion's step is no distance.
-        if value.mode != "off":
-            raise ValueError(
-                f"mode {value.mode}: the safety gate cannot apply to lingbot_va (its actions are end-effector poses with "
-                "quaternions, and no request carries their state); leave policy.safety out"
-            )
-        return value
+        return safety_off("lingbot_va", value)
 
     @pydantic.model_validator(mode="after")
     def _check_pair(self) -> LingBotVAConfig:
@@ -96,3 +89,15 @@ class LingBotVAConfig(pydantic.BaseModel):
                 f"checkpoint (--set policy.checkpoint=robbyant/lingbot-va-posttrain-robotwin or a local copy)"
             )
         return root
+
+
+def safety_off(policy: str, value: SafetyConfig) -> SafetyConfig:
+    """The LingBot-VA family's safety gate: off only. Each arm's 7 channels are an end-effector position and quaternion
+    (their statistics span [-1, 1] on 3-6), and no request carries a measured state of them: nothing to check a first
+    action against, and a quaternion's step is no distance."""
+    if value.mode != "off":
+        raise ValueError(
+            f"mode {value.mode}: the safety gate cannot apply to {policy} (its actions are end-effector poses with "
+            "quaternions, and no request carries their state); leave policy.safety out"
+        )
+    return value

@@ -88,6 +88,8 @@ class ServedSession:
 
 
 class LingBotVAServing(Policy[ServedSession]):
+    family = "lingbot_va"  # the embodiment tag's prefix (a variant of the family names its own)
+
     def __init__(self, episodes: LingBotVAPolicy, config: LingBotVAConfig, checkpoint: str, *, record: bool = False) -> None:
         self.episodes = episodes
         self.config = config
@@ -99,7 +101,7 @@ class LingBotVAServing(Policy[ServedSession]):
         self.cameras = tuple(short_camera(c) for c in e.cameras)
         self.channels = len(e.used_action_channel_ids)
         self.frames, self.per_frame = e.frame_chunk_size, e.action_per_frame
-        self.tag = f"lingbot_va_{config.embodiment_name}"
+        self.tag = f"{self.family}_{config.embodiment_name}"
         sizes = [(e.height, e.width) if i == 0 or e.layout != "robotwin_tshape" else (e.height // 2, e.width // 2) for i in range(len(e.cameras))]
         self.schema = ObservationSchema(self.tag, self.cameras, (), tuple(sizes))
         self._info = self._make_info()
@@ -162,20 +164,8 @@ class LingBotVAServing(Policy[ServedSession]):
 
     def check_observation(self, observation: RobotObservation) -> None:
         call = observation.episode
-        counts = set()
-        for name in self.cameras:
-            stack = observation.cameras.get(name)
-            if stack is None:
-                raise UnsupportedObservation(f"obs: camera {name!r} missing (this server serves {self.tag}: cameras {list(self.cameras)})")
-            counts.add(int(np.shape(stack)[0]))
-        if len(counts) != 1:
-            raise UnsupportedObservation(f"obs: every camera needs the same number of frames, got {sorted(counts)}")
-        (count,) = counts
+        count = self._frame_count(observation)
         commit_counts = {FRAMES_PER_LATENT * (self.frames - 1), FRAMES_PER_LATENT * self.frames}
-        if _openpi(call) and count not in {1, *commit_counts}:  # a session's first call (one frame), or the chunk out's key frames
-            raise UnsupportedObservation(
-                f"observation: {count} frames per camera; send 1 on a session's first call, then {sorted(commit_counts)} (4 per latent frame)"
-            )
         if call is None:
             return
         if call.kind in ("infer", "chunk"):
@@ -190,6 +180,25 @@ class LingBotVAServing(Policy[ServedSession]):
             raise UnsupportedObservation(f"state: expected the chunk's actions {expected}, got {None if actions is None else actions.shape}")
         if not np.isfinite(actions).all():
             raise UnsupportedObservation("state: contains NaN or infinity")
+
+    def _frame_count(self, observation: RobotObservation) -> int:
+        """The frames per camera a call brings (every camera the same number; an OpenPI request one on a session's
+        first call, else the chunk out's key frames), or UnsupportedObservation naming the key."""
+        counts = set()
+        for name in self.cameras:
+            stack = observation.cameras.get(name)
+            if stack is None:
+                raise UnsupportedObservation(f"obs: camera {name!r} missing (this server serves {self.tag}: cameras {list(self.cameras)})")
+            counts.add(int(np.shape(stack)[0]))
+        if len(counts) != 1:
+            raise UnsupportedObservation(f"obs: every camera needs the same number of frames, got {sorted(counts)}")
+        (count,) = counts
+        commit_counts = {FRAMES_PER_LATENT * (self.frames - 1), FRAMES_PER_LATENT * self.frames}
+        if _openpi(observation.episode) and count not in {1, *commit_counts}:  # a session's first call, or the chunk out's key frames
+            raise UnsupportedObservation(
+                f"observation: {count} frames per camera; send 1 on a session's first call, then {sorted(commit_counts)} (4 per latent frame)"
+            )
+        return count
 
     def _check_guidance(self, key: str, value: float | None) -> None:
         if value is None:

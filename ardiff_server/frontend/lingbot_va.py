@@ -1,7 +1,9 @@
 """LingBot-VA's own protocol on a connection (``wire/lingbot_va.py`` decodes it): each connection is one session.
 
 * ``reset``: the connection's session ends (its KV pages back to the pool) and the prompt is kept for the episode;
-  the next ``infer`` opens a fresh session, whose first step encodes the prompt. Reply ``{server_timing}``.
+  the next ``infer`` opens a fresh session, whose first step encodes the prompt. Reply ``{server_timing}``. Zero-WAM's
+  reset (it says how the episode begins: ``use_icl``, ``icl_demo_id``, guidance) begins the fresh session at once, a
+  step without a chunk, so a missing or malformed demonstration is answered at the reset, as upstream's server raises.
 * ``infer``: ``{action: (channels, frames, actions per frame) float32, server_timing}`` as upstream's server replies,
   with ``chunk_id`` / ``frozen`` (and, when it carried a ``continuation``, ``continuation``: applied or why not).
 * ``compute_kv_cache``: ``{server_timing}``.
@@ -13,8 +15,10 @@ connection stays open. Replies are timed, counted and worded as OpenPI's (``repl
 
 from __future__ import annotations
 
+import contextlib
 import time
 
+from ardiff_policies.episode import EpisodeCall
 from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine.client import EngineClient
 from ardiff_server.engine.messages import EngineError
@@ -45,6 +49,9 @@ class LingBotVAHandler:
                 await self.sessions.end(conn, [session_id])
             except EngineError as exc:
                 return self.replies.error(exc, session_id)
+            self.prompts.pop(conn.conn_id, None)
+            if request.start is not None:  # Zero-WAM: the episode begins now (its demonstration read and pinned)
+                return await self._begin(conn, session_id, request, clock)
             self.prompts[conn.conn_id] = request.prompt
             self.replies.reset()
             return pack({"server_timing": self.replies.uncalled_timing(clock)})
@@ -66,3 +73,20 @@ class LingBotVAHandler:
         layout = self.engine.info.details["action_layout"]
         action = action_reply(reply.actions, layout["channels"], layout["frames"], layout["per_frame"])
         return pack({"action": action, "server_timing": server_timing, **chunk_info(reply)})
+
+    async def _begin(self, conn: Connection, session_id: str, request: LingBotVARequest, clock: RequestClock) -> bytes | str:
+        """A reset that begins its episode in a step of its own (``EpisodeCall`` ``reset``: Zero-WAM's demonstration is
+        read and pinned here, as upstream's reset does): a bad demonstration is answered now, the session ended again,
+        and the connection's next infer is refused until a reset succeeds."""
+        call = EpisodeCall("reset", start=request.start)
+        observation = RobotObservation(cameras={}, states={}, prompt=request.prompt, episode=call)
+        sent = time.perf_counter()
+        try:
+            reply = await self.sessions.infer(conn, session_id, observation, deadline=clock.deadline(None))
+        except EngineError as exc:
+            with contextlib.suppress(EngineError):
+                await self.sessions.end(conn, [session_id])
+            return self.replies.error(exc, session_id)
+        self.prompts[conn.conn_id] = request.prompt
+        self.replies.reset()
+        return pack({"server_timing": self.replies.served(session_id, reply, clock, sent)})

@@ -197,7 +197,12 @@ class PagedKVCache:
     def _pinned_note(self) -> str:
         """What of a session's reservation is its pinned block, for the capacity messages."""
         pinned = self.spec.max_pinned_pages
-        return f", of which {pinned} per branch for its pinned in-context block" if pinned else ""
+        if not pinned:
+            return ""
+        pinning = [b for b in self.branches if b in self.spec.pinned_branches]
+        if len(pinning) == len(self.branches):
+            return f", of which {pinned} per branch for its pinned in-context block"
+        return f", of which {pinned} in the {'/'.join(b.name for b in pinning)} branch for its pinned in-context block"
 
     def end_session(self, session: SessionKV) -> None:
         """The session ended: every page and cross-attention slot it holds goes back. Idempotent."""

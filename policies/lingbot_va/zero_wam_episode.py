@@ -649,10 +649,19 @@ class ZeroWAMPolicy(EpisodeIO):
 
     def _run(self, accepted: list[tuple[int, ZeroWAMSession, list]], call: Callable[[list], list[T]]) -> list[T | Exception]:
         """``call`` over the accepted requests batched, each member retried alone if the batch fails; a lone call that
-        fails is put back too (:meth:`_transaction`)."""
+        fails, a retried member's too, is put back (:meth:`_transaction`)."""
         if len(accepted) == 1:
             return [self._transaction(accepted, call)]
-        return run_batched(accepted, call, undo=lambda items: self._keep([s for _, s, _ in items]))
+
+        def attempt(items: list) -> list[T]:
+            if len(items) > 1:
+                return call(items)
+            result = self._transaction(items, call)
+            if isinstance(result, Exception):
+                raise result
+            return [result]
+
+        return run_batched(accepted, attempt, undo=lambda items: self._keep([s for _, s, _ in items]), name=call.__name__.strip("_"))
 
     def _transaction(self, accepted: list[tuple[int, ZeroWAMSession, list]], call: Callable[[list], list[T]]) -> T | Exception:
         """One session's call; if it raises, the session as it was before (where the pool has the pages the undo

@@ -83,30 +83,17 @@ def decode_request(
     ``max_batch_elements``: the most elements a batch may hold, None: batches are refused; ``inference_steps``: the
     policy takes a per-request ``num_inference_steps``; ``demonstrations``: the policy begins an episode with a
     demonstration, named by a LingBot-VA reset or an OpenPI session's first call: Zero-WAM)."""
+    rules = {
+        "guidance": guidance,
+        "budget": budget,
+        "continuation_refused": continuation_refused,
+        "inference_steps": inference_steps,
+        "demonstrations": demonstrations,
+    }
     if is_batch(payload):
         if max_batch_elements is None:
             raise RequestError(f"{BATCH_KEY}: batched requests are not taken here")
-
-        def element(item: Any) -> OpenPIRequest:
-            return decode_openpi(
-                item,
-                schema,
-                guidance=guidance,
-                budget=budget,
-                continuation_refused=continuation_refused,
-                inference_steps=inference_steps,
-                demonstrations=demonstrations,
-            )
-
-        return decode_batch(payload, element, max_elements=max_batch_elements)
+        return decode_batch(payload, lambda item: decode_openpi(item, schema, **rules), max_elements=max_batch_elements)
     if native_protocol == "lingbot_va" and schema is not None and is_lingbot_va_message(payload):  # its cameras: the schema's
         return decode_lingbot_va(payload, schema.cameras, budget, demonstrations=demonstrations)
-    return decode_openpi(
-        payload,
-        schema,
-        guidance=guidance,
-        budget=budget,
-        continuation_refused=continuation_refused,
-        inference_steps=inference_steps,
-        demonstrations=demonstrations,
-    )
+    return decode_openpi(payload, schema, **rules)

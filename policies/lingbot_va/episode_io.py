@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,6 +92,34 @@ class StreamState:
         session.generator.set_state(self.generator)
         for stream, cache in zip(session.streams, self.feat_caches):
             stream.feat_cache = list(cache)
+
+
+@dataclass
+class Kept:
+    """Every member of a call as it was before it (:class:`ardiff_policies.batch_retry.Undo`): each session's saved
+    state (``save(session)``: an object with ``restore()`` and ``release()``, the family's own)."""
+
+    saved: list
+
+    @classmethod
+    def take(cls, sessions: Sequence[Any], save: Callable[[Any], Any]) -> Kept:
+        saved: list = []
+        try:
+            for session in sessions:
+                saved.append(save(session))
+        except BaseException:
+            for entry in saved:
+                entry.restore()
+            raise
+        return cls(saved)
+
+    def restore(self) -> None:
+        for entry in self.saved:
+            entry.restore()
+
+    def release(self) -> None:
+        for entry in self.saved:
+            entry.release()
 
 
 class EpisodeIO:

@@ -50,7 +50,7 @@ from ardiff_policies import action_inpaint
 from ardiff_policies.batch_retry import run_batched, single
 from ardiff_policies.continuation import APPLIED, Continuation, decide_for, soft_mask
 from ardiff_policies.lingbot_va.embodiments import Embodiment
-from ardiff_policies.lingbot_va.episode_io import LATENT_CHANNELS, MAX_GUIDANCE, EpisodeError, EpisodeIO, StreamState, load_encoders, next_sigma
+from ardiff_policies.lingbot_va.episode_io import LATENT_CHANNELS, MAX_GUIDANCE, EpisodeError, EpisodeIO, Kept, StreamState, load_encoders, next_sigma
 from ardiff_policies.lingbot_va.model import LingBotVATransformer, TextKV, action_grid, load_transformer, video_grid
 from ardiff_policies.wan.samplers import flow_match_sigmas
 from ardiff_policies.wan.text import TextEncoder
@@ -180,33 +180,6 @@ class _Saved:
 
     def release(self) -> None:
         self.session.kv.release()
-
-
-@dataclass
-class _Kept:
-    """Every member of a batched call as it was before it (:class:`ardiff_policies.batch_retry.Undo`)."""
-
-    saved: list[_Saved]
-
-    @classmethod
-    def take(cls, sessions: Sequence[LingBotVASession]) -> _Kept:
-        saved: list[_Saved] = []
-        try:
-            for session in sessions:
-                saved.append(_Saved.take(session))
-        except BaseException:
-            for entry in saved:
-                entry.restore()
-            raise
-        return cls(saved)
-
-    def restore(self) -> None:
-        for entry in self.saved:
-            entry.restore()
-
-    def release(self) -> None:
-        for entry in self.saved:
-            entry.release()
 
 
 class LingBotVAPolicy(EpisodeIO):
@@ -353,7 +326,7 @@ class LingBotVAPolicy(EpisodeIO):
             except Exception as exc:  # an EpisodeError: refused, its session unchanged; anything else fails it alone
                 results[i] = exc
 
-        def undo(items: list[tuple[int, InferRequest, _Checked]]) -> _Kept | None:
+        def undo(items: list[tuple[int, InferRequest, _Checked]]) -> Kept | None:
             stand_ins = sum(c.pin is not None and c.pin.stand_in for _, _, c in items)  # a stand-in writes a chunk more
             return self._keep([r.session for _, r, _ in items], chunks=len(items) + stand_ins)
 
@@ -483,11 +456,11 @@ class LingBotVAPolicy(EpisodeIO):
 
     # -- a failed batch, member by member (ardiff_policies.batch_retry) ---------------------
 
-    def _keep(self, sessions: list[LingBotVASession], chunks: int | None = None) -> _Kept | None:
+    def _keep(self, sessions: list[LingBotVASession], chunks: int | None = None) -> Kept | None:
         """The batch's sessions as they are, for :func:`~ardiff_policies.batch_retry.run_batched` to put back if the
         batched call fails (then each member is retried alone); None if the pool has no room to keep them. ``chunks``:
         the video and action chunks the call writes per branch (default one per session)."""
-        return _Kept.take(sessions) if self._undo_fits(sessions, len(sessions) if chunks is None else chunks) else None
+        return Kept.take(sessions, _Saved.take) if self._undo_fits(sessions, len(sessions) if chunks is None else chunks) else None
 
     def _check_infer(self, request: InferRequest) -> _Checked:
         """The request's guidance scales and continuation, or EpisodeError naming the key (nothing of the session has

@@ -18,8 +18,7 @@ from typing import Literal
 
 import pydantic
 
-from ardiff_policies import hub
-from ardiff_policies.lingbot_va.config import BUILTIN_TINY, CHECKPOINT_FILES, SYNTHETIC_PREFIX, SYNTHETIC_PRESETS, safety_off
+from ardiff_policies.lingbot_va.config import BUILTIN_TINY, SYNTHETIC_PREFIX, check_checkpoint_name, released_checkpoint, safety_off
 from ardiff_policies.safety import SafetyConfig
 
 CHECKPOINT_EXAMPLE = "/path/to/zero-wam-posttrain-robotwin"
@@ -76,12 +75,7 @@ class ZeroWAMPolicyConfig(pydantic.BaseModel):
 
     @pydantic.model_validator(mode="after")
     def _check_pair(self) -> ZeroWAMPolicyConfig:
-        if self.checkpoint.startswith(SYNTHETIC_PREFIX):
-            preset = self.checkpoint.removeprefix(SYNTHETIC_PREFIX).split(",")[0]
-            if preset not in SYNTHETIC_PRESETS:
-                raise ValueError(f"policy.checkpoint: unknown synthetic preset {preset!r}; presets: {', '.join(SYNTHETIC_PRESETS)}")
-        if self.checkpoint.startswith("builtin:") and self.checkpoint != BUILTIN_TINY:
-            raise ValueError(f"policy.checkpoint: unknown {self.checkpoint!r}; built in: {BUILTIN_TINY}")
+        check_checkpoint_name(self.checkpoint)
         if self.tiny != (self.embodiment_name == "tiny_robotwin"):
             raise ValueError(
                 f"policy.embodiment: {self.checkpoint} is served with {'tiny_robotwin' if self.tiny else 'robotwin'}, not {self.embodiment!r}"
@@ -125,11 +119,4 @@ class ZeroWAMPolicyConfig(pydantic.BaseModel):
     def local_checkpoint(self) -> Path:
         # a relative empty-text embedding lives in the checkpoint: fetched with it
         extra = () if self.empty_text_embedding is None or Path(self.empty_text_embedding).is_absolute() else (self.empty_text_embedding,)
-        root = hub.resolve(self.checkpoint, key="policy.checkpoint", example=CHECKPOINT_EXAMPLE, allow_patterns=(*CHECKPOINT_FILES, *extra))
-        missing = [part for part in ("transformer", "vae", "text_encoder", "tokenizer") if not (root / part).is_dir()]
-        if missing:
-            raise ValueError(
-                f"policy.checkpoint: {root} lacks {', '.join(f'{m}/' for m in missing)}; point it at a released Zero-WAM "
-                f"checkpoint (--set policy.checkpoint={HUB_IDS[0]} or a local copy)"
-            )
-        return root
+        return released_checkpoint(self.checkpoint, CHECKPOINT_EXAMPLE, "Zero-WAM", HUB_IDS[0], extra)

@@ -58,7 +58,7 @@ from ardiff_kv import Branch, EntryKind, KVSpec, SessionKV, prepare_batch
 from ardiff_policies.batch_retry import run_batched, single
 from ardiff_policies.episode import EpisodeStart
 from ardiff_policies.lingbot_va.embodiments import Embodiment
-from ardiff_policies.lingbot_va.episode_io import LATENT_CHANNELS, TEXT_LENGTH, EpisodeError, EpisodeIO, StreamState, load_encoders, next_sigma
+from ardiff_policies.lingbot_va.episode_io import LATENT_CHANNELS, TEXT_LENGTH, EpisodeError, EpisodeIO, Kept, StreamState, load_encoders, next_sigma
 from ardiff_policies.lingbot_va.model import TextKV, video_grid
 from ardiff_policies.lingbot_va.zero_wam_checkpoint import ZeroWAMConfig
 from ardiff_policies.lingbot_va.zero_wam_demonstration import Demonstration, DemonstrationGeometry, DemonstrationStore
@@ -167,33 +167,6 @@ class _Saved:
 
     def release(self) -> None:
         self.session.kv.release()
-
-
-@dataclass
-class _Kept:
-    """Every member of a call as it was before it (:class:`ardiff_policies.batch_retry.Undo`)."""
-
-    saved: list[_Saved]
-
-    @classmethod
-    def take(cls, sessions: Sequence[ZeroWAMSession]) -> _Kept:
-        saved: list[_Saved] = []
-        try:
-            for session in sessions:
-                saved.append(_Saved.take(session))
-        except BaseException:
-            for entry in saved:
-                entry.restore()
-            raise
-        return cls(saved)
-
-    def restore(self) -> None:
-        for entry in self.saved:
-            entry.restore()
-
-    def release(self) -> None:
-        for entry in self.saved:
-            entry.release()
 
 
 @dataclass(frozen=True)
@@ -668,7 +641,7 @@ class ZeroWAMPolicy(EpisodeIO):
         keeps; otherwise the engine ends the session, as after any failed step). Returns its result or its error."""
         session = accepted[0][1]
         room = session.kv.pool.num_free >= self._undo_pages_per_session
-        kept = _Kept.take([session]) if room else None
+        kept = Kept.take([session], _Saved.take) if room else None
         try:
             result = call(accepted)[0]
         except Exception as exc:
@@ -679,6 +652,6 @@ class ZeroWAMPolicy(EpisodeIO):
             kept.release()
         return result
 
-    def _keep(self, sessions: list[ZeroWAMSession]) -> _Kept | None:
+    def _keep(self, sessions: list[ZeroWAMSession]) -> Kept | None:
         """The sessions as they are, to put back if the call fails; None if the pool has no room to keep them."""
-        return _Kept.take(sessions) if self._undo_fits(sessions, len(sessions)) else None
+        return Kept.take(sessions, _Saved.take) if self._undo_fits(sessions, len(sessions)) else None

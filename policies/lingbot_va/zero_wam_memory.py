@@ -139,22 +139,9 @@ def describe_loaded(episodes, max_sessions: int) -> str:
     """The start-up log's plan for the model as loaded (its real parameter counts, any size): weights per component,
     one session's reserved pages (its pinned block counted) and prompt K/V, and what ``max_sessions`` of them take."""
     from ardiff_kv import Branch
+    from ardiff_policies.lingbot_va.memory import describe_session_plan
 
-    b = itemsize(episodes.dtype)
-    modules = {"transformer": episodes.transformer, "text encoder": episodes.text_encoder, "VAE": episodes.vae}
-    weights = {name: module_size(module).floating * b for name, module in modules.items()}
     spec = episodes.kv_spec()
-    kv_session = spec.reservation(2) * spec.page_bytes
+    detail = f"{spec.pages_for(Branch.COND)} + {spec.pages_for(Branch.UNCOND)} pages, {spec.max_pinned_pages} of them the pinned demonstration,"
     text_session = 2 * TEXT_LENGTH * spec.token_bytes
-    lines = [f"memory plan: zero_wam on {episodes.device} ({str(episodes.dtype).removeprefix('torch.')}), both CFG branches"]
-    lines += [f"    {name + ' weights':<24}{_size(size):>11}" for name, size in weights.items()]
-    lines.append(
-        f"    {'a session':<24}{_size(kv_session + text_session):>11}  (KV {spec.pages_for(Branch.COND)} + {spec.pages_for(Branch.UNCOND)} "
-        f"pages of {_size(spec.page_bytes)}, {spec.max_pinned_pages} of them the pinned demonstration, + prompt K/V "
-        f"{_size(text_session)}); engine.max_sessions {max_sessions}: {_size(max_sessions * (kv_session + text_session))}"
-    )
-    return "\n".join(lines)
-
-
-def _size(value: int) -> str:
-    return f"{value / 2**30:.2f} GiB" if value >= 0.1 * 2**30 else f"{value / 2**20:.1f} MiB"
+    return describe_session_plan(episodes, "zero_wam", "both CFG branches", spec.reservation(2), detail, text_session, max_sessions)

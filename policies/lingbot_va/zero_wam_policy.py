@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +36,7 @@ from ardiff_policies.info import PolicyInfo
 from ardiff_policies.lingbot_va.config import BUILTIN_TINY, SYNTHETIC_PREFIX
 from ardiff_policies.lingbot_va.embodiments import ZERO_WAM_ROBOTWIN
 from ardiff_policies.lingbot_va.episode_io import TEXT_LENGTH
-from ardiff_policies.lingbot_va.policy import FRAMES_PER_LATENT, MAX_BATCH, LingBotVAServing, ServedSession, _openpi
+from ardiff_policies.lingbot_va.policy import FRAMES_PER_LATENT, LingBotVAServing, ServedSession
 from ardiff_policies.lingbot_va.zero_wam_config import BUILTIN_DEMONSTRATIONS, MAX_GUIDANCE, ZeroWAMPolicyConfig
 from ardiff_policies.lingbot_va.zero_wam_demonstration import DemonstrationGeometry
 from ardiff_policies.lingbot_va.zero_wam_episode import CommitRequest, EpisodeError, InferRequest, ZeroWAMPolicy
@@ -56,9 +56,8 @@ class ZeroWAMServing(LingBotVAServing):
     # -- what clients are told ------------------------------------------------------------------
 
     def _make_info(self) -> PolicyInfo:
-        e, episodes = self.embodiment, self.episodes
+        episodes = self.episodes
         geometry = episodes.demonstrations
-        commit_frames = {"first_chunk": FRAMES_PER_LATENT * (self.frames - 1), "later_chunks": FRAMES_PER_LATENT * self.frames}
         demonstration = {
             "key": DEMONSTRATION_KEY,
             "served": episodes.store is not None,
@@ -68,44 +67,14 @@ class ZeroWAMServing(LingBotVAServing):
             "icl_guidance_scale": episodes.icl_guidance_scale,
             "guidance_max": MAX_GUIDANCE,
         }
-        frame = {
-            "embodiment": self.tag,
-            "observation": self.schema.describe(),
-            "frames_per_call": {"first": 1, "after_first_chunk": commit_frames["first_chunk"], "later": commit_frames["later_chunks"]},
-            "actions": {
-                "horizon": self.frames * self.per_frame,
-                "dim": self.channels,
-                "layout": "time-major (frames x actions per frame, channels); the RoboTwin wire: (channels, frames, actions per frame)",
-                "execute_from": "the reply's session.execute_from: the first chunk's first frame of actions conditions the model and is not executed",
-            },
-            "needs_session_id": True,
-            "continuations": False,
-            "image_resolution": list(self.schema.resolutions[0]),
-            "protocols": ["openpi", "lingbot_va"],
-            # its presence tells the wire to read a reset's / a first call's demonstration keys (wire/fields.py)
-            "demonstration": demonstration,
+        # "demonstration": its presence tells the wire to read a reset's / a first call's demonstration keys (wire/fields.py)
+        frame = {**self._frame(), "continuations": False, "demonstration": demonstration}
+        details = {
+            "attn_window": episodes.transformer.config.attn_window,
+            "demonstration_root": None if episodes.store is None else str(episodes.store.root),
+            "continuation": "not served: upstream keeps no K/V of a predicted action chunk for the next chunk to continue",
         }
-        return PolicyInfo(
-            frame,
-            action_horizon=self.frames * self.per_frame,
-            action_dim=self.channels,
-            model=self.tag,
-            checkpoint=self.checkpoint,
-            details={
-                "action_layout": {"channels": self.channels, "frames": self.frames, "per_frame": self.per_frame},
-                "commit_frames": commit_frames,
-                "layout": e.layout,
-                "attn_window": episodes.transformer.config.attn_window,
-                "seed": self.config.seed,
-                "demonstration_root": None if episodes.store is None else str(episodes.store.root),
-                "continuation": "not served: upstream keeps no K/V of a predicted action chunk for the next chunk to continue",
-            },
-            max_batch=MAX_BATCH,
-            observation_schema=self.schema,
-            native_protocol="lingbot_va",
-            max_frames_per_call=max(commit_frames.values()),
-            continuations=False,
-        )
+        return self._policy_info(frame, details, continuations=False)
 
     # -- requests checked before any session state changes ---------------------------------------
 
@@ -135,79 +104,22 @@ class ZeroWAMServing(LingBotVAServing):
 
     # -- steps -------------------------------------------------------------------------------------
 
-    def step_batch(self, items: Sequence[tuple[ServedSession, RobotObservation]]) -> list[StepResult | BaseException]:
-        results: list[StepResult | BaseException | None] = [None] * len(items)
-        commits: list[tuple[int, CommitRequest]] = []
-        infers: list[int] = []
-        for i, (session, observation) in enumerate(items):
-            session.timing_ms, session.committed = {}, False
-            try:
-                self._begin(session, observation)
-            except Exception as exc:
-                results[i] = exc
-                continue
-            call = observation.episode
-            if call is not None and call.kind == "reset":
-                results[i] = self._result(session, None, ChunkInfo(call="reset", execute_from=0))
-                continue
-            frames = self._frames(observation)
-            if call is not None and call.kind == "compute_kv_cache":
-                commits.append((i, CommitRequest(session.episode, frames)))
-            elif _openpi(call) and session.last_actions is not None:  # OpenPI: these frames close the chunk out
-                expected = FRAMES_PER_LATENT * (self.frames - (session.episode.chunk == 0))
-                if len(frames) != expected:  # e.g. the session's first request again
-                    results[i] = EpisodeError(
-                        f"observation: {len(frames)} frame{'s' * (len(frames) != 1)} per camera; this session has a chunk out, "
-                        f"which the {expected} key frames seen while executing it commit (4 per latent frame); a new episode "
-                        f"is a new session_id or a reset"
-                    )
-                    continue
-                commits.append((i, CommitRequest(session.episode, frames)))
-                infers.append(i)
-            else:
-                infers.append(i)
-        if commits:
-            start = time.perf_counter()
-            outcomes = self.episodes.compute_kv_cache_batch([r for _, r in commits])
-            ms = (time.perf_counter() - start) * 1000.0
-            for (i, _), outcome in zip(commits, outcomes):
-                items[i][0].timing_ms["commit"] = ms
-                if outcome is not None:
-                    results[i] = outcome
-                else:
-                    items[i][0].last_actions, items[i][0].committed = None, True
-        requests, rows = [], []
-        for i in infers:
-            if results[i] is not None:
-                continue
-            session, observation = items[i]
-            frames = self._frames(observation)
-            if _openpi(observation.episode) and session.episode.chunk == 0:
-                frames = frames[-1:]  # an OpenPI episode starts from one observation (of a stack, the newest)
-            requests.append(InferRequest(session.episode, frames[0] if len(frames) == 1 else frames))
-            rows.append(i)
-        if requests:
-            start = time.perf_counter()
-            outcomes = self.episodes.infer_batch(requests)
-            ms = (time.perf_counter() - start) * 1000.0
-            for i, outcome in zip(rows, outcomes):
-                session = items[i][0]
-                if isinstance(outcome, BaseException):
-                    results[i] = outcome
-                    continue
-                session.timing_ms["infer"] = ms
-                session.last_actions = outcome
-                episode = session.episode
-                kind = "commit+infer" if session.committed else "infer"
-                results[i] = self._result(session, outcome, ChunkInfo(episode.served, 0, None, kind, self.per_frame if episode.chunk == 0 else 0))
-        for i, (session, _) in enumerate(items):
-            if results[i] is None:  # a commit only (upstream's compute_kv_cache)
-                results[i] = self._result(session, None, ChunkInfo(call="compute_kv_cache", execute_from=0))
-        if self.record:
-            for (session, observation), result in zip(items, results):
-                if isinstance(result, StepResult) and result.chunk.call != "reset":
-                    result.recording = self._recording(session, observation, result)
-        return results  # type: ignore[return-value]
+    def _without_chunk(self, session: ServedSession, call: EpisodeCall | None) -> StepResult | None:
+        """Upstream's reset: the episode has begun (``_begin``), no chunk."""
+        return self._result(session, None, ChunkInfo(call="reset", execute_from=0)) if call is not None and call.kind == "reset" else None
+
+    def _first_chunk(self, session: ServedSession) -> bool:
+        return session.episode.chunk == 0
+
+    def _commit_request(self, session: ServedSession, frames: list[dict[str, np.ndarray]], actions: np.ndarray | None) -> CommitRequest:
+        return CommitRequest(session.episode, frames)  # the history is the model's own actions: what the robot did is not read
+
+    def _infer_request(self, session: ServedSession, observation: RobotObservation, frames) -> InferRequest:
+        return InferRequest(session.episode, frames)
+
+    def _chunk_info(self, session: ServedSession, kind: str) -> ChunkInfo:
+        episode = session.episode
+        return ChunkInfo(episode.served, 0, None, kind, self.per_frame if episode.chunk == 0 else 0)
 
     def _begin(self, session: ServedSession, observation: RobotObservation) -> None:
         """A session's first step begins its episode (prompt, guidance, demonstration pinned, generator seeded); a later

@@ -31,7 +31,7 @@ TINY_EMBODIMENTS = ("tiny_robotwin", "tiny_libero")  # the geometries the tiny c
 class LingBotVAConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
 
-    name: Literal["lingbot_va"] = "lingbot_va"
+    name: Literal["lingbot_va"] = "lingbot_va"  # LingBot-VA: video and actions from one transformer, chunk by chunk
     checkpoint: str = pydantic.Field(
         BUILTIN_TINY,
         description="checkpoint directory, Hugging Face id (robbyant/lingbot-va-posttrain-robotwin, robbyant/lingbot-va-base, "

@@ -34,7 +34,7 @@ MAX_GUIDANCE = 20.0  # the reset's scales: video in [-20, 20] (below 0: the empt
 class ZeroWAMPolicyConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
 
-    name: Literal["zero_wam"] = "zero_wam"
+    name: Literal["zero_wam"] = "zero_wam"  # Zero-WAM: LingBot-VA with an action expert and a demonstration in context
     checkpoint: str = pydantic.Field(
         BUILTIN_TINY,
         description="checkpoint directory, Hugging Face id (robbyant-research/zero-wam-posttrain-robotwin, "

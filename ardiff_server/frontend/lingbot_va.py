@@ -16,9 +16,10 @@ connection stays open. Replies are timed, counted and worded as OpenPI's (``repl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
-from ardiff_policies.episode import EpisodeCall
+from ardiff_policies.episode import EpisodeCall, EpisodeStart
 from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine.client import EngineClient
 from ardiff_server.engine.messages import EngineError
@@ -38,9 +39,13 @@ class LingBotVAHandler:
         self.replies = replies
         self.engine = engine
         self.prompts: dict[int, str] = {}  # conn_id -> the prompt of its last reset
+        # conn_id -> how its last reset began the episode (Zero-WAM): every call carries it, so a session the engine had
+        # to end (TTL, pressure) begins again with its demonstration, never silently without it
+        self.starts: dict[int, EpisodeStart] = {}
 
     def forget(self, conn: Connection) -> None:
         self.prompts.pop(conn.conn_id, None)
+        self.starts.pop(conn.conn_id, None)
 
     async def serve(self, conn: Connection, request: LingBotVARequest, clock: RequestClock) -> bytes | str:
         session_id = self.sessions.resolve(conn, None)
@@ -50,6 +55,7 @@ class LingBotVAHandler:
             except EngineError as exc:
                 return self.replies.error(exc, session_id)
             self.prompts.pop(conn.conn_id, None)
+            self.starts.pop(conn.conn_id, None)
             if request.start is not None:  # Zero-WAM: the episode begins now (its demonstration read and pinned)
                 return await self._begin(conn, session_id, request, clock)
             self.prompts[conn.conn_id] = request.prompt
@@ -59,9 +65,10 @@ class LingBotVAHandler:
         if prompt is None:
             return self.replies.bad_request(f"{request.kind} before reset: send {{reset: True, prompt}} first")
         observation = request.observation
-        observation = RobotObservation(
-            cameras=observation.cameras, states={}, prompt=prompt, episode=observation.episode, continuation=observation.continuation
-        )
+        call = observation.episode
+        if conn.conn_id in self.starts:
+            call = dataclasses.replace(call, start=self.starts[conn.conn_id])
+        observation = RobotObservation(cameras=observation.cameras, states={}, prompt=prompt, episode=call, continuation=observation.continuation)
         sent = time.perf_counter()
         try:
             reply = await self.sessions.infer(conn, session_id, observation, deadline=clock.deadline(request.actions_left_s))
@@ -87,6 +94,6 @@ class LingBotVAHandler:
             with contextlib.suppress(EngineError):
                 await self.sessions.end(conn, [session_id])
             return self.replies.error(exc, session_id)
-        self.prompts[conn.conn_id] = request.prompt
+        self.prompts[conn.conn_id], self.starts[conn.conn_id] = request.prompt, request.start
         self.replies.reset()
         return pack({"server_timing": self.replies.served(session_id, reply, clock, sent)})

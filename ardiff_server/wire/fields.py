@@ -63,6 +63,13 @@ def decode_episode_start(payload: dict[str, Any], *, use_icl_default: bool | Non
     )
 
 
+def refuse_demonstration_keys(payload: dict[str, Any]) -> None:
+    """A request to a policy that takes no demonstration: its demonstration keys are refused by name, never ignored."""
+    for key in (USE_ICL_KEY, DEMONSTRATION_KEY, "icl_guidance_scale", *PATH_KEYS):
+        if payload.get(key) is not None:
+            raise RequestError(f"{key}: this server's policy takes no demonstration; leave it out")
+
+
 def check_prompt_length(prompt: str) -> str:
     """``prompt`` unchanged (a changed prompt resets the session, so it stays exact) if within the bound."""
     if len(prompt) > MAX_PROMPT_CHARS:

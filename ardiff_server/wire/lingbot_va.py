@@ -42,6 +42,7 @@ from ardiff_server.wire.fields import (
     decode_continuation,
     decode_episode_start,
     decode_guidance_scale,
+    refuse_demonstration_keys,
 )
 from ardiff_server.wire.images import MAX_FRAMES, MAX_IMAGE_SIDE
 from ardiff_server.wire.protocol import RequestError, short_repr
@@ -83,6 +84,8 @@ def decode_lingbot_va(
         prompt = payload.get("prompt")
         if not isinstance(prompt, str):
             raise RequestError(f"prompt: a reset needs the episode's prompt (a string), got {short_repr(prompt)}")
+        if not demonstrations:
+            refuse_demonstration_keys(payload)
         start = decode_episode_start(payload, use_icl_default=True) if demonstrations else None
         return LingBotVARequest("reset", prompt=check_prompt_length(prompt), start=start)
     if "obs" not in payload:

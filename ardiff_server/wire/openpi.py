@@ -68,16 +68,15 @@ from ardiff_policies.observation import RobotObservation
 from ardiff_server.wire.budget import PixelBudget
 from ardiff_server.wire.fields import (
     CONTINUATION_KEY,
-    DEMONSTRATION_KEY,
     PATH_KEYS,
     PROMPT_KEY,
     START_KEYS,
-    USE_ICL_KEY,
     check_prompt_length,
     decode_actions_left,
     decode_continuation,
     decode_episode_start,
     decode_guidance_scale,
+    refuse_demonstration_keys,
 )
 from ardiff_server.wire.images import IMAGE_EXPECTED, decode_images, read_image
 from ardiff_server.wire.protocol import RequestError, short_repr
@@ -196,9 +195,7 @@ def _decode_start(request: dict[str, Any]) -> EpisodeCall | None:
 
 def _decode_guidance(request: dict[str, Any], accepted: bool) -> EpisodeCall | None:
     """``video_guidance_scale`` / ``action_guidance_scale`` of an OpenPI request (LingBot-VA) as a ``chunk`` call."""
-    for key in (USE_ICL_KEY, DEMONSTRATION_KEY, "icl_guidance_scale", *PATH_KEYS):
-        if request.get(key) is not None:
-            raise RequestError(f"{key}: this server's policy takes no demonstration; leave it out")
+    refuse_demonstration_keys(request)
     present = [key for key in GUIDANCE_KEYS if request.get(key) is not None]
     if not present:
         return None

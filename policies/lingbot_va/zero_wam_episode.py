@@ -204,7 +204,6 @@ class ZeroWAMPolicy(EpisodeIO):
         self.transformer = transformer
         self.demonstrations = demonstrations = demonstrations or DemonstrationGeometry()
         # the deployment's defaults for a reset that does not say (upstream's launch: TARGET_TEXT_CFG -1, ICL_CFG 5)
-        self.defaults = plan_guidance(use_icl=True, video_guidance_scale=video_guidance_scale, icl_guidance_scale=icl_guidance_scale)
         self.video_guidance_scale, self.icl_guidance_scale = float(video_guidance_scale), float(icl_guidance_scale)
         self.store = (
             None

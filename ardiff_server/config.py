@@ -525,7 +525,7 @@ def check_tls(config: AppConfig) -> None:
 
 
 # Each family's CPU twin: what a machine without the GPU a config wants can serve instead.
-_CPU_TWINS = {"dreamzero": "tiny", "lingbot_va": "tiny_lingbot_va"}
+_CPU_TWINS = {"dreamzero": "tiny", "lingbot_va": "tiny_lingbot_va", "zero_wam": "tiny_zero_wam"}
 # Where a family's embodiments differ in cameras and chunking, the twin of that embodiment.
 _CPU_TWINS_BY_EMBODIMENT = {("lingbot_va", "libero"): "tiny_lingbot_va_libero", ("lingbot_va", "tiny_libero"): "tiny_lingbot_va_libero"}
 

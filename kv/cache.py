@@ -1,7 +1,7 @@
 """The engine-owned KV cache of one rank: storage, the page pool, and admission of sessions.
 
-Admission: a session reserves its worst case (``local branches x pages_per_branch``: a full window and, where the
-spec pins, a full in-context block per branch) when it opens, so a forward never meets an exhausted pool half-way
+Admission: a session reserves its worst case (``KVSpec.reservation``: a full window per local branch and, where the
+spec pins, a full in-context block in each branch that may pin) when it opens, so a forward never meets an exhausted pool half-way
 through, and a demonstration pinned at a reset always finds its pages. When nothing more can
 be reserved, :class:`ardiff_kv.pool.CapacityError` tells the engine to evict an idle session first.
 Sessions are opened and ended here (:meth:`PagedKVCache.open_session` / :meth:`end_session`):
@@ -56,7 +56,7 @@ class PagedKVCache:
         self.branches = tuple(Branch(b) for b in branches)
         self.max_sessions = max_sessions
         self.pool = PagePool(num_pages)
-        self.reservation_per_session = len(self.branches) * spec.pages_per_branch
+        self.reservation_per_session = spec.reservation_for(self.branches)
         if self.reservation_per_session > self.pool.capacity:
             raise ValueError(
                 f"a pool of {self.pool.capacity} pages cannot hold one session "
@@ -89,7 +89,7 @@ class PagedKVCache:
         session needs for the branches this rank runs (1 under CFG-parallel, else 2).
         """
         pages = PagedKVCache._pages(spec, budget_bytes, max_sessions=max_sessions, num_branches=num_branches, max_batch=max_batch)
-        floor = num_branches * spec.pages_per_branch
+        floor = spec.reservation(num_branches)
         if pages < floor:
             logger.warning(
                 "KV budget %.1f MiB gives %d pages; raising to the %d-page floor one session needs",
@@ -103,7 +103,7 @@ class PagedKVCache:
     def bytes_for_sessions(spec: KVSpec, *, max_sessions: int, num_branches: int, max_batch: int = 1) -> int:
         """What ``max_sessions`` sessions at their worst case and ``max_batch`` slots of scratch take:
         the most a budget can usefully be."""
-        per_session = num_branches * (spec.pages_per_branch * spec.page_bytes + spec.cross_slot_bytes)
+        per_session = spec.reservation(num_branches) * spec.page_bytes + num_branches * spec.cross_slot_bytes
         return max_sessions * per_session + PagedKVCache.reserved_pages(spec, num_branches, max_batch) * spec.page_bytes
 
     @staticmethod
@@ -123,7 +123,7 @@ class PagedKVCache:
         """Sessions whose worst case (pages and cross-attention slots in every local branch) a
         budget holds after the scratch region, at most ``max_sessions`` (0: not even one)."""
         left = budget_bytes - PagedKVCache.reserved_pages(spec, num_branches, max_batch) * spec.page_bytes
-        per_session = num_branches * (spec.pages_per_branch * spec.page_bytes + spec.cross_slot_bytes)
+        per_session = spec.reservation(num_branches) * spec.page_bytes + num_branches * spec.cross_slot_bytes
         return max(0, min(max_sessions, left // per_session))
 
     @staticmethod
@@ -133,7 +133,7 @@ class PagedKVCache:
         fixed = sessions * num_branches * spec.cross_slot_bytes + scratch * spec.page_bytes
         pages = max(0, budget_bytes - fixed) // spec.page_bytes
         if sessions < max_sessions:  # the rest cannot back one more session (its cross slots are not paid for)
-            pages = min(pages, sessions * num_branches * spec.pages_per_branch + PagedKVCache.undo_headroom(spec, num_branches, max_batch))
+            pages = min(pages, sessions * spec.reservation(num_branches) + PagedKVCache.undo_headroom(spec, num_branches, max_batch))
         return pages
 
     @classmethod
@@ -141,7 +141,7 @@ class PagedKVCache:
         """The most sessions per forward (<= ``max_batch``) whose scratch still leaves a pool that
         holds that many sessions at once: a batch is admitted only if all its members fit, so
         scratch for more would never be used (and each slot costs a forward's worth of pages)."""
-        per_session = num_branches * spec.pages_per_branch
+        per_session = spec.reservation(num_branches)
         for batch in range(max_batch, 1, -1):
             pages = cls._pages(spec, budget_bytes, max_sessions=max_sessions, num_branches=num_branches, max_batch=batch)
             pages -= cls.undo_headroom(spec, num_branches, batch)
@@ -197,7 +197,12 @@ class PagedKVCache:
     def _pinned_note(self) -> str:
         """What of a session's reservation is its pinned block, for the capacity messages."""
         pinned = self.spec.max_pinned_pages
-        return f", of which {pinned} per branch for its pinned in-context block" if pinned else ""
+        if not pinned:
+            return ""
+        pinning = [b for b in self.branches if b in self.spec.pinned_branches]
+        if len(pinning) == len(self.branches):
+            return f", of which {pinned} per branch for its pinned in-context block"
+        return f", of which {pinned} in the {'/'.join(b.name for b in pinning)} branch for its pinned in-context block"
 
     def end_session(self, session: SessionKV) -> None:
         """The session ended: every page and cross-attention slot it holds goes back. Idempotent."""

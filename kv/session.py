@@ -27,6 +27,10 @@ pages are, in position order, three runs, never interleaved, each page's kind it
   it; :meth:`SessionKV.drop_predictions` discards it (the pages go back to the pool), and so does an observation
   forward before it writes (the observation replaces the prediction); the observations are never copied or moved.
 
+Upstream Zero-WAM's window (``KVSpec.frame_window``): every forward names its frame id, sees the held pages written
+within the window of it (``BranchKV.frames``), and the episode trims after each observation (:meth:`SessionKV.trim_window`):
+both counted in frame ids, so a branch that holds video only keeps as many chunks as one that holds video and actions.
+
 Upstream LingBot-VA's ``update_cache`` 0 / 1 / 2 are ``commit=False`` / prediction / observation (``provisional=True``
 spells the prediction, ``drop_provisional`` the drop, in its words); upstream Zero-WAM's cache types 2 / 0 / 1 are
 in-context / observation / prediction, its ``clear_prediction_cache`` is ``drop_predictions``.
@@ -77,9 +81,12 @@ class ForwardContext:
         scratch_slot: int = 0,
         entry: EntryKind = EntryKind.OBSERVATION,
         attend_pinned: bool = True,
+        frame: int | None = None,
     ) -> None:
         spec = session.storage.spec
         entry = EntryKind(entry)
+        if spec.frame_window and entry is not EntryKind.IN_CONTEXT and (isinstance(frame, bool) or not isinstance(frame, int)):
+            raise ValueError(f"a forward under KVSpec.frame_window needs its frame id (frame=), got {frame!r}")
         if entry is not EntryKind.OBSERVATION and not commit:
             raise ValueError(f"a forward writing {entry.value} entries keeps its pages: it needs commit=True")
         if num_video_tokens <= 0 or num_video_tokens % spec.page_size:
@@ -93,6 +100,8 @@ class ForwardContext:
             raise ValueError(f"a forward of {pages} frames exceeds max_new_pages={spec.max_new_pages}")
         if entry is EntryKind.PREDICTION and commit:
             session._check_prediction(branch, pages)
+        if entry is EntryKind.OBSERVATION and commit and spec.frame_window:
+            session._check_observation(branch, pages)
         if not 0 <= extra_tokens <= spec.max_extra_tokens:
             raise ValueError(f"extra_tokens={extra_tokens} outside [0, {spec.max_extra_tokens}]")
         self.session = session
@@ -101,6 +110,7 @@ class ForwardContext:
         self.commit = commit
         self.entry = entry
         self.attend_pinned = attend_pinned
+        self.frame = frame
         self.extra_tokens = extra_tokens
         self.scratch_slot = scratch_slot
         self.new_pages: list[int] = []  # pages this forward allocated (commit forwards only)
@@ -149,6 +159,8 @@ class ForwardContext:
             self.session._check_prediction(self.branch, self.num_new_pages)
         if self.commit and self.entry is EntryKind.OBSERVATION:
             self.session.drop_predictions(self.branch)  # the observation replaces the prediction
+            if spec.frame_window:
+                self.session._check_observation(self.branch, self.num_new_pages)
         if spec.evict_to_fit and not pinning:  # pinned pages are outside the window
             self.session._evict_to_fit(self.branch, self.num_new_pages)
         if self.commit:
@@ -161,8 +173,10 @@ class ForwardContext:
             visible = branch_kv.pinned + video_pages
         else:
             held = branch_kv.resident + branch_kv.provisional
-            limit = spec.window_pages + (len(video_pages) if spec.window_of_history else 0)
-            window = visible_pages(held, video_pages, window_pages=limit, sink_pages=spec.sink_pages)
+            if spec.frame_window:  # upstream Zero-WAM's predicate, by the frame id each held page was written at
+                window = [p for p in held if abs(branch_kv.frames[p] - self.frame) <= spec.frame_window] + video_pages
+            else:
+                window = visible_pages(held, video_pages, window_pages=spec.window_pages, sink_pages=spec.sink_pages)
             visible = (branch_kv.pinned if self.attend_pinned else []) + window
         table = visible + extra_pages
         table += [0] * (spec.block_table_width - len(table))
@@ -253,6 +267,7 @@ class BranchKV:
     provisional: list[int] = field(default_factory=list)  # prediction pages after them, oldest first
     committed_tokens: int = 0  # advances once per committed chunk, never per denoise step
     evicted_pages: int = 0
+    frames: dict[int, int] = field(default_factory=dict)  # page -> the frame id it was written at (KVSpec.frame_window)
     pending: ForwardContext | None = None
     cross_slot: int | None = None
     cross_text_ready: bool = False
@@ -278,6 +293,7 @@ class BranchSnapshot(NamedTuple):
     provisional: tuple[int, ...]
     committed_tokens: int
     evicted_pages: int
+    frames: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -334,7 +350,12 @@ class SessionKV:
         self._snapshot = KVSnapshot(
             {
                 branch: BranchSnapshot(
-                    tuple(state.pinned), tuple(state.resident), tuple(state.provisional), state.committed_tokens, state.evicted_pages
+                    tuple(state.pinned),
+                    tuple(state.resident),
+                    tuple(state.provisional),
+                    state.committed_tokens,
+                    state.evicted_pages,
+                    tuple(state.frames.items()),
                 )
                 for branch, state in self._branches.items()
             }
@@ -355,6 +376,7 @@ class SessionKV:
             state = self._branches[branch]
             state.pinned, state.resident, state.provisional = list(was.pinned), list(was.resident), list(was.provisional)
             state.committed_tokens, state.evicted_pages = was.committed_tokens, was.evicted_pages
+            state.frames = dict(was.frames)
         self._end_snapshot()
         self.pool.free(newer)
 
@@ -379,6 +401,9 @@ class SessionKV:
 
     def _free(self, pages: list[int]) -> None:
         """Pages this session stops holding: to the pool, or set aside while a snapshot holds them."""
+        for state in self._branches.values():
+            for page in pages:
+                state.frames.pop(page, None)
         if self._snapshot is None:
             self.pool.free(pages)
             return
@@ -398,10 +423,12 @@ class SessionKV:
         entry: EntryKind = EntryKind.OBSERVATION,
         provisional: bool = False,
         attend_pinned: bool = True,
+        frame: int | None = None,
     ) -> ForwardContext:
         """A forward of ``branch``: ``commit=False`` writes scratch (a denoise step), ``commit=True`` keeps its pages as
         ``entry`` entries (``provisional=True``: upstream LingBot-VA's spelling of ``entry=EntryKind.PREDICTION``).
-        ``attend_pinned=False``: its queries do not see the in-context block."""
+        ``attend_pinned=False``: its queries do not see the in-context block. ``frame``: its frame id, which a
+        ``KVSpec.frame_window`` needs for every forward but a pin."""
         self._check_open()
         if provisional:
             if entry not in (EntryKind.OBSERVATION, EntryKind.PREDICTION):
@@ -423,6 +450,7 @@ class SessionKV:
             scratch_slot=scratch_slot,
             entry=entry,
             attend_pinned=attend_pinned,
+            frame=frame,
         )
         return state.pending
 
@@ -438,13 +466,15 @@ class SessionKV:
         if not ctx.prepared:
             raise RuntimeError(f"session {self.session_id!r} {branch.name}: complete() of a forward that never ran")
         spec = self.storage.spec
+        if spec.frame_window and ctx.entry is not EntryKind.IN_CONTEXT:
+            state.frames.update(dict.fromkeys(ctx.new_pages, ctx.frame))
         if ctx.entry is not EntryKind.OBSERVATION:
             state.pages(ctx.entry).extend(ctx.new_pages)
             return
         state.resident.extend(ctx.new_pages)
         state.committed_tokens += ctx.num_video_tokens
-        if spec.evict_to_fit:
-            return  # the next forward frees what it needs (_evict_to_fit)
+        if spec.evict_to_fit or spec.frame_window:
+            return  # the next forward frees what it needs (_evict_to_fit); the episode trims (trim_window)
         evict = pages_to_evict(
             len(state.resident),
             window_pages=spec.window_pages,
@@ -475,12 +505,39 @@ class SessionKV:
 
     drop_provisional = drop_predictions  # upstream LingBot-VA's word for predictions: provisional pages
 
+    def trim_window(self, next_frame: int) -> int:
+        """``KVSpec.frame_window``: every branch's observation pages written at a frame more than ``frame_window``
+        from ``next_frame`` go back to the pool (set aside while a snapshot holds them), predictions too: upstream
+        Zero-WAM's ``clean_window_cache`` after a chunk's observation (``clear_prediction_cache(attn_window)``, which
+        keeps in-context entries and the observations within the window of the newest observed frame + 1).
+        Returns the number of pages freed."""
+        self._check_open()
+        spec = self.storage.spec
+        if not spec.frame_window:
+            raise ValueError("trim_window() needs KVSpec.frame_window (other windows evict by themselves)")
+        freed = self.drop_predictions()
+        for branch, state in self._branches.items():
+            old = [p for p in state.resident if abs(state.frames[p] - next_frame) > spec.frame_window]
+            if old:
+                state.resident = [p for p in state.resident if abs(state.frames[p] - next_frame) <= spec.frame_window]
+                state.evicted_pages += len(old)
+                self._free(old)
+                freed += len(old)
+            if len(state.resident) > spec.window_pages_of(branch):
+                raise RuntimeError(
+                    f"session {self.session_id!r} {branch.name}: {len(state.resident)} observation pages within "
+                    f"{spec.frame_window} frame ids of {next_frame}, more than the {spec.window_pages_of(branch)} the spec reserves"
+                )
+        return freed
+
     def _check_pin(self, branch: Branch, new_pages: int) -> None:
         """An in-context write of ``new_pages``: the block is a prefix (no other entry yet) within max_pinned_pages."""
         limit = self.storage.spec.max_pinned_pages
         state = self._branches[branch]
         if not limit:
             raise ValueError("in-context entries need KVSpec.max_pinned_pages > 0: this cache pins nothing")
+        if branch not in self.storage.spec.pinned_branches:
+            raise ValueError(f"the {Branch(branch).name} branch pins nothing (KVSpec.pinned_branches)")
         if state.resident or state.provisional:
             raise ValueError(
                 f"session {self.session_id!r} {Branch(branch).name}: in-context entries are the window's prefix; "
@@ -566,12 +623,24 @@ class SessionKV:
         a chunk window evicts only after an observation, so predictions stacked without one are refused."""
         spec = self.storage.spec
         state = self._branches[branch]
-        if spec.evict_to_fit or len(state.resident) + len(state.provisional) + new_pages <= spec.window_pages_per_branch:
+        if spec.evict_to_fit or len(state.resident) + len(state.provisional) + new_pages <= spec.window_pages_for(branch):
             return
         raise ValueError(
             f"session {self.session_id!r} {Branch(branch).name}: a prediction of {new_pages} pages on top of "
             f"{len(state.provisional)} predicted and {len(state.resident)} observed exceeds the window's reservation "
-            f"({spec.window_pages_per_branch} pages); drop_predictions() first"
+            f"({spec.window_pages_for(branch)} pages); drop_predictions() first"
+        )
+
+    def _check_observation(self, branch: Branch, new_pages: int) -> None:
+        """An observation of ``new_pages`` under ``KVSpec.frame_window`` (which never evicts by itself): within the
+        branch's reservation, else the episode did not trim its window."""
+        spec = self.storage.spec
+        state = self._branches[branch]
+        if len(state.resident) + new_pages <= spec.window_pages_for(branch):
+            return
+        raise ValueError(
+            f"session {self.session_id!r} {Branch(branch).name}: an observation of {new_pages} pages on top of "
+            f"{len(state.resident)} observed exceeds the window's reservation ({spec.window_pages_for(branch)} pages); trim_window() first"
         )
 
     def restart_window(self, *, keep_cross_text: bool = False, keep_pinned: bool = False) -> None:
@@ -586,6 +655,7 @@ class SessionKV:
             self.abort(branch)
             self._free(state.resident + state.provisional + ([] if keep_pinned else state.pinned))
             state.resident, state.provisional = [], []
+            state.frames = {}
             if not keep_pinned:
                 state.pinned = []
             state.committed_tokens = 0
@@ -606,6 +676,7 @@ class SessionKV:
             self.abort(branch)
             self.pool.free(state.held)
             state.pinned, state.resident, state.provisional = [], [], []
+            state.frames = {}
             if state.cross_slot is not None:
                 self.storage.cross.release(state.cross_slot)
                 state.cross_slot = None

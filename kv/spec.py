@@ -62,10 +62,14 @@ class KVSpec:
     # LingBot-VA's window: before every forward (a denoising step's too), the oldest pages are freed until the
     # held pages plus the forward's new ones fit in ``window_pages``; attention sees every page held (window.pages_to_fit)
     evict_to_fit: bool = False
-    # Zero-WAM's frame-id window: the window counts the pages the branch holds, not the forward's own, so every
-    # forward sees the newest ``window_pages`` held pages and its own (upstream's |query frame - key frame| <= W,
-    # which leaves an action query the oldest chunk's actions but not its video: docs/zero-wam.md).
-    window_of_history: bool = False
+    # Zero-WAM's window, in frame ids (upstream's ``attn_window``): every forward outside the pinned block names its
+    # frame id (``begin_forward(..., frame=)``: a chunk's video 2c, its actions 2c + 1) and sees the held entries
+    # whose frame is within ``frame_window`` of its own, and its own tokens (upstream's |query - key frame| <= W: an
+    # action query misses the oldest chunk's video, not its actions). Nothing is evicted after a commit: the episode
+    # trims (:meth:`SessionKV.trim_window`, upstream's ``clean_window_cache``), by frame ids too, so a branch holding
+    # video only (the unconditional half) keeps as many chunks as one holding video and actions. 0: not used.
+    # ``window_pages`` is then the most observation pages a branch holds after a trim (its reservation's base).
+    frame_window: int = 0
     # Pages a call may write beyond the window while it can still be undone (LingBot-VA's member-by-member retry
     # keeps what it evicts until the batch succeeded): the pool keeps them free per batch slot and branch.
     undo_pages: int = 0
@@ -73,6 +77,12 @@ class KVSpec:
     # They sit before the window and outside it: the block table is wider by this much, and every session's
     # reservation counts a full pinned block per branch (admission, the memory plan), as it counts a full window.
     max_pinned_pages: int = 0
+    # The branches that may pin (Zero-WAM's demonstration is the conditional half's only): the others reserve no
+    # pinned pages and refuse a pin by name.
+    pinned_branches: tuple[Branch, ...] = (Branch.COND, Branch.UNCOND)
+    # The unconditional branch's ``window_pages`` when it holds less (Zero-WAM: video only, no action history); 0: the
+    # same as the conditional one's. Its reservation is counted from it (admission, the memory plans).
+    uncond_window_pages: int = 0
     cross_text_tokens: int = 0  # text tokens cached once per session for cross-attention
     cross_image_tokens: int = 0  # image tokens (I2V) cached once per window
     dtype: torch.dtype = torch.float32
@@ -86,12 +96,18 @@ class KVSpec:
                 raise ValueError(f"KVSpec.{name} must be >= 0, got {getattr(self, name)}")
         if self.max_new_pages > self.window_pages:
             raise ValueError(f"KVSpec: a forward's new pages ({self.max_new_pages}) must fit in the window ({self.window_pages})")
-        if self.window_pages % self.chunk_pages:
+        if self.window_pages % self.chunk_pages and not self.frame_window:  # a frame window trims by frame ids
             raise ValueError(f"KVSpec: window_pages ({self.window_pages}) must be a whole number of chunks ({self.chunk_pages} pages)")
         if self.evict_to_fit and (self.sink_chunks or self.reset_at_boundary):
             raise ValueError("KVSpec: evict_to_fit frees the oldest pages one forward at a time; it has no sink and no window reset")
-        if self.window_of_history and (self.evict_to_fit or self.reset_at_boundary or self.sink_chunks):
-            raise ValueError("KVSpec: window_of_history is a sliding chunk window (no evict_to_fit, sink or window reset)")
+        if self.frame_window < 0:
+            raise ValueError(f"KVSpec.frame_window must be >= 0 (0: no frame-id window), got {self.frame_window}")
+        if self.frame_window and (self.evict_to_fit or self.reset_at_boundary or self.sink_chunks):
+            raise ValueError("KVSpec: frame_window slides by frame ids (no evict_to_fit, sink or window reset)")
+        if not 0 <= self.uncond_window_pages <= self.window_pages:
+            raise ValueError(f"KVSpec.uncond_window_pages must be in [0, window_pages={self.window_pages}], got {self.uncond_window_pages}")
+        if any(not isinstance(b, Branch) for b in self.pinned_branches) or len(set(self.pinned_branches)) != len(self.pinned_branches):
+            raise ValueError(f"KVSpec.pinned_branches must be distinct Branch values, got {self.pinned_branches}")
         if self.sink_pages >= self.window_pages:
             raise ValueError(f"KVSpec: sink ({self.sink_pages} pages) must be smaller than the window ({self.window_pages})")
 
@@ -121,30 +137,59 @@ class KVSpec:
         """Pages for uncommitted denoise-step video K/V plus the action/state register."""
         return self.max_new_pages + self.extra_pages
 
-    @property
-    def window_pages_per_branch(self) -> int:
+    def window_pages_of(self, branch: Branch) -> int:
+        """``window_pages`` of one branch (the unconditional one's may be smaller: ``uncond_window_pages``)."""
+        return self.uncond_window_pages if branch == Branch.UNCOND and self.uncond_window_pages else self.window_pages
+
+    def window_pages_for(self, branch: Branch) -> int:
         """Worst case a branch's window holds during a forward.
 
         A full window, plus the part of a chunk that is still partly visible (chunks are never
         half-evicted), plus the in-flight chunk. With ``evict_to_fit`` the in-flight pages are
-        inside the window: the window itself.
+        inside the window: the window itself. With ``frame_window`` the same bound: a full window, then a chunk's
+        observation (``chunk_pages``) written before the trim, or predictions of up to ``max_new_pages``
+        stacked on the chunk's first (a repeated infer before the commit, as upstream keeps them).
         """
+        window = self.window_pages_of(branch)
         if self.evict_to_fit:
-            return self.window_pages
-        return self.window_pages + self.chunk_pages - 1 + self.max_new_pages
+            return window
+        return window + self.chunk_pages - 1 + self.max_new_pages
+
+    @property
+    def window_pages_per_branch(self) -> int:
+        """:meth:`window_pages_for` the larger branch (the conditional one)."""
+        return self.window_pages_for(Branch.COND)
+
+    def pages_for(self, branch: Branch) -> int:
+        """Worst case one branch holds: a full pinned block where it may pin and a full window. What a session
+        reserves for the branch at admission and what the memory plans count."""
+        pinned = self.max_pinned_pages if branch in self.pinned_branches else 0
+        return pinned + self.window_pages_for(branch)
 
     @property
     def pages_per_branch(self) -> int:
-        """Worst case a branch holds: a full pinned block (``max_pinned_pages``) and a full window. What a session
-        reserves per branch at admission and what the memory plans count."""
-        return self.max_pinned_pages + self.window_pages_per_branch
+        """The larger branch's :meth:`pages_for` (the conditional one: a full pinned block and a full window)."""
+        return max(self.pages_for(b) for b in Branch)
+
+    def reservation(self, num_branches: int) -> int:
+        """Pages a session reserves on a rank running ``num_branches`` branches: both branches' own worst cases,
+        or for one branch the larger (a CFG-parallel rank runs either)."""
+        if num_branches == len(Branch):
+            return sum(self.pages_for(b) for b in Branch)
+        if num_branches == 1:
+            return self.pages_per_branch
+        raise ValueError(f"a rank runs 1 or {len(Branch)} branches, not {num_branches}")
+
+    def reservation_for(self, branches) -> int:
+        """Pages a session reserves for exactly these branches."""
+        return sum(self.pages_for(Branch(b)) for b in branches)
 
     @property
     def block_table_width(self) -> int:
         """Fixed width so that shapes never change as the window fills (compile / CUDA graphs): the pinned
-        block, the window (and the forward's own pages when the window counts history only), the extra tokens."""
-        own = self.max_new_pages if self.window_of_history else 0
-        return self.max_pinned_pages + self.window_pages + own + max(1, self.extra_pages)
+        block, the window (with ``frame_window``: its worst case, the forward's own pages included), the extra tokens."""
+        window = self.window_pages_per_branch if self.frame_window else self.window_pages
+        return self.max_pinned_pages + window + max(1, self.extra_pages)
 
     @property
     def cross_tokens(self) -> int:

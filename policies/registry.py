@@ -31,6 +31,9 @@ class PolicyEntry:
 _REGISTRY: dict[str, PolicyEntry] = {
     "dreamzero": PolicyEntry("ardiff_policies.dreamzero.config:DreamZeroConfig", "ardiff_policies.dreamzero.policy:build_dreamzero"),
     "lingbot_va": PolicyEntry("ardiff_policies.lingbot_va.config:LingBotVAConfig", "ardiff_policies.lingbot_va.policy:build_lingbot_va"),
+    "zero_wam": PolicyEntry(
+        "ardiff_policies.lingbot_va.zero_wam_config:ZeroWAMPolicyConfig", "ardiff_policies.lingbot_va.zero_wam_policy:build_zero_wam"
+    ),
     "noop": PolicyEntry("ardiff_policies.noop.config:NoopConfig", "ardiff_policies.noop.policy:build_noop"),
 }
 

@@ -36,6 +36,8 @@ fullgraph, no code generation), and prints the same tables.
     python scripts/gpu_check.py --family 5b ...             # the same for the Wan2.2-5B DreamZero (synthetic:droid_5b)
     python scripts/gpu_check.py --family lingbot_va ...     # LingBot-VA (synthetic:released; reduced: synthetic:tiny): an
                                                             # episode per session, batches of sessions, peak vs its memory plan
+    python scripts/gpu_check.py --family zero_wam ...       # Zero-WAM the same way, each episode beginning with a demonstration
+                                                            # at the bound (32 latent frames of 20x30) pinned, in-context guidance
 
 On a bare device image the packages the import chain needs beyond torch/transformers/triton are
 installed from ``.device_wheels/`` (``scripts/fetch_device_wheels.sh`` downloads them; carry
@@ -82,6 +84,7 @@ FAMILY_CHECKPOINTS = {
     "14b": (FULL_CHECKPOINT, REDUCED_CHECKPOINT),
     "5b": ("synthetic:droid_5b", "synthetic:tiny_5b,layers=2"),
     "lingbot_va": ("synthetic:released", "synthetic:tiny"),  # policies/lingbot_va/synthetic.py
+    "zero_wam": ("synthetic:released", "synthetic:tiny"),  # the same presets with Zero-WAM's transformer (synthetic_zero_wam_policy)
 }
 PHASES = ("frames", "text", "vision", "vae", "prefill", "denoise", "decode")
 CAMERA = (180, 320)
@@ -211,7 +214,7 @@ def kv_budget_gib(kv_spec, max_sessions: int, branches: int = 2, max_batch: int 
     """Exactly what ``max_sessions`` sessions reserve: pages, scratch (per batch slot) and cross-attention slots."""
     scratch = max_batch * branches * kv_spec.scratch_pages_per_branch
     fixed = max_sessions * branches * kv_spec.cross_slot_bytes + scratch * kv_spec.page_bytes
-    pages = max_sessions * branches * kv_spec.pages_per_branch
+    pages = max_sessions * kv_spec.reservation(branches)
     return (fixed + pages * kv_spec.page_bytes + kv_spec.page_bytes // 2) / 2**30
 
 
@@ -610,12 +613,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--family",
         choices=sorted(FAMILY_CHECKPOINTS),
         default="14b",
-        help="14b: DreamZero-DROID (synthetic:droid); 5b: the Wan2.2-5B DreamZero (synthetic:droid_5b); lingbot_va: LingBot-VA (synthetic:released)",
+        help="14b: DreamZero-DROID (synthetic:droid); 5b: the Wan2.2-5B DreamZero (synthetic:droid_5b); lingbot_va: LingBot-VA "
+        "(synthetic:released); zero_wam: Zero-WAM (synthetic:released, its action expert, a demonstration pinned)",
     )
     parser.add_argument(
         "--embodiment",
         choices=("robotwin", "franka", "libero", "demo", "tiny_robotwin", "tiny_libero"),
-        help="--family lingbot_va: upstream's embodiment config",
+        help="--family lingbot_va / zero_wam: upstream's embodiment config (zero_wam: robotwin, tiny_robotwin)",
     )
     parser.add_argument("--checkpoint", help="a synthetic:<preset>[,key=value...] spec (overrides --full-size/--reduced/--family)")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
@@ -669,7 +673,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     full = args.full_size or (cuda and not args.reduced)
     args.checkpoint = args.checkpoint or FAMILY_CHECKPOINTS[args.family][0 if full else 1]
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    if args.family == "lingbot_va":
+    if args.family in ("lingbot_va", "zero_wam"):
         return lingbot_va_check(args, cuda, full)
     args.compile_backend = args.compile_backend or ("inductor" if cuda else "eager")
     if args.compile_estimate_s is None:
@@ -851,30 +855,38 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def lingbot_va_check(args, cuda: bool, full: bool) -> dict[str, Any]:
-    """LingBot-VA through the engine: per session an OpenPI-wire episode of ``--calls`` chunks (the first frame, then
-    each chunk's key frames committing it and predicting the next), then ``--batches`` sessions per engine step;
-    ms per chunk, chunks/s, peak GPU memory beside the memory plan's figures."""
+    """LingBot-VA (or Zero-WAM, ``--family zero_wam``) through the engine: per session an OpenPI-wire episode of
+    ``--calls`` chunks (the first frame, then each chunk's key frames committing it and predicting the next; Zero-WAM's
+    first call names a demonstration at the bound, pinned with in-context guidance), then ``--batches`` sessions per
+    engine step; ms per chunk, chunks/s, peak GPU memory beside the memory plan's figures."""
     import numpy as np
     import torch
 
-    from ardiff_policies.lingbot_va.episode_logic import kv_spec
-    from ardiff_policies.lingbot_va.memory import plan as memory_plan
-    from ardiff_policies.lingbot_va.policy import embodiment_by_name
     from ardiff_policies.lingbot_va.synthetic import parse_spec
     from ardiff_policies.observation import RobotObservation
     from ardiff_server.config import validate_config
     from ardiff_server.engine.builder import build_engine
     from ardiff_server.engine.messages import ErrorReply, Infer
 
+    family = args.family
     name = args.embodiment or ("robotwin" if full or "released" in args.checkpoint else "tiny_robotwin")
     sizes = [int(b) for b in args.batches.split(",") if b.strip()] or [1]
     sessions = max(max(sizes), args.max_sessions)
     dtype = getattr(torch, args.dtype)
-    embodiment = embodiment_by_name(name)
     spec = parse_spec(args.checkpoint)
-    budget = kv_budget_gib(kv_spec(embodiment, spec.transformer, dtype), sessions, max_batch=max(sizes))
-    # the memory plan models the released networks (UMT5-XXL, the Wan2.2 VAE): held against the peak at full size only
-    plan = memory_plan(name, embodiment, dtype=dtype, max_batch=max(sizes), cfg=spec.transformer) if spec.preset == "released" else None
+    if family == "zero_wam":
+        kv, plan, policy_section, first_call = zero_wam_setup(args, name, spec, dtype, sessions, max(sizes))
+        budget = kv
+    else:
+        from ardiff_policies.lingbot_va.episode_logic import kv_spec
+        from ardiff_policies.lingbot_va.memory import plan as memory_plan
+        from ardiff_policies.lingbot_va.policy import embodiment_by_name
+
+        embodiment = embodiment_by_name(name)
+        budget = kv_budget_gib(kv_spec(embodiment, spec.transformer, dtype), sessions, max_batch=max(sizes))
+        # the memory plan models the released networks (UMT5-XXL, the Wan2.2 VAE): held against the peak at full size only
+        plan = memory_plan(name, embodiment, dtype=dtype, max_batch=max(sizes), cfg=spec.transformer) if spec.preset == "released" else None
+        policy_section, first_call = {"name": "lingbot_va", "checkpoint": args.checkpoint, "embodiment": name}, None
     raw = {
         "engine": {
             "device": args.device,
@@ -884,11 +896,11 @@ def lingbot_va_check(args, cuda: bool, full: bool) -> dict[str, Any]:
             "kv_budget_gib": budget,
             "warmup": False,
         },
-        "policy": {"name": "lingbot_va", "checkpoint": args.checkpoint, "embodiment": name},
+        "policy": policy_section,
     }
     report: dict[str, Any] = {
         "check": "gpu_check",
-        "family": "lingbot_va",
+        "family": family,
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "torch": torch.__version__,
         "size": "full" if full else "reduced",
@@ -911,14 +923,14 @@ def lingbot_va_check(args, cuda: bool, full: bool) -> dict[str, Any]:
     engine = build_engine(validate_config(raw, source="gpu_check"))
     report["build_s"] = time.monotonic() - t
     policy = engine.policy
-    log(f"lingbot_va {args.checkpoint} ({name}) built in {report['build_s']:.1f} s; memory plan {report.get('memory_plan_gib')}")
+    log(f"{family} {args.checkpoint} ({name}) built in {report['build_s']:.1f} s; memory plan {report.get('memory_plan_gib')}")
     counts = (1, 4 * (policy.frames - 1), *[4 * policy.frames] * max(0, args.calls - 2))[: args.calls]
     rng = np.random.default_rng(0)
     ids = iter(range(1, 1_000_000))
 
     def chunk_observation(frames: int) -> RobotObservation:
         cams = {c: rng.integers(0, 256, (frames, h, w, 3), dtype=np.uint8) for c, (h, w) in zip(policy.cameras, policy.schema.resolutions)}
-        return RobotObservation(cams, {}, PROMPT)
+        return RobotObservation(cams, {}, PROMPT, episode=first_call if frames == 1 else None)
 
     def step(members: list[str], frames: int) -> float:
         started = time.perf_counter()
@@ -930,6 +942,8 @@ def lingbot_va_check(args, cuda: bool, full: bool) -> dict[str, Any]:
                 raise RuntimeError(reply.message)
             if not np.isfinite(reply.actions).all():
                 raise RuntimeError("non-finite actions")
+            if "guidance" in reply.info:  # zero_wam: how its episodes ran (in-context with the demonstration pinned)
+                report["guidance"] = sorted({*report.get("guidance", ()), reply.info["guidance"]})
         return (time.perf_counter() - started) * 1000.0
 
     if cuda:
@@ -963,6 +977,33 @@ def lingbot_va_check(args, cuda: bool, full: bool) -> dict[str, Any]:
     if args.json:
         print(json.dumps(report))
     return report
+
+
+def zero_wam_setup(args, name: str, spec, dtype, sessions: int, max_batch: int):
+    """``--family zero_wam``: its KV budget (what ``sessions`` reserve, scratch and undo headroom), its memory plan (the
+    released networks only), its policy section with a demonstration root holding one demonstration at the bound (a
+    seeded random latent: the reset's forward at full length), and the first call naming it (in-context guidance)."""
+    import torch
+
+    from ardiff_kv import PagedKVCache
+    from ardiff_policies.episode import EpisodeCall, EpisodeStart
+    from ardiff_policies.lingbot_va import zero_wam_memory
+    from ardiff_policies.lingbot_va.synthetic import zero_wam_config
+    from ardiff_policies.lingbot_va.zero_wam_episode import kv_spec
+    from ardiff_policies.lingbot_va.zero_wam_policy import embodiment_by_name
+
+    embodiment, demonstrations = embodiment_by_name(name)
+    cfg = zero_wam_config(spec)
+    served = kv_spec(embodiment, cfg, demonstrations, dtype)
+    budget = PagedKVCache.bytes_for_sessions(served, max_sessions=sessions, num_branches=2, max_batch=max_batch) / 2**30
+    geometry = zero_wam_memory.ZeroWAMGeometry(name, embodiment, demonstrations)
+    plan = zero_wam_memory.plan(geometry, cfg=cfg, dtype=dtype, max_batch=max_batch) if spec.preset == "released" else None
+    root = Path(tempfile.mkdtemp(prefix="gpu-check-demonstrations-"))
+    h, w = demonstrations.latent_size
+    latent = torch.randn(1, 48, demonstrations.max_frames, h, w, generator=torch.Generator().manual_seed(0))
+    torch.save({"latent": latent, "text_emb": torch.randn(64, cfg.base.text_dim, generator=torch.Generator().manual_seed(1))}, root / "bound.pth")
+    section = {"name": "zero_wam", "checkpoint": args.checkpoint, "embodiment": name, "demonstration_root": str(root)}
+    return budget, plan, section, EpisodeCall("chunk", start=EpisodeStart(demonstration_id="bound", icl_guidance_scale=5.0))
 
 
 def cuda_mm_rate(dtype, n: int = 8192, reps: int = 10) -> float:

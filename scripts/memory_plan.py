@@ -27,8 +27,9 @@ LingBot-VA (``policies/lingbot_va/memory.py``): the released 5B transformer, UMT
 bf16, both CFG branches, per upstream embodiment config; "+session" is a session's KV window plus its prompt K/V.
 
 Zero-WAM (``policies/lingbot_va/zero_wam_memory.py``): its served transformer (9.4 B of the released 10.8 B), UMT5-XXL
-and the Wan2.2 VAE, bf16; a session's cache counted token by token as upstream keeps it (a demonstration of up to 32
-latent frames pinned, the window of 32 chunks, the predicted chunk), with and without the in-context CFG half.
+and the Wan2.2 VAE, bf16; a session's reservation from the KV spec the server serves with (the demonstration bound
+pinned in the conditional branch, both branches' windows of 32 chunks, the unconditional one video only, a chunk's
+write on top), the pool's scratch, at the default demonstration bound (32 latent frames) and a shorter one (16).
 
     python scripts/memory_plan.py            # the markdown tables
     python scripts/memory_plan.py --json
@@ -183,16 +184,16 @@ def zero_wam_table() -> tuple[str, list[dict]]:
 
     cards = " | ".join(f"{c} GiB" for c in CARDS_GIB)
     lines = [
-        f"| Zero-WAM (10.8 B file, 9.4 B served) | weights | cache, 1 session | prompt K/V | activations | reserve | **GiB per GPU** | +session | {cards} |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(CARDS_GIB),
+        f"| Zero-WAM (10.8 B file, 9.4 B served) | weights | KV, 1 session | prompt K/V | KV scratch | activations | reserve | **GiB per GPU** | +session | {cards} |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(CARDS_GIB),
     ]
     out = []
-    for geometry in (zero_wam_memory.ROBOTWIN, zero_wam_memory.ROBOTWIN_NO_CFG):
+    for geometry in (zero_wam_memory.ROBOTWIN, zero_wam_memory.ROBOTWIN_SHORT):
         p = zero_wam_memory.plan(geometry)
         fits = {card: p.sessions_on(int((card - CONTEXT_GIB) * GiB)) for card in CARDS_GIB}
         lines.append(
-            f"| {p.name} | {sum(p.weights.values()) / GiB:.1f} | {p.kv_session / GiB:.2f} | {p.text_session / GiB:.2f} | {p.activations / GiB:.1f} "
-            f"| {p.reserve / GiB:.1f} | **{p.total() / GiB:.1f}** | {p.per_session / GiB:.2f} | "
+            f"| {p.name} | {sum(p.weights.values()) / GiB:.1f} | {p.kv_session / GiB:.2f} | {p.text_session / GiB:.2f} | {p.kv_reserved / GiB:.2f} "
+            f"| {p.activations / GiB:.1f} | {p.reserve / GiB:.1f} | **{p.total() / GiB:.1f}** | {p.per_session / GiB:.2f} | "
             + " | ".join(str(n) if n else "-" for n in fits.values())
             + " |"
         )
@@ -202,6 +203,7 @@ def zero_wam_table() -> tuple[str, list[dict]]:
                 "weights": {k: v / GiB for k, v in p.weights.items()},
                 "kv_session": p.kv_session / GiB,
                 "text_session": p.text_session / GiB,
+                "kv_reserved": p.kv_reserved / GiB,
                 "activations": p.activations / GiB,
                 "total": p.total() / GiB,
                 "sessions": fits,

@@ -90,6 +90,8 @@ def test_preflight_refuses_devices_this_machine_does_not_have(monkeypatch):
         preflight(load_config("tiny_lingbot_va", ["engine.device=cuda"]))
     with pytest.raises(ConfigError, match=r"no CUDA device; serve its tiny CPU twin \(--config tiny_lingbot_va_libero\)"):
         preflight(load_config("lingbot_va_libero"))  # refused before its checkpoint is looked up
+    with pytest.raises(ConfigError, match=r"no CUDA device; serve its tiny CPU twin \(--config tiny_zero_wam\)"):
+        preflight(load_config("zero_wam_robotwin"))
 
 
 def test_a_cpu_torch_on_a_gpu_machine_is_named_with_gpu_as_the_fix(monkeypatch, caplog):

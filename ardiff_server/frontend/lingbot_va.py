@@ -1,7 +1,9 @@
 """LingBot-VA's own protocol on a connection (``wire/lingbot_va.py`` decodes it): each connection is one session.
 
 * ``reset``: the connection's session ends (its KV pages back to the pool) and the prompt is kept for the episode;
-  the next ``infer`` opens a fresh session, whose first step encodes the prompt. Reply ``{server_timing}``.
+  the next ``infer`` opens a fresh session, whose first step encodes the prompt. Reply ``{server_timing}``. Zero-WAM's
+  reset (it says how the episode begins: ``use_icl``, ``icl_demo_id``, guidance) begins the fresh session at once, a
+  step without a chunk, so a missing or malformed demonstration is answered at the reset, as upstream's server raises.
 * ``infer``: ``{action: (channels, frames, actions per frame) float32, server_timing}`` as upstream's server replies,
   with ``chunk_id`` / ``frozen`` (and, when it carried a ``continuation``, ``continuation``: applied or why not).
 * ``compute_kv_cache``: ``{server_timing}``.
@@ -13,8 +15,11 @@ connection stays open. Replies are timed, counted and worded as OpenPI's (``repl
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 
+from ardiff_policies.episode import EpisodeCall, EpisodeStart
 from ardiff_policies.observation import RobotObservation
 from ardiff_server.engine.client import EngineClient
 from ardiff_server.engine.messages import EngineError
@@ -34,9 +39,13 @@ class LingBotVAHandler:
         self.replies = replies
         self.engine = engine
         self.prompts: dict[int, str] = {}  # conn_id -> the prompt of its last reset
+        # conn_id -> how its last reset began the episode (Zero-WAM): every call carries it, so a session the engine had
+        # to end (TTL, pressure) begins again with its demonstration, never silently without it
+        self.starts: dict[int, EpisodeStart] = {}
 
     def forget(self, conn: Connection) -> None:
         self.prompts.pop(conn.conn_id, None)
+        self.starts.pop(conn.conn_id, None)
 
     async def serve(self, conn: Connection, request: LingBotVARequest, clock: RequestClock) -> bytes | str:
         session_id = self.sessions.resolve(conn, None)
@@ -45,6 +54,10 @@ class LingBotVAHandler:
                 await self.sessions.end(conn, [session_id])
             except EngineError as exc:
                 return self.replies.error(exc, session_id)
+            self.prompts.pop(conn.conn_id, None)
+            self.starts.pop(conn.conn_id, None)
+            if request.start is not None:  # Zero-WAM: the episode begins now (its demonstration read and pinned)
+                return await self._begin(conn, session_id, request, clock)
             self.prompts[conn.conn_id] = request.prompt
             self.replies.reset()
             return pack({"server_timing": self.replies.uncalled_timing(clock)})
@@ -52,9 +65,10 @@ class LingBotVAHandler:
         if prompt is None:
             return self.replies.bad_request(f"{request.kind} before reset: send {{reset: True, prompt}} first")
         observation = request.observation
-        observation = RobotObservation(
-            cameras=observation.cameras, states={}, prompt=prompt, episode=observation.episode, continuation=observation.continuation
-        )
+        call = observation.episode
+        if conn.conn_id in self.starts:
+            call = dataclasses.replace(call, start=self.starts[conn.conn_id])
+        observation = RobotObservation(cameras=observation.cameras, states={}, prompt=prompt, episode=call, continuation=observation.continuation)
         sent = time.perf_counter()
         try:
             reply = await self.sessions.infer(conn, session_id, observation, deadline=clock.deadline(request.actions_left_s))
@@ -66,3 +80,20 @@ class LingBotVAHandler:
         layout = self.engine.info.details["action_layout"]
         action = action_reply(reply.actions, layout["channels"], layout["frames"], layout["per_frame"])
         return pack({"action": action, "server_timing": server_timing, **chunk_info(reply)})
+
+    async def _begin(self, conn: Connection, session_id: str, request: LingBotVARequest, clock: RequestClock) -> bytes | str:
+        """A reset that begins its episode in a step of its own (``EpisodeCall`` ``reset``: Zero-WAM's demonstration is
+        read and pinned here, as upstream's reset does): a bad demonstration is answered now, the session ended again,
+        and the connection's next infer is refused until a reset succeeds."""
+        call = EpisodeCall("reset", start=request.start)
+        observation = RobotObservation(cameras={}, states={}, prompt=request.prompt, episode=call)
+        sent = time.perf_counter()
+        try:
+            reply = await self.sessions.infer(conn, session_id, observation, deadline=clock.deadline(None))
+        except EngineError as exc:
+            with contextlib.suppress(EngineError):
+                await self.sessions.end(conn, [session_id])
+            return self.replies.error(exc, session_id)
+        self.prompts[conn.conn_id], self.starts[conn.conn_id] = request.prompt, request.start
+        self.replies.reset()
+        return pack({"server_timing": self.replies.served(session_id, reply, clock, sent)})

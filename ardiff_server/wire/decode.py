@@ -56,6 +56,7 @@ def decode_frame(
         info.observation_schema if info is not None else None,
         native_protocol=info.native_protocol if info is not None else None,
         guidance=info is not None and "guidance" in info.server_config,
+        demonstrations=info is not None and "demonstration" in info.server_config,
         budget=budget,
         continuation_refused=continuation_refused,
         max_batch_elements=max_batch_elements,
@@ -73,25 +74,26 @@ def decode_request(
     continuation_refused: str | None = None,
     max_batch_elements: int | None = None,
     inference_steps: bool = False,
+    demonstrations: bool = False,
 ) -> Request:
     """One unpacked message -> the typed request of its protocol (``schema``: the served embodiment's keys, None:
     RoboArena's DROID keys; ``native_protocol``: the policy's own protocol, also understood; ``guidance``: the policy
     takes per-request ``video_guidance_scale`` / ``action_guidance_scale``; ``budget``: the per-request pixel budget,
     None: none; ``continuation_refused``: why this server serves no ``continuation``, None: it does;
     ``max_batch_elements``: the most elements a batch may hold, None: batches are refused; ``inference_steps``: the
-    policy takes a per-request ``num_inference_steps``)."""
+    policy takes a per-request ``num_inference_steps``; ``demonstrations``: the policy begins an episode with a
+    demonstration, named by a LingBot-VA reset or an OpenPI session's first call: Zero-WAM)."""
+    rules = {
+        "guidance": guidance,
+        "budget": budget,
+        "continuation_refused": continuation_refused,
+        "inference_steps": inference_steps,
+        "demonstrations": demonstrations,
+    }
     if is_batch(payload):
         if max_batch_elements is None:
             raise RequestError(f"{BATCH_KEY}: batched requests are not taken here")
-
-        def element(item: Any) -> OpenPIRequest:
-            return decode_openpi(
-                item, schema, guidance=guidance, budget=budget, continuation_refused=continuation_refused, inference_steps=inference_steps
-            )
-
-        return decode_batch(payload, element, max_elements=max_batch_elements)
+        return decode_batch(payload, lambda item: decode_openpi(item, schema, **rules), max_elements=max_batch_elements)
     if native_protocol == "lingbot_va" and schema is not None and is_lingbot_va_message(payload):  # its cameras: the schema's
-        return decode_lingbot_va(payload, schema.cameras, budget)
-    return decode_openpi(
-        payload, schema, guidance=guidance, budget=budget, continuation_refused=continuation_refused, inference_steps=inference_steps
-    )
+        return decode_lingbot_va(payload, schema.cameras, budget, demonstrations=demonstrations)
+    return decode_openpi(payload, schema, **rules)

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ardiff_policies.continuation import Continuation
+from ardiff_policies.episode import EpisodeStart
 from ardiff_server.wire.protocol import RequestError, describe, short_repr
 
 MAX_PROMPT_CHARS = 4096
@@ -21,6 +22,52 @@ ACTIONS_LEFT_KEY = "actions_left_s"  # in ``continuation``: seconds of actions t
 MAX_ACTIONS_LEFT_S = 600.0
 CONTINUATION_FIELDS = ("executed", "delay", "chunk_id")  # the policy's (ardiff_policies.continuation.Continuation)
 MAX_CHUNK_ID = 2**63 - 1  # the largest continuation.chunk_id a request may name (the client checks replies against it)
+
+
+# How an episode begins, for a policy that takes a demonstration (Zero-WAM; it advertises ``demonstration`` in its
+# metadata): upstream's reset keys, also an OpenPI session's first call's.
+USE_ICL_KEY = "use_icl"
+DEMONSTRATION_KEY = "icl_demo_id"
+START_KEYS = (USE_ICL_KEY, DEMONSTRATION_KEY, "video_guidance_scale", "icl_guidance_scale")
+# Upstream's older reset keys: server-side file paths chosen by the client. Refused by name: a client names a
+# demonstration by id, under the root the server was given.
+PATH_KEYS = ("icl_video_path", "icl_latent_path")
+MAX_DEMONSTRATION_ID_CHARS = 512
+
+
+def decode_episode_start(payload: dict[str, Any], *, use_icl_default: bool | None) -> EpisodeStart:
+    """``use_icl``, ``icl_demo_id``, ``video_guidance_scale``, ``icl_guidance_scale`` as an
+    :class:`~ardiff_policies.episode.EpisodeStart` (``use_icl`` absent: ``use_icl_default``); their types and the id's
+    length are checked here, their values by the policy."""
+    for key in PATH_KEYS:
+        if payload.get(key):
+            raise RequestError(
+                f"{key}: server-side paths are not taken; name the demonstration by {DEMONSTRATION_KEY} (under the server's demonstration root)"
+            )
+    use_icl = payload.get(USE_ICL_KEY)
+    if use_icl is None:
+        use_icl = use_icl_default
+    elif not isinstance(use_icl, (bool, np.bool_)):
+        raise RequestError(f"{USE_ICL_KEY}: expected true or false, got {short_repr(use_icl)}")
+    demo = payload.get(DEMONSTRATION_KEY)
+    if demo is not None:
+        if not isinstance(demo, str) or not demo:
+            raise RequestError(f"{DEMONSTRATION_KEY}: expected a demonstration's id (a relative path without extension), got {short_repr(demo)}")
+        if len(demo) > MAX_DEMONSTRATION_ID_CHARS:
+            raise RequestError(f"{DEMONSTRATION_KEY}: expected at most {MAX_DEMONSTRATION_ID_CHARS} characters, got {len(demo)}")
+    return EpisodeStart(
+        None if use_icl is None else bool(use_icl),
+        demo,
+        decode_guidance_scale(payload, "video_guidance_scale"),
+        decode_guidance_scale(payload, "icl_guidance_scale"),
+    )
+
+
+def refuse_demonstration_keys(payload: dict[str, Any]) -> None:
+    """A request to a policy that takes no demonstration: its demonstration keys are refused by name, never ignored."""
+    for key in (USE_ICL_KEY, DEMONSTRATION_KEY, "icl_guidance_scale", *PATH_KEYS):
+        if payload.get(key) is not None:
+            raise RequestError(f"{key}: this server's policy takes no demonstration; leave it out")
 
 
 def check_prompt_length(prompt: str) -> str:

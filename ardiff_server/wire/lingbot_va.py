@@ -10,6 +10,11 @@ Upstream's server (``wan_va/wan_va_server.py`` behind openpi's websocket server)
 * ``{obs: [key frame maps], compute_kv_cache: True, imagine, save_visualization, state: (channels, F, N)}``: commit
   the frames the robot saw and the actions it executed.
 
+Zero-WAM's RoboTwin client (jianwenli96/Zero-WAM ``evaluation/robotwin/eval_policy_client_openpi.py``) speaks the same
+messages; its reset adds ``use_icl``, ``icl_demo_id``, ``video_guidance_scale`` and ``icl_guidance_scale`` (read when
+the policy advertises ``demonstration``: ``decode_lingbot_va(..., demonstrations=True)``), and its infer's guidance
+scales are the reset's concern (sent, not read).
+
 Here each connection is its own session. ``save_visualization`` / ``imagine`` / ``observation.state`` / ``task`` are
 accepted and unused (upstream's server does not read them either); ``prompt`` on an infer is the reset's (upstream
 reads the reset's). An infer may carry ``continuation`` (this server's real-time chunking, the OpenPI wire's field:
@@ -27,10 +32,18 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from ardiff_policies.continuation import Continuation
-from ardiff_policies.episode import EpisodeCall
+from ardiff_policies.episode import EpisodeCall, EpisodeStart
 from ardiff_policies.observation import RobotObservation
 from ardiff_server.wire.budget import PixelBudget
-from ardiff_server.wire.fields import CONTINUATION_KEY, check_prompt_length, decode_actions_left, decode_continuation, decode_guidance_scale
+from ardiff_server.wire.fields import (
+    CONTINUATION_KEY,
+    check_prompt_length,
+    decode_actions_left,
+    decode_continuation,
+    decode_episode_start,
+    decode_guidance_scale,
+    refuse_demonstration_keys,
+)
 from ardiff_server.wire.images import MAX_FRAMES, MAX_IMAGE_SIDE
 from ardiff_server.wire.protocol import RequestError, short_repr
 
@@ -45,6 +58,7 @@ class LingBotVARequest:
     protocol: ClassVar[Literal["lingbot_va"]] = "lingbot_va"
     kind: Literal["reset", "infer", "compute_kv_cache"]
     prompt: str | None = None  # reset: the episode's prompt
+    start: EpisodeStart | None = None  # reset, for a policy that takes a demonstration (Zero-WAM): how the episode begins
     observation: RobotObservation | None = None  # infer / compute_kv_cache (its prompt is filled in from the reset)
     actions_left_s: float | None = None  # infer: its continuation's seconds of actions left (the engine's deadline)
 
@@ -58,20 +72,31 @@ def is_lingbot_va_message(payload: Any) -> bool:
     )
 
 
-def decode_lingbot_va(payload: dict[str, Any], cameras: tuple[str, ...], budget: PixelBudget | None = None) -> LingBotVARequest:
+def decode_lingbot_va(
+    payload: dict[str, Any], cameras: tuple[str, ...], budget: PixelBudget | None = None, *, demonstrations: bool = False
+) -> LingBotVARequest:
     """One of LingBot-VA's messages; ``cameras``: the served cameras' short names (``cam_high``, ...); ``budget``: the
-    server's per-request pixel budget (``budget.py``; the frames of every camera counted before any is stacked)."""
+    server's per-request pixel budget (``budget.py``; the frames of every camera counted before any is stacked);
+    ``demonstrations``: Zero-WAM's variant of the protocol (upstream's jianwenli96/Zero-WAM client): a reset also says
+    how the episode begins (``use_icl``, default true as upstream's server, ``icl_demo_id``, ``video_guidance_scale``,
+    ``icl_guidance_scale``), and a commit's ``state`` is optional (upstream's Zero-WAM server never reads it)."""
     if _flag(payload, "reset"):
         prompt = payload.get("prompt")
         if not isinstance(prompt, str):
             raise RequestError(f"prompt: a reset needs the episode's prompt (a string), got {short_repr(prompt)}")
-        return LingBotVARequest("reset", prompt=check_prompt_length(prompt))
+        if not demonstrations:
+            refuse_demonstration_keys(payload)
+        start = decode_episode_start(payload, use_icl_default=True) if demonstrations else None
+        return LingBotVARequest("reset", prompt=check_prompt_length(prompt), start=start)
     if "obs" not in payload:
         raise RequestError(f"obs: missing; expected the observation (or key frames) under 'obs', got keys {short_repr(sorted(payload)[:8])}")
     if _flag(payload, "compute_kv_cache"):
         if payload.get(CONTINUATION_KEY) is not None:
             raise RequestError(f"{CONTINUATION_KEY}: a compute_kv_cache commits what the robot saw and continues nothing; send it with the infer")
         state = payload.get("state")
+        if state is None and demonstrations:
+            call = EpisodeCall("compute_kv_cache")
+            return LingBotVARequest("compute_kv_cache", observation=_observation(payload["obs"], cameras, call, budget))
         if not isinstance(state, np.ndarray) or state.dtype.kind not in "fiu" or state.ndim != 3:
             raise RequestError(f"state: expected the chunk's actions as a (channels, frames, actions per frame) array, got {short_repr(state)}")
         call = EpisodeCall("compute_kv_cache", executed_actions=np.array(state, dtype=np.float32))

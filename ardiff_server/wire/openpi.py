@@ -35,6 +35,12 @@ vectors obey the rules below, other keys are ignored. The rules this module appl
 - ``video_guidance_scale`` / ``action_guidance_scale`` (optional, finite numbers): per-request
   classifier-free guidance, for a policy that advertises ``guidance`` in its metadata (LingBot-VA;
   the policy checks the bounds); refused by name for any other.
+- ``icl_demo_id`` (optional, a relative path without extension, at most 512 characters), ``use_icl`` (optional,
+  true or false: absent, whether ``icl_demo_id`` is sent), ``video_guidance_scale`` / ``icl_guidance_scale``
+  (optional, finite numbers): how a session's episode begins, read on its first call (later calls may repeat them,
+  not change them), for a policy that advertises ``demonstration`` in its metadata (Zero-WAM: the demonstration
+  is read from the server's own root by id, never uploaded; the policy checks the values); ``icl_video_path`` /
+  ``icl_latent_path`` (upstream's server-side paths) are refused by name, and so are the keys for any other policy.
 - State vectors are numeric arrays or msgpack lists, returned as finite float32 1-D arrays. A
   leading batch axis of one is accepted ((1, 7): DreamZero's sim_evals client forwards the
   simulator's per-environment arrays), a real batch ((2, 7)) is not.
@@ -62,11 +68,15 @@ from ardiff_policies.observation import RobotObservation
 from ardiff_server.wire.budget import PixelBudget
 from ardiff_server.wire.fields import (
     CONTINUATION_KEY,
+    PATH_KEYS,
     PROMPT_KEY,
+    START_KEYS,
     check_prompt_length,
     decode_actions_left,
     decode_continuation,
+    decode_episode_start,
     decode_guidance_scale,
+    refuse_demonstration_keys,
 )
 from ardiff_server.wire.images import IMAGE_EXPECTED, decode_images, read_image
 from ardiff_server.wire.protocol import RequestError, short_repr
@@ -118,13 +128,16 @@ def decode_openpi(
     budget: PixelBudget | None = None,
     continuation_refused: str | None = None,
     inference_steps: bool = False,
+    demonstrations: bool = False,
 ) -> OpenPIRequest:
     """Validate one decoded wire message and turn it into a typed request (``schema``: the served
     embodiment's keys; None: RoboArena's DROID keys; ``guidance``: the policy takes per-request
     ``video_guidance_scale`` / ``action_guidance_scale``, else they are refused by name; ``budget``: the
     server's per-request pixel budget and the frames the policy keeps, None: neither;
     ``continuation_refused``: why this server serves no ``continuation``, None: it does; ``inference_steps``: the
-    policy takes a per-request ``num_inference_steps``, else it is refused by name)."""
+    policy takes a per-request ``num_inference_steps``, else it is refused by name; ``demonstrations``: the policy
+    begins an episode with a demonstration (Zero-WAM): ``use_icl`` / ``icl_demo_id`` / ``video_guidance_scale`` /
+    ``icl_guidance_scale`` say how, else the first three are refused by name)."""
     request = _require_request_map(payload)
     endpoint = _decode_endpoint(request.get(ENDPOINT_KEY))
     session_id = decode_session_id(request.get(SESSION_ID_KEY))
@@ -142,7 +155,7 @@ def decode_openpi(
     observation = _decode_observation(request, budget) if schema is None else _decode_embodiment_observation(request, schema, budget)
     continuation = decode_continuation(request.get(CONTINUATION_KEY))
     actions_left_s = decode_actions_left(request.get(CONTINUATION_KEY))
-    call = _decode_guidance(request, guidance)
+    call = _decode_start(request) if demonstrations else _decode_guidance(request, guidance)
     steps = decode_inference_steps(request.get(INFERENCE_STEPS_KEY), inference_steps)
     if continuation is not None or call is not None or steps is not None:
         observation = RobotObservation(
@@ -170,8 +183,19 @@ def decode_inference_steps(value: Any, accepted: bool) -> int | None:
     return int(value)
 
 
+def _decode_start(request: dict[str, Any]) -> EpisodeCall | None:
+    """How a session's episode begins (Zero-WAM: ``icl_demo_id`` and its keys, read on the session's first call) as a
+    ``chunk`` call; ``action_guidance_scale`` is refused by name (its actions have no guidance)."""
+    if request.get("action_guidance_scale") is not None:
+        raise RequestError("action_guidance_scale: this server's policy takes no action guidance; leave it out")
+    if not any(request.get(key) is not None for key in (*START_KEYS, *PATH_KEYS)):
+        return None
+    return EpisodeCall("chunk", start=decode_episode_start(request, use_icl_default=None))
+
+
 def _decode_guidance(request: dict[str, Any], accepted: bool) -> EpisodeCall | None:
     """``video_guidance_scale`` / ``action_guidance_scale`` of an OpenPI request (LingBot-VA) as a ``chunk`` call."""
+    refuse_demonstration_keys(request)
     present = [key for key in GUIDANCE_KEYS if request.get(key) is not None]
     if not present:
         return None

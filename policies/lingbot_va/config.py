@@ -31,7 +31,7 @@ TINY_EMBODIMENTS = ("tiny_robotwin", "tiny_libero")  # the geometries the tiny c
 class LingBotVAConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
 
-    name: Literal["lingbot_va"] = "lingbot_va"
+    name: Literal["lingbot_va"] = "lingbot_va"  # LingBot-VA: video and actions from one transformer, chunk by chunk
     checkpoint: str = pydantic.Field(
         BUILTIN_TINY,
         description="checkpoint directory, Hugging Face id (robbyant/lingbot-va-posttrain-robotwin, robbyant/lingbot-va-base, "
@@ -49,24 +49,11 @@ class LingBotVAConfig(pydantic.BaseModel):
     @pydantic.field_validator("safety")
     @classmethod
     def _check_safety(cls, value: SafetyConfig) -> SafetyConfig:
-        # Each arm's 7 channels are an end-effector position and quaternion (their statistics span [-1, 1] on 3-6), and no
-        # request carries a measured state of them: nothing to check a first action against, and a quaternion's step is no distance.
-        if value.mode != "off":
-            raise ValueError(
-                f"mode {value.mode}: the safety gate cannot apply to lingbot_va (its actions are end-effector poses with "
-                "quaternions, and no request carries their state); leave policy.safety out"
-            )
-        return value
+        return safety_off("lingbot_va", value)
 
     @pydantic.model_validator(mode="after")
     def _check_pair(self) -> LingBotVAConfig:
-        tiny = self.checkpoint == BUILTIN_TINY or self.checkpoint.startswith(SYNTHETIC_PREFIX + "tiny")
-        if self.checkpoint.startswith(SYNTHETIC_PREFIX):
-            preset = self.checkpoint.removeprefix(SYNTHETIC_PREFIX).split(",")[0]
-            if preset not in SYNTHETIC_PRESETS:
-                raise ValueError(f"policy.checkpoint: unknown synthetic preset {preset!r}; presets: {', '.join(SYNTHETIC_PRESETS)}")
-        if self.checkpoint.startswith("builtin:") and not tiny:
-            raise ValueError(f"policy.checkpoint: unknown {self.checkpoint!r}; built in: {BUILTIN_TINY}")
+        tiny = check_checkpoint_name(self.checkpoint)
         if tiny and self.embodiment not in (None, *TINY_EMBODIMENTS):
             raise ValueError(
                 f"policy.embodiment: {self.checkpoint} is served with the tiny geometries only ({', '.join(TINY_EMBODIMENTS)}), not {self.embodiment!r}"
@@ -88,11 +75,42 @@ class LingBotVAConfig(pydantic.BaseModel):
         return self.model_copy(update={"checkpoint": str(self.local_checkpoint())})
 
     def local_checkpoint(self) -> Path:
-        root = hub.resolve(self.checkpoint, key="policy.checkpoint", example=CHECKPOINT_EXAMPLE, allow_patterns=CHECKPOINT_FILES)
-        missing = [part for part in ("transformer", "vae", "text_encoder", "tokenizer") if not (root / part).is_dir()]
-        if missing:
-            raise ValueError(
-                f"policy.checkpoint: {root} lacks {', '.join(f'{m}/' for m in missing)}; point it at a released LingBot-VA "
-                f"checkpoint (--set policy.checkpoint=robbyant/lingbot-va-posttrain-robotwin or a local copy)"
-            )
-        return root
+        return released_checkpoint(self.checkpoint, CHECKPOINT_EXAMPLE, "LingBot-VA", "robbyant/lingbot-va-posttrain-robotwin")
+
+
+def check_checkpoint_name(checkpoint: str) -> bool:
+    """A ``builtin:`` or ``synthetic:`` checkpoint name is one the family knows (ValueError naming it); whether it is
+    a tiny one."""
+    if checkpoint.startswith(SYNTHETIC_PREFIX):
+        preset = checkpoint.removeprefix(SYNTHETIC_PREFIX).split(",")[0]
+        if preset not in SYNTHETIC_PRESETS:
+            raise ValueError(f"policy.checkpoint: unknown synthetic preset {preset!r}; presets: {', '.join(SYNTHETIC_PRESETS)}")
+    tiny = checkpoint == BUILTIN_TINY or checkpoint.startswith(SYNTHETIC_PREFIX + "tiny")
+    if checkpoint.startswith("builtin:") and not tiny:
+        raise ValueError(f"policy.checkpoint: unknown {checkpoint!r}; built in: {BUILTIN_TINY}")
+    return tiny
+
+
+def released_checkpoint(checkpoint: str, example: str, model: str, hub_id: str, extra_files: tuple[str, ...] = ()) -> Path:
+    """The local directory of a released checkpoint of the family (a path, or a Hub id fetched with only what the
+    server reads: ``transformer/``, ``vae/``, ``text_encoder/``, ``tokenizer/`` and ``extra_files``), its parts checked."""
+    root = hub.resolve(checkpoint, key="policy.checkpoint", example=example, allow_patterns=(*CHECKPOINT_FILES, *extra_files))
+    missing = [part for part in ("transformer", "vae", "text_encoder", "tokenizer") if not (root / part).is_dir()]
+    if missing:
+        raise ValueError(
+            f"policy.checkpoint: {root} lacks {', '.join(f'{m}/' for m in missing)}; point it at a released {model} "
+            f"checkpoint (--set policy.checkpoint={hub_id} or a local copy)"
+        )
+    return root
+
+
+def safety_off(policy: str, value: SafetyConfig) -> SafetyConfig:
+    """The LingBot-VA family's safety gate: off only. Each arm's 7 channels are an end-effector position and quaternion
+    (their statistics span [-1, 1] on 3-6), and no request carries a measured state of them: nothing to check a first
+    action against, and a quaternion's step is no distance."""
+    if value.mode != "off":
+        raise ValueError(
+            f"mode {value.mode}: the safety gate cannot apply to {policy} (its actions are end-effector poses with "
+            "quaternions, and no request carries their state); leave policy.safety out"
+        )
+    return value

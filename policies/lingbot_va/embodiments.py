@@ -179,3 +179,64 @@ FRANKA = Embodiment(
     snr_shift=5.0,
     action_snr_shift=1.0,
 )
+
+
+# Zero-WAM's RoboTwin (jianwenli96/Zero-WAM ``va_robotwin_cfg.py``, whose file the index read here lacks: its values as
+# docs/icl_inference.md §3 and tests/test_icl_server.py give them): three cameras side by side at 224x288 (its first
+# observation is always encoded side by side, so the T layout is not served), 2-frame chunks of 16 actions, 50 video
+# and 50 action steps at shifts 5 and 1, the action statistics upstream's test pins for the first 14 channels (the
+# grippers' 28 / 29: LingBot-VA's RoboTwin ones, [0, 1]). The window is the transformer's ``attn_window`` (upstream's
+# server never overrides it; ``attn_window`` here is that default) and guidance is decided per episode
+# (``zero_wam_guidance.py``): ``guidance_scale`` / ``action_guidance_scale`` are not read.
+ZERO_WAM_ROBOTWIN = Embodiment(
+    layout="none",
+    cameras=ROBOTWIN.cameras,
+    height=224,
+    width=288,
+    frame_chunk_size=2,
+    action_per_frame=16,
+    attn_window=64,
+    used_action_channel_ids=_channels(),
+    q01=(
+        -0.054687286317348476,
+        -9.834766387939453e-07,
+        -0.0746749371290207,
+        -1,
+        -1,
+        -1,
+        -1,
+        -0.3589721029996872,
+        -1.1026859283447266e-06,
+        -0.11628214418888091,
+        -1,
+        -1,
+        -1,
+        -1,
+        *[0.0] * 16,
+    ),
+    q99=(
+        0.35284559458494186,
+        0.3960446125268936,
+        0.1493294847011566,
+        1,
+        1,
+        1,
+        1,
+        0.02997654676437378,
+        0.38793458312749857,
+        0.18672722578048706,
+        1,
+        1,
+        1,
+        1,
+        *[0.0] * 14,
+        1.0,
+        1.0,
+    ),
+    guidance_scale=1.0,
+    action_guidance_scale=1.0,
+    num_inference_steps=50,
+    action_num_inference_steps=50,
+    snr_shift=5.0,
+    action_snr_shift=1.0,
+)

@@ -9,7 +9,7 @@ prompt's cross-attention K/V, its noise generator, its frame position), and the 
   is seeded (upstream draws from the unseeded global generator: not reproducible);
 * ``infer``: on the first chunk the observation is encoded and becomes latent frame 0 (timestep 0); then video
   noise, then action noise are drawn (a repeated first-chunk infer, before its commit, starts again from where the
-  first did: :class:`_StreamState`); the video loop (FlowMatch Euler, its timesteps padded with a trailing 0 whose
+  first did: :class:`StreamState`); the video loop (FlowMatch Euler, its timesteps padded with a trailing 0 whose
   forward only writes the predicted chunk's K/V, as prediction entries), then the action loop the same way; CFG
   over [prompt, negative] whenever either guidance scale is above 1;
 * ``compute_kv_cache``: the prediction entries are dropped, the frames the robot saw and the actions it executed are
@@ -35,8 +35,6 @@ fails alone fails, the others get what they would have got alone.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -45,7 +43,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from diffusers import AutoencoderKLWan
 
 from ardiff_kv import Branch, EntryKind, KVSpec, SessionKV, prepare_batch
@@ -53,25 +50,16 @@ from ardiff_policies import action_inpaint
 from ardiff_policies.batch_retry import run_batched, single
 from ardiff_policies.continuation import APPLIED, Continuation, decide_for, soft_mask
 from ardiff_policies.lingbot_va.embodiments import Embodiment
+from ardiff_policies.lingbot_va.episode_io import LATENT_CHANNELS, MAX_GUIDANCE, EpisodeError, EpisodeIO, Kept, StreamState, load_encoders, next_sigma
 from ardiff_policies.lingbot_va.model import LingBotVATransformer, TextKV, action_grid, load_transformer, video_grid
-from ardiff_policies.observation import UnsupportedObservation
-from ardiff_policies.wan.prompt import clean_prompt
 from ardiff_policies.wan.samplers import flow_match_sigmas
 from ardiff_policies.wan.text import TextEncoder
 from ardiff_policies.wan.vae import StreamingEncoder
 
 logger = logging.getLogger(__name__)
 
-TEXT_LENGTH = 512  # upstream's max_sequence_length: the cross-attention sees all 512 positions
-LATENT_CHANNELS = 48
-MAX_GUIDANCE = 20.0  # a request's guidance scale outside [1, MAX_GUIDANCE] is refused by name
 # upstream's update_cache -> the entries a forward writes (0: scratch, none kept)
 _ENTRIES = {0: EntryKind.OBSERVATION, 1: EntryKind.PREDICTION, 2: EntryKind.OBSERVATION}
-
-
-class EpisodeError(UnsupportedObservation):
-    """A request this session cannot take (the message names the key); the session is left as it was, so the
-    engine answers it as a bad request and keeps the session."""
 
 
 def kv_spec(embodiment: Embodiment, model_cfg, dtype: torch.dtype) -> KVSpec:
@@ -158,34 +146,11 @@ class LingBotVASession:
     text_kv: list[TextKV] | None = None  # per layer, batch [prompt, negative]
     frame_start: int = 0
     first_latent: torch.Tensor | None = None  # the first chunk's encoded observation, until its commit
-    first_start: _StreamState | None = None  # the generator and VAE streams as the first infer found them, until its commit
+    first_start: StreamState | None = None  # the generator and VAE streams as the first infer found them, until its commit
     predicted_latents: torch.Tensor | None = None  # the last infer's denoised video, when the policy keeps it
     predicted_actions: torch.Tensor | None = None  # and its normalized actions (1, 30, F, N, 1)
     chunks: int = 0  # chunks served this episode: the last one's chunk_id
     last: ServedChunk | None = None  # the last chunk (reset: none)
-
-
-@dataclass(frozen=True)
-class _StreamState:
-    """A session's noise generator and its VAE streams' feature caches, to start a call again from.
-
-    Kept by a failed batch (:class:`_Saved`) and by an episode's first infer: a second first-chunk infer before the
-    commit (a client that asks again) would otherwise continue the streams' causal caches, which already hold the
-    first observation (the causal conv then sees 2 frames where it needs 3: upstream's server raises there too); from
-    this state it encodes its observation as the first did and draws the same noise, so it is served as the first."""
-
-    generator: torch.Tensor
-    feat_caches: tuple[list, ...]
-
-    @classmethod
-    def of(cls, session: LingBotVASession) -> _StreamState:
-        # diffusers' causal convs replace their cache entries, never write into them: a copy of the lists suffices
-        return cls(session.generator.get_state(), tuple(list(stream.feat_cache) for stream in session.streams))
-
-    def restore(self, session: LingBotVASession) -> None:
-        session.generator.set_state(self.generator)
-        for stream, cache in zip(session.streams, self.feat_caches):
-            stream.feat_cache = list(cache)
 
 
 @dataclass
@@ -193,10 +158,10 @@ class _Saved:
     """A session as it was before a batched call, to put back if the call fails (then retried alone)."""
 
     session: LingBotVASession
-    streams: _StreamState
+    streams: StreamState
     frame_start: int
     first_latent: torch.Tensor | None
-    first_start: _StreamState | None
+    first_start: StreamState | None
     chunks: int
     last: ServedChunk | None
 
@@ -204,7 +169,7 @@ class _Saved:
     def take(cls, session: LingBotVASession) -> _Saved:
         session.kv.snapshot()
         s = session
-        return cls(s, _StreamState.of(s), s.frame_start, s.first_latent, s.first_start, s.chunks, s.last)
+        return cls(s, StreamState.of(s), s.frame_start, s.first_latent, s.first_start, s.chunks, s.last)
 
     def restore(self) -> None:
         s = self.session
@@ -217,34 +182,7 @@ class _Saved:
         self.session.kv.release()
 
 
-@dataclass
-class _Kept:
-    """Every member of a batched call as it was before it (:class:`ardiff_policies.batch_retry.Undo`)."""
-
-    saved: list[_Saved]
-
-    @classmethod
-    def take(cls, sessions: Sequence[LingBotVASession]) -> _Kept:
-        saved: list[_Saved] = []
-        try:
-            for session in sessions:
-                saved.append(_Saved.take(session))
-        except BaseException:
-            for entry in saved:
-                entry.restore()
-            raise
-        return cls(saved)
-
-    def restore(self) -> None:
-        for entry in self.saved:
-            entry.restore()
-
-    def release(self) -> None:
-        for entry in self.saved:
-            entry.release()
-
-
-class LingBotVAPolicy:
+class LingBotVAPolicy(EpisodeIO):
     def __init__(
         self,
         transformer: LingBotVATransformer,
@@ -256,53 +194,17 @@ class LingBotVAPolicy:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
+        if transformer.config.action_dim != embodiment.action_dim:
+            raise ValueError(f"the transformer has {transformer.config.action_dim} action channels, the embodiment {embodiment.action_dim}")
+        super().__init__(vae, text_encoder, tokenizer, embodiment, device=device, dtype=dtype)
         self.transformer = transformer
-        self.vae = vae
-        self.text_encoder = text_encoder
-        self.tokenizer = tokenizer
-        self.embodiment = embodiment
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.keep_predictions = False  # keep each infer's denoised video on its session (recordings)
-        self._warned_headroom = False
-        e = embodiment
-        if transformer.config.action_dim != e.action_dim:
-            raise ValueError(f"the transformer has {transformer.config.action_dim} action channels, the embodiment {e.action_dim}")
-        self.action_mask = torch.zeros(e.action_dim, dtype=torch.bool)
-        self.action_mask[list(e.used_action_channel_ids)] = True
-        inverse = [len(e.used_action_channel_ids)] * e.action_dim  # unused channels read the zero row
-        for i, channel in enumerate(e.used_action_channel_ids):
-            inverse[channel] = i
-        self.inverse_channels = inverse
-        self.q01 = torch.tensor(e.q01, dtype=torch.float32).reshape(-1, 1, 1)
-        self.q99 = torch.tensor(e.q99, dtype=torch.float32).reshape(-1, 1, 1)
-        vae_cfg = vae.config
-        self.latents_mean = torch.tensor(vae_cfg.latents_mean, dtype=torch.float32)
-        self.latents_std = torch.tensor(vae_cfg.latents_std, dtype=torch.float32)
 
     @classmethod
     def load(cls, checkpoint: str | Path, embodiment: Embodiment, *, device="cpu", dtype=torch.float32) -> LingBotVAPolicy:
         """A released checkpoint directory (``transformer/``, ``vae/``, ``text_encoder/``, ``tokenizer/``)."""
-        from transformers import AutoTokenizer, UMT5EncoderModel
-        from transformers.utils import logging as transformers_logging
-
         root = Path(checkpoint)
         transformer = load_transformer(root / "transformer", dtype=dtype, device=device)
-        # low_cpu_mem_usage said explicitly: diffusers' default asks for accelerate and logs a paragraph without it
-        low_memory = importlib.util.find_spec("accelerate") is not None
-        vae = AutoencoderKLWan.from_pretrained(root / "vae", torch_dtype=dtype, low_cpu_mem_usage=low_memory).to(device).eval()
-        # transformers' default attention, as upstream's load_text_encoder (DreamZero's TextEncoder.from_config forces
-        # eager to match DreamZero's own T5 in bf16; LingBot-VA uses transformers' UMT5 itself). Its tqdm bar is
-        # hidden: its carriage returns garble a log file
-        bar = transformers_logging.is_progress_bar_enabled()
-        transformers_logging.disable_progress_bar()
-        try:
-            umt5 = UMT5EncoderModel.from_pretrained(root / "text_encoder", torch_dtype=dtype)
-        finally:
-            if bar:
-                transformers_logging.enable_progress_bar()
-        text = TextEncoder(umt5).to(device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
+        vae, text, tokenizer = load_encoders(root, device=device, dtype=dtype)
         return cls(transformer, vae, text, tokenizer, embodiment, device=device, dtype=dtype)
 
     def kv_spec(self) -> KVSpec:
@@ -340,68 +242,7 @@ class LingBotVAPolicy:
     @torch.no_grad()
     def encode_prompt(self, prompt: str) -> list[TextKV]:
         """Every layer's cross-attention K/V of [prompt, negative ""] (touches no session)."""
-        return self.transformer.project_text(self._encode_text([prompt, ""]))
-
-    def _encode_text(self, prompts: list[str]) -> torch.Tensor:
-        tokens = self.tokenizer(
-            [clean_prompt(p) for p in prompts],
-            padding="max_length",
-            max_length=TEXT_LENGTH,
-            truncation=True,
-            add_special_tokens=True,
-            return_attention_mask=True,
-            return_tensors="pt",
-        )
-        return self.text_encoder(tokens.input_ids.to(self.device), tokens.attention_mask.to(self.device)).to(self.dtype)
-
-    # -- observations ------------------------------------------------------------------------
-
-    def _camera_stacks(self, frames: Sequence[Mapping[str, np.ndarray]], key: str) -> list[np.ndarray]:
-        """Each camera's frames as (T, H, W, 3), or EpisodeError naming the key and the camera."""
-        stacks = []
-        for camera in self.embodiment.cameras:
-            try:
-                stack = np.stack([np.asarray(frame[camera]) for frame in frames])
-            except (KeyError, TypeError, IndexError):
-                raise EpisodeError(f"{key}: camera {camera!r} missing") from None
-            except ValueError as exc:
-                raise EpisodeError(f"{key}: frames of {camera!r} differ in shape ({exc})") from None
-            if stack.ndim != 4 or stack.shape[-1] != 3 or min(stack.shape[1:3]) < 1:
-                raise EpisodeError(f"{key}: {camera!r} must be (H, W, 3) images, got {stack.shape[1:]}")
-            if not (np.issubdtype(stack.dtype, np.integer) or np.issubdtype(stack.dtype, np.floating)):
-                raise EpisodeError(f"{key}: {camera!r} has dtype {stack.dtype}; expected uint8 pixels")
-            stacks.append(stack)
-        return stacks
-
-    def _check_frames(self, frames: Sequence[Mapping[str, np.ndarray]], key: str) -> None:
-        self._camera_stacks(frames, key)
-
-    def _encode_frames(self, session: LingBotVASession, frames: Sequence[Mapping[str, np.ndarray]], key: str) -> torch.Tensor:
-        """Key frames (dicts camera -> (H, W, 3) uint8) -> normalized latents (1, 48, F, h, w), continuing the
-        session's VAE streams (upstream ``_encode_obs``)."""
-        e = self.embodiment
-        videos = []
-        for i, stack in enumerate(self._camera_stacks(frames, key)):
-            size = (e.height // 2, e.width // 2) if e.layout == "robotwin_tshape" and i > 0 else (e.height, e.width)
-            video = torch.from_numpy(stack).float().permute(3, 0, 1, 2)  # (3, T, H, W)
-            videos.append(F.interpolate(video, size=size, mode="bilinear", align_corners=False).unsqueeze(0))
-        if e.layout == "robotwin_tshape":
-            high = self._to_model(videos[0])
-            wrists = self._to_model(torch.cat(videos[1:], dim=0))
-            high_enc = session.streams[0].encode(high)
-            wrist_enc = session.streams[1].encode(wrists)
-            encoded = torch.cat([torch.cat(wrist_enc.split(1, dim=0), dim=-1), high_enc], dim=-2)
-        else:
-            encoded = session.streams[0].encode(self._to_model(torch.cat(videos, dim=0)))
-        mu = encoded.chunk(2, dim=1)[0]
-        shape = (1, -1, 1, 1, 1)
-        mean = self.latents_mean.to(mu.device).view(shape)
-        inv_std = (1.0 / self.latents_std).to(mu.device).view(shape)
-        normalized = ((mu.float() - mean) * inv_std).to(mu)
-        return torch.cat(normalized.split(1, dim=0), dim=-1)
-
-    def _to_model(self, video: torch.Tensor) -> torch.Tensor:
-        return (video / 255.0 * 2.0 - 1.0).to(self.device).to(self.dtype)
+        return self.transformer.project_text(self.encode_text([prompt, ""]))
 
     # -- the transformer over the session's pages --------------------------------------------
 
@@ -485,7 +326,7 @@ class LingBotVAPolicy:
             except Exception as exc:  # an EpisodeError: refused, its session unchanged; anything else fails it alone
                 results[i] = exc
 
-        def undo(items: list[tuple[int, InferRequest, _Checked]]) -> _Kept | None:
+        def undo(items: list[tuple[int, InferRequest, _Checked]]) -> Kept | None:
             stand_ins = sum(c.pin is not None and c.pin.stand_in for _, _, c in items)  # a stand-in writes a chunk more
             return self._keep([r.session for _, r, _ in items], chunks=len(items) + stand_ins)
 
@@ -512,7 +353,7 @@ class LingBotVAPolicy:
             if is_first:
                 self._begin_first_chunk(request.session)
                 frames = [request.observation] if isinstance(request.observation, Mapping) else list(request.observation)
-                request.session.first_latent = self._encode_frames(request.session, frames, "obs")
+                request.session.first_latent = self.encode_frames(request.session, frames, "obs")
         f, n = e.frame_chunk_size, e.action_per_frame
         h, w = e.latent_size
         # noise: video, then actions, from each session's generator (upstream: the global one, same order and shapes)
@@ -538,7 +379,7 @@ class LingBotVAPolicy:
                 timesteps[i, 0] = 0.0
             pred = self._forward(sessions, latents, timesteps, grids, action_mode=False, update=1 if last else 0, text_kv=text_kv)
             if not last:
-                latents = latents + self._guide(pred, video_scales) * (_next(sigmas, step) - sigmas[step])
+                latents = latents + self._guide(pred, video_scales) * (next_sigma(sigmas, step) - sigmas[step])
             for i in first_rows:
                 latents[i : i + 1, :, 0:1] = latent_cond[i]
 
@@ -562,7 +403,7 @@ class LingBotVAPolicy:
             actions[:, unused] *= 0
             pred = self._forward(sessions, actions, timesteps, grids, action_mode=True, update=1 if last else 0, text_kv=text_kv)
             if not last:
-                actions = actions + self._guide(pred, action_scales) * (_next(sigmas, step) - sigmas[step])
+                actions = actions + self._guide(pred, action_scales) * (next_sigma(sigmas, step) - sigmas[step])
             for i in first_rows:
                 actions[i, :, 0:1] = 0.0
         actions[:, unused] *= 0
@@ -572,7 +413,7 @@ class LingBotVAPolicy:
                 session.predicted_actions = actions[row : row + 1].detach()
         out = []
         for row, (session, position, (_, _, checked)) in enumerate(zip(sessions, positions, accepted)):
-            chunk = self._denormalize(actions[row : row + 1])
+            chunk = self.denormalize_actions(actions[row : row + 1])
             pin = checked.pin
             if pin is not None:  # exactly what the robot executes, not its round trip through model space
                 flat, old = chunk.reshape(chunk.shape[0], -1), pin.last.actions.reshape(chunk.shape[0], -1)
@@ -608,42 +449,18 @@ class LingBotVAPolicy:
         """An infer of the episode's first chunk: the first one keeps the generator and VAE streams it starts from; a
         repeat (no commit since) starts from them again, its predecessor's predicted pages dropped."""
         if session.first_latent is None:
-            session.first_start = _StreamState.of(session)
+            session.first_start = StreamState.of(session)
             return
         session.first_start.restore(session)
         session.kv.drop_predictions()
 
     # -- a failed batch, member by member (ardiff_policies.batch_retry) ---------------------
 
-    def _keep(self, sessions: list[LingBotVASession], chunks: int | None = None) -> _Kept | None:
+    def _keep(self, sessions: list[LingBotVASession], chunks: int | None = None) -> Kept | None:
         """The batch's sessions as they are, for :func:`~ardiff_policies.batch_retry.run_batched` to put back if the
         batched call fails (then each member is retried alone); None if the pool has no room to keep them. ``chunks``:
         the video and action chunks the call writes per branch (default one per session)."""
-        return _Kept.take(sessions) if self._undo_fits(sessions, len(sessions) if chunks is None else chunks) else None
-
-    @functools.cached_property
-    def _undo_pages_per_session(self) -> int:
-        return len(self.branches) * self.kv_spec().undo_pages
-
-    def _undo_fits(self, sessions: list[LingBotVASession], chunks: int) -> bool:
-        """While a batched call may still be undone, each member keeps the pages it evicts or drops out of the pool:
-        the pool needs the pages the call writes (a video and an action chunk per branch and member, one more for a
-        continuation's stand-in) free."""
-        per_chunk = self._undo_pages_per_session
-        pool = sessions[0].kv.pool
-        if pool.num_free >= per_chunk * chunks:
-            return True
-        if not self._warned_headroom:
-            self._warned_headroom = True
-            logger.warning(
-                "the KV pool has %d free pages, a batch of %d needs %d spare to be undone member by member if it fails; "
-                "such batches run one session at a time (the pool keeps that room free when sized from a budget: "
-                "PagedKVCache.undo_headroom)",
-                pool.num_free,
-                len(sessions),
-                per_chunk * chunks,
-            )
-        return False
+        return Kept.take(sessions, _Saved.take) if self._undo_fits(sessions, len(sessions) if chunks is None else chunks) else None
 
     def _check_infer(self, request: InferRequest) -> _Checked:
         """The request's guidance scales and continuation, or EpisodeError naming the key (nothing of the session has
@@ -663,7 +480,7 @@ class LingBotVAPolicy:
             frames = [observation] if isinstance(observation, Mapping) else list(observation)
             if len(frames) != 1:
                 raise EpisodeError(f"obs: the first infer of an episode takes one observation, got {len(frames)}")
-            self._check_frames(frames, "obs")
+            self.check_frames(frames, "obs")
         return _Checked(video_g, action_g, reason, pin)
 
     def _check_continuation(self, request: InferRequest) -> tuple[str | None, _Pin | None]:
@@ -725,7 +542,7 @@ class LingBotVAPolicy:
         e = self.embodiment
         sessions, latents, actions = [], [], []
         for session, frames, action_in in accepted:
-            latent = self._encode_frames(session, frames, "obs") if frames else None
+            latent = self.encode_frames(session, frames, "obs") if frames else None
             if session.frame_start == 0:
                 latent = session.first_latent if latent is None else torch.cat([session.first_latent, latent], dim=2)
             session.kv.drop_predictions()  # upstream's clear_pred_cache: the observation replaces the prediction
@@ -756,38 +573,14 @@ class LingBotVAPolicy:
             raise EpisodeError("compute_kv_cache before reset: send {reset: True, prompt} first")
         if session.frame_start == 0 and session.first_latent is None:
             raise EpisodeError("compute_kv_cache before the episode's first infer")
-        action_in = self._normalize(request.state)
+        action_in = self.normalize_actions(request.state)
         frames = [request.frames] if isinstance(request.frames, Mapping) else list(request.frames)
         # 4 frames per latent frame; the first chunk's frame 0 is the observation its infer encoded
         expected = 4 * (e.frame_chunk_size - (session.frame_start == 0))
         if len(frames) != expected:
             raise EpisodeError(f"obs: {len(frames)} key frames; this chunk takes {expected} (4 per latent frame)")
-        self._check_frames(frames, "obs")
+        self.check_frames(frames, "obs")
         return session, frames, action_in
-
-    # -- actions ---------------------------------------------------------------------------------
-
-    def _normalize(self, state: np.ndarray) -> torch.Tensor:
-        """The executed actions as the client echoes them, (used channels, F, N) -> (1, 30, F, N, 1) normalized."""
-        e = self.embodiment
-        expected = (len(e.used_action_channel_ids), e.frame_chunk_size, e.action_per_frame)
-        array = np.asarray(state)
-        if array.shape != expected or not np.issubdtype(array.dtype, np.number):
-            raise EpisodeError(f"state: expected the chunk's actions {expected}, got {array.shape} {array.dtype}")
-        if not np.isfinite(array).all():
-            raise EpisodeError("state: contains NaN or infinity")
-        padded = F.pad(torch.from_numpy(array.astype(np.float32)), [0, 0, 0, 0, 0, 1])[self.inverse_channels]
-        normalized = (padded - self.q01) / (self.q99 - self.q01 + 1e-6) * 2.0 - 1.0
-        return normalized.unsqueeze(0).unsqueeze(-1)
-
-    def _denormalize(self, actions: torch.Tensor) -> np.ndarray:
-        a = actions.cpu()[0, ..., 0]
-        a = (a + 1) / 2 * (self.q99 - self.q01 + 1e-6) + self.q01
-        return a.float().numpy()[list(self.embodiment.used_action_channel_ids)]
-
-
-def _next(sigmas: torch.Tensor, i: int) -> torch.Tensor:
-    return sigmas[i + 1] if i + 1 < len(sigmas) else torch.tensor(0.0)
 
 
 def _guidance(key: str, value: float | None, default: float) -> float:

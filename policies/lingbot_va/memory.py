@@ -22,7 +22,8 @@ import torch
 from ardiff_kv import PagedKVCache
 from ardiff_policies.lingbot_va.checkpoint import TransformerConfig
 from ardiff_policies.lingbot_va.embodiments import Embodiment
-from ardiff_policies.lingbot_va.episode_logic import TEXT_LENGTH, LingBotVAPolicy, kv_spec
+from ardiff_policies.lingbot_va.episode_io import TEXT_LENGTH
+from ardiff_policies.lingbot_va.episode_logic import LingBotVAPolicy, kv_spec
 from ardiff_policies.wan.memory import CUDA_RESERVE_BYTES, encoder_bytes, itemsize, module_size, transformer_forward_bytes, vae_chunk_bytes
 from ardiff_policies.wan.text import UMT5_XXL_ENCODER_CONFIG, TextEncoder
 from ardiff_policies.wan.vae import WAN22_VAE_CONFIG
@@ -106,20 +107,28 @@ def plan(
 def describe_loaded(episodes: LingBotVAPolicy, max_sessions: int) -> str:
     """The start-up log's plan for the model as loaded (its real parameter counts, any size): weights per component,
     one session's KV pages and prompt K/V, and what ``max_sessions`` of them take. The engine's pool line follows it."""
-    b = itemsize(episodes.dtype)
-    modules = {"transformer": episodes.transformer, "text encoder": episodes.text_encoder, "VAE": episodes.vae}
-    weights = {name: module_size(module).floating * b for name, module in modules.items()}
     branches = len(episodes.branches)
     spec = episodes.kv_spec()
     cfg = episodes.transformer.config
-    kv_session = branches * spec.pages_per_branch * spec.page_bytes
-    text_session = cfg.num_layers * 2 * branches * TEXT_LENGTH * cfg.dim * b
-    lines = [f"memory plan: lingbot_va on {episodes.device} ({str(episodes.dtype).removeprefix('torch.')}), {branches} CFG branch(es)"]
+    kv_pages = f"{spec.pages_per_branch} pages x {branches} branch(es)"
+    text_session = cfg.num_layers * 2 * branches * TEXT_LENGTH * cfg.dim * itemsize(episodes.dtype)
+    return describe_session_plan(
+        episodes, "lingbot_va", f"{branches} CFG branch(es)", spec.reservation(branches), kv_pages, text_session, max_sessions
+    )
+
+
+def describe_session_plan(episodes, policy: str, branches: str, kv_pages: int, kv_detail: str, text_session: int, max_sessions: int) -> str:
+    """The start-up log's plan of a LingBot-VA family policy as loaded: weights per component, then one session's
+    ``kv_pages`` reserved (said as ``kv_detail``) and prompt K/V ``text_session``, and ``max_sessions`` of them."""
+    b = itemsize(episodes.dtype)
+    modules = {"transformer": episodes.transformer, "text encoder": episodes.text_encoder, "VAE": episodes.vae}
+    weights = {name: module_size(module).floating * b for name, module in modules.items()}
+    kv_session = kv_pages * episodes.kv_spec().page_bytes
+    lines = [f"memory plan: {policy} on {episodes.device} ({str(episodes.dtype).removeprefix('torch.')}), {branches}"]
     lines += [f"    {name + ' weights':<24}{_size(size):>11}" for name, size in weights.items()]
     lines.append(
-        f"    {'a session':<24}{_size(kv_session + text_session):>11}  (KV {spec.pages_per_branch} pages x {branches} branch(es) of "
-        f"{_size(spec.page_bytes)} + prompt K/V {_size(text_session)}); engine.max_sessions {max_sessions}: "
-        f"{_size(max_sessions * (kv_session + text_session))}"
+        f"    {'a session':<24}{_size(kv_session + text_session):>11}  (KV {kv_detail} of {_size(episodes.kv_spec().page_bytes)} "
+        f"+ prompt K/V {_size(text_session)}); engine.max_sessions {max_sessions}: {_size(max_sessions * (kv_session + text_session))}"
     )
     return "\n".join(lines)
 

@@ -88,6 +88,8 @@ class ServedSession:
 
 
 class LingBotVAServing(Policy[ServedSession]):
+    family = "lingbot_va"  # the embodiment tag's prefix (a variant of the family names its own)
+
     def __init__(self, episodes: LingBotVAPolicy, config: LingBotVAConfig, checkpoint: str, *, record: bool = False) -> None:
         self.episodes = episodes
         self.config = config
@@ -99,7 +101,7 @@ class LingBotVAServing(Policy[ServedSession]):
         self.cameras = tuple(short_camera(c) for c in e.cameras)
         self.channels = len(e.used_action_channel_ids)
         self.frames, self.per_frame = e.frame_chunk_size, e.action_per_frame
-        self.tag = f"lingbot_va_{config.embodiment_name}"
+        self.tag = f"{self.family}_{config.embodiment_name}"
         sizes = [(e.height, e.width) if i == 0 or e.layout != "robotwin_tshape" else (e.height // 2, e.width // 2) for i in range(len(e.cameras))]
         self.schema = ObservationSchema(self.tag, self.cameras, (), tuple(sizes))
         self._info = self._make_info()
@@ -108,8 +110,26 @@ class LingBotVAServing(Policy[ServedSession]):
 
     def _make_info(self) -> PolicyInfo:
         e = self.embodiment
-        commit_frames = {"first_chunk": FRAMES_PER_LATENT * (self.frames - 1), "later_chunks": FRAMES_PER_LATENT * self.frames}
         frame = {
+            **self._frame(),
+            "continuations": True,  # a request's continuation: the next chunk inpainted to the executing one (episode_logic.py)
+            "guidance": {"video_guidance_scale": e.guidance_scale, "action_guidance_scale": e.action_guidance_scale, "max": MAX_GUIDANCE},
+        }
+        details = {
+            "attn_window": e.attn_window,
+            # the shared wire contract; the new chunk is the model's next one, inpainted to the executing one's rows
+            "continuation": {**CONTRACT, "mode": "inpaint", "position": "the next chunk (over the executing one's predicted K/V)"},
+        }
+        return self._policy_info(frame, details, continuations=True)
+
+    @property
+    def _commit_frames(self) -> dict[str, int]:
+        return {"first_chunk": FRAMES_PER_LATENT * (self.frames - 1), "later_chunks": FRAMES_PER_LATENT * self.frames}
+
+    def _frame(self) -> dict:
+        """The metadata frame's keys the family shares (its variants add theirs)."""
+        commit_frames = self._commit_frames
+        return {
             "embodiment": self.tag,
             "observation": self.schema.describe(),
             "frames_per_call": {"first": 1, "after_first_chunk": commit_frames["first_chunk"], "later": commit_frames["later_chunks"]},
@@ -120,11 +140,12 @@ class LingBotVAServing(Policy[ServedSession]):
                 "execute_from": "the reply's session.execute_from: the first chunk's first frame of actions conditions the model and is not executed",
             },
             "needs_session_id": True,
-            "continuations": True,  # a request's continuation: the next chunk inpainted to the executing one (episode_logic.py)
             "image_resolution": list(self.schema.resolutions[0]),
             "protocols": ["openpi", "lingbot_va"],
-            "guidance": {"video_guidance_scale": e.guidance_scale, "action_guidance_scale": e.action_guidance_scale, "max": MAX_GUIDANCE},
         }
+
+    def _policy_info(self, frame: dict, details: dict, *, continuations: bool) -> PolicyInfo:
+        commit_frames = self._commit_frames
         return PolicyInfo(
             frame,
             action_horizon=self.frames * self.per_frame,
@@ -134,17 +155,15 @@ class LingBotVAServing(Policy[ServedSession]):
             details={
                 "action_layout": {"channels": self.channels, "frames": self.frames, "per_frame": self.per_frame},
                 "commit_frames": commit_frames,
-                "layout": e.layout,
-                "attn_window": e.attn_window,
+                "layout": self.embodiment.layout,
                 "seed": self.config.seed,
-                # the shared wire contract; the new chunk is the model's next one, inpainted to the executing one's rows
-                "continuation": {**CONTRACT, "mode": "inpaint", "position": "the next chunk (over the executing one's predicted K/V)"},
+                **details,
             },
             max_batch=MAX_BATCH,
             observation_schema=self.schema,
             native_protocol="lingbot_va",
             max_frames_per_call=max(commit_frames.values()),  # every frame sent is read; check_observation refuses other counts
-            continuations=True,
+            continuations=continuations,
         )
 
     @property
@@ -162,23 +181,8 @@ class LingBotVAServing(Policy[ServedSession]):
 
     def check_observation(self, observation: RobotObservation) -> None:
         call = observation.episode
-        counts: dict[str, int] = {}
-        for name in self.cameras:
-            stack = observation.cameras.get(name)
-            if stack is None:
-                raise UnsupportedObservation(f"{_field(call, name)}: camera missing (this server serves {self.tag}: cameras {list(self.cameras)})")
-            counts[name] = int(np.shape(stack)[0])
-        if len(set(counts.values())) != 1:  # named as the client sent them: OpenPI's camera keys, or LingBot-VA's obs
-            sent = (
-                ", ".join(f"{_field(call, name)}: {count}" for name, count in counts.items()) if _openpi(call) else f"{sorted(set(counts.values()))}"
-            )
-            raise UnsupportedObservation(f"{_field(call, None)}: every camera needs the same number of frames, got {sent}")
-        (count,) = set(counts.values())
+        count = self._frame_count(observation)
         commit_counts = {FRAMES_PER_LATENT * (self.frames - 1), FRAMES_PER_LATENT * self.frames}
-        if _openpi(call) and count not in {1, *commit_counts}:  # a session's first call (one frame), or the chunk out's key frames
-            raise UnsupportedObservation(
-                f"observation: {count} frames per camera; send 1 on a session's first call, then {sorted(commit_counts)} (4 per latent frame)"
-            )
         if call is None:
             return
         if call.kind in ("infer", "chunk"):
@@ -193,6 +197,29 @@ class LingBotVAServing(Policy[ServedSession]):
             raise UnsupportedObservation(f"state: expected the chunk's actions {expected}, got {None if actions is None else actions.shape}")
         if not np.isfinite(actions).all():
             raise UnsupportedObservation("state: contains NaN or infinity")
+
+    def _frame_count(self, observation: RobotObservation) -> int:
+        """The frames per camera a call brings (every camera the same number; an OpenPI request one on a session's
+        first call, else the chunk out's key frames), or UnsupportedObservation naming the key."""
+        call = observation.episode
+        counts: dict[str, int] = {}
+        for name in self.cameras:
+            stack = observation.cameras.get(name)
+            if stack is None:
+                raise UnsupportedObservation(f"{_field(call, name)}: camera missing (this server serves {self.tag}: cameras {list(self.cameras)})")
+            counts[name] = int(np.shape(stack)[0])
+        if len(set(counts.values())) != 1:  # named as the client sent them: OpenPI's camera keys, or LingBot-VA's obs
+            sent = (
+                ", ".join(f"{_field(call, name)}: {count}" for name, count in counts.items()) if _openpi(call) else f"{sorted(set(counts.values()))}"
+            )
+            raise UnsupportedObservation(f"{_field(call, None)}: every camera needs the same number of frames, got {sent}")
+        (count,) = set(counts.values())
+        commit_counts = {FRAMES_PER_LATENT * (self.frames - 1), FRAMES_PER_LATENT * self.frames}
+        if _openpi(call) and count not in {1, *commit_counts}:  # a session's first call, or the chunk out's key frames
+            raise UnsupportedObservation(
+                f"observation: {count} frames per camera; send 1 on a session's first call, then {sorted(commit_counts)} (4 per latent frame)"
+            )
+        return count
 
     def _check_guidance(self, key: str, value: float | None) -> None:
         if value is None:
@@ -236,11 +263,15 @@ class LingBotVAServing(Policy[ServedSession]):
             except Exception as exc:
                 results[i] = exc
                 continue
-            call, frames = observation.episode, self._frames(observation)
+            call = observation.episode
+            results[i] = self._without_chunk(session, call)
+            if results[i] is not None:
+                continue
+            frames = self._frames(observation)
             if call is not None and call.kind == "compute_kv_cache":
-                commits.append((i, CommitRequest(session.episode, frames, call.executed_actions)))
+                commits.append((i, self._commit_request(session, frames, call.executed_actions)))
             elif _openpi(call) and session.last_actions is not None:  # OpenPI: these frames close the chunk out
-                expected = FRAMES_PER_LATENT * (self.frames - (session.episode.frame_start == 0))
+                expected = FRAMES_PER_LATENT * (self.frames - self._first_chunk(session))
                 if len(frames) != expected:  # e.g. the session's first request again
                     results[i] = EpisodeError(
                         f"observation: {len(frames)} frame{'s' * (len(frames) != 1)} per camera; this session has a chunk out, "
@@ -248,7 +279,7 @@ class LingBotVAServing(Policy[ServedSession]):
                         f"is a new session_id or a reset"
                     )
                     continue
-                commits.append((i, CommitRequest(session.episode, frames, session.last_actions)))
+                commits.append((i, self._commit_request(session, frames, session.last_actions)))
                 infers.append(i)
             else:
                 infers.append(i)
@@ -267,15 +298,12 @@ class LingBotVAServing(Policy[ServedSession]):
             if results[i] is not None:
                 continue
             session, observation = items[i]
-            call = observation.episode
-            video_g = call.video_guidance_scale if call is not None else None
-            action_g = call.action_guidance_scale if call is not None else None
             frames = self._frames(observation)
-            if _openpi(call) and session.episode.frame_start == 0:
+            if _openpi(observation.episode) and self._first_chunk(session):
                 # OpenPI: an episode starts from one observation; a stack (a robot whose session was evicted, or a
                 # client that always sends its key frames) starts it from its newest frame
                 frames = frames[-1:]
-            requests.append(InferRequest(session.episode, frames[0] if len(frames) == 1 else frames, video_g, action_g, observation.continuation))
+            requests.append(self._infer_request(session, observation, frames[0] if len(frames) == 1 else frames))
             rows.append(i)
         if requests:
             start = time.perf_counter()
@@ -288,18 +316,39 @@ class LingBotVAServing(Policy[ServedSession]):
                     continue
                 session.timing_ms["infer"] = ms
                 session.last_actions = outcome
-                kind = "commit+infer" if session.committed else "infer"
-                served = session.episode.last  # its chunk_id, frozen rows, continuation; the episode's first chunk at 0
-                chunk = ChunkInfo(served.chunk_id, served.frozen, served.continuation, kind, self.per_frame if served.position == 0 else 0)
-                results[i] = self._result(session, outcome, chunk)
+                results[i] = self._result(session, outcome, self._chunk_info(session, "commit+infer" if session.committed else "infer"))
         for i, (session, _) in enumerate(items):
             if results[i] is None:  # a commit only (LingBot-VA's compute_kv_cache)
                 results[i] = self._result(session, None, ChunkInfo(call="compute_kv_cache", execute_from=0))
         if self.record:
             for (session, observation), result in zip(items, results):
-                if isinstance(result, StepResult):
+                if isinstance(result, StepResult) and result.chunk.call != "reset":  # a reset brings no frames
                     result.recording = self._recording(session, observation, result)
         return results  # type: ignore[return-value]
+
+    # -- what a variant of the family does its own way (Zero-WAM: zero_wam_policy.py) ---------------
+
+    def _without_chunk(self, session: ServedSession, call: EpisodeCall | None) -> StepResult | None:
+        """The result of a call that neither commits nor predicts (none in LingBot-VA's protocol)."""
+        return None
+
+    def _first_chunk(self, session: ServedSession) -> bool:
+        """The session's next chunk is its episode's first (its call brings one observation)."""
+        return session.episode.frame_start == 0
+
+    def _commit_request(self, session: ServedSession, frames: list[dict[str, np.ndarray]], actions: np.ndarray) -> CommitRequest:
+        return CommitRequest(session.episode, frames, actions)
+
+    def _infer_request(self, session: ServedSession, observation: RobotObservation, frames) -> InferRequest:
+        call = observation.episode
+        video_g = call.video_guidance_scale if call is not None else None
+        action_g = call.action_guidance_scale if call is not None else None
+        return InferRequest(session.episode, frames, video_g, action_g, observation.continuation)
+
+    def _chunk_info(self, session: ServedSession, kind: str) -> ChunkInfo:
+        """What the reply says of the chunk just predicted."""
+        served = session.episode.last  # its chunk_id, frozen rows, continuation; the episode's first chunk at 0
+        return ChunkInfo(served.chunk_id, served.frozen, served.continuation, kind, self.per_frame if served.position == 0 else 0)
 
     def _begin(self, session: ServedSession, observation: RobotObservation) -> None:
         """A session's first step begins its episode (the prompt's K/V, the window, the generator seeded)."""

@@ -25,9 +25,28 @@ from typing import Any
 
 import torch
 
-from ardiff_policies.lingbot_va.episode_logic import EpisodeError
+from ardiff_policies.lingbot_va.episode_io import EpisodeError
 
 _FLAT_KEYS = ("latent_num_frames", "latent_height", "latent_width")
+
+
+@dataclass(frozen=True)
+class DemonstrationGeometry:
+    """What sizes a served demonstration: its latent frame (upstream resizes a human video to ``icl_height`` x
+    ``icl_width``, 320x480 on RoboTwin: latents 20x30, 150 tokens a frame), the most latent frames a session pins (a
+    serving bound, :class:`DemonstrationStore`'s; upstream has none) and the row offset of its RoPE positions."""
+
+    latent_size: tuple[int, int] = (20, 30)
+    max_frames: int = 32
+    rope_row_offset: int = 24  # upstream's icl_rope_h: the demonstration sits below the robot's rows in RoPE space
+
+    @property
+    def tokens_per_frame(self) -> int:
+        return (self.latent_size[0] // 2) * (self.latent_size[1] // 2)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.max_frames * self.tokens_per_frame
 
 
 class DemonstrationError(EpisodeError):

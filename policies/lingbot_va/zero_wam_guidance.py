@@ -20,7 +20,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from ardiff_policies.lingbot_va.episode_logic import MAX_GUIDANCE, EpisodeError
+from ardiff_policies.lingbot_va.episode_io import MAX_GUIDANCE, EpisodeError
 
 
 class GuidanceMode(enum.Enum):

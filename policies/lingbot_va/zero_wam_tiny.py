@@ -20,7 +20,9 @@ import torch
 from safetensors.torch import save_file
 
 from ardiff_policies.lingbot_va import tiny
+from ardiff_policies.lingbot_va.embodiments import ZERO_WAM_ROBOTWIN
 from ardiff_policies.lingbot_va.zero_wam_checkpoint import ZeroWAMConfig
+from ardiff_policies.lingbot_va.zero_wam_demonstration import DemonstrationGeometry
 from ardiff_policies.lingbot_va.zero_wam_model import CROSS_ALIASES, ZeroWAMTransformer, alias_tensors, dropped_tensors
 from ardiff_policies.wan.tiny import cache_root, ensure_generated, init_tensor, write_json
 
@@ -37,6 +39,18 @@ TINY_ZERO_WAM = ZeroWAMConfig(
     mcp_blocks_per_group=1,
     mcp_hidden_collect_layers=(0, 1),
 )
+
+# Zero-WAM's RoboTwin at toy size: three 32x64 cameras side by side (a 2x12 latent frame, 6 tokens), 2-frame chunks of
+# 16 actions (pages of gcd(12, 32) = 4 tokens: a chunk's video 3 pages, its actions 8), 2 video and 2 action steps;
+# the window is the tiny transformer's (4 frame ids: two chunks).
+TINY_ZERO_WAM_EMBODIMENT = dataclasses.replace(
+    ZERO_WAM_ROBOTWIN, height=32, width=64, attn_window=TINY_ZERO_WAM.attn_window, num_inference_steps=2, action_num_inference_steps=2
+)
+# Demonstrations at toy size: 4x4 latent frames (4 tokens, one page), at most 4 of them.
+TINY_DEMONSTRATIONS = DemonstrationGeometry(latent_size=(4, 4), max_frames=4)
+# builtin:tiny's demonstration root: id -> (latent frames, whether the file carries its own text)
+TINY_DEMONSTRATION_IDS = {"tiny/wave": (2, True), "tiny/stack_blocks/episode0": (3, False)}
+TINY_DEMONSTRATION_SEED = 37
 
 
 def tiny_zero_wam_state(cfg: ZeroWAMConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -78,3 +92,25 @@ def ensure_tiny_zero_wam_checkpoint(path: str | Path | None = None) -> Path:
     """The tiny checkpoint's directory, generated on first use (safe across processes)."""
     target = Path(path) if path is not None else default_cache_dir()
     return ensure_generated(target, "transformer/config.json", write_tiny_zero_wam_checkpoint)
+
+
+def write_tiny_demonstrations(out: str | Path, cfg: ZeroWAMConfig = TINY_ZERO_WAM) -> Path:
+    """``builtin:tiny``'s demonstration root: a ``.pth`` per id in upstream's layout (``latent`` (1, 48, F, 4, 4),
+    optionally ``text_emb`` (T, text_dim)), seeded draws."""
+    out = Path(out)
+    generator = torch.Generator().manual_seed(TINY_DEMONSTRATION_SEED)
+    h, w = TINY_DEMONSTRATIONS.latent_size
+    for demo_id, (frames, with_text) in sorted(TINY_DEMONSTRATION_IDS.items()):
+        item = {"latent": torch.randn(1, 48, frames, h, w, generator=generator)}
+        if with_text:
+            item["text_emb"] = torch.randn(7, cfg.base.text_dim, generator=generator)
+        path = out / f"{demo_id}.pth"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(item, path)
+    return out
+
+
+def ensure_tiny_demonstrations(path: str | Path | None = None) -> Path:
+    """``builtin:tiny``'s demonstration root, generated on first use."""
+    target = Path(path) if path is not None else cache_root() / f"tiny-zero-wam-demonstrations-v{TINY_ZERO_WAM_VERSION}-{definition_digest()}"
+    return ensure_generated(target, f"{next(iter(sorted(TINY_DEMONSTRATION_IDS)))}.pth", write_tiny_demonstrations)

@@ -84,15 +84,15 @@ def test_libero_actions_are_channels_0_to_6_and_the_gripper_round_trips(policy):
     zero row. The gripper's quantiles are -1 / 1, so its denormalization is the identity within 1e-6."""
     rng = np.random.default_rng(0)
     model_out = torch.from_numpy(rng.uniform(-1, 1, (1, 30, 4, 4, 1)).astype(np.float32))
-    sent = policy._denormalize(model_out)
+    sent = policy.denormalize_actions(model_out)
     assert sent.shape == (7, 4, 4)
     q01, q99 = np.array(LIBERO.q01[:7]).reshape(7, 1, 1), np.array(LIBERO.q99[:7]).reshape(7, 1, 1)
     np.testing.assert_allclose(sent, (model_out[0, :7, ..., 0].numpy() + 1) / 2 * (q99 - q01 + 1e-6) + q01, atol=1e-6)
     np.testing.assert_allclose(sent[6], model_out[0, 6, ..., 0].numpy(), atol=2e-6)
     noisy = model_out.clone()
     noisy[:, 7:] = 1e3  # unused channels: whatever the model puts there is not sent
-    np.testing.assert_array_equal(policy._denormalize(noisy), sent)
-    back = policy._normalize(sent)
+    np.testing.assert_array_equal(policy.denormalize_actions(noisy), sent)
+    back = policy.normalize_actions(sent)
     assert back.shape == (1, 30, 4, 4, 1)
     np.testing.assert_allclose(back[0, :7, ..., 0].numpy(), model_out[0, :7, ..., 0].numpy(), atol=1e-5)
     assert (back[0, 7:] == -1).all()  # the zero row normalized with zero quantiles; the commit zeroes these channels

@@ -153,3 +153,34 @@ def test_lingbot_va_synthetic_released_spec_is_the_5b():
     assert (spec.transformer.num_layers, spec.transformer.dim, spec.transformer.ffn_dim, spec.text["d_model"]) == (2, 3072, 14336, 4096)
     with pytest.raises(ValueError, match="layers=31"):
         parse_spec("synthetic:released,layers=31")
+
+
+def test_zero_wam_family_runs_episodes_with_a_pinned_demonstration_and_batches_at_reduced_size(gpu_check):
+    """``--family zero_wam``: the device run's Zero-WAM path (synthetic:released there, a 32-frame demonstration pinned)
+    at reduced size: every episode in-context guided, batches of sessions."""
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        report = gpu_check.main(["--family", "zero_wam", "--calls", "3", "--batches", "2"])
+    assert report["family"] == "zero_wam" and report["checkpoint"] == "synthetic:tiny" and report["embodiment"] == "tiny_robotwin"
+    assert report["guidance"] == ["in-context"]
+    assert len(report["episode"]["calls_ms"]) == 3 and report["batches"][2]["chunks_per_s"] > 0
+    assert "memory_plan_gib" not in report  # the plan models the released networks only
+
+
+def test_zero_wams_full_size_run_is_planned_from_the_served_spec(gpu_check):
+    """What the device run would reserve and hold its peak against, without building the model: the released
+    transformer's served spec, a 32-frame demonstration at 20x30 pinned, the plan of the released networks."""
+    import argparse
+
+    import torch
+
+    from ardiff_policies.lingbot_va.synthetic import parse_spec
+
+    args = argparse.Namespace(checkpoint="synthetic:released")
+    budget, plan, section, first = gpu_check.zero_wam_setup(args, "robotwin", parse_spec("synthetic:released"), torch.bfloat16, 2, 2)
+    assert section["name"] == "zero_wam" and first.start.demonstration_id == "bound"
+    latent = torch.load(f"{section['demonstration_root']}/bound.pth", weights_only=True)["latent"]
+    assert tuple(latent.shape) == (1, 48, 32, 20, 30)
+    assert 2 * plan.kv_session / 2**30 < budget < 2 * plan.kv_session / 2**30 + 3  # two sessions, scratch and undo room

@@ -165,3 +165,45 @@ def test_the_one_entry_point_decides_whose_message_a_frame_is():
         frame_of({"obs": frame()}, other)
     with pytest.raises(ProtocolError, match="over the limit of 64 bytes"):  # the codec's bounds come first
         decode_frame(pack({"obs": frame()}), DecodeLimits(max_message_bytes=64), info, max_request_pixels="auto", continuation_refused=None)
+
+
+def test_demonstration_keys_reach_only_a_policy_that_takes_a_demonstration():
+    """Zero-WAM's reset keys (upstream's use_icl / icl_demo_id / guidance) on its RoboTwin wire and on an OpenPI
+    session's first call; refused by name (never ignored) by a policy that takes none; server-side paths always."""
+    from ardiff_policies.embodiment import ObservationSchema
+    from ardiff_policies.episode import EpisodeCall, EpisodeStart
+    from ardiff_server.wire.decode import decode_request
+
+    reset = {"reset": True, "prompt": "x", "use_icl": True, "icl_demo_id": "task/episode0", "video_guidance_scale": -1, "icl_guidance_scale": 5}
+    request = decode_lingbot_va(unpack(pack(reset)), CAMERAS, demonstrations=True)
+    assert request.kind == "reset" and request.start == EpisodeStart(True, "task/episode0", -1.0, 5.0)
+    plain = decode_lingbot_va(unpack(pack({"reset": True, "prompt": "x", "icl_demo_id": "a"})), CAMERAS, demonstrations=True)
+    assert plain.start == EpisodeStart(True, "a")  # upstream's server: use_icl defaults to true
+    for bad, match in (
+        ({"icl_latent_path": "/srv/x.pth"}, "icl_latent_path: server-side paths are not taken"),
+        ({"use_icl": 1}, "use_icl: expected true or false"),
+        ({"icl_demo_id": 7}, "icl_demo_id: expected a demonstration's id"),
+        ({"icl_demo_id": "a" * 513}, "icl_demo_id: expected at most 512 characters"),
+        ({"icl_guidance_scale": "5"}, "icl_guidance_scale: expected a number"),
+    ):
+        with pytest.raises(RequestError, match=match):
+            decode_lingbot_va(unpack(pack({**reset, **bad})), CAMERAS, demonstrations=True)
+    with pytest.raises(RequestError, match="use_icl: this server's policy takes no demonstration"):
+        decode(reset)  # LingBot-VA
+    commit = decode_lingbot_va(unpack(pack({"obs": [frame()] * 4, "compute_kv_cache": True})), CAMERAS, demonstrations=True)
+    assert commit.observation.episode == EpisodeCall("compute_kv_cache")  # Zero-WAM's state: optional, never read
+
+    schema = ObservationSchema("zero_wam_tiny_robotwin", CAMERAS, (), ((8, 12),) * 3)
+    images = {f"observation/{c}": np.zeros((8, 12, 3), np.uint8) for c in CAMERAS}
+
+    def openpi(**extra):
+        return unpack(pack({**images, "session_id": "a", "prompt": "x", **extra}))
+
+    first = decode_request(openpi(icl_demo_id="task/episode0", icl_guidance_scale=4), schema, demonstrations=True)
+    assert first.observation.episode == EpisodeCall("chunk", start=EpisodeStart(None, "task/episode0", None, 4.0))
+    assert decode_request(openpi(), schema, demonstrations=True).observation.episode is None
+    with pytest.raises(RequestError, match="action_guidance_scale: this server's policy takes no action guidance"):
+        decode_request(openpi(action_guidance_scale=2.0), schema, demonstrations=True)
+    for key in ("icl_demo_id", "use_icl", "icl_guidance_scale"):
+        with pytest.raises(RequestError, match=f"{key}: this server's policy takes no demonstration"):
+            decode_request(openpi(**{key: True if key == "use_icl" else "x" if key == "icl_demo_id" else 2.0}), schema, guidance=True)

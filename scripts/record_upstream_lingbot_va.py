@@ -259,9 +259,9 @@ def upstream_server(path: Path, checkpoint: Path, embodiment: Any, save_root: Pa
     srv.cache_name, srv.job_config, srv.save_root = "pos", config, config.save_root
     srv.dtype, srv.device = torch.float32, torch.device("cpu")
     srv.scheduler = FlowMatchScheduler(shift=e.snr_shift, sigma_min=0.0, extra_one_step=True)
-    srv.action_sampler = FlowMatchScheduler(shift=e.action_snr_shift, sigma_min=0.0, extra_one_step=True)
+    srv.action_scheduler = FlowMatchScheduler(shift=e.action_snr_shift, sigma_min=0.0, extra_one_step=True)  # upstream's name
     srv.scheduler.set_timesteps(1000, training=True)
-    srv.action_sampler.set_timesteps(1000, training=True)
+    srv.action_scheduler.set_timesteps(1000, training=True)
     srv.vae = load_vae(str(checkpoint / "vae"), torch_dtype=torch.float32, torch_device="cpu")
     srv.streaming_vae = WanVAEStreamingWrapper(srv.vae)
     srv.tokenizer = AutoTokenizer.from_pretrained(checkpoint / "tokenizer")

@@ -206,9 +206,10 @@ def camera_frame(seed: int, size: tuple[int, int]) -> Any:
     return fine.round().clamp(0, 255).to(torch.uint8)[0].permute(1, 2, 0).numpy()
 
 
-def observation(cameras: Sequence[str], seed: int) -> dict[str, Any]:
-    """One formatted observation, as the RoboTwin client's ``format_obs`` builds it (images only are read)."""
-    size = tuple(POLICY["camera_size"])
+def observation(cameras: Sequence[str], seed: int, size: Sequence[int] | None = None) -> dict[str, Any]:
+    """One formatted observation, as the RoboTwin client's ``format_obs`` builds it (images only are read): camera i is
+    ``camera_frame(seed * 10 + i, size)`` (default: the policy episode's camera size)."""
+    size = tuple(size or POLICY["camera_size"])
     return {camera: camera_frame(seed * 10 + i, size) for i, camera in enumerate(cameras)}
 
 
@@ -216,22 +217,15 @@ def key_frames(cameras: Sequence[str], chunk: int, count: int) -> list[dict[str,
     return [observation(cameras, 1000 * (chunk + 1) + k) for k in range(count)]
 
 
-def upstream_server(path: Path, checkpoint: Path, embodiment: Any, save_root: Path) -> Any:
-    """upstream's VA_Server with its __init__'s components, on the CPU in float32 (see the module docstring)."""
+def job_config(e: Any, save_root: Path, dtype: torch.dtype = torch.float32) -> Any:
+    """The keys of upstream's ``va_*_cfg.py`` its server reads, from an embodiment (an EasyDict, as upstream's configs)."""
     from easydict import EasyDict
-    from transformers import AutoTokenizer
 
-    sys.path.insert(0, str(path / "wan_va"))
-    import wan_va_server
-    from modules.utils import WanVAEStreamingWrapper, load_text_encoder, load_transformer, load_vae
-    from utils import FlowMatchScheduler
-
-    e = embodiment
     used = list(e.used_action_channel_ids)
     inverse = [len(used)] * e.action_dim
     for i, j in enumerate(used):
         inverse[j] = i
-    config = EasyDict(
+    return EasyDict(
         env_type=e.layout,
         height=e.height,
         width=e.width,
@@ -252,26 +246,46 @@ def upstream_server(path: Path, checkpoint: Path, embodiment: Any, save_root: Pa
         action_norm_method="quantiles",
         norm_stat={"q01": list(e.q01), "q99": list(e.q99)},
         patch_size=(1, 2, 2),
-        param_dtype=torch.float32,
+        param_dtype=dtype,
         save_root=str(save_root),
     )
+
+
+def load_components(srv: Any, checkpoint: Path, modules_utils: Any, layout: str, dtype: torch.dtype = torch.float32) -> None:
+    """What upstream's ``VA_Server.__init__`` loads besides the transformer and the schedulers, on the CPU in ``dtype``
+    (``modules_utils``: upstream's ``wan_va/modules/utils.py``): the VAE twice for the T layout, its streaming
+    wrappers, the text encoder, and the tiny tokenizer through ``AutoTokenizer`` (see the module docstring)."""
+    from transformers import AutoTokenizer
+
+    srv.vae = modules_utils.load_vae(str(checkpoint / "vae"), torch_dtype=dtype, torch_device="cpu")
+    srv.streaming_vae = modules_utils.WanVAEStreamingWrapper(srv.vae)
+    srv.tokenizer = AutoTokenizer.from_pretrained(checkpoint / "tokenizer")
+    srv.text_encoder = modules_utils.load_text_encoder(str(checkpoint / "text_encoder"), torch_dtype=dtype, torch_device="cpu")
+    srv.env_type = layout
+    srv.streaming_vae_half = None
+    if layout == "robotwin_tshape":
+        vae_half = modules_utils.load_vae(str(checkpoint / "vae"), torch_dtype=dtype, torch_device="cpu")
+        srv.streaming_vae_half = modules_utils.WanVAEStreamingWrapper(vae_half)
+
+
+def upstream_server(path: Path, checkpoint: Path, embodiment: Any, save_root: Path) -> Any:
+    """upstream's VA_Server with its __init__'s components, on the CPU in float32 (see the module docstring)."""
+    sys.path.insert(0, str(path / "wan_va"))
+    import wan_va_server
+    from modules import utils as modules_utils
+    from utils import FlowMatchScheduler
+
+    e = embodiment
+    config = job_config(e, save_root)
     srv = object.__new__(wan_va_server.VA_Server)
     srv.cache_name, srv.job_config, srv.save_root = "pos", config, config.save_root
     srv.dtype, srv.device = torch.float32, torch.device("cpu")
     srv.scheduler = FlowMatchScheduler(shift=e.snr_shift, sigma_min=0.0, extra_one_step=True)
-    srv.action_sampler = FlowMatchScheduler(shift=e.action_snr_shift, sigma_min=0.0, extra_one_step=True)
+    srv.action_scheduler = FlowMatchScheduler(shift=e.action_snr_shift, sigma_min=0.0, extra_one_step=True)  # upstream's name
     srv.scheduler.set_timesteps(1000, training=True)
-    srv.action_sampler.set_timesteps(1000, training=True)
-    srv.vae = load_vae(str(checkpoint / "vae"), torch_dtype=torch.float32, torch_device="cpu")
-    srv.streaming_vae = WanVAEStreamingWrapper(srv.vae)
-    srv.tokenizer = AutoTokenizer.from_pretrained(checkpoint / "tokenizer")
-    srv.text_encoder = load_text_encoder(str(checkpoint / "text_encoder"), torch_dtype=torch.float32, torch_device="cpu")
-    srv.transformer = load_transformer(str(checkpoint / "transformer"), torch_dtype=torch.float32, torch_device="cpu").eval()
-    srv.env_type = e.layout
-    srv.streaming_vae_half = None
-    if e.layout == "robotwin_tshape":
-        vae_half = load_vae(str(checkpoint / "vae"), torch_dtype=torch.float32, torch_device="cpu")
-        srv.streaming_vae_half = WanVAEStreamingWrapper(vae_half)
+    srv.action_scheduler.set_timesteps(1000, training=True)
+    load_components(srv, checkpoint, modules_utils, e.layout)
+    srv.transformer = modules_utils.load_transformer(str(checkpoint / "transformer"), torch_dtype=torch.float32, torch_device="cpu").eval()
     return srv
 
 
@@ -296,11 +310,7 @@ def record_policy(path: Path, checkpoint: Path, save_root: Path, out: dict[str, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--upstream", type=Path, required=True, help="a checkout (or git archive) of Robbyant/lingbot-va")
-    parser.add_argument("--commit", default="unknown", help="upstream commit the checkout is at (written to the JSON)")
-    parser.add_argument("--out", type=Path, default=OUT_DIR, help=f"folder for {NAME}.safetensors / .json (default: %(default)s)")
-    args = parser.parse_args()
+    args = arguments(__doc__, NAME, "a checkout (or git archive) of Robbyant/lingbot-va")
     import diffusers
 
     from ardiff_policies.lingbot_va.tiny import write_tiny_checkpoint
@@ -370,6 +380,17 @@ def main() -> None:
             "policy": policy,
         }
     write_reference(args.out, NAME, out, meta)
+
+
+def arguments(doc: str, name: str, upstream: str, commit: bool = True) -> argparse.Namespace:
+    """A recorder's command line: ``--upstream`` (``upstream`` says what it is), ``--commit`` (when the checkout is at
+    one commit), ``--out`` (default: tests/reference_data)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--upstream", type=Path, required=True, help=upstream)
+    if commit:
+        parser.add_argument("--commit", default="unknown", help="upstream commit the checkout is at (written to the JSON)")
+    parser.add_argument("--out", type=Path, default=OUT_DIR, help=f"folder for {name}.safetensors / .json (default: %(default)s)")
+    return parser.parse_args()
 
 
 def write_reference(out_dir: Path, name: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:

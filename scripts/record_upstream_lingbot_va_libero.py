@@ -31,7 +31,6 @@ Usage (upstream's LIBERO code is in its history from c479967 on; 58c2ae5 is the 
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -39,8 +38,6 @@ from typing import Any
 import record_upstream_lingbot_va  # scripts/, this script's folder: its upstream server builder, frames, writer
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-OUT_DIR = REPO / "tests" / "reference_data"
 NAME = "upstream_lingbot_va_libero_tiny"
 CAMERA_SIZE = (128, 128)  # the client's env_args camera_heights / camera_widths
 FRAMES_PER_LATENT = 4
@@ -53,7 +50,7 @@ SEED = 0  # tiny_lingbot_va_libero's policy.seed
 
 def libero_frame(cameras: tuple[str, ...], seed: int) -> dict[str, Any]:
     """One observation as the client's ``_extract_obs`` builds it: each camera (128, 128, 3) uint8."""
-    return {camera: record_upstream_lingbot_va.camera_frame(seed * 10 + i, CAMERA_SIZE) for i, camera in enumerate(cameras)}
+    return robotwin.observation(cameras, seed, CAMERA_SIZE)
 
 
 def episode_frames(cameras: tuple[str, ...], episode: dict[str, Any], chunk: int, count: int) -> list[dict[str, Any]]:
@@ -94,11 +91,7 @@ def record(path: Path, checkpoint: Path, save_root: Path, out: dict[str, torch.T
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--upstream", type=Path, required=True, help="a checkout (or git archive) of Robbyant/lingbot-va with LIBERO (c479967 on)")
-    parser.add_argument("--commit", default="unknown", help="upstream commit the checkout is at (written to the JSON)")
-    parser.add_argument("--out", type=Path, default=OUT_DIR, help=f"folder for {NAME}.safetensors / .json (default: %(default)s)")
-    args = parser.parse_args()
+    args = robotwin.arguments(__doc__, NAME, "a checkout (or git archive) of Robbyant/lingbot-va with LIBERO (c479967 on)")
     import dataclasses
 
     import diffusers

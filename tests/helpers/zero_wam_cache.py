@@ -30,6 +30,14 @@ def sees(query_kind: str, query_seq: int, query_frame: int, key: Entry, window: 
     return key.seq == query_seq and in_window
 
 
+def clear_prediction_cache(entries: list[Entry], window: int) -> list[Entry]:
+    """Upstream's ``clear_prediction_cache(window)``: the predictions go; with ``window > 0`` only the observations
+    within ``window`` frames of the next frame (the newest observed frame + 1) stay; the in-context block always stays."""
+    observed = [e.frame for e in entries if e.cache_type == OBSERVATION]
+    next_frame = max(observed) + 1 if observed else 0
+    return [e for e in entries if e.cache_type == ICL or (e.cache_type == OBSERVATION and (window <= 0 or abs(e.frame - next_frame) <= window))]
+
+
 @dataclass
 class Episode:
     window: int
@@ -56,13 +64,7 @@ class Episode:
         for seq in self.halves:
             self.entries.append(Entry(VIDEO, OBSERVATION, seq, 2 * self.chunk, self.chunk))
         self.entries.append(Entry(ACTION, OBSERVATION, 0, 2 * self.chunk + 1, self.chunk))  # the action history: half 0
-        observed = [e.frame for e in self.entries if e.cache_type == OBSERVATION]
-        next_frame = max(observed) + 1
-        self.entries = [
-            e
-            for e in self.entries
-            if e.cache_type == ICL or (e.cache_type == OBSERVATION and (self.window <= 0 or abs(e.frame - next_frame) <= self.window))
-        ]
+        self.entries = clear_prediction_cache(self.entries, self.window)
         self.chunk += 1
 
     def visible(self, query_kind: str, seq: int) -> list[Entry]:

@@ -50,7 +50,7 @@ SEED = 0  # tiny_lingbot_va_libero's policy.seed
 
 def libero_frame(cameras: tuple[str, ...], seed: int) -> dict[str, Any]:
     """One observation as the client's ``_extract_obs`` builds it: each camera (128, 128, 3) uint8."""
-    return robotwin.observation(cameras, seed, CAMERA_SIZE)
+    return record_upstream_lingbot_va.observation(cameras, seed, CAMERA_SIZE)
 
 
 def episode_frames(cameras: tuple[str, ...], episode: dict[str, Any], chunk: int, count: int) -> list[dict[str, Any]]:
@@ -91,7 +91,7 @@ def record(path: Path, checkpoint: Path, save_root: Path, out: dict[str, torch.T
 
 
 def main() -> None:
-    args = robotwin.arguments(__doc__, NAME, "a checkout (or git archive) of Robbyant/lingbot-va with LIBERO (c479967 on)")
+    args = record_upstream_lingbot_va.arguments(__doc__, NAME, "a checkout (or git archive) of Robbyant/lingbot-va with LIBERO (c479967 on)")
     import dataclasses
 
     import diffusers

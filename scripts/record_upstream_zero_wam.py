@@ -81,7 +81,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import record_upstream_lingbot_va as lingbot  # scripts/, this script's folder: inputs, frames, server parts, writer
+import record_upstream_lingbot_va  # scripts/, this script's folder: inputs, frames, server parts, writer
 import torch
 
 NAME = "upstream_zero_wam_tiny"
@@ -252,19 +252,19 @@ def action_output(out: torch.Tensor, frames: int) -> torch.Tensor:
 def demonstration(spec: dict[str, Any], channels: int, text_dim: int) -> dict[str, Any]:
     """A demonstration ``.pth`` item in upstream's format (``latent``, optionally ``text_emb`` (T, text_dim)), drawn from
     ``spec["seed"]``: latent (1, C, F, H, W) seed, text seed + 1; layout "f h w c" stores it permuted (F, H, W, C)."""
-    latent = lingbot.randn((1, channels, spec["frames"], spec["height"], spec["width"]), spec["seed"])
+    latent = record_upstream_lingbot_va.randn((1, channels, spec["frames"], spec["height"], spec["width"]), spec["seed"])
     item: dict[str, Any] = {"latent": latent}
     if spec.get("layout") == "f h w c":
         item = {"latent": latent[0].permute(1, 2, 3, 0).contiguous(), "latent_layout": "f h w c"}
     if spec.get("text_tokens"):
-        item["text_emb"] = lingbot.randn((spec["text_tokens"], text_dim), spec["seed"] + 1)
+        item["text_emb"] = record_upstream_lingbot_va.randn((spec["text_tokens"], text_dim), spec["seed"] + 1)
     return item
 
 
 def demo_record(item: dict[str, Any], path: Path) -> dict[str, str]:
-    out = {"file": hashlib.sha256(path.read_bytes()).hexdigest(), "latent": lingbot.sha(item["latent"])}
+    out = {"file": hashlib.sha256(path.read_bytes()).hexdigest(), "latent": record_upstream_lingbot_va.sha(item["latent"])}
     if "text_emb" in item:
-        out["text_emb"] = lingbot.sha(item["text_emb"])
+        out["text_emb"] = record_upstream_lingbot_va.sha(item["text_emb"])
     return out
 
 
@@ -277,14 +277,14 @@ def single_forwards(up, model, srv, text, out: dict[str, torch.Tensor], prefix: 
     set_text(srv, text, icl_cfg=False, dtype=srv.dtype)
     srv.chunk_idx = s["chunk"]
     srv.job_config.frame_chunk_size = s["frames"]
-    x = lingbot.randn((1, model.config.in_channels, s["frames"], s["height"], s["width"]), s["seed"])
-    inputs["single.video"] = lingbot.sha(x)
+    x = record_upstream_lingbot_va.randn((1, model.config.in_channels, s["frames"], s["height"], s["width"]), s["seed"])
+    inputs["single.video"] = record_upstream_lingbot_va.sha(x)
     d = srv._prepare_icl_stream(x.to(srv.dtype), s["t"], "video", up.icl.PREDICTION_CACHE_TYPE)
     d["latent_res_lst"]["timesteps"][:: s["frames"]] = 0  # the first latent frame clean in both halves
     y = model(d, update_cache=0, cache_name="pos", mode="forward_latent_only")
     out[f"{prefix}single.video"] = video_output(up, y, 2, (s["frames"], s["height"], s["width"]))
-    a = lingbot.randn((1, model.config.action_dim, s["frames"], s["actions_per_frame"], 1), s["seed"] + 1)
-    inputs["single.action"] = lingbot.sha(a)
+    a = record_upstream_lingbot_va.randn((1, model.config.action_dim, s["frames"], s["actions_per_frame"], 1), s["seed"] + 1)
+    inputs["single.action"] = record_upstream_lingbot_va.sha(a)
     d = srv._prepare_icl_stream(a.to(srv.dtype), s["t"], "action", up.icl.PREDICTION_CACHE_TYPE)
     y = model(d, update_cache=0, cache_name="pos", mode="forward_action_only")
     out[f"{prefix}single.action"] = action_output(y, s["frames"])
@@ -324,10 +324,10 @@ def call_input(call: dict[str, Any], channels: int, action_dim: int) -> torch.Te
     e = EPISODE
     if call["kind"] == "icl":
         d = e["demo"]
-        return lingbot.randn((1, channels, d["frames"], d["height"], d["width"]), d["seed"])
+        return record_upstream_lingbot_va.randn((1, channels, d["frames"], d["height"], d["width"]), d["seed"])
     if call["kind"] == "video":
-        return lingbot.randn((1, channels, e["frames"], e["height"], e["width"]), call["seed"])
-    return lingbot.randn((1, action_dim, e["frames"], e["actions_per_frame"], 1), call["seed"])
+        return record_upstream_lingbot_va.randn((1, channels, e["frames"], e["height"], e["width"]), call["seed"])
+    return record_upstream_lingbot_va.randn((1, action_dim, e["frames"], e["actions_per_frame"], 1), call["seed"])
 
 
 def episode_forwards(up, model, srv, text, calls, demo_root: Path, out, prefix: str, inputs: dict[str, str]) -> None:
@@ -340,7 +340,7 @@ def episode_forwards(up, model, srv, text, calls, demo_root: Path, out, prefix: 
     size = (e["frames"], e["height"], e["width"])
     for n, call in enumerate(calls):
         x = call_input(call, model.config.in_channels, model.config.action_dim)
-        inputs[f"episode.{n}"] = lingbot.sha(x)
+        inputs[f"episode.{n}"] = record_upstream_lingbot_va.sha(x)
         srv.chunk_idx = call["chunk"]
         if call["kind"] == "icl":  # _cache_icl_context, reading the .pth as upstream does, output kept by a hook
             seen: list[torch.Tensor] = []
@@ -373,7 +373,7 @@ def episode_forwards(up, model, srv, text, calls, demo_root: Path, out, prefix: 
 
 def upstream_server(up, checkpoint: Path, e: Any, save_root: Path) -> Any:
     """upstream's VA_Server with its __init__'s components, on the CPU in float32 (see the module docstring)."""
-    config = lingbot.job_config(e, save_root)
+    config = record_upstream_lingbot_va.job_config(e, save_root)
     config.update(icl_rope_h=ICL_ROPE_H, icl_guidance_scale=5.0, use_icl_model=True)
     srv = object.__new__(up.server.VA_Server)
     srv.cache_name, srv.job_config, srv.save_root = "pos", config, config.save_root
@@ -382,7 +382,7 @@ def upstream_server(up, checkpoint: Path, e: Any, save_root: Path) -> Any:
     srv.action_scheduler = up.utils.FlowMatchScheduler(shift=e.action_snr_shift, sigma_min=0.0, extra_one_step=True)
     srv.scheduler.set_timesteps(1000, training=True)
     srv.action_scheduler.set_timesteps(1000, training=True)
-    lingbot.load_components(srv, checkpoint, up.modules_utils, e.layout)
+    record_upstream_lingbot_va.load_components(srv, checkpoint, up.modules_utils, e.layout)
     srv.empty_text_emb = None  # the tiny config names no empty_text_emb_path: the negative text is UMT5's ""
     srv.use_icl_model = True
     srv.transformer = upstream_transformer(up, checkpoint, torch.float32)
@@ -391,7 +391,7 @@ def upstream_server(up, checkpoint: Path, e: Any, save_root: Path) -> Any:
 
 def frames(cameras, episode: dict[str, Any], chunk: int, count: int) -> list[dict[str, Any]]:
     """The key frames the 'simulator' renders while a chunk executes (seeded by episode, chunk, frame)."""
-    return [lingbot.observation(cameras, episode["frame_seed"] * 1000 + 100 * chunk + k, CAMERA_SIZE) for k in range(count)]
+    return [record_upstream_lingbot_va.observation(cameras, episode["frame_seed"] * 1000 + 100 * chunk + k, CAMERA_SIZE) for k in range(count)]
 
 
 def frame_hashes(obs: list[dict[str, Any]]) -> list[str]:
@@ -416,7 +416,7 @@ def serve(up, checkpoint: Path, demo_root: Path, save_root: Path, out: dict[str,
         srv.infer(reset)
         log.append({"episode": n, "message": "reset", **{k: v for k, v in reset.items() if k != "reset"}, "use_icl_cfg": srv.use_icl_cfg})
         torch.manual_seed(SEED)
-        first = lingbot.observation(e.cameras, episode["frame_seed"], CAMERA_SIZE)
+        first = record_upstream_lingbot_va.observation(e.cameras, episode["frame_seed"], CAMERA_SIZE)
         for chunk in range(episode["chunks"]):
             message = {"obs": first, "prompt": episode["prompt"], "save_visualization": True}
             message |= {k: episode[k] for k in ("video_guidance_scale", "action_guidance_scale")}
@@ -433,7 +433,7 @@ def serve(up, checkpoint: Path, demo_root: Path, save_root: Path, out: dict[str,
 
 
 def main() -> None:
-    args = lingbot.arguments(__doc__, NAME, "upstream's tree, reassembled as the usage above says", commit=False)
+    args = record_upstream_lingbot_va.arguments(__doc__, NAME, "upstream's tree, reassembled as the usage above says", commit=False)
     import diffusers
 
     from ardiff_policies.lingbot_va.zero_wam_tiny import TINY_ZERO_WAM, write_tiny_zero_wam_checkpoint
@@ -446,8 +446,8 @@ def main() -> None:
         tmp = Path(tmp)
         checkpoint = write_tiny_zero_wam_checkpoint(tmp / "tiny_zero_wam")
         cfg = TINY_ZERO_WAM.base
-        text = lingbot.text_embeddings(cfg.text_dim, seed=7)
-        inputs["text"] = lingbot.sha(text)
+        text = record_upstream_lingbot_va.text_embeddings(cfg.text_dim, seed=7)
+        inputs["text"] = record_upstream_lingbot_va.sha(text)
         demo_root = tmp / "demonstrations"
         os.environ["ICL_LATENT_ROOT"] = str(demo_root)  # upstream's resolve_icl_request reads <root>/<id>.pth
         demos: dict[str, Any] = {}
@@ -465,7 +465,7 @@ def main() -> None:
         video_timesteps = schedule(up, EPISODE["video_steps"], EPISODE["video_shift"])
         action_timesteps = schedule(up, EPISODE["action_steps"], EPISODE["action_shift"])
         calls = episode_calls(video_timesteps, action_timesteps)
-        config = lingbot.job_config(tiny_embodiment(), tmp / "visualization")
+        config = record_upstream_lingbot_va.job_config(tiny_embodiment(), tmp / "visualization")
         config.update(icl_rope_h=ICL_ROPE_H)
         for dtype, prefix in ((torch.float32, ""), (torch.bfloat16, "bf16.")):
             model = upstream_transformer(up, checkpoint, dtype)
@@ -496,8 +496,8 @@ def main() -> None:
             "diffusers": diffusers.__version__,
             "checkpoint_transformer_sha256": tree_digest(checkpoint / "transformer"),
             "checkpoint_sha256": tree_digest(checkpoint),
-            "text_tokens": lingbot.TEXT_TOKENS,
-            "prompt_tokens": list(lingbot.PROMPT_TOKENS),
+            "text_tokens": record_upstream_lingbot_va.TEXT_TOKENS,
+            "prompt_tokens": list(record_upstream_lingbot_va.PROMPT_TOKENS),
             "icl_rope_h": ICL_ROPE_H,
             "attn_window": TINY_ZERO_WAM.attn_window,
             "single": SINGLE,
@@ -528,7 +528,7 @@ def main() -> None:
                 "messages": log,
             },
         }
-    lingbot.write_reference(args.out, NAME, out, meta)
+    record_upstream_lingbot_va.write_reference(args.out, NAME, out, meta)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,14 @@ ELSEWHERE = {
     "evaluation/robotwin/eval_polict_client_openpi.py",
     "evaluation/robotwin/websocket_client_policy.py",
     "evaluation/robotwin/icl_reference.py",
+    "evaluation/robotwin/eval_policy_client_openpi.py",
+    "icl_reference.py",
+    "icl_model.py",
+    "human_data/robotwin/",
+    "wan_va/utils/logging.py",
+    "wan_va/distributed/fsdp.py",
+    "distributed/util.py",
+    "modules/utils.py",
     "evaluation/libero/client.py",
     "va_libero_cfg.py",
     "va_robotwin_cfg.py",
@@ -84,10 +92,6 @@ ELSEWHERE = {
     "/tmp/ray/session_latest/logs/serve/",
     "timings.json",  # a recording's file (server.record_dir), written per session
     "rollout.json",  # in ../shared/reference/upstream_dit_tiny/, the parity data outside the repository
-    # Zero-WAM's next step (docs/zero-wam.md "Not served yet" and "Serving it: the plan"): to be written
-    "configs/zero_wam_robotwin.yaml",
-    "scripts/record_upstream_zero_wam.py",
-    "zero_wam_episode.py",
 }
 
 PATH = re.compile(r"`([A-Za-z0-9_./\-]+?(?:\.(?:py|md|yaml|yml|sh|txt|toml|json)|/))`")

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from ardiff_policies.lingbot_va.model import video_grid
-from ardiff_policies.lingbot_va.tiny import tree_digest
 from ardiff_policies.lingbot_va.zero_wam_model import expert_action_grid, load_zero_wam_transformer
 from ardiff_policies.lingbot_va.zero_wam_tiny import ensure_tiny_zero_wam_checkpoint
+from ardiff_policies.wan.tiny import tree_digest
 from tests.helpers.lingbot_va import randn, sha, text_embeddings
 from tests.helpers.scripts import load_script
 from tests.helpers.zero_wam import ATOL, UpstreamCache, reference_or_skip

@@ -14,14 +14,18 @@ Here each connection is its own session. ``save_visualization`` / ``imagine`` / 
 accepted and unused (upstream's server does not read them either); ``prompt`` on an infer is the reset's (upstream
 reads the reset's). An infer may carry ``continuation`` (this server's real-time chunking, the OpenPI wire's field:
 ``{executed, delay, chunk_id}``, ``ardiff_policies.continuation``); its reply then says ``chunk_id`` / ``frozen`` /
-``continuation`` beside ``action``; a commit carrying one is refused by name (a commit continues nothing). A message is LingBot-VA's when it holds ``reset``, ``compute_kv_cache`` or ``obs`` and no OpenPI
+``continuation`` beside ``action``; a commit carrying one is refused by name (a commit continues nothing). An infer may
+carry ``num_inference_steps`` / ``action_num_inference_steps`` (this server's per-request denoising steps, the OpenPI
+wire's keys: ``ardiff_policies.inference_steps``), and so may a reset, for every infer of its episode that names
+none; a commit carrying one is refused by name (it denoises nothing). A message is LingBot-VA's when it holds ``reset``, ``compute_kv_cache`` or ``obs`` and no OpenPI
 ``observation/...`` key (:func:`is_lingbot_va_message`, asked by ``decode.py`` for a policy whose
 ``PolicyInfo.native_protocol`` is ``lingbot_va``); anything else is decoded as OpenPI's (``openpi.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -30,7 +34,14 @@ from ardiff_policies.continuation import Continuation
 from ardiff_policies.episode import EpisodeCall
 from ardiff_policies.observation import RobotObservation
 from ardiff_server.wire.budget import PixelBudget
-from ardiff_server.wire.fields import CONTINUATION_KEY, check_prompt_length, decode_actions_left, decode_continuation, decode_guidance_scale
+from ardiff_server.wire.fields import (
+    CONTINUATION_KEY,
+    check_prompt_length,
+    decode_actions_left,
+    decode_continuation,
+    decode_guidance_scale,
+    decode_inference_steps,
+)
 from ardiff_server.wire.images import MAX_FRAMES, MAX_IMAGE_SIDE
 from ardiff_server.wire.protocol import RequestError, short_repr
 
@@ -47,6 +58,8 @@ class LingBotVARequest:
     prompt: str | None = None  # reset: the episode's prompt
     observation: RobotObservation | None = None  # infer / compute_kv_cache (its prompt is filled in from the reset)
     actions_left_s: float | None = None  # infer: its continuation's seconds of actions left (the engine's deadline)
+    # reset: the episode's denoising steps (num_inference_steps / action_num_inference_steps), for each infer that names none
+    inference_steps: dict[str, int] = field(default_factory=dict)
 
 
 def is_lingbot_va_message(payload: Any) -> bool:
@@ -58,19 +71,25 @@ def is_lingbot_va_message(payload: Any) -> bool:
     )
 
 
-def decode_lingbot_va(payload: dict[str, Any], cameras: tuple[str, ...], budget: PixelBudget | None = None) -> LingBotVARequest:
+def decode_lingbot_va(
+    payload: dict[str, Any], cameras: tuple[str, ...], budget: PixelBudget | None = None, inference_steps: Collection[str] = ()
+) -> LingBotVARequest:
     """One of LingBot-VA's messages; ``cameras``: the served cameras' short names (``cam_high``, ...); ``budget``: the
-    server's per-request pixel budget (``budget.py``; the frames of every camera counted before any is stacked)."""
+    server's per-request pixel budget (``budget.py``; the frames of every camera counted before any is stacked);
+    ``inference_steps``: the per-request denoising step keys the policy takes (``PolicyInfo.inference_steps``)."""
+    steps = decode_inference_steps(payload, inference_steps)
     if _flag(payload, "reset"):
         prompt = payload.get("prompt")
         if not isinstance(prompt, str):
             raise RequestError(f"prompt: a reset needs the episode's prompt (a string), got {short_repr(prompt)}")
-        return LingBotVARequest("reset", prompt=check_prompt_length(prompt))
+        return LingBotVARequest("reset", prompt=check_prompt_length(prompt), inference_steps=steps)
     if "obs" not in payload:
         raise RequestError(f"obs: missing; expected the observation (or key frames) under 'obs', got keys {short_repr(sorted(payload)[:8])}")
     if _flag(payload, "compute_kv_cache"):
         if payload.get(CONTINUATION_KEY) is not None:
             raise RequestError(f"{CONTINUATION_KEY}: a compute_kv_cache commits what the robot saw and continues nothing; send it with the infer")
+        if steps:
+            raise RequestError(f"{next(iter(steps))}: a compute_kv_cache denoises nothing; send it with the infer (or the reset, for the episode)")
         state = payload.get("state")
         if not isinstance(state, np.ndarray) or state.dtype.kind not in "fiu" or state.ndim != 3:
             raise RequestError(f"state: expected the chunk's actions as a (channels, frames, actions per frame) array, got {short_repr(state)}")
@@ -82,7 +101,7 @@ def decode_lingbot_va(payload: dict[str, Any], cameras: tuple[str, ...], budget:
         decode_guidance_scale(payload, "action_guidance_scale"),
     )
     continuation = decode_continuation(payload.get(CONTINUATION_KEY))
-    observation = _observation(payload["obs"], cameras, call, budget, continuation)
+    observation = _observation(payload["obs"], cameras, call, budget, continuation, steps)
     return LingBotVARequest("infer", observation=observation, actions_left_s=decode_actions_left(payload.get(CONTINUATION_KEY)))
 
 
@@ -96,7 +115,12 @@ def _flag(payload: dict[str, Any], key: str) -> bool:
 
 
 def _observation(
-    obs: Any, cameras: tuple[str, ...], call: EpisodeCall, budget: PixelBudget | None, continuation: Continuation | None = None
+    obs: Any,
+    cameras: tuple[str, ...],
+    call: EpisodeCall,
+    budget: PixelBudget | None,
+    continuation: Continuation | None = None,
+    steps: dict[str, int] | None = None,
 ) -> RobotObservation:
     """``obs`` (one frame map, or a list of them) -> one (T, H, W, 3) stack per camera."""
     frames = obs if isinstance(obs, list) else [obs]
@@ -118,7 +142,7 @@ def _observation(
     if budget is not None:  # before any stack is copied
         budget.check((key, len(stack), *stack[0].shape[:2]) for key, stack in images.items())
     stacks = {name: np.stack(images[CAMERA_PREFIX + name]) for name in cameras}
-    return RobotObservation(cameras=stacks, states={}, prompt=None, episode=call, continuation=continuation)
+    return RobotObservation(cameras=stacks, states={}, prompt=None, episode=call, continuation=continuation, **(steps or {}))
 
 
 def _image(key: str, value: Any) -> np.ndarray:

@@ -2,7 +2,7 @@
 """Write docs/options.md, every config option with its type, default and one line, from the code.
 
 The sections are the pydantic models of ``ardiff_server/config.py`` (``server``, ``engine``, ``ray``)
-and each registered policy's config model (``policy`` with ``name: dreamzero`` / ``noop``). A field's
+and each registered policy's config model (``policy`` with ``name: dreamzero`` / ``lingbot_va`` / ``noop``). A field's
 line is its ``description=`` where it has one, else the comment on its line in the source, else the
 comment block right above it. ``tests/scripts/test_gen_options.py`` fails when the committed file
 differs from what this prints.
@@ -58,6 +58,7 @@ SECTIONS: list[tuple[str, str, type[pydantic.BaseModel]]] = [
 ]
 POLICIES: list[tuple[str, str]] = [
     ("dreamzero", "`policy:` with `name: dreamzero`: DreamZero (14B and Wan2.2-5B families, every embodiment)."),
+    ("lingbot_va", "`policy:` with `name: lingbot_va`: LingBot-VA (docs/lingbot-va.md)."),
     ("noop", "`policy:` with `name: noop`: zero-compute actions (protocol and load tests)."),
 ]
 TOP_LEVEL = (

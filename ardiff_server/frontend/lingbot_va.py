@@ -1,9 +1,13 @@
 """LingBot-VA's own protocol on a connection (``wire/lingbot_va.py`` decodes it): each connection is one session.
 
-* ``reset``: the connection's session ends (its KV pages back to the pool) and the prompt is kept for the episode;
-  the next ``infer`` opens a fresh session, whose first step encodes the prompt. Reply ``{server_timing}``.
+* ``reset``: the connection's session ends (its KV pages back to the pool) and the prompt is kept for the episode,
+  with the denoising steps it names (``num_inference_steps`` / ``action_num_inference_steps``, checked against the
+  policy's bounds here: a reset out of bounds is refused and ends nothing); the next ``infer`` opens a fresh session,
+  whose first step encodes the prompt. Reply ``{server_timing}``.
 * ``infer``: ``{action: (channels, frames, actions per frame) float32, server_timing}`` as upstream's server replies,
-  with ``chunk_id`` / ``frozen`` (and, when it carried a ``continuation``, ``continuation``: applied or why not).
+  with ``chunk_id`` / ``frozen`` (and, when it carried a ``continuation``, ``continuation``: applied or why not) and the
+  denoising steps it ran (``num_inference_steps``, ``action_num_inference_steps``: its own, else its reset's, else the
+  embodiment's).
 * ``compute_kv_cache``: ``{server_timing}``.
 
 A bad request gets a one-line text frame naming the key (upstream's client raises on any text frame) and the
@@ -15,7 +19,8 @@ from __future__ import annotations
 
 import time
 
-from ardiff_policies.observation import RobotObservation
+from ardiff_policies.inference_steps import STEP_KEYS, check_steps
+from ardiff_policies.observation import RobotObservation, UnsupportedObservation
 from ardiff_server.engine.client import EngineClient
 from ardiff_server.engine.messages import EngineError
 from ardiff_server.frontend.openpi import chunk_info
@@ -34,26 +39,38 @@ class LingBotVAHandler:
         self.replies = replies
         self.engine = engine
         self.prompts: dict[int, str] = {}  # conn_id -> the prompt of its last reset
+        self.steps: dict[int, dict[str, int]] = {}  # conn_id -> the denoising steps its last reset named
 
     def forget(self, conn: Connection) -> None:
         self.prompts.pop(conn.conn_id, None)
+        self.steps.pop(conn.conn_id, None)
 
     async def serve(self, conn: Connection, request: LingBotVARequest, clock: RequestClock) -> bytes | str:
         session_id = self.sessions.resolve(conn, None)
         if request.kind == "reset":
+            try:  # before anything ends: the episode's steps are every infer's, so a bad one is refused at once
+                taken = self.engine.info.inference_steps
+                for key, steps in request.inference_steps.items():
+                    check_steps(key, steps, taken[key])
+            except UnsupportedObservation as exc:
+                return self.replies.bad_request(str(exc))
             try:
                 await self.sessions.end(conn, [session_id])
             except EngineError as exc:
                 return self.replies.error(exc, session_id)
             self.prompts[conn.conn_id] = request.prompt
+            self.steps[conn.conn_id] = request.inference_steps
             self.replies.reset()
             return pack({"server_timing": self.replies.uncalled_timing(clock)})
         prompt = self.prompts.get(conn.conn_id)
         if prompt is None:
             return self.replies.bad_request(f"{request.kind} before reset: send {{reset: True, prompt}} first")
         observation = request.observation
+        steps = {key: getattr(observation, key) for key in STEP_KEYS if getattr(observation, key) is not None}
+        if request.kind == "infer":
+            steps = {**self.steps.get(conn.conn_id, {}), **steps}  # the infer's own, else its reset's
         observation = RobotObservation(
-            cameras=observation.cameras, states={}, prompt=prompt, episode=observation.episode, continuation=observation.continuation
+            cameras=observation.cameras, states={}, prompt=prompt, episode=observation.episode, continuation=observation.continuation, **steps
         )
         sent = time.perf_counter()
         try:
@@ -65,4 +82,5 @@ class LingBotVAHandler:
             return pack({"server_timing": server_timing})
         layout = self.engine.info.details["action_layout"]
         action = action_reply(reply.actions, layout["channels"], layout["frames"], layout["per_frame"])
-        return pack({"action": action, "server_timing": server_timing, **chunk_info(reply)})
+        ran = {key: reply.info[key] for key in STEP_KEYS if key in reply.info}  # the steps it ran
+        return pack({"action": action, "server_timing": server_timing, **chunk_info(reply), **ran})

@@ -15,8 +15,10 @@ The engine opens a session per robot and hands it its KV; this adapter maps its 
   whose session was evicted starts a new episode instead of failing).
 
 :meth:`step_batch` runs all commits of a batch in one video and one action forward, then all predictions batched
-(a failed batch is retried member by member in ``episode_logic.py``, :func:`ardiff_policies.batch_retry.run_batched`: only a
-member that fails alone fails).
+(one batched call per step count when requests asked for their own denoising steps, ``num_inference_steps`` /
+``action_num_inference_steps`` within ``policy.request_inference_steps`` / ``request_action_inference_steps``; a
+failed batch is retried member by member in ``episode_logic.py``, :func:`ardiff_policies.batch_retry.run_batched`:
+only a member that fails alone fails).
 Actions go back as (frames x actions per frame, channels), time-major (the OpenPI shape); LingBot-VA's wire reshapes
 them to upstream's (channels, frames, actions per frame) (``PolicyInfo.details['action_layout']``).
 
@@ -43,6 +45,7 @@ from ardiff_policies.chunk import ChunkInfo
 from ardiff_policies.continuation import CONTRACT
 from ardiff_policies.embodiment import ObservationSchema
 from ardiff_policies.episode import EpisodeCall
+from ardiff_policies.inference_steps import ACTION_STEPS_KEY, VIDEO_STEPS_KEY, check_observation_steps, step_bounds
 from ardiff_policies.info import PolicyInfo
 from ardiff_policies.lingbot_va import embodiments
 from ardiff_policies.lingbot_va.config import BUILTIN_TINY, SYNTHETIC_PREFIX, LingBotVAConfig
@@ -102,6 +105,11 @@ class LingBotVAServing(Policy[ServedSession]):
         self.tag = f"lingbot_va_{config.embodiment_name}"
         sizes = [(e.height, e.width) if i == 0 or e.layout != "robotwin_tshape" else (e.height // 2, e.width // 2) for i in range(len(e.cameras))]
         self.schema = ObservationSchema(self.tag, self.cameras, (), tuple(sizes))
+        # the per-request denoising steps it takes: the video loop's and the action loop's (ardiff_policies.inference_steps)
+        self.step_bounds = {
+            VIDEO_STEPS_KEY: step_bounds(config.request_inference_steps, e.num_inference_steps, "request_inference_steps"),
+            ACTION_STEPS_KEY: step_bounds(config.request_action_inference_steps, e.action_num_inference_steps, "request_action_inference_steps"),
+        }
         self._info = self._make_info()
 
     # -- what clients are told ------------------------------------------------------------------
@@ -137,6 +145,8 @@ class LingBotVAServing(Policy[ServedSession]):
                 "layout": e.layout,
                 "attn_window": e.attn_window,
                 "seed": self.config.seed,
+                "num_inference_steps": e.num_inference_steps,  # the embodiment's: a request without its own runs these
+                "action_num_inference_steps": e.action_num_inference_steps,
                 # the shared wire contract; the new chunk is the model's next one, inpainted to the executing one's rows
                 "continuation": {**CONTRACT, "mode": "inpaint", "position": "the next chunk (over the executing one's predicted K/V)"},
             },
@@ -145,6 +155,7 @@ class LingBotVAServing(Policy[ServedSession]):
             native_protocol="lingbot_va",
             max_frames_per_call=max(commit_frames.values()),  # every frame sent is read; check_observation refuses other counts
             continuations=True,
+            inference_steps=dict(self.step_bounds),
         )
 
     @property
@@ -162,6 +173,7 @@ class LingBotVAServing(Policy[ServedSession]):
 
     def check_observation(self, observation: RobotObservation) -> None:
         call = observation.episode
+        check_observation_steps(observation, self.step_bounds)
         counts = set()
         for name in self.cameras:
             stack = observation.cameras.get(name)
@@ -272,7 +284,17 @@ class LingBotVAServing(Policy[ServedSession]):
                 # OpenPI: an episode starts from one observation; a stack (a robot whose session was evicted, or a
                 # client that always sends its key frames) starts it from its newest frame
                 frames = frames[-1:]
-            requests.append(InferRequest(session.episode, frames[0] if len(frames) == 1 else frames, video_g, action_g, observation.continuation))
+            requests.append(
+                InferRequest(
+                    session.episode,
+                    frames[0] if len(frames) == 1 else frames,
+                    video_g,
+                    action_g,
+                    observation.continuation,
+                    observation.num_inference_steps,
+                    observation.action_num_inference_steps,
+                )
+            )
             rows.append(i)
         if requests:
             start = time.perf_counter()
@@ -288,7 +310,8 @@ class LingBotVAServing(Policy[ServedSession]):
                 kind = "commit+infer" if session.committed else "infer"
                 served = session.episode.last  # its chunk_id, frozen rows, continuation; the episode's first chunk at 0
                 chunk = ChunkInfo(served.chunk_id, served.frozen, served.continuation, kind, self.per_frame if served.position == 0 else 0)
-                results[i] = self._result(session, outcome, chunk)
+                ran = {VIDEO_STEPS_KEY: served.video_steps, ACTION_STEPS_KEY: served.action_steps, "dit_forwards": served.forwards}
+                results[i] = self._result(session, outcome, chunk, ran)
         for i, (session, _) in enumerate(items):
             if results[i] is None:  # a commit only (LingBot-VA's compute_kv_cache)
                 results[i] = self._result(session, None, ChunkInfo(call="compute_kv_cache", execute_from=0))
@@ -317,12 +340,13 @@ class LingBotVAServing(Policy[ServedSession]):
         stacks = [np.asarray(observation.cameras[name]) for name in self.cameras]
         return [{camera: stack[t] for camera, stack in zip(self.embodiment.cameras, stacks)} for t in range(stacks[0].shape[0])]
 
-    def _result(self, session: ServedSession, actions: np.ndarray | None, chunk: ChunkInfo) -> StepResult:
+    def _result(self, session: ServedSession, actions: np.ndarray | None, chunk: ChunkInfo, ran: dict | None = None) -> StepResult:
+        """``ran``: an infer's denoising steps and transformer forwards (the reply's ``session`` map says them)."""
         if actions is None:
             out = np.zeros((0, self.channels), np.float32)
         else:
             out = np.ascontiguousarray(actions.reshape(self.channels, -1).T, dtype=np.float32)
-        info = {"frame_start": session.episode.frame_start}
+        info = {"frame_start": session.episode.frame_start, **(ran or {})}
         return StepResult(out, dict(session.timing_ms), info, chunk=chunk)
 
     # -- recordings ------------------------------------------------------------------------------

@@ -16,8 +16,11 @@ when half the chunk is left, the runner's ``overlap`` 0.5; ``adaptive``: ask as 
 allows) x robots. Columns: steady idle steps per robot per chunk (after each robot's first chunk), deadline misses
 (the replies' ``server_timing.deadline_slack_ms`` below 0: the step started after the robot ran dry), seam / inner step, chunks/s per robot, round-trip
 latency p50 / p99, the mean batch, the share of steps whose real time overran the modelled one (a row with
-overruns is not the profile's schedule) and the real step's median, and the cores the robots (this process), the
-server (its process tree) and everything else kept busy meanwhile. Then each configuration's capacity (the most
+overruns is not the profile's schedule) and the real step's median, the median of the calls' own work on the
+engine's encoder thread (``encode_ms``: a first call's text, a window start's CLIP and image conditioning; outside the
+step, so never modelled and never an overrun: on this CPU about 0.5 s every 4th call, which a robot with less slack
+stands still for), and the cores the robots (this process), the server (its process tree) and everything else kept
+busy meanwhile. Then each configuration's capacity (the most
 robots, counting up from 1, with 0 steady idle steps and seams <= 2x the inner step) beside the profile's limit
 (docs/design-notes.md, "How many robots one server serves"). A configuration the code does not have yet is printed
 as not available, never run as another.
@@ -191,6 +194,9 @@ class Row:
     mean_batch: float = float("nan")
     overrun: float | None = None  # share of steps longer than the modelled time (None: no modelled time)
     real_step_p50_ms: float = float("nan")  # the policy's own step (under a modelled time: before its sleep)
+    # a call's own work on the engine's encoder thread, outside the step and never modelled (a session's first call: its
+    # text; a window start: CLIP and the image conditioning), over the calls that had any
+    encode_p50_ms: float = float("nan")
     cores: tuple[float, float, float] | None = None  # busy meanwhile: the robots (this process), the server, the others
     error: str | None = None
 
@@ -248,6 +254,8 @@ def measure(
     row.overrun = float(np.mean(overruns)) if overruns else None
     real = [s["real_step_ms"] for s in sessions if "real_step_ms" in s] or [t["infer_ms"] for t in timings if "infer_ms" in t]
     row.real_step_p50_ms = float(np.median(real)) if real else float("nan")
+    encodes = [t["encode_ms"] for t in timings if t.get("encode_ms")]
+    row.encode_p50_ms = float(np.median(encodes)) if encodes else float("nan")
     return row
 
 
@@ -282,14 +290,14 @@ def _num(value: float | None, fmt: str) -> str:
 def row_line(row: Row) -> str:
     head = f"| {row.profile} | {row.denoise} | {row.schedule} | {row.asking} | {row.robots} |"
     if row.error is not None:
-        return head + f" failed: {row.error} |" + " |" * 10
+        return head + f" failed: {row.error} |" + " |" * 11
     misses = "-" if row.deadline_misses is None else str(row.deadline_misses)
     overrun = "-" if row.overrun is None else f"{row.overrun:.0%}"
     cores = " | ".join(f"{c:.2f}" for c in row.cores) if row.cores is not None else "- | - | -"
     return (
         head + f" {_num(row.steady_idle_per_chunk, '.2f')} | {misses} | {_num(row.seam_ratio, '.2f')} | {_num(row.chunks_per_s, '.2f')} | "
         f"{_num(row.latency_p50_ms, '.0f')} | {_num(row.latency_p99_ms, '.0f')} | {_num(row.mean_batch, '.2f')} | {overrun} | "
-        f"{_num(row.real_step_p50_ms, '.0f')} | {cores} |"
+        f"{_num(row.real_step_p50_ms, '.0f')} | {_num(row.encode_p50_ms, '.0f')} | {cores} |"
     )
 
 
@@ -308,6 +316,7 @@ COLUMNS = (
     "mean batch",
     "overrun",
     "real step p50 (ms)",
+    "encode p50 (ms)",
     "robots' cores",
     "server's cores",
     "others' cores",

@@ -116,9 +116,9 @@ def test_the_smallest_bench_prints_its_table_and_a_capacity_line(bench, capsys):
     columns = [c.strip() for c in header.strip("|").split("|")]
     assert columns == list(bench.COLUMNS)
     # the columns, then what says whether a row is the profile's schedule (overruns, the real step, the load)
-    assert columns[:5] == ["profile", "denoise steps", "scheduler", "asking", "robots"] and len(columns) == 17
+    assert columns[:5] == ["profile", "denoise steps", "scheduler", "asking", "robots"] and len(columns) == 18
     assert columns[5:9] == ["steady idle / robot / chunk", "deadline misses", "seam / inner", "chunks/s per robot"]
-    assert columns[12:] == ["overrun", "real step p50 (ms)", "robots' cores", "server's cores", "others' cores"]
+    assert columns[12:] == ["overrun", "real step p50 (ms)", "encode p50 (ms)", "robots' cores", "server's cores", "others' cores"]
     row = next(line for line in lines if line.startswith("| 14b | 16 | arrival | half | 1 |"))
     cells = dict(zip(columns, (c.strip() for c in row.strip("|").split("|")), strict=True))
     # numbers, or "-" where a loaded CPU left too few chunks to say (a robot with one chunk has no steady state)
@@ -127,6 +127,7 @@ def test_the_smallest_bench_prints_its_table_and_a_capacity_line(bench, capsys):
     assert cells["latency p50 (ms)"] == "-" or float(cells["latency p50 (ms)"]) >= 610.0  # every step lasts the 14B's t(1) at least
     assert re.fullmatch(r"\d+%", cells["overrun"]), row  # the share of steps that overran the modelled time
     assert float(cells["real step p50 (ms)"]) > 0 and float(cells["server's cores"]) > 0  # the tiny model's own step, its CPU
+    assert float(cells["encode p50 (ms)"]) > 0  # the session's first call encodes its prompt on the encoder thread
     assert "limit 14b at 16 steps = 1: largest N served in some k >= N/1 batches a round" in out
     assert "limit 14b at 4 steps = 3:" in out and "| 14b | 4 | deadline | adaptive | n/a | 3 |" in out  # not run here
     assert re.fullmatch(r"capacity: arrival=(\d+|n/a) deadline=(\d+|n/a) limit=1", lines[-1]), lines[-1]

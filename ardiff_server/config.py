@@ -160,7 +160,8 @@ class EngineConfig(_Section):
     replica_devices: list[list[str]] | None = None  # per replica, one device per CFG rank
     shm_mib: int = pydantic.Field(128, ge=0)  # shared memory for camera frames per replica (0: through the pipe)
     # Bench only (needs bench: true): every batched step of b sessions lasts at least t(b) of a GPU profile,
-    # 14b (b x 0.61 s) or 5b (0.15 s x (1 + 0.1 (b - 1))), sleeping after the real step (engine/modelled_step.py)
+    # 14b (b x 0.61 s) or 5b (0.15 s x (1 + 0.1 (b - 1))) at 16 denoising steps, scaled to the steps its calls ran,
+    # sleeping after the real step (engine/modelled_step.py)
     modelled_step_time: Literal["14b", "5b"] | None = None
     modelled_step_t1_s: float | None = pydantic.Field(None, gt=0)  # replaces the profile's t(1) (needs modelled_step_time)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ardiff_policies.embodiment import ObservationSchema
+from ardiff_policies.inference_steps import StepBounds
 
 # RoboArena's PolicyServerConfig fields, in its order.
 SERVER_CONFIG_KEYS = (
@@ -66,9 +67,10 @@ class PolicyInfo:
     # True: a call reads only the newest max_frames_per_call frames of a stack (DreamZero), so the front end drops
     # older ones before decoding them; False: every frame sent reaches the policy (LingBot-VA checks the count).
     keeps_newest_frames: bool = False
-    # (min, max) denoising steps a request's ``num_inference_steps`` may choose (DreamZero); None: the policy takes
-    # none per request, and the front end refuses the key by name.
-    inference_steps: tuple[int, int] | None = None
+    # The per-request denoising steps the policy takes (``policies/inference_steps.py``): wire key -> its bounds
+    # (DreamZero: num_inference_steps; LingBot-VA: num_inference_steps, its video loop, and action_num_inference_steps).
+    # A key not here is refused by name by the front end.
+    inference_steps: dict[str, StepBounds] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         keys = tuple(self.server_config)
@@ -102,5 +104,7 @@ class PolicyInfo:
             "action_shape": self.action_shape,
             "server_config": self.server_config,
             **({"native_protocol": self.native_protocol} if self.native_protocol else {}),
+            # the per-request denoising steps it takes (key -> min, max and the setting that sets them)
+            **({"inference_steps": {key: b.describe() for key, b in self.inference_steps.items()}} if self.inference_steps else {}),
             **self.details,
         }

@@ -18,6 +18,8 @@ from ardiff_policies.episode import EpisodeCall
 # The DROID names (RoboArena's wire): cameras and state vectors, in this order.
 CAMERAS = ("wrist", "exterior_left", "exterior_right")
 STATES = ("joint_position", "gripper_position", "cartesian_position")
+# Fields pickled only when set (the engine's seam).
+_OPTIONAL = ("episode", "continuation", "wire_keys", "num_inference_steps", "action_num_inference_steps")
 
 
 class UnsupportedObservation(ValueError):
@@ -45,8 +47,9 @@ class RobotObservation:
     ``continuation`` (None unless the client sent one) says what the robot did with its last chunk
     (``policies/continuation.py``); it travels with the observation so the engine needs no field of its own.
 
-    ``num_inference_steps`` (None unless the client sent one) asks this call to denoise with that many steps
-    instead of the configured number (a policy whose ``PolicyInfo.inference_steps`` gives the bounds it takes).
+    ``num_inference_steps`` / ``action_num_inference_steps`` (None unless the client sent one) ask this call to denoise
+    with that many steps instead of the configured number (``policies/inference_steps.py``: DreamZero takes the first,
+    LingBot-VA both, its video and its action loop; ``PolicyInfo.inference_steps`` gives the bounds a policy takes).
 
     ``wire_keys`` maps a camera or state name to the request key the client sent it under (the
     DROID wire has two camera index conventions: ``exterior_left`` is ``_0_left`` or ``_1_left``),
@@ -54,7 +57,7 @@ class RobotObservation:
     observation's value (equality ignores it).
     """
 
-    __slots__ = ("cameras", "continuation", "episode", "num_inference_steps", "prompt", "states", "wire_keys")
+    __slots__ = ("action_num_inference_steps", "cameras", "continuation", "episode", "num_inference_steps", "prompt", "states", "wire_keys")
 
     def __init__(
         self,
@@ -65,6 +68,7 @@ class RobotObservation:
         continuation: Continuation | None = None,
         wire_keys: Mapping[str, str] | None = None,
         num_inference_steps: int | None = None,
+        action_num_inference_steps: int | None = None,
         **droid: Any,
     ) -> None:
         unknown = set(droid) - set(CAMERAS) - set(STATES)
@@ -80,6 +84,7 @@ class RobotObservation:
         object.__setattr__(self, "continuation", continuation)
         object.__setattr__(self, "wire_keys", dict(wire_keys or {}))
         object.__setattr__(self, "num_inference_steps", num_inference_steps)
+        object.__setattr__(self, "action_num_inference_steps", action_num_inference_steps)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("RobotObservation is immutable; use with_arrays()")
@@ -103,13 +108,22 @@ class RobotObservation:
             "continuation": self.continuation,
             "wire_keys": self.wire_keys,
             "num_inference_steps": self.num_inference_steps,
+            "action_num_inference_steps": self.action_num_inference_steps,
         }
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RobotObservation):
             return NotImplemented
-        mine = (self.cameras, self.states, self.prompt, self.episode, self.continuation, self.num_inference_steps)
-        return mine == (other.cameras, other.states, other.prompt, other.episode, other.continuation, other.num_inference_steps)
+        mine = (self.cameras, self.states, self.prompt, self.episode, self.continuation, self.num_inference_steps, self.action_num_inference_steps)
+        return mine == (
+            other.cameras,
+            other.states,
+            other.prompt,
+            other.episode,
+            other.continuation,
+            other.num_inference_steps,
+            other.action_num_inference_steps,
+        )
 
     __hash__ = None  # holds arrays
 
@@ -121,11 +135,12 @@ class RobotObservation:
         states = {k: shape(v) for k, v in self.states.items()}
         tail = f", episode={self.episode.kind!r}" if self.episode is not None else ""
         tail += f", continuation={self.continuation!r}" if self.continuation is not None else ""
-        tail += f", num_inference_steps={self.num_inference_steps!r}" if self.num_inference_steps is not None else ""
+        for name in ("num_inference_steps", "action_num_inference_steps"):
+            tail += f", {name}={getattr(self, name)!r}" if getattr(self, name) is not None else ""
         return f"RobotObservation(cameras={cameras}, states={states}, prompt={self.prompt!r}{tail})"
 
     def __reduce__(self):  # pickles as its fields (the engine's seam); optional ones only when set
-        extras = {name: getattr(self, name) for name in ("episode", "continuation", "wire_keys", "num_inference_steps") if getattr(self, name)}
+        extras = {name: getattr(self, name) for name in _OPTIONAL if getattr(self, name)}
         return (_restore, (self.cameras, self.states, self.prompt, extras) if extras else (self.cameras, self.states, self.prompt))
 
     def wire_key(self, name: str) -> str | None:
@@ -155,6 +170,7 @@ class RobotObservation:
             continuation=self.continuation,
             wire_keys=self.wire_keys,
             num_inference_steps=self.num_inference_steps,
+            action_num_inference_steps=self.action_num_inference_steps,
         )
 
 

@@ -33,11 +33,9 @@ class ForeignLoad:
 
     @staticmethod
     def _sample() -> tuple[float, float, float] | None:
-        try:
-            ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-        except (OSError, ValueError):
+        busy = busy_seconds()
+        if busy is None:
             return None
-        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle + iowait
         own = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) for f in ("ru_utime", "ru_stime"))
         return time.monotonic(), busy, own
 
@@ -47,6 +45,62 @@ class ForeignLoad:
         if self.start is None or end is None or end[0] <= self.start[0]:
             return None
         return max(0.0, (end[1] - self.start[1]) - (end[2] - self.start[2])) / (end[0] - self.start[0])
+
+
+def busy_seconds() -> float | None:
+    """CPU seconds every core has been busy since boot (/proc/stat: all but idle and iowait); None off Linux."""
+    try:
+        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds (user + system) the live processes ``root`` and its descendants have used (/proc; 0 off Linux)."""
+    parents, used = {}, {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        parents[int(entry.name)] = int(fields[1])
+        used[int(entry.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid, seconds in used.items():
+        node = pid
+        while node not in (0, 1, root) and node in parents:
+            node = parents[node]
+        if node == root:
+            total += seconds
+    return total
+
+
+class CpuSplit:
+    """Cores kept busy over an interval, split three ways: this process (a bench's clients), a server's process tree
+    (``server_pid``: the front end and its workers), and everything else (other processes of the machine)."""
+
+    def __init__(self, server_pid: int) -> None:
+        self.server_pid = server_pid
+        self.start = self._sample()
+
+    def _sample(self) -> tuple[float, float, float, float] | None:
+        busy = busy_seconds()
+        if busy is None:
+            return None
+        own = sum(getattr(resource.getrusage(resource.RUSAGE_SELF), f) for f in ("ru_utime", "ru_stime"))
+        return time.monotonic(), busy, own, tree_cpu_seconds(self.server_pid)
+
+    def cores(self) -> tuple[float, float, float] | None:
+        """(this process, the server, the others) in cores since construction; None off Linux."""
+        end = self._sample()
+        if self.start is None or end is None or end[0] <= self.start[0]:
+            return None
+        wall = end[0] - self.start[0]
+        own, server = (end[2] - self.start[2]) / wall, (end[3] - self.start[3]) / wall
+        return own, server, max(0.0, (end[1] - self.start[1]) / wall - own - server)
 
 
 def contended(foreign_cores: float | None, threads: int) -> bool:

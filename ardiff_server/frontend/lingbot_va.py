@@ -1,11 +1,15 @@
 """LingBot-VA's own protocol on a connection (``wire/lingbot_va.py`` decodes it): each connection is one session.
 
-* ``reset``: the connection's session ends (its KV pages back to the pool) and the prompt is kept for the episode;
-  the next ``infer`` opens a fresh session, whose first step encodes the prompt. Reply ``{server_timing}``. Zero-WAM's
-  reset (it says how the episode begins: ``use_icl``, ``icl_demo_id``, guidance) begins the fresh session at once, a
-  step without a chunk, so a missing or malformed demonstration is answered at the reset, as upstream's server raises.
+* ``reset``: the connection's session ends (its KV pages back to the pool) and the prompt is kept for the episode,
+  with the denoising steps it names (``num_inference_steps`` / ``action_num_inference_steps``, checked against the
+  policy's bounds here: a reset out of bounds is refused and ends nothing); the next ``infer`` opens a fresh session,
+  whose first step encodes the prompt. Reply ``{server_timing}``. Zero-WAM's reset (it says how the episode begins:
+  ``use_icl``, ``icl_demo_id``, guidance) begins the fresh session at once, a step without a chunk, so a missing or
+  malformed demonstration is answered at the reset, as upstream's server raises.
 * ``infer``: ``{action: (channels, frames, actions per frame) float32, server_timing}`` as upstream's server replies,
-  with ``chunk_id`` / ``frozen`` (and, when it carried a ``continuation``, ``continuation``: applied or why not).
+  with ``chunk_id`` / ``frozen`` (and, when it carried a ``continuation``, ``continuation``: applied or why not) and the
+  denoising steps it ran (``num_inference_steps``, ``action_num_inference_steps``: its own, else its reset's, else the
+  embodiment's).
 * ``compute_kv_cache``: ``{server_timing}``.
 
 A bad request gets a one-line text frame naming the key (upstream's client raises on any text frame) and the
@@ -20,7 +24,8 @@ import dataclasses
 import time
 
 from ardiff_policies.episode import EpisodeCall, EpisodeStart
-from ardiff_policies.observation import RobotObservation
+from ardiff_policies.inference_steps import STEP_KEYS, check_steps
+from ardiff_policies.observation import RobotObservation, UnsupportedObservation
 from ardiff_server.engine.client import EngineClient
 from ardiff_server.engine.messages import EngineError
 from ardiff_server.frontend.openpi import chunk_info
@@ -42,14 +47,22 @@ class LingBotVAHandler:
         # conn_id -> how its last reset began the episode (Zero-WAM): every call carries it, so a session the engine had
         # to end (TTL, pressure) begins again with its demonstration, never silently without it
         self.starts: dict[int, EpisodeStart] = {}
+        self.steps: dict[int, dict[str, int]] = {}  # conn_id -> the denoising steps its last reset named
 
     def forget(self, conn: Connection) -> None:
         self.prompts.pop(conn.conn_id, None)
         self.starts.pop(conn.conn_id, None)
+        self.steps.pop(conn.conn_id, None)
 
     async def serve(self, conn: Connection, request: LingBotVARequest, clock: RequestClock) -> bytes | str:
         session_id = self.sessions.resolve(conn, None)
         if request.kind == "reset":
+            try:  # before anything ends: the episode's steps are every infer's, so a bad one is refused at once
+                taken = self.engine.info.inference_steps
+                for key, steps in request.inference_steps.items():
+                    check_steps(key, steps, taken[key])
+            except UnsupportedObservation as exc:
+                return self.replies.bad_request(str(exc))
             try:
                 await self.sessions.end(conn, [session_id])
             except EngineError as exc:
@@ -59,6 +72,7 @@ class LingBotVAHandler:
             if request.start is not None:  # Zero-WAM: the episode begins now (its demonstration read and pinned)
                 return await self._begin(conn, session_id, request, clock)
             self.prompts[conn.conn_id] = request.prompt
+            self.steps[conn.conn_id] = request.inference_steps
             self.replies.reset()
             return pack({"server_timing": self.replies.uncalled_timing(clock)})
         prompt = self.prompts.get(conn.conn_id)
@@ -68,7 +82,12 @@ class LingBotVAHandler:
         call = observation.episode
         if conn.conn_id in self.starts:
             call = dataclasses.replace(call, start=self.starts[conn.conn_id])
-        observation = RobotObservation(cameras=observation.cameras, states={}, prompt=prompt, episode=call, continuation=observation.continuation)
+        steps = {key: getattr(observation, key) for key in STEP_KEYS if getattr(observation, key) is not None}
+        if request.kind == "infer":
+            steps = {**self.steps.get(conn.conn_id, {}), **steps}  # the infer's own, else its reset's
+        observation = RobotObservation(
+            cameras=observation.cameras, states={}, prompt=prompt, episode=call, continuation=observation.continuation, **steps
+        )
         sent = time.perf_counter()
         try:
             reply = await self.sessions.infer(conn, session_id, observation, deadline=clock.deadline(request.actions_left_s))
@@ -79,7 +98,8 @@ class LingBotVAHandler:
             return pack({"server_timing": server_timing})
         layout = self.engine.info.details["action_layout"]
         action = action_reply(reply.actions, layout["channels"], layout["frames"], layout["per_frame"])
-        return pack({"action": action, "server_timing": server_timing, **chunk_info(reply)})
+        ran = {key: reply.info[key] for key in STEP_KEYS if key in reply.info}  # the steps it ran
+        return pack({"action": action, "server_timing": server_timing, **chunk_info(reply), **ran})
 
     async def _begin(self, conn: Connection, session_id: str, request: LingBotVARequest, clock: RequestClock) -> bytes | str:
         """A reset that begins its episode in a step of its own (``EpisodeCall`` ``reset``: Zero-WAM's demonstration is
@@ -95,5 +115,6 @@ class LingBotVAHandler:
                 await self.sessions.end(conn, [session_id])
             return self.replies.error(exc, session_id)
         self.prompts[conn.conn_id], self.starts[conn.conn_id] = request.prompt, request.start
+        self.steps[conn.conn_id] = request.inference_steps
         self.replies.reset()
         return pack({"server_timing": self.replies.served(session_id, reply, clock, sent)})

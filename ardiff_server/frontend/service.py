@@ -274,7 +274,6 @@ class PolicyService:
             max_request_pixels=self.config.server.max_request_pixels,
             continuation_refused=self._continuation_refusal(info),
             max_batch_elements=self.max_batch_elements,
-            inference_steps=info is not None and info.inference_steps is not None,
         )
 
     def _continuation_refusal(self, info) -> str | None:

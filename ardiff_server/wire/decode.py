@@ -12,11 +12,12 @@ whose message it is and hands it to that protocol's decoder, and the front end d
   understood only for a policy whose ``PolicyInfo.native_protocol`` is ``lingbot_va`` (any other policy decodes
   them as OpenPI's, and refuses them as such). A batch of them is not taken: a batch's elements are OpenPI's.
 
-Both read their shared fields (prompt, guidance scales, ``continuation``) through ``fields.py``.
+Both read their shared fields (prompt, guidance scales, denoising steps, ``continuation``) through ``fields.py``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, Literal
 
 from ardiff_policies.embodiment import ObservationSchema
@@ -42,13 +43,13 @@ def decode_frame(
     max_request_pixels: int | Literal["auto"],
     continuation_refused: str | None,
     max_batch_elements: int | None = None,
-    inference_steps: bool = False,
 ) -> Request:
     """The server's way in (run in a worker thread): one frame unpacked within ``limits`` (arrays as read-only views of
     it) and decoded under the served policy's rules: its observation schema (``info`` None: RoboArena's DROID keys,
     no engine ready yet), its own protocol, whether it takes per-request guidance (it advertises ``guidance`` in its
     metadata), and the pixel budget ``server.max_request_pixels`` gives it (each element of a batch its own),
-    counted before any image is decoded; a batch holds at most ``max_batch_elements`` (None: batches are refused)."""
+    counted before any image is decoded, and the per-request denoising steps it takes (``PolicyInfo.inference_steps``);
+    a batch holds at most ``max_batch_elements`` (None: batches are refused)."""
     budget = request_budget(max_request_pixels, info)  # and the frames its policy keeps
     payload = unpack(frame, limits, copy=False)
     return decode_request(
@@ -60,7 +61,7 @@ def decode_frame(
         budget=budget,
         continuation_refused=continuation_refused,
         max_batch_elements=max_batch_elements,
-        inference_steps=inference_steps,
+        inference_steps=tuple(info.inference_steps) if info is not None else (),
     )
 
 
@@ -73,7 +74,7 @@ def decode_request(
     budget: PixelBudget | None = None,
     continuation_refused: str | None = None,
     max_batch_elements: int | None = None,
-    inference_steps: bool = False,
+    inference_steps: Collection[str] = (),
     demonstrations: bool = False,
 ) -> Request:
     """One unpacked message -> the typed request of its protocol (``schema``: the served embodiment's keys, None:
@@ -81,7 +82,7 @@ def decode_request(
     takes per-request ``video_guidance_scale`` / ``action_guidance_scale``; ``budget``: the per-request pixel budget,
     None: none; ``continuation_refused``: why this server serves no ``continuation``, None: it does;
     ``max_batch_elements``: the most elements a batch may hold, None: batches are refused; ``inference_steps``: the
-    policy takes a per-request ``num_inference_steps``; ``demonstrations``: the policy begins an episode with a
+    per-request denoising step keys the policy takes, ``ardiff_policies.inference_steps``; ``demonstrations``: the policy begins an episode with a
     demonstration, named by a LingBot-VA reset or an OpenPI session's first call: Zero-WAM)."""
     rules = {
         "guidance": guidance,
@@ -95,5 +96,5 @@ def decode_request(
             raise RequestError(f"{BATCH_KEY}: batched requests are not taken here")
         return decode_batch(payload, lambda item: decode_openpi(item, schema, **rules), max_elements=max_batch_elements)
     if native_protocol == "lingbot_va" and schema is not None and is_lingbot_va_message(payload):  # its cameras: the schema's
-        return decode_lingbot_va(payload, schema.cameras, budget, demonstrations=demonstrations)
+        return decode_lingbot_va(payload, schema.cameras, budget, inference_steps, demonstrations=demonstrations)
     return decode_openpi(payload, schema, **rules)

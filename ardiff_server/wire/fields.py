@@ -1,15 +1,18 @@
 """Request fields both protocols read, one rule each: OpenPI's requests (``openpi.py``) and LingBot-VA's messages
-(``lingbot_va.py``) check a prompt, a guidance scale and a ``continuation`` key the same way, with the same message."""
+(``lingbot_va.py``) check a prompt, a guidance scale, the per-request denoising steps and a ``continuation`` key the same
+way, with the same message."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
 
 from ardiff_policies.continuation import Continuation
 from ardiff_policies.episode import EpisodeStart
+from ardiff_policies.inference_steps import STEP_KEYS
 from ardiff_server.wire.protocol import RequestError, describe, short_repr
 
 MAX_PROMPT_CHARS = 4096
@@ -87,6 +90,30 @@ def decode_guidance_scale(payload: dict[str, Any], key: str) -> float | None:
     if not math.isfinite(float(value)):
         raise RequestError(f"{key}: expected a finite number, got {value}")
     return float(value)
+
+
+def decode_inference_steps(payload: dict[str, Any], accepted: Collection[str]) -> dict[str, int]:
+    """A request's per-request denoising steps (``num_inference_steps``, ``action_num_inference_steps``:
+    ``ardiff_policies.inference_steps``), each an integer >= 1, by key; absent keys left out. ``accepted``: the keys
+    the served policy takes (``PolicyInfo.inference_steps``); any other is refused by name (the bounds are the
+    policy's to check)."""
+    steps = {}
+    for key in STEP_KEYS:
+        value = payload.get(key)
+        if value is None:
+            continue
+        if key not in accepted:
+            takes = f" (it takes {', '.join(sorted(accepted))})" if accepted else ""
+            raise RequestError(f"{key}: this server's policy takes no per-request {_STEP_NAMES[key]}{takes}; leave it out")
+        if isinstance(value, np.ndarray) and value.ndim == 0:
+            value = value.item()
+        if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer) or int(value) < 1:
+            raise RequestError(f"{key}: expected an integer >= 1, got {short_repr(value)}")
+        steps[key] = int(value)
+    return steps
+
+
+_STEP_NAMES = {"num_inference_steps": "denoising steps", "action_num_inference_steps": "action denoising steps"}
 
 
 def decode_actions_left(continuation: Any) -> float | None:

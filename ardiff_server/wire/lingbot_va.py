@@ -19,14 +19,18 @@ Here each connection is its own session. ``save_visualization`` / ``imagine`` / 
 accepted and unused (upstream's server does not read them either); ``prompt`` on an infer is the reset's (upstream
 reads the reset's). An infer may carry ``continuation`` (this server's real-time chunking, the OpenPI wire's field:
 ``{executed, delay, chunk_id}``, ``ardiff_policies.continuation``); its reply then says ``chunk_id`` / ``frozen`` /
-``continuation`` beside ``action``; a commit carrying one is refused by name (a commit continues nothing). A message is LingBot-VA's when it holds ``reset``, ``compute_kv_cache`` or ``obs`` and no OpenPI
+``continuation`` beside ``action``; a commit carrying one is refused by name (a commit continues nothing). An infer may
+carry ``num_inference_steps`` / ``action_num_inference_steps`` (this server's per-request denoising steps, the OpenPI
+wire's keys: ``ardiff_policies.inference_steps``), and so may a reset, for every infer of its episode that names
+none; a commit carrying one is refused by name (it denoises nothing). A message is LingBot-VA's when it holds ``reset``, ``compute_kv_cache`` or ``obs`` and no OpenPI
 ``observation/...`` key (:func:`is_lingbot_va_message`, asked by ``decode.py`` for a policy whose
 ``PolicyInfo.native_protocol`` is ``lingbot_va``); anything else is decoded as OpenPI's (``openpi.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -42,6 +46,7 @@ from ardiff_server.wire.fields import (
     decode_continuation,
     decode_episode_start,
     decode_guidance_scale,
+    decode_inference_steps,
     refuse_demonstration_keys,
 )
 from ardiff_server.wire.images import MAX_FRAMES, MAX_IMAGE_SIDE
@@ -61,6 +66,8 @@ class LingBotVARequest:
     start: EpisodeStart | None = None  # reset, for a policy that takes a demonstration (Zero-WAM): how the episode begins
     observation: RobotObservation | None = None  # infer / compute_kv_cache (its prompt is filled in from the reset)
     actions_left_s: float | None = None  # infer: its continuation's seconds of actions left (the engine's deadline)
+    # reset: the episode's denoising steps (num_inference_steps / action_num_inference_steps), for each infer that names none
+    inference_steps: dict[str, int] = field(default_factory=dict)
 
 
 def is_lingbot_va_message(payload: Any) -> bool:
@@ -73,13 +80,20 @@ def is_lingbot_va_message(payload: Any) -> bool:
 
 
 def decode_lingbot_va(
-    payload: dict[str, Any], cameras: tuple[str, ...], budget: PixelBudget | None = None, *, demonstrations: bool = False
+    payload: dict[str, Any],
+    cameras: tuple[str, ...],
+    budget: PixelBudget | None = None,
+    inference_steps: Collection[str] = (),
+    *,
+    demonstrations: bool = False,
 ) -> LingBotVARequest:
     """One of LingBot-VA's messages; ``cameras``: the served cameras' short names (``cam_high``, ...); ``budget``: the
     server's per-request pixel budget (``budget.py``; the frames of every camera counted before any is stacked);
+    ``inference_steps``: the per-request denoising step keys the policy takes (``PolicyInfo.inference_steps``);
     ``demonstrations``: Zero-WAM's variant of the protocol (upstream's jianwenli96/Zero-WAM client): a reset also says
     how the episode begins (``use_icl``, default true as upstream's server, ``icl_demo_id``, ``video_guidance_scale``,
     ``icl_guidance_scale``), and a commit's ``state`` is optional (upstream's Zero-WAM server never reads it)."""
+    steps = decode_inference_steps(payload, inference_steps)
     if _flag(payload, "reset"):
         prompt = payload.get("prompt")
         if not isinstance(prompt, str):
@@ -87,12 +101,14 @@ def decode_lingbot_va(
         if not demonstrations:
             refuse_demonstration_keys(payload)
         start = decode_episode_start(payload, use_icl_default=True) if demonstrations else None
-        return LingBotVARequest("reset", prompt=check_prompt_length(prompt), start=start)
+        return LingBotVARequest("reset", prompt=check_prompt_length(prompt), start=start, inference_steps=steps)
     if "obs" not in payload:
         raise RequestError(f"obs: missing; expected the observation (or key frames) under 'obs', got keys {short_repr(sorted(payload)[:8])}")
     if _flag(payload, "compute_kv_cache"):
         if payload.get(CONTINUATION_KEY) is not None:
             raise RequestError(f"{CONTINUATION_KEY}: a compute_kv_cache commits what the robot saw and continues nothing; send it with the infer")
+        if steps:
+            raise RequestError(f"{next(iter(steps))}: a compute_kv_cache denoises nothing; send it with the infer (or the reset, for the episode)")
         state = payload.get("state")
         if state is None and demonstrations:
             call = EpisodeCall("compute_kv_cache")
@@ -107,7 +123,7 @@ def decode_lingbot_va(
         decode_guidance_scale(payload, "action_guidance_scale"),
     )
     continuation = decode_continuation(payload.get(CONTINUATION_KEY))
-    observation = _observation(payload["obs"], cameras, call, budget, continuation)
+    observation = _observation(payload["obs"], cameras, call, budget, continuation, steps)
     return LingBotVARequest("infer", observation=observation, actions_left_s=decode_actions_left(payload.get(CONTINUATION_KEY)))
 
 
@@ -121,7 +137,12 @@ def _flag(payload: dict[str, Any], key: str) -> bool:
 
 
 def _observation(
-    obs: Any, cameras: tuple[str, ...], call: EpisodeCall, budget: PixelBudget | None, continuation: Continuation | None = None
+    obs: Any,
+    cameras: tuple[str, ...],
+    call: EpisodeCall,
+    budget: PixelBudget | None,
+    continuation: Continuation | None = None,
+    steps: dict[str, int] | None = None,
 ) -> RobotObservation:
     """``obs`` (one frame map, or a list of them) -> one (T, H, W, 3) stack per camera."""
     frames = obs if isinstance(obs, list) else [obs]
@@ -143,7 +164,7 @@ def _observation(
     if budget is not None:  # before any stack is copied
         budget.check((key, len(stack), *stack[0].shape[:2]) for key, stack in images.items())
     stacks = {name: np.stack(images[CAMERA_PREFIX + name]) for name in cameras}
-    return RobotObservation(cameras=stacks, states={}, prompt=None, episode=call, continuation=continuation)
+    return RobotObservation(cameras=stacks, states={}, prompt=None, episode=call, continuation=continuation, **(steps or {}))
 
 
 def _image(key: str, value: Any) -> np.ndarray:

@@ -29,9 +29,9 @@ vectors obey the rules below, other keys are ignored. The rules this module appl
   the observation; the front end makes it the request's deadline (:attr:`OpenPIRequest.actions_left_s`).
   The policy checks ``e + d`` against its chunk. A server that serves none (``continuation_refused``: its
   policy does not continue chunks, or its reply cannot say ``chunk_id`` / ``frozen``) refuses it by name.
-- ``num_inference_steps`` (optional, an integer >= 1): this call's denoising steps, for a policy that takes
-  them per request (``PolicyInfo.inference_steps``: DreamZero; the policy checks its bounds); refused by name
-  for any other.
+- ``num_inference_steps`` / ``action_num_inference_steps`` (optional, integers >= 1): this call's denoising steps,
+  for a policy that takes the key per request (``PolicyInfo.inference_steps``: DreamZero the first, LingBot-VA both;
+  ``ardiff_policies.inference_steps``; the policy checks the bounds); refused by name for any other.
 - ``video_guidance_scale`` / ``action_guidance_scale`` (optional, finite numbers): per-request
   classifier-free guidance, for a policy that advertises ``guidance`` in its metadata (LingBot-VA;
   the policy checks the bounds); refused by name for any other.
@@ -57,6 +57,7 @@ vectors obey the rules below, other keys are ignored. The rules this module appl
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -76,6 +77,7 @@ from ardiff_server.wire.fields import (
     decode_continuation,
     decode_episode_start,
     decode_guidance_scale,
+    decode_inference_steps,
     refuse_demonstration_keys,
 )
 from ardiff_server.wire.images import IMAGE_EXPECTED, decode_images, read_image
@@ -88,7 +90,6 @@ ENDPOINT_KEY = "endpoint"
 SESSION_ID_KEY = "session_id"
 SESSION_IDS_KEY = "session_ids"
 GUIDANCE_KEYS = ("video_guidance_scale", "action_guidance_scale")  # per request, policies that take them (LingBot-VA)
-INFERENCE_STEPS_KEY = "num_inference_steps"  # per request, policies that take it (DreamZero)
 MAX_RESET_IDS = 256
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 WRIST_IMAGE_KEY = "observation/wrist_image_left"
@@ -127,7 +128,7 @@ def decode_openpi(
     guidance: bool = False,
     budget: PixelBudget | None = None,
     continuation_refused: str | None = None,
-    inference_steps: bool = False,
+    inference_steps: Collection[str] = (),
     demonstrations: bool = False,
 ) -> OpenPIRequest:
     """Validate one decoded wire message and turn it into a typed request (``schema``: the served
@@ -135,7 +136,7 @@ def decode_openpi(
     ``video_guidance_scale`` / ``action_guidance_scale``, else they are refused by name; ``budget``: the
     server's per-request pixel budget and the frames the policy keeps, None: neither;
     ``continuation_refused``: why this server serves no ``continuation``, None: it does; ``inference_steps``: the
-    policy takes a per-request ``num_inference_steps``, else it is refused by name; ``demonstrations``: the policy
+    per-request step keys the policy takes, any other is refused by name; ``demonstrations``: the policy
     begins an episode with a demonstration (Zero-WAM): ``use_icl`` / ``icl_demo_id`` / ``video_guidance_scale`` /
     ``icl_guidance_scale`` say how, else the first three are refused by name)."""
     request = _require_request_map(payload)
@@ -156,31 +157,18 @@ def decode_openpi(
     continuation = decode_continuation(request.get(CONTINUATION_KEY))
     actions_left_s = decode_actions_left(request.get(CONTINUATION_KEY))
     call = _decode_start(request) if demonstrations else _decode_guidance(request, guidance)
-    steps = decode_inference_steps(request.get(INFERENCE_STEPS_KEY), inference_steps)
-    if continuation is not None or call is not None or steps is not None:
+    steps = decode_inference_steps(request, inference_steps)
+    if continuation is not None or call is not None or steps:
         observation = RobotObservation(
             cameras=observation.cameras,
             states=observation.states,
             prompt=observation.prompt,
             episode=call,
             continuation=continuation,
-            num_inference_steps=steps,
             wire_keys=observation.wire_keys,
+            **steps,
         )
     return OpenPIRequest(endpoint="infer", session_id=session_id, observation=observation, actions_left_s=actions_left_s)
-
-
-def decode_inference_steps(value: Any, accepted: bool) -> int | None:
-    """A request's ``num_inference_steps``: an integer >= 1, or None if absent (its bounds are the policy's to check)."""
-    if value is None:
-        return None
-    if not accepted:
-        raise RequestError(f"{INFERENCE_STEPS_KEY}: this server's policy takes no per-request denoising steps; leave it out")
-    if isinstance(value, np.ndarray) and value.ndim == 0:
-        value = value.item()
-    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer) or int(value) < 1:
-        raise RequestError(f"{INFERENCE_STEPS_KEY}: expected an integer >= 1, got {short_repr(value)}")
-    return int(value)
 
 
 def _decode_start(request: dict[str, Any]) -> EpisodeCall | None:

@@ -9,10 +9,9 @@ from typing import Literal
 import pydantic
 
 from ardiff_policies import hub
+from ardiff_policies.inference_steps import MAX_INFERENCE_STEPS, StepBounds, bounds_setting, step_bounds
 from ardiff_policies.safety import SafetyConfig
 
-# The DiT's timesteps are integers in [0, 1000): more steps than that repeat noise levels.
-MAX_INFERENCE_STEPS = 1000
 # Upstream's default (NUM_DIT_STEPS=8): which of the 16 denoise steps run the DiT.
 UPSTREAM_STEP_MASK = [True, True, True, False, False, False, True, False, False, False, True, False, False, True, True, True]
 
@@ -133,16 +132,13 @@ class DreamZeroConfig(pydantic.BaseModel):
 
     @pydantic.model_validator(mode="after")
     def _check_request_steps(self) -> DreamZeroConfig:
-        if self.request_inference_steps is not None:
-            low, high = self.request_inference_steps
-            if not low <= high <= MAX_INFERENCE_STEPS:
-                raise ValueError(f"request_inference_steps: expected [min, max] with min <= max <= {MAX_INFERENCE_STEPS}, got [{low}, {high}]")
+        bounds_setting("request_inference_steps", self.request_inference_steps)
         return self
 
     @property
-    def inference_steps_bounds(self) -> tuple[int, int]:
-        """(min, max) steps a request may ask for (``request_inference_steps``, default 1 to the configured count)."""
-        return tuple(self.request_inference_steps) if self.request_inference_steps is not None else (1, self.num_inference_steps)
+    def inference_steps_bounds(self) -> StepBounds:
+        """The steps a request may ask for (``request_inference_steps``, default 1 to the configured count)."""
+        return step_bounds(self.request_inference_steps, self.num_inference_steps, "request_inference_steps")
 
     @pydantic.model_validator(mode="after")
     def _check_mask(self) -> DreamZeroConfig:

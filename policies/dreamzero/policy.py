@@ -60,6 +60,7 @@ from ardiff_policies.dreamzero.step_cache import StepCache
 from ardiff_policies.dreamzero.transforms import CROP_SCALE, NormStats, denormalize_actions, normalize_state, to_absolute, video_size
 from ardiff_policies.dreamzero.undo import SessionUndo
 from ardiff_policies.embodiment import Embodiment, ObservationSchema, metadata_frame
+from ardiff_policies.inference_steps import VIDEO_STEPS_KEY, check_observation_steps, requested_steps
 from ardiff_policies.info import PolicyInfo, droid_server_config
 from ardiff_policies.observation import RobotObservation, UnsupportedObservation
 from ardiff_policies.safety import SafetyGate, SafetyRejected
@@ -197,7 +198,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             details={
                 "dit_step_cache": self.config.dit_step_cache,
                 "num_inference_steps": self.config.num_inference_steps,
-                "request_inference_steps": list(self.config.inference_steps_bounds),
+                "request_inference_steps": [self.config.inference_steps_bounds.low, self.config.inference_steps_bounds.high],
                 "backbone": "wan2.2-ti2v-5b" if self.model.vae.is_wan22 else "wan2.1-i2v-14b",
                 "embodiment": {**e.describe(resolution), **({"observation": schema.describe()} if schema is not None else {})},
                 "frames_per_call": FRAMES_CONTRACT,
@@ -209,7 +210,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             continuations=True,
             max_frames_per_call=FRAMES_PER_CALL,
             keeps_newest_frames=True,  # InputEncoder.canvas: the newest are used
-            inference_steps=self.config.inference_steps_bounds,
+            inference_steps={VIDEO_STEPS_KEY: self.config.inference_steps_bounds},
         )
 
     def check_observation(self, observation: RobotObservation) -> None:
@@ -223,7 +224,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                 observation.continuation.check(self.action_head_config.action_horizon)
             except ValueError as exc:
                 raise UnsupportedObservation(str(exc)) from None
-        self._check_inference_steps(observation.num_inference_steps)
+        check_observation_steps(observation, {VIDEO_STEPS_KEY: self.config.inference_steps_bounds})
         lengths = {name: frames.shape[0] for name, frames in observation.cameras.items() if frames is not None}
         if len(set(lengths.values())) > 1:
             by_key = {self._wire_key(name, observation): n for name, n in lengths.items()}
@@ -234,19 +235,6 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
                     f"{self._wire_key(name, observation)}: images need at least {MIN_IMAGE_SIDE} pixels per side (DreamZero center-crops "
                     f"to {CROP_SCALE:.0%}), got shape {frames.shape}"
                 )
-
-    def _check_inference_steps(self, steps: int | None) -> None:
-        """A request's denoising steps within the bounds this server takes (UnsupportedObservation naming the bound)."""
-        if steps is None:
-            return
-        low, high = self.config.inference_steps_bounds
-        if type(steps) is not int:
-            raise UnsupportedObservation(f"num_inference_steps: expected an integer, got {steps!r}")
-        if not low <= steps <= high:
-            side = f"below the minimum {low}" if steps < low else f"above the maximum {high}"
-            raise UnsupportedObservation(
-                f"num_inference_steps: {steps} is {side} this server takes (policy.request_inference_steps: [{low}, {high}])"
-            )
 
     def _step_cache(self, steps: int) -> StepCache:
         """The configured DiT step cache carried over to ``steps`` denoising steps (``step_cache.py``)."""
@@ -375,7 +363,7 @@ class DreamZeroPolicy(Policy[DreamZeroSession]):
             timer.mark("vision")
             call.video = video
         call.raw_state = self._raw_state(call.observation)
-        call.steps = call.observation.num_inference_steps or self.config.num_inference_steps
+        call.steps = requested_steps(call.observation, VIDEO_STEPS_KEY, self.config.num_inference_steps)
         self._plan_continuation(call)
 
     def _plan_continuation(self, call: Call) -> None:

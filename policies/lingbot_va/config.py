@@ -4,7 +4,9 @@ Every key is read: ``checkpoint`` (a released checkpoint directory or Hugging Fa
 ``synthetic:released`` / ``synthetic:tiny`` with ``,layers=N``: random weights made on the device, ``synthetic.py``), ``embodiment``
 (upstream's config it was trained with: ``robotwin``, ``franka``, ``libero``, ``demo``; ``tiny_robotwin`` or
 ``tiny_libero`` for the tiny checkpoint), ``seed``
-(each session's noise generator is seeded with it at reset: upstream never seeds), ``safety`` (the safety gate,
+(each session's noise generator is seeded with it at reset: upstream never seeds), ``request_inference_steps`` /
+``request_action_inference_steps`` (the bounds of a request's own video / action denoising steps,
+``ardiff_policies.inference_steps``; default 1 to the embodiment's), ``safety`` (the safety gate,
 ``ardiff_policies.safety``: off only, refused otherwise with the reason). Unknown keys are refused by name.
 """
 
@@ -16,6 +18,7 @@ from typing import Literal
 import pydantic
 
 from ardiff_policies import hub
+from ardiff_policies.inference_steps import bounds_setting
 from ardiff_policies.safety import SafetyConfig
 
 BUILTIN_TINY = "builtin:tiny"
@@ -42,6 +45,16 @@ class LingBotVAConfig(pydantic.BaseModel):
         None, description="upstream's embodiment config (default: tiny_robotwin for builtin:tiny, else robotwin)"
     )
     seed: int = pydantic.Field(0, ge=0, description="every session's noise generator is seeded with it at reset")
+    request_inference_steps: tuple[pydantic.PositiveInt, pydantic.PositiveInt] | None = pydantic.Field(
+        None,
+        description="[min, max] video denoising steps a request's num_inference_steps may choose (default [1, the embodiment's "
+        "num_inference_steps]: fewer than configured, never more; at most 1000)",
+    )
+    request_action_inference_steps: tuple[pydantic.PositiveInt, pydantic.PositiveInt] | None = pydantic.Field(
+        None,
+        description="[min, max] action denoising steps a request's action_num_inference_steps may choose (default [1, the "
+        "embodiment's action_num_inference_steps]: fewer than configured, never more; at most 1000)",
+    )
     safety: SafetyConfig = pydantic.Field(
         default_factory=SafetyConfig, description="the safety gate (ardiff_policies.safety): off only, LingBot-VA's actions cannot be gated"
     )
@@ -50,6 +63,12 @@ class LingBotVAConfig(pydantic.BaseModel):
     @classmethod
     def _check_safety(cls, value: SafetyConfig) -> SafetyConfig:
         return safety_off("lingbot_va", value)
+
+    @pydantic.model_validator(mode="after")
+    def _check_request_steps(self) -> LingBotVAConfig:
+        bounds_setting("request_inference_steps", self.request_inference_steps)
+        bounds_setting("request_action_inference_steps", self.request_action_inference_steps)
+        return self
 
     @pydantic.model_validator(mode="after")
     def _check_pair(self) -> LingBotVAConfig:

@@ -24,7 +24,9 @@ dropped them), which the real frames replace when ``compute_kv_cache`` commits t
 rows: the first d are the last chunk's ``[e, e + d)`` exactly. Without a continuation nothing of this runs.
 
 Where this deliberately differs from upstream (docs/lingbot-va.md): the guidance scales a request carries are used
-(bounded), upstream ignores them; noise comes from a per-session generator seeded at reset.
+(bounded), upstream ignores them; so are the denoising steps it asks for (``num_inference_steps`` for the video loop,
+``action_num_inference_steps`` for the action loop, upstream's config keys; absent: the embodiment's, upstream's
+schedule exactly); noise comes from a per-session generator seeded at reset.
 
 Several robots' calls run batched (``infer_batch`` / ``compute_kv_cache_batch``). If a batched call raises (a CUDA
 error, one member's bad data, a bug), every member is put back as it was before the call (its KV pages and lengths:
@@ -49,6 +51,7 @@ from ardiff_kv import Branch, EntryKind, KVSpec, SessionKV, prepare_batch
 from ardiff_policies import action_inpaint
 from ardiff_policies.batch_retry import run_batched, single
 from ardiff_policies.continuation import APPLIED, Continuation, decide_for, soft_mask
+from ardiff_policies.inference_steps import MAX_INFERENCE_STEPS
 from ardiff_policies.lingbot_va.embodiments import Embodiment
 from ardiff_policies.lingbot_va.episode_io import LATENT_CHANNELS, MAX_GUIDANCE, EpisodeError, EpisodeIO, Kept, StreamState, load_encoders, next_sigma
 from ardiff_policies.lingbot_va.model import LingBotVATransformer, TextKV, action_grid, load_transformer, video_grid
@@ -87,6 +90,9 @@ class InferRequest:
     video_guidance_scale: float | None = None
     action_guidance_scale: float | None = None
     continuation: Continuation | None = None  # what the robot did with the last chunk (real-time chunking)
+    # this call's denoising steps (ardiff_policies.inference_steps; None: the embodiment's): the video and the action loop
+    num_inference_steps: int | None = None
+    action_num_inference_steps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,9 @@ class ServedChunk:
     frozen: int  # leading actions equal to the chunk it continued
     continuation: str | None  # a requested continuation: APPLIED, or why it was served fresh
     in_kv: bool = True  # its prediction entries are in the session's KV (a commit drops them)
+    video_steps: int = 0  # the denoising steps it ran: the video loop's and the action loop's
+    action_steps: int = 0
+    forwards: int = 0  # transformer forwards its infer ran for it (both loops' trailing K/V forwards and a stand-in included)
 
 
 @dataclass(frozen=True)
@@ -122,12 +131,19 @@ class _Pin:
 
 @dataclass(frozen=True)
 class _Checked:
-    """An accepted infer: its guidance scales and its continuation."""
+    """An accepted infer: its guidance scales, its denoising steps and its continuation."""
 
     video_guidance: float
     action_guidance: float
+    video_steps: int
+    action_steps: int
     continuation: str | None = None
     pin: _Pin | None = None
+
+    @property
+    def schedule(self) -> tuple[int, int]:
+        """The step counts its loops run: members of one batched call share them (one forward per step)."""
+        return self.video_steps, self.action_steps
 
 
 @dataclass(frozen=True)
@@ -304,18 +320,24 @@ class LingBotVAPolicy(EpisodeIO):
         video_guidance_scale: float | None = None,
         action_guidance_scale: float | None = None,
         continuation: Continuation | None = None,
+        num_inference_steps: int | None = None,
+        action_num_inference_steps: int | None = None,
     ) -> np.ndarray:
         """One chunk: actions (len(used channels), frame_chunk_size, action_per_frame) float32 (``session.last`` says
-        its chunk_id and how much of it is frozen)."""
-        request = InferRequest(session, observation, video_guidance_scale, action_guidance_scale, continuation)
+        its chunk_id, how much of it is frozen and the steps it ran)."""
+        request = InferRequest(
+            session, observation, video_guidance_scale, action_guidance_scale, continuation, num_inference_steps, action_num_inference_steps
+        )
         return single(self.infer_batch([request]))
 
     @torch.no_grad()
     def infer_batch(self, requests: Sequence[InferRequest]) -> list[np.ndarray | Exception]:
         """One chunk for each of several distinct sessions, in one forward per denoising step (each session over its
-        own pages, with its own noise, guidance and frame position). A request that is refused gets its
-        :class:`EpisodeError` in its place, before anything of its session changed; the others run. If the batch
-        fails, each member is retried alone (see the module's docstring): one that fails alone gets its exception."""
+        own pages, with its own noise, guidance and frame position). Sessions that asked for other numbers of
+        denoising steps run as one batched call per step count, one after the other (a forward serves one step of one
+        schedule). A request that is refused gets its :class:`EpisodeError` in its place, before anything of its
+        session changed; the others run. If a batched call fails, each of its members is retried alone (see the
+        module's docstring): one that fails alone gets its exception."""
         if len({id(r.session) for r in requests}) != len(requests):
             raise ValueError("a batch takes each session once")
         results: list[np.ndarray | Exception | None] = [None] * len(requests)
@@ -330,14 +352,16 @@ class LingBotVAPolicy(EpisodeIO):
             stand_ins = sum(c.pin is not None and c.pin.stand_in for _, _, c in items)  # a stand-in writes a chunk more
             return self._keep([r.session for _, r, _ in items], chunks=len(items) + stand_ins)
 
-        outcomes = run_batched(accepted, self._infer, undo=undo)
-        for (i, _, _), outcome in zip(accepted, outcomes):
-            results[i] = outcome
+        for schedule in sorted({c.schedule for _, _, c in accepted}):  # one batched call per step count
+            group = [item for item in accepted if item[2].schedule == schedule]
+            for (i, _, _), outcome in zip(group, run_batched(group, self._infer, undo=undo)):
+                results[i] = outcome
         return results
 
     def _infer(self, accepted: list[tuple[int, InferRequest, _Checked]]) -> list[np.ndarray]:
-        """The chunk of every accepted request, in one forward per denoising step."""
+        """The chunk of every accepted request (all on one step count), in one forward per denoising step."""
         e = self.embodiment
+        ((video_steps, action_steps),) = {c.schedule for _, _, c in accepted}
         sessions = [r.session for _, r, _ in accepted]
         video_scales = [c.video_guidance for _, _, c in accepted]
         action_scales = [c.action_guidance for _, _, c in accepted]
@@ -370,7 +394,7 @@ class LingBotVAPolicy(EpisodeIO):
         # at timestep 0 (re-imposed after every step, as upstream)
         latent_cond = {i: sessions[i].first_latent[:, :, 0:1].to(self.dtype) for i in first_rows}
         grids = torch.stack([video_grid(f, h // 2, w // 2, p) for p in positions]).to(self.device)
-        sigmas = flow_match_sigmas(e.num_inference_steps, e.snr_shift)
+        sigmas = flow_match_sigmas(video_steps, e.snr_shift)
         for step in range(len(sigmas) + 1):  # the trailing t = 0 forward keeps the chunk's K/V
             last = step == len(sigmas)
             timesteps = torch.full((len(sessions), f), 0.0 if last else float(sigmas[step] * 1000), device=self.device)
@@ -385,7 +409,7 @@ class LingBotVAPolicy(EpisodeIO):
 
         unused = ~self.action_mask.to(self.device)
         grids = torch.stack([action_grid(f, n, p) for p in positions]).to(self.device)
-        sigmas = flow_match_sigmas(e.action_num_inference_steps, e.action_snr_shift)
+        sigmas = flow_match_sigmas(action_steps, e.action_snr_shift)
         pinned = [(i, pin) for i, pin in enumerate(pins) if pin is not None]
         noise = {i: actions[i : i + 1].clone() for i, _ in pinned}  # the continued rows are noised with the call's own
         for step in range(len(sigmas) + 1):
@@ -419,6 +443,7 @@ class LingBotVAPolicy(EpisodeIO):
                 flat, old = chunk.reshape(chunk.shape[0], -1), pin.last.actions.reshape(chunk.shape[0], -1)
                 flat[:, : pin.frozen] = old[:, pin.executed : pin.executed + pin.frozen]
             session.chunks += 1
+            stand_in = 2 if pin is not None and pin.stand_in else 0  # its video and action prediction entries again
             session.last = ServedChunk(
                 session.chunks,
                 position,
@@ -427,6 +452,9 @@ class LingBotVAPolicy(EpisodeIO):
                 chunk.copy(),
                 0 if pin is None else pin.frozen,
                 checked.continuation,
+                video_steps=video_steps,
+                action_steps=action_steps,
+                forwards=(video_steps + 1) + (action_steps + 1) + stand_in,  # each loop's steps and its trailing t = 0 forward
             )
             out.append(chunk)
         return out
@@ -474,6 +502,8 @@ class LingBotVAPolicy(EpisodeIO):
             if value > 1 and len(self.branches) == 1:
                 # the negative prompt's K/V were never written: the configured scales are both 1
                 raise EpisodeError(f"{key}: {value} needs the unconditional branch, which this policy does not run")
+        video_steps = _steps("num_inference_steps", request.num_inference_steps, e.num_inference_steps)
+        action_steps = _steps("action_num_inference_steps", request.action_num_inference_steps, e.action_num_inference_steps)
         reason, pin = self._check_continuation(request)
         if session.frame_start == 0 and pin is None:
             observation = request.observation
@@ -481,7 +511,7 @@ class LingBotVAPolicy(EpisodeIO):
             if len(frames) != 1:
                 raise EpisodeError(f"obs: the first infer of an episode takes one observation, got {len(frames)}")
             self.check_frames(frames, "obs")
-        return _Checked(video_g, action_g, reason, pin)
+        return _Checked(video_g, action_g, video_steps, action_steps, reason, pin)
 
     def _check_continuation(self, request: InferRequest) -> tuple[str | None, _Pin | None]:
         """Whether the request continues its session's last chunk (:func:`ardiff_policies.continuation.decide_for`), and
@@ -581,6 +611,16 @@ class LingBotVAPolicy(EpisodeIO):
             raise EpisodeError(f"obs: {len(frames)} key frames; this chunk takes {expected} (4 per latent frame)")
         self.check_frames(frames, "obs")
         return session, frames, action_in
+
+
+def _steps(key: str, value: int | None, default: int) -> int:
+    """A call's denoising steps: the request's (an integer in [1, MAX_INFERENCE_STEPS]; a deployment's narrower bounds
+    are the serving policy's to check), else the embodiment's."""
+    if value is None:
+        return default
+    if type(value) is not int or not 1 <= value <= MAX_INFERENCE_STEPS:
+        raise EpisodeError(f"{key}: expected an integer in [1, {MAX_INFERENCE_STEPS}], got {value!r}")
+    return value
 
 
 def _guidance(key: str, value: float | None, default: float) -> float:

@@ -15,8 +15,10 @@ The engine opens a session per robot and hands it its KV; this adapter maps its 
   whose session was evicted starts a new episode instead of failing).
 
 :meth:`step_batch` runs all commits of a batch in one video and one action forward, then all predictions batched
-(a failed batch is retried member by member in ``episode_logic.py``, :func:`ardiff_policies.batch_retry.run_batched`: only a
-member that fails alone fails).
+(one batched call per step count when requests asked for their own denoising steps, ``num_inference_steps`` /
+``action_num_inference_steps`` within ``policy.request_inference_steps`` / ``request_action_inference_steps``; a
+failed batch is retried member by member in ``episode_logic.py``, :func:`ardiff_policies.batch_retry.run_batched`:
+only a member that fails alone fails).
 Actions go back as (frames x actions per frame, channels), time-major (the OpenPI shape); LingBot-VA's wire reshapes
 them to upstream's (channels, frames, actions per frame) (``PolicyInfo.details['action_layout']``).
 
@@ -43,6 +45,7 @@ from ardiff_policies.chunk import ChunkInfo
 from ardiff_policies.continuation import CONTRACT
 from ardiff_policies.embodiment import ObservationSchema
 from ardiff_policies.episode import EpisodeCall
+from ardiff_policies.inference_steps import ACTION_STEPS_KEY, VIDEO_STEPS_KEY, StepBounds, check_observation_steps, step_bounds
 from ardiff_policies.info import PolicyInfo
 from ardiff_policies.lingbot_va import embodiments
 from ardiff_policies.lingbot_va.config import BUILTIN_TINY, SYNTHETIC_PREFIX, LingBotVAConfig
@@ -104,6 +107,7 @@ class LingBotVAServing(Policy[ServedSession]):
         self.tag = f"{self.family}_{config.embodiment_name}"
         sizes = [(e.height, e.width) if i == 0 or e.layout != "robotwin_tshape" else (e.height // 2, e.width // 2) for i in range(len(e.cameras))]
         self.schema = ObservationSchema(self.tag, self.cameras, (), tuple(sizes))
+        self.step_bounds = self._step_bounds()
         self._info = self._make_info()
 
     # -- what clients are told ------------------------------------------------------------------
@@ -117,10 +121,20 @@ class LingBotVAServing(Policy[ServedSession]):
         }
         details = {
             "attn_window": e.attn_window,
+            "num_inference_steps": e.num_inference_steps,  # the embodiment's: a request without its own runs these
+            "action_num_inference_steps": e.action_num_inference_steps,
             # the shared wire contract; the new chunk is the model's next one, inpainted to the executing one's rows
             "continuation": {**CONTRACT, "mode": "inpaint", "position": "the next chunk (over the executing one's predicted K/V)"},
         }
         return self._policy_info(frame, details, continuations=True)
+
+    def _step_bounds(self) -> dict[str, StepBounds]:
+        """The per-request denoising steps it takes: the video loop's and the action loop's (ardiff_policies.inference_steps)."""
+        e, config = self.embodiment, self.config
+        return {
+            VIDEO_STEPS_KEY: step_bounds(config.request_inference_steps, e.num_inference_steps, "request_inference_steps"),
+            ACTION_STEPS_KEY: step_bounds(config.request_action_inference_steps, e.action_num_inference_steps, "request_action_inference_steps"),
+        }
 
     @property
     def _commit_frames(self) -> dict[str, int]:
@@ -164,6 +178,7 @@ class LingBotVAServing(Policy[ServedSession]):
             native_protocol="lingbot_va",
             max_frames_per_call=max(commit_frames.values()),  # every frame sent is read; check_observation refuses other counts
             continuations=continuations,
+            inference_steps=dict(self.step_bounds),
         )
 
     @property
@@ -181,6 +196,7 @@ class LingBotVAServing(Policy[ServedSession]):
 
     def check_observation(self, observation: RobotObservation) -> None:
         call = observation.episode
+        check_observation_steps(observation, self.step_bounds)
         count = self._frame_count(observation)
         commit_counts = {FRAMES_PER_LATENT * (self.frames - 1), FRAMES_PER_LATENT * self.frames}
         if call is None:
@@ -316,7 +332,9 @@ class LingBotVAServing(Policy[ServedSession]):
                     continue
                 session.timing_ms["infer"] = ms
                 session.last_actions = outcome
-                results[i] = self._result(session, outcome, self._chunk_info(session, "commit+infer" if session.committed else "infer"))
+                results[i] = self._result(
+                    session, outcome, self._chunk_info(session, "commit+infer" if session.committed else "infer"), self._ran(session)
+                )
         for i, (session, _) in enumerate(items):
             if results[i] is None:  # a commit only (LingBot-VA's compute_kv_cache)
                 results[i] = self._result(session, None, ChunkInfo(call="compute_kv_cache", execute_from=0))
@@ -343,12 +361,25 @@ class LingBotVAServing(Policy[ServedSession]):
         call = observation.episode
         video_g = call.video_guidance_scale if call is not None else None
         action_g = call.action_guidance_scale if call is not None else None
-        return InferRequest(session.episode, frames, video_g, action_g, observation.continuation)
+        return InferRequest(
+            session.episode,
+            frames,
+            video_g,
+            action_g,
+            observation.continuation,
+            observation.num_inference_steps,
+            observation.action_num_inference_steps,
+        )
 
     def _chunk_info(self, session: ServedSession, kind: str) -> ChunkInfo:
         """What the reply says of the chunk just predicted."""
         served = session.episode.last  # its chunk_id, frozen rows, continuation; the episode's first chunk at 0
         return ChunkInfo(served.chunk_id, served.frozen, served.continuation, kind, self.per_frame if served.position == 0 else 0)
+
+    def _ran(self, session: ServedSession) -> dict:
+        """What the reply's ``session`` map says an infer ran: its denoising steps per loop and its transformer forwards."""
+        served = session.episode.last
+        return {VIDEO_STEPS_KEY: served.video_steps, ACTION_STEPS_KEY: served.action_steps, "dit_forwards": served.forwards}
 
     def _begin(self, session: ServedSession, observation: RobotObservation) -> None:
         """A session's first step begins its episode (the prompt's K/V, the window, the generator seeded)."""
@@ -369,12 +400,13 @@ class LingBotVAServing(Policy[ServedSession]):
         stacks = [np.asarray(observation.cameras[name]) for name in self.cameras]
         return [{camera: stack[t] for camera, stack in zip(self.embodiment.cameras, stacks)} for t in range(stacks[0].shape[0])]
 
-    def _result(self, session: ServedSession, actions: np.ndarray | None, chunk: ChunkInfo) -> StepResult:
+    def _result(self, session: ServedSession, actions: np.ndarray | None, chunk: ChunkInfo, ran: dict | None = None) -> StepResult:
+        """``ran``: an infer's denoising steps and transformer forwards (the reply's ``session`` map says them)."""
         if actions is None:
             out = np.zeros((0, self.channels), np.float32)
         else:
             out = np.ascontiguousarray(actions.reshape(self.channels, -1).T, dtype=np.float32)
-        info = {"frame_start": session.episode.frame_start}
+        info = {"frame_start": session.episode.frame_start, **(ran or {})}
         return StepResult(out, dict(session.timing_ms), info, chunk=chunk)
 
     # -- recordings ------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import torch
 from ardiff_policies.base import RuntimeOptions, StartRefused, StepResult
 from ardiff_policies.chunk import ChunkInfo
 from ardiff_policies.episode import EpisodeCall, EpisodeStart
+from ardiff_policies.inference_steps import StepBounds
 from ardiff_policies.info import PolicyInfo
 from ardiff_policies.lingbot_va.config import BUILTIN_TINY, SYNTHETIC_PREFIX
 from ardiff_policies.lingbot_va.embodiments import ZERO_WAM_ROBOTWIN
@@ -160,8 +161,15 @@ class ZeroWAMServing(LingBotVAServing):
             if value is not None and value != has[key]:
                 raise EpisodeError(f"{key}: {value!r} differs from this episode's {has[key]!r}; an episode begins once (a new session_id or a reset)")
 
-    def _result(self, session: ServedSession, actions: np.ndarray | None, chunk: ChunkInfo) -> StepResult:
-        result = super()._result(session, actions, chunk)
+    def _step_bounds(self) -> dict[str, StepBounds]:
+        """None: its episode logic runs the embodiment's steps only, so a request's are refused by name (PolicyInfo)."""
+        return {}
+
+    def _ran(self, session: ServedSession) -> dict:
+        return {}
+
+    def _result(self, session: ServedSession, actions: np.ndarray | None, chunk: ChunkInfo, ran: dict | None = None) -> StepResult:
+        result = super()._result(session, actions, chunk, ran)
         episode = session.episode
         if episode.plan is not None:
             result.info.update(guidance=episode.plan.mode.value, demonstration=episode.start.demonstration_id if episode.plan.demonstration else None)

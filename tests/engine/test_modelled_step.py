@@ -109,3 +109,28 @@ def test_the_wrapper_sleeps_the_rest_of_t_b_and_never_shortens_a_longer_step():
     slow = policy.step(session, None)
     assert slept[2] == 0.0 and slow.info["modelled_step_overrun"] is True
     assert slow.info["real_step_ms"] == pytest.approx(900.0) and slow.info["modelled_step_ms"] == pytest.approx(610.0)
+
+
+def test_a_step_mixing_step_counts_lasts_each_groups_t_b_at_its_steps_one_after_the_other():
+    """The calls' own denoising steps (each result's num_inference_steps) set the modelled time: a step of two calls at 4
+    steps and one at the configured 16 lasts t(2) x share(4) + t(1), as DreamZero runs one group per count; a call
+    that reports none (a noop, a failure) counts at 16."""
+    from ardiff_policies.base import RuntimeOptions, StepResult, build_policy
+
+    slept: list[float] = []
+    inner = build_policy("noop", {"name": "noop"}, RuntimeOptions())
+    steps = iter([[4, None, 4], [8], [None]])
+
+    def reported_step_batch(items):
+        return [StepResult(np.zeros((1, 1), np.float32), {}, {} if n is None else {"num_inference_steps": n}) for n in next(steps)]
+
+    inner.step_batch = reported_step_batch
+    big = step_time_profile("14b")
+    policy = ModelledStepPolicy(inner, big, clock=lambda: 0.0, sleep=slept.append)
+    mixed = policy.step_batch([(None, None)] * 3)
+    assert slept[0] == pytest.approx(2 * 0.61 * big.step_share(4) + 0.61)
+    assert all(r.info["modelled_step_ms"] == pytest.approx(1000.0 * slept[0]) for r in mixed)
+    policy.step_batch([(None, None)])
+    assert slept[1] == pytest.approx(0.61 * (0.07 + 0.93 * 7 / 9))  # 8 steps: 1 + 6 of upstream's 1 + 8 DiT forwards
+    policy.step_batch([(None, None)])
+    assert slept[2] == pytest.approx(0.61)

@@ -11,6 +11,7 @@ import pytest
 from ardiff_policies.continuation import Continuation
 from ardiff_policies.dreamzero.config import UPSTREAM_STEP_MASK, DreamZeroConfig
 from ardiff_policies.dreamzero.step_cache import THRESHOLDS, StepCache, resample_mask, scale_thresholds
+from ardiff_policies.inference_steps import StepBounds
 from ardiff_policies.observation import RobotObservation, UnsupportedObservation
 from tests.helpers.dreamzero import batched, each_alone, make_policy, observations
 
@@ -72,7 +73,8 @@ def test_a_requests_steps_are_honoured_and_reported(tiny_model, policy):
         assert (asked.info["num_inference_steps"], asked.info["dit_forwards"]) == (2, 2)
         assert (default.info["num_inference_steps"], default.info["dit_forwards"]) == (4, 3)
         assert np.abs(asked.actions - default.actions).max() > 1e-3
-    assert served.info.inference_steps == (1, 4) and served.info.details["request_inference_steps"] == [1, 4]
+    assert served.info.inference_steps == {"num_inference_steps": StepBounds(1, 4, "policy.request_inference_steps")}
+    assert served.info.details["request_inference_steps"] == [1, 4]
 
 
 def test_steps_out_of_bounds_are_refused_naming_the_bound(tiny_model, policy):
@@ -122,17 +124,20 @@ def test_the_wire_key_is_decoded_where_the_policy_takes_it_and_refused_by_name_e
     from ardiff_server.wire.decode import RequestError, decode_request
 
     request = dict(next(iter(_droid_requests())), num_inference_steps=np.int64(4))
-    observation = decode_request(request, inference_steps=True).observation
+    observation = decode_request(request, inference_steps=("num_inference_steps",)).observation
     assert observation.num_inference_steps == 4 and type(observation.num_inference_steps) is int
     assert pickle.loads(pickle.dumps(observation)).num_inference_steps == 4  # the engine's seam keeps it
     assert (
-        decode_request({k: v for k, v in request.items() if k != "num_inference_steps"}, inference_steps=True).observation.num_inference_steps is None
+        decode_request(
+            {k: v for k, v in request.items() if k != "num_inference_steps"}, inference_steps=("num_inference_steps",)
+        ).observation.num_inference_steps
+        is None
     )
     with pytest.raises(RequestError, match=r"^num_inference_steps: this server's policy takes no per-request denoising steps; leave it out$"):
         decode_request(request)
     for bad in (0, True, 2.5, "4"):
         with pytest.raises(RequestError, match=r"^num_inference_steps: expected an integer >= 1, got "):
-            decode_request({**request, "num_inference_steps": bad}, inference_steps=True)
+            decode_request({**request, "num_inference_steps": bad}, inference_steps=("num_inference_steps",))
 
 
 def _droid_requests():

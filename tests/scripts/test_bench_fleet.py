@@ -46,12 +46,49 @@ def test_a_rounds_partial_batch_costs_its_own_step_not_a_full_ones(bench):
     assert bench._fits(small.seconds, 34, 6, 24, 15.0) and not bench._fits(small.seconds, 35, 6, 24, 15.0)
 
 
+def test_fewer_denoising_steps_shorten_the_modelled_step_by_its_dit_forwards_and_raise_the_limit(bench):
+    """t(b) is a chunk of 16 steps; at n steps the DiT's share of it (14B 0.93) scales with its DiT forwards (the
+    prefill and the steps upstream's fixed mask runs, carried over to n: 1 + 8, 1 + 6, 1 + 4). 14B at 15 Hz: 8 steps
+    t(1) = 0.484 s, d = 8, 8 + 7.26 N <= 24 -> 2 robots; 4 steps t(1) = 0.358 s, d = 6, 6 + 5.37 N <= 24 -> 3."""
+    from ardiff_server.engine.modelled_step import dit_forwards, step_time_profile
+
+    big, small = step_time_profile("14b"), step_time_profile("5b")
+    assert [dit_forwards(n) for n in (16, 8, 4, 1)] == [9, 7, 5, 2]
+    assert big.seconds(1, 16) == big.seconds(1) == pytest.approx(0.61)
+    assert [big.seconds(1, n) for n in (8, 4)] == pytest.approx([0.61 * (0.07 + 0.93 * 7 / 9), 0.61 * (0.07 + 0.93 * 5 / 9)])
+    assert big.seconds(3, 4) == pytest.approx(3 * big.seconds(1, 4))  # still compute-bound: b t(1)
+    assert small.seconds(1, 4) == pytest.approx(0.15 * (0.72 + 0.28 * 5 / 9))  # the 5B's chunk is mostly not its DiT
+    assert [bench.fleet_limit(big.at_steps(n), hz=15.0, max_batch=3) for n in (16, 8, 4)] == [1, 2, 3]
+    assert bench.fleet_limit(small.at_steps(4), hz=15.0, max_batch=4) == 32  # 28 at 16 steps
+    assert "x 0.587 (4 steps)" in bench.limit_formula(big, 15.0, 3, 4)
+
+
+def test_a_time_scaled_run_is_the_same_schedule_slower(bench):
+    """--time-scale k: t(b) x k at f / k Hz leaves every limit as it is (ceil(f t) and f t are unchanged), so a CPU whose
+    own step overruns the 5B's 0.15 s can run its schedule 3x slower."""
+    from ardiff_server.engine.modelled_step import step_time_profile
+
+    for name in ("14b", "5b"):
+        profile = step_time_profile(name)
+        slow = bench.scaled(profile, 3.0)
+        assert slow.seconds(2, 4) == pytest.approx(3.0 * profile.seconds(2, 4))
+        for steps in (16, 8, 4):
+            for max_batch in (1, 4):
+                fast_limit = bench.fleet_limit(profile.at_steps(steps), hz=15.0, max_batch=max_batch)
+                assert bench.fleet_limit(slow.at_steps(steps), hz=5.0, max_batch=max_batch) == fast_limit, (name, steps, max_batch)
+    assert bench.scaled(step_time_profile("14b"), 1.0) is step_time_profile("14b")
+
+
 def test_capacity_counts_up_from_one_robot_and_stops_at_the_first_that_idles_or_jerks(bench):
     row = lambda n, idle, seam: bench.Row("14b", "arrival", "half", n, steady_idle_per_chunk=idle, seam_ratio=seam)  # noqa: E731
     rows = [row(1, 0.0, 1.5), row(2, 0.0, 1.9), row(3, 0.4, 1.5), row(4, 0.0, 1.5)]
     assert bench.capacity(rows, "14b", "arrival", "half") == 2
     assert bench.capacity([row(1, 0.0, 2.5)], "14b", "arrival", "half") == 0
     assert bench.capacity(rows, "14b", "deadline", "half") is None  # not run
+    assert bench.capacity(rows, "14b", "arrival", "half", denoise=4) is None  # not run at 4 steps
+    fewer = [bench.Row("14b", "arrival", "half", n, denoise=4, steady_idle_per_chunk=0.0, seam_ratio=1.0) for n in (1, 2, 3)]
+    assert bench.capacity(rows + fewer, "14b", "arrival", "half", denoise=4) == 3
+    assert bench.capacity(rows + fewer, "14b", "arrival", "half") == 2  # each step count its own capacity
     assert bench.capacity_line(rows, 1) == "capacity: arrival=2 deadline=n/a limit=1"
 
 
@@ -75,29 +112,22 @@ def test_the_smallest_bench_prints_its_table_and_a_capacity_line(bench, capsys):
     )
     out = capsys.readouterr().out
     lines = out.splitlines()
-    header = next(line for line in lines if line.startswith("| profile | scheduler |"))
+    header = next(line for line in lines if line.startswith("| profile | denoise steps |"))
     columns = [c.strip() for c in header.strip("|").split("|")]
-    assert columns == [
-        "profile",
-        "scheduler",
-        "asking",
-        "robots",
-        "steady idle / robot / chunk",
-        "deadline misses",
-        "seam / inner",
-        "chunks/s per robot",
-        "latency p50 (ms)",
-        "p99 (ms)",
-        "mean batch",
-        "overrun",
-    ]
-    row = next(line for line in lines if line.startswith("| 14b | arrival | half | 1 |"))
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert len(cells) == len(columns), row
+    assert columns == list(bench.COLUMNS)
+    # the issue's columns, then what says whether a row is the profile's schedule (overruns, the real step, the load)
+    assert columns[:5] == ["profile", "denoise steps", "scheduler", "asking", "robots"] and len(columns) == 18
+    assert columns[5:9] == ["steady idle / robot / chunk", "deadline misses", "seam / inner", "chunks/s per robot"]
+    assert columns[12:] == ["overrun", "real step p50 (ms)", "encode p50 (ms)", "robots' cores", "server's cores", "others' cores"]
+    row = next(line for line in lines if line.startswith("| 14b | 16 | arrival | half | 1 |"))
+    cells = dict(zip(columns, (c.strip() for c in row.strip("|").split("|")), strict=True))
     # numbers, or "-" where a loaded CPU left too few chunks to say (a robot with one chunk has no steady state)
-    assert all(re.fullmatch(r"-|\d+(\.\d+)?", cell) for cell in cells[4:11]), row
-    assert float(cells[10]) == 1.0  # one robot: every step a batch of one
-    assert cells[8] == "-" or float(cells[8]) >= 610.0  # every step lasts the 14B's t(1) at least
-    assert re.fullmatch(r"\d+%", cells[11]), row  # the share of steps that overran the modelled time
-    assert "limit 14b = 1: largest N served in some k >= N/1 batches a round" in out
+    assert all(re.fullmatch(r"-|\d+(\.\d+)?", cells[c]) for c in columns[5:12] + columns[13:]), row
+    assert float(cells["mean batch"]) == 1.0  # one robot: every step a batch of one
+    assert cells["latency p50 (ms)"] == "-" or float(cells["latency p50 (ms)"]) >= 610.0  # every step lasts the 14B's t(1) at least
+    assert re.fullmatch(r"\d+%", cells["overrun"]), row  # the share of steps that overran the modelled time
+    assert float(cells["real step p50 (ms)"]) > 0 and float(cells["server's cores"]) > 0  # the tiny model's own step, its CPU
+    assert float(cells["encode p50 (ms)"]) > 0  # the session's first call encodes its prompt on the encoder thread
+    assert "limit 14b at 16 steps = 1: largest N served in some k >= N/1 batches a round" in out
+    assert "limit 14b at 4 steps = 3:" in out and "| 14b | 4 | deadline | adaptive | n/a | 3 |" in out  # not run here
     assert re.fullmatch(r"capacity: arrival=(\d+|n/a) deadline=(\d+|n/a) limit=1", lines[-1]), lines[-1]

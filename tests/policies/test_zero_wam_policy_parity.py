@@ -62,7 +62,7 @@ def reference():
 @pytest.fixture(scope="module")
 def demonstration_root(reference, tmp_path_factory) -> Path:
     """Upstream's ``ICL_LATENT_ROOT`` as recorded: each episode's ``<id>.pth`` written by the recorder's own function,
-    file, latent and text checked against the sha256 the JSON holds."""
+    its latent and text checked against the sha256 the JSON holds."""
     meta, _ = reference
     root = tmp_path_factory.mktemp("demonstrations")
     for episode in RECORD.EPISODES:
@@ -70,8 +70,10 @@ def demonstration_root(reference, tmp_path_factory) -> Path:
         path = root / f"{episode['demo_id']}.pth"
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(item, path)
-        recorded = meta["demonstrations"]["sha256"][episode["demo_id"]]
-        assert RECORD.demo_record(item, path) == recorded, f"demonstration {episode['demo_id']!r} is not the recorded one"
+        # the tensors upstream read (the file's own bytes, also recorded, may differ with torch's serialisation)
+        recorded = {k: v for k, v in meta["demonstrations"]["sha256"][episode["demo_id"]].items() if k != "file"}
+        written = {k: v for k, v in RECORD.demo_record(item, path).items() if k != "file"}
+        assert written == recorded and "latent" in written, f"demonstration {episode['demo_id']!r} is not the recorded one"
     return root
 
 

@@ -75,11 +75,13 @@ T = TypeVar("T")
 
 
 def kv_spec(embodiment: Embodiment, cfg: ZeroWAMConfig, demonstrations: DemonstrationGeometry, dtype: torch.dtype) -> KVSpec:
-    """Pages of gcd(video, action tokens per chunk); upstream's window in frame ids (the model's ``attn_window``): after
-    a trim the conditional branch holds W // 2 chunks' video and (W + 1) // 2 chunks' actions, the unconditional one
-    the video only; the demonstration pinned in the conditional branch, at most ``demonstrations.max_tokens``."""
+    """Pages of gcd(video tokens per chunk, action tokens per chunk, a demonstration frame's tokens), so that every chunk
+    and every demonstration of the geometry's frame size, of any frame count, is whole pages; upstream's window in frame
+    ids (the model's ``attn_window``): after a trim the conditional branch holds W // 2 chunks' video and (W + 1) // 2
+    chunks' actions, the unconditional one the video only; the demonstration pinned in the conditional branch, at most
+    ``demonstrations.max_tokens``."""
     video, action = embodiment.video_tokens_per_chunk, embodiment.action_tokens_per_chunk
-    page = math.gcd(video, action)
+    page = math.gcd(video, action, demonstrations.tokens_per_frame)
     v, a = video // page, action // page
     window = cfg.attn_window
     if window < 2:

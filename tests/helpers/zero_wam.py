@@ -25,8 +25,9 @@ ATOL = 1e-5  # float32, max abs error against upstream (its bf16 attention cast 
 
 
 def reference_or_skip() -> tuple[dict, dict[str, torch.Tensor]]:
-    if not REFERENCE.with_suffix(".json").is_file():
-        pytest.skip(f"no {REFERENCE.name}.json: record it with scripts/record_upstream_zero_wam.py (its docstring says how)")
+    absent = [REFERENCE.with_suffix(s).name for s in (".json", ".safetensors") if not REFERENCE.with_suffix(s).is_file()]
+    if absent:
+        pytest.skip(f"no {' / '.join(absent)}: record it with scripts/record_upstream_zero_wam.py (its docstring says how)")
     return json.loads(REFERENCE.with_suffix(".json").read_text()), load_file(REFERENCE.with_suffix(".safetensors"))
 
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -20,10 +21,14 @@ import torch
 
 from ardiff_kv import Branch, EntryKind, PagedKVCache, SessionKV
 from ardiff_policies.episode import EpisodeStart
+from ardiff_policies.lingbot_va.embodiments import ZERO_WAM_ROBOTWIN
 from ardiff_policies.lingbot_va.episode_io import EpisodeError
-from ardiff_policies.lingbot_va.zero_wam_episode import CommitRequest, InferRequest, ZeroWAMPolicy
+from ardiff_policies.lingbot_va.zero_wam_checkpoint import ZeroWAMConfig
+from ardiff_policies.lingbot_va.zero_wam_demonstration import DemonstrationGeometry
+from ardiff_policies.lingbot_va.zero_wam_episode import CommitRequest, InferRequest, ZeroWAMPolicy, kv_spec
 from ardiff_policies.lingbot_va.zero_wam_tiny import (
     TINY_DEMONSTRATIONS,
+    TINY_ZERO_WAM,
     TINY_ZERO_WAM_EMBODIMENT,
     ensure_tiny_demonstrations,
     ensure_tiny_zero_wam_checkpoint,
@@ -87,6 +92,19 @@ def assert_same_layout(a: dict, b: dict) -> None:
     assert torch.equal(a["generator"], b["generator"])
     assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a["stream"], b["stream"]))
     assert all(x is y for x, y in zip(a["tensors"], b["tensors"]))
+
+
+def test_the_page_holds_whole_demonstration_frames():
+    """The page divides a demonstration frame's tokens as well as a chunk's: a demonstration of the geometry's frame size
+    is whole pages whatever its frame count. 4x6 latent frames (the parity recording's): chunks of 12 video and 32 action
+    tokens, demonstration frames of 6 tokens -> pages of 2 (gcd(12, 32) = 4 refused a 3-frame, 18-token demonstration).
+    At full size nothing changes: gcd(378, 32, 150) = 2."""
+    e = dataclasses.replace(TINY_ZERO_WAM_EMBODIMENT, height=64, width=32)
+    geometry = DemonstrationGeometry(latent_size=(4, 6), max_frames=3)
+    spec = kv_spec(e, TINY_ZERO_WAM, geometry, torch.float32)
+    assert (spec.page_size, spec.max_pinned_pages) == (2, 9)
+    assert kv_spec(TINY_ZERO_WAM_EMBODIMENT, TINY_ZERO_WAM, TINY_DEMONSTRATIONS, torch.float32).page_size == 4  # the tiny server's: unchanged
+    assert kv_spec(ZERO_WAM_ROBOTWIN, ZeroWAMConfig(), DemonstrationGeometry(), torch.bfloat16).page_size == 2
 
 
 # -- upstream's forwards and cache ---------------------------------------------------------------

@@ -63,7 +63,7 @@ def test_a_modelled_step_lasts_at_least_t_b_and_its_result_is_the_real_one():
         started = time.perf_counter()
         alone = modelled.infer("alone", observe(call, 0))
         assert time.perf_counter() - started >= t1
-        assert alone.compute_ms >= 1000.0 * t1
+        assert alone.compute_ms + alone.result.info["own_encode_ms"] >= 1000.0 * t1  # a window start's encode counts inside t(1)
         assert alone.result.info["modelled_step_ms"] == pytest.approx(1000.0 * t1)
         np.testing.assert_array_equal(alone.result.actions, plain.infer("alone", observe(call, 0)).result.actions)
 
@@ -134,3 +134,39 @@ def test_a_step_mixing_step_counts_lasts_each_groups_t_b_at_its_steps_one_after_
     assert slept[1] == pytest.approx(0.61 * (0.07 + 0.93 * 7 / 9))  # 8 steps: 1 + 6 of upstream's 1 + 8 DiT forwards
     policy.step_batch([(None, None)])
     assert slept[2] == pytest.approx(0.61)
+
+
+def test_a_calls_own_encode_counts_inside_its_modelled_time():
+    """t(1) is a GPU's whole chunk: a call whose prepare job (a window start's encodes) ran before its step sleeps only
+    what is left of t(b) after the encode and the step; the batch is charged its largest member's encode; an encode
+    and a step longer than t(b) together are an overrun; a later call without a job sleeps the whole rest again."""
+    from ardiff_policies.base import RuntimeOptions, build_policy
+
+    now = [0.0]
+    slept: list[float] = []
+    inner = build_policy("noop", {"name": "noop"}, RuntimeOptions())
+    real_step_batch = inner.step_batch
+
+    def timed_step_batch(items):
+        now[0] += 0.1
+        return real_step_batch(items)
+
+    inner.step_batch = timed_step_batch
+    policy = ModelledStepPolicy(inner, step_time_profile("14b"), clock=lambda: now[0], sleep=slept.append)
+    a, b = object(), object()  # two sessions (noop keeps no state of its own: any object serves)
+    encodes = {id(a): 0.3, id(b): 0.45}
+    inner.prepare = lambda session, observation: lambda: now.__setitem__(0, now[0] + encodes[id(session)])
+    policy.prepare(a, None)()
+    first = policy.step(a, None)
+    assert slept == [pytest.approx(0.61 - 0.3 - 0.1)] and first.info["own_encode_ms"] == pytest.approx(300.0)
+    assert first.info["modelled_step_overrun"] is False
+    steady = policy.step(a, None)  # no job this time: the whole rest of t(1)
+    assert slept[1] == pytest.approx(0.51) and steady.info["own_encode_ms"] == 0.0
+    policy.prepare(a, None)()
+    policy.prepare(b, None)()
+    pair = policy.step_batch([(a, None), (b, None)])  # t(2) = 1.22 s, charged the larger encode
+    assert slept[2] == pytest.approx(1.22 - 0.45 - 0.1) and all(r.info["own_encode_ms"] == pytest.approx(450.0) for r in pair)
+    encodes[id(a)] = 0.6
+    policy.prepare(a, None)()
+    late = policy.step(a, None)  # 0.6 s of encode and 0.1 s of step: over t(1)
+    assert slept[3] == 0.0 and late.info["modelled_step_overrun"] is True

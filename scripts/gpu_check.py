@@ -878,7 +878,7 @@ def lingbot_va_check(args, cuda: bool, full: bool) -> dict[str, Any]:
         kv, plan, policy_section, first_call = zero_wam_setup(args, name, spec, dtype, sessions, max(sizes))
         budget = kv
     else:
-        from ardiff_policies.lingbot_va.episode_logic import kv_spec
+        from ardiff_policies.lingbot_va.episode import kv_spec
         from ardiff_policies.lingbot_va.memory import plan as memory_plan
         from ardiff_policies.lingbot_va.policy import embodiment_by_name
 

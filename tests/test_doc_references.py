@@ -1,7 +1,7 @@
 """What the README and docs/ name exists, and names are cited as they are imported (issue #37).
 
 * Every file or folder of this repository that a document names in backticks exists: a path from the repository's
-  root or a package's root (``wire/openpi.py``), or a bare file name of a file somewhere in it (``episode_logic.py``,
+  root or a package's root (``wire/openpi.py``), or a bare file name of a file somewhere in it (``episode.py``,
   named in its folder's section). Paths of upstream's repositories, of checkpoints and of files still to be written
   are listed below, each group with why.
 * Every dotted ``ardiff_*`` name in a document or a docstring (``ardiff_policies.batch_retry.run_batched``) is a module
@@ -198,7 +198,7 @@ def test_documents_cite_kv_and_policies_by_their_import_names():
 
 
 def test_the_checks_catch_a_moved_file_and_a_stale_citation():
-    assert not exists("ardiff_server/wire/no_such_module.py") and exists("wire/openpi.py") and exists("episode_logic.py")
+    assert not exists("ardiff_server/wire/no_such_module.py") and exists("wire/openpi.py") and exists("episode.py")
     assert unresolved("ardiff_policies.batch_retry.run_batched") is None
     stale, absent = ".".join(("ardiff_policies", "lingbot_va", "config", "Embodiment")), ".".join(("ardiff_kv", "no_module"))
     assert unresolved(stale) == "ardiff_policies.lingbot_va.config has no Embodiment"  # (moved to embodiments.py)

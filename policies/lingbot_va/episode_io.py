@@ -1,4 +1,4 @@
-"""What the LingBot-VA family's episodes share, whatever their transformer: LingBot-VA's (``episode_logic.py``) and
+"""What the LingBot-VA family's episodes share, whatever their transformer: LingBot-VA's (``episode.py``) and
 Zero-WAM's (``zero_wam_episode.py``, upstream's ICL variant of the same server).
 
 Both upstream servers (``wan_va/wan_va_server.py`` in Robbyant/lingbot-va and jianwenli96/Zero-WAM) encode the same

@@ -22,8 +22,8 @@ import torch
 from ardiff_kv import PagedKVCache
 from ardiff_policies.lingbot_va.checkpoint import TransformerConfig
 from ardiff_policies.lingbot_va.embodiments import Embodiment
+from ardiff_policies.lingbot_va.episode import LingBotVAEpisodes, kv_spec
 from ardiff_policies.lingbot_va.episode_io import TEXT_LENGTH
-from ardiff_policies.lingbot_va.episode_logic import LingBotVAPolicy, kv_spec
 from ardiff_policies.wan.memory import CUDA_RESERVE_BYTES, encoder_bytes, itemsize, module_size, transformer_forward_bytes, vae_chunk_bytes
 from ardiff_policies.wan.text import UMT5_XXL_ENCODER_CONFIG, TextEncoder
 from ardiff_policies.wan.vae import WAN22_VAE_CONFIG
@@ -104,7 +104,7 @@ def plan(
     )
 
 
-def describe_loaded(episodes: LingBotVAPolicy, max_sessions: int) -> str:
+def describe_loaded(episodes: LingBotVAEpisodes, max_sessions: int) -> str:
     """The start-up log's plan for the model as loaded (its real parameter counts, any size): weights per component,
     one session's KV pages and prompt K/V, and what ``max_sessions`` of them take. The engine's pool line follows it."""
     branches = len(episodes.branches)

@@ -1,7 +1,7 @@
 """LingBot-VA behind the engine's :class:`~ardiff_policies.base.Policy` interface.
 
 The engine opens a session per robot and hands it its KV; this adapter maps its calls onto the episode logic
-(``episode_logic.py``):
+(``episode.py``):
 
 * a session is an episode: LingBot-VA's ``reset`` is the engine ending the session (its KV pages back to the pool); the
   next request opens a fresh one, whose first step encodes the prompt (beforehand, on the engine's encoder thread,
@@ -17,7 +17,7 @@ The engine opens a session per robot and hands it its KV; this adapter maps its 
 :meth:`step_batch` runs all commits of a batch in one video and one action forward, then all predictions batched
 (one batched call per step count when requests asked for their own denoising steps, ``num_inference_steps`` /
 ``action_num_inference_steps`` within ``policy.request_inference_steps`` / ``request_action_inference_steps``; a
-failed batch is retried member by member in ``episode_logic.py``, :func:`ardiff_policies.batch_retry.run_batched`:
+failed batch is retried member by member in ``episode.py``, :func:`ardiff_policies.batch_retry.run_batched`:
 only a member that fails alone fails).
 Actions go back as (frames x actions per frame, channels), time-major (the OpenPI shape); LingBot-VA's wire reshapes
 them to upstream's (channels, frames, actions per frame) (``PolicyInfo.details['action_layout']``).
@@ -25,7 +25,7 @@ them to upstream's (channels, frames, actions per frame) (``PolicyInfo.details['
 Recordings (``server.record_dir``): every call is a recorded call with its kind in ``ChunkInfo.call`` (``infer``,
 ``compute_kv_cache``, or ``commit+infer`` on the OpenPI wire); its canvas is the frames it brought, laid out as the
 model sees them (the T layout: the wrists side by side above the high camera); an infer's prediction is its denoised
-video latents, decoded by the Wan VAE on the recorder's thread (:meth:`LingBotVAServing.decode_prediction`).
+video latents, decoded by the Wan VAE on the recorder's thread (:meth:`LingBotVAPolicy.decode_prediction`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from ardiff_policies.inference_steps import ACTION_STEPS_KEY, VIDEO_STEPS_KEY, S
 from ardiff_policies.info import PolicyInfo
 from ardiff_policies.lingbot_va import embodiments
 from ardiff_policies.lingbot_va.config import BUILTIN_TINY, SYNTHETIC_PREFIX, LingBotVAConfig
-from ardiff_policies.lingbot_va.episode_logic import MAX_GUIDANCE, CommitRequest, EpisodeError, InferRequest, LingBotVAPolicy, LingBotVASession
+from ardiff_policies.lingbot_va.episode import MAX_GUIDANCE, CommitRequest, EpisodeError, InferRequest, LingBotVAEpisodes, LingBotVASession
 from ardiff_policies.lingbot_va.memory import describe_loaded
 from ardiff_policies.lingbot_va.model import TextKV
 from ardiff_policies.observation import RobotObservation, UnsupportedObservation
@@ -90,10 +90,10 @@ class ServedSession:
     committed: bool = False  # this step committed frames (its recording's call kind)
 
 
-class LingBotVAServing(Policy[ServedSession]):
+class LingBotVAPolicy(Policy[ServedSession]):
     family = "lingbot_va"  # the embodiment tag's prefix (a variant of the family names its own)
 
-    def __init__(self, episodes: LingBotVAPolicy, config: LingBotVAConfig, checkpoint: str, *, record: bool = False) -> None:
+    def __init__(self, episodes: LingBotVAEpisodes, config: LingBotVAConfig, checkpoint: str, *, record: bool = False) -> None:
         self.episodes = episodes
         self.config = config
         self.checkpoint = checkpoint
@@ -116,7 +116,7 @@ class LingBotVAServing(Policy[ServedSession]):
         e = self.embodiment
         frame = {
             **self._frame(),
-            "continuations": True,  # a request's continuation: the next chunk inpainted to the executing one (episode_logic.py)
+            "continuations": True,  # a request's continuation: the next chunk inpainted to the executing one (episode.py)
             "guidance": {"video_guidance_scale": e.guidance_scale, "action_guidance_scale": e.action_guidance_scale, "max": MAX_GUIDANCE},
         }
         details = {
@@ -477,7 +477,7 @@ def _openpi(call: EpisodeCall | None) -> bool:
     return call is None or call.kind == "chunk"
 
 
-def build_lingbot_va(config: LingBotVAConfig, options: RuntimeOptions) -> LingBotVAServing:
+def build_lingbot_va(config: LingBotVAConfig, options: RuntimeOptions) -> LingBotVAPolicy:
     for name, value in (("engine.compile", options.compile), ("engine.cuda_graphs", options.cuda_graphs)):
         if value:
             raise StartRefused(f"{name}: not supported by the lingbot_va policy yet; unset it")
@@ -488,13 +488,13 @@ def build_lingbot_va(config: LingBotVAConfig, options: RuntimeOptions) -> LingBo
         from ardiff_policies.lingbot_va.synthetic import synthetic_policy
 
         episodes = synthetic_policy(config.checkpoint, embodiment, device=options.device, dtype=dtype)
-        return LingBotVAServing(episodes, config, config.checkpoint, record=options.record)
+        return LingBotVAPolicy(episodes, config, config.checkpoint, record=options.record)
     if config.checkpoint == BUILTIN_TINY:
         from ardiff_policies.lingbot_va.tiny import ensure_tiny_checkpoint
 
         checkpoint = ensure_tiny_checkpoint()
     else:
         checkpoint = config.local_checkpoint()
-    episodes = LingBotVAPolicy.load(checkpoint, embodiment, device=options.device, dtype=dtype)
+    episodes = LingBotVAEpisodes.load(checkpoint, embodiment, device=options.device, dtype=dtype)
     logger.info("%s", describe_loaded(episodes, options.max_sessions))
-    return LingBotVAServing(episodes, config, str(checkpoint), record=options.record)
+    return LingBotVAPolicy(episodes, config, str(checkpoint), record=options.record)

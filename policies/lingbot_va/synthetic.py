@@ -27,7 +27,7 @@ import torch
 from ardiff_policies.lingbot_va.checkpoint import TransformerConfig
 from ardiff_policies.lingbot_va.config import SYNTHETIC_PREFIX, SYNTHETIC_PRESETS
 from ardiff_policies.lingbot_va.embodiments import Embodiment
-from ardiff_policies.lingbot_va.episode_logic import LingBotVAPolicy
+from ardiff_policies.lingbot_va.episode import LingBotVAEpisodes
 from ardiff_policies.lingbot_va.model import LingBotVATransformer
 from ardiff_policies.lingbot_va.tiny import CORPUS, TINY_TRANSFORMER, TINY_VAE
 from ardiff_policies.lingbot_va.zero_wam_checkpoint import ZeroWAMConfig
@@ -71,10 +71,10 @@ def parse_spec(checkpoint: str) -> SyntheticSpec:
     return spec
 
 
-def synthetic_policy(checkpoint: str, embodiment: Embodiment, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LingBotVAPolicy:
+def synthetic_policy(checkpoint: str, embodiment: Embodiment, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LingBotVAEpisodes:
     spec = parse_spec(checkpoint)
     transformer, vae, text, tokenizer = _materialize(spec, lambda: LingBotVATransformer(spec.transformer), device, dtype)
-    return LingBotVAPolicy(transformer, vae, text, tokenizer, embodiment, device=device, dtype=dtype)
+    return LingBotVAEpisodes(transformer, vae, text, tokenizer, embodiment, device=device, dtype=dtype)
 
 
 def zero_wam_config(spec: SyntheticSpec) -> ZeroWAMConfig:
@@ -90,13 +90,13 @@ def synthetic_zero_wam_policy(checkpoint: str, embodiment: Embodiment, *, device
     """A synthetic Zero-WAM (``policy.checkpoint: synthetic:<preset>`` of the ``zero_wam`` policy): its transformer with
     LingBot-VA's shared sizes and the action expert's, UMT5 and the VAE as :func:`synthetic_policy`'s; ``options``: the
     episode logic's keywords (demonstrations, guidance defaults)."""
-    from ardiff_policies.lingbot_va.zero_wam_episode import ZeroWAMPolicy
+    from ardiff_policies.lingbot_va.zero_wam_episode import ZeroWAMEpisodes
     from ardiff_policies.lingbot_va.zero_wam_model import ZeroWAMTransformer
 
     spec = parse_spec(checkpoint)
     cfg = zero_wam_config(spec)
     transformer, vae, text, tokenizer = _materialize(spec, lambda: ZeroWAMTransformer(cfg), device, dtype)
-    return ZeroWAMPolicy(transformer, vae, text, tokenizer, embodiment, device=device, dtype=dtype, **options)
+    return ZeroWAMEpisodes(transformer, vae, text, tokenizer, embodiment, device=device, dtype=dtype, **options)
 
 
 def _materialize(spec: SyntheticSpec, transformer_on_meta, device: str, dtype: torch.dtype):

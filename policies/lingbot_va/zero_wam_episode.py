@@ -11,7 +11,7 @@ observed video and the action history; the unconditional one the observed video 
 ``uncond_window_pages``). The window is upstream's, in frame ids (``KVSpec.frame_window``): chunk ``c``'s video at frame
 ``2c``, its actions at ``2c + 1``, the demonstration at 0 outside the window.
 
-* ``reset`` (:meth:`ZeroWAMPolicy.begin`): the prompt through UMT5; the target text is the empty one when
+* ``reset`` (:meth:`ZeroWAMEpisodes.begin`): the prompt through UMT5; the target text is the empty one when
   ``video_guidance_scale < 0`` (the stored empty embedding where the deployment names one, as upstream's
   ``empty_text_emb_path``); the window and the VAE stream start empty; the generator is seeded; with a demonstration,
   one forward of its latents at t = 0 (its own text, else the prompt's; RoPE rows offset by ``icl_rope_h``) writes it
@@ -30,13 +30,13 @@ observed video and the action history; the unconditional one the observed video 
 
 Noise comes from a per-session generator seeded at reset (upstream's server draws from its global generator, never
 seeded), in the model's dtype on the CPU, in upstream's order and shapes: seeded alike, an episode's draws equal
-upstream's on a CPU (:meth:`ZeroWAMPolicy.begin`).
+upstream's on a CPU (:meth:`ZeroWAMEpisodes.begin`).
 
-Several robots' calls run batched (:meth:`ZeroWAMPolicy.infer_batch`, :meth:`ZeroWAMPolicy.compute_kv_cache_batch`;
+Several robots' calls run batched (:meth:`ZeroWAMEpisodes.infer_batch`, :meth:`ZeroWAMEpisodes.compute_kv_cache_batch`;
 each with its own guidance: the batch's rows are every session's halves). A refused request gets its
 :class:`EpisodeError` before its session changes; a batched call that raises is undone for every member (KV
 snapshot, VAE stream, generator, counters) and retried member by member (:func:`ardiff_policies.batch_retry.run_batched`),
-and a lone call that raises is undone too where the pool has the room (:meth:`ZeroWAMPolicy._transaction`): a failed
+and a lone call that raises is undone too where the pool has the room (:meth:`ZeroWAMEpisodes._transaction`): a failed
 call leaves its session as it was.
 """
 
@@ -180,7 +180,7 @@ class _Row:
     branch: Branch
 
 
-class ZeroWAMPolicy(EpisodeIO):
+class ZeroWAMEpisodes(EpisodeIO):
     def __init__(
         self,
         transformer: ZeroWAMTransformer,
@@ -221,7 +221,7 @@ class ZeroWAMPolicy(EpisodeIO):
         self.empty_text = empty_text.to(self.device, self.dtype)  # upstream's negative_prompt_embeds
 
     @classmethod
-    def load(cls, checkpoint: str | Path, embodiment: Embodiment, *, device="cpu", dtype=torch.float32, **options: Any) -> ZeroWAMPolicy:
+    def load(cls, checkpoint: str | Path, embodiment: Embodiment, *, device="cpu", dtype=torch.float32, **options: Any) -> ZeroWAMEpisodes:
         """A released checkpoint directory (``transformer/``: ``WanICLTransformer3DModel``; ``vae/``, ``text_encoder/``,
         ``tokenizer/``); ``options``: the constructor's keywords."""
         root = Path(checkpoint)

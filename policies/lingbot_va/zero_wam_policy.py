@@ -1,5 +1,5 @@
 """Zero-WAM behind the engine's :class:`~ardiff_policies.base.Policy` interface: a variant of LingBot-VA's
-(:class:`~ardiff_policies.lingbot_va.policy.LingBotVAServing`, whose sessions, recordings and replies it keeps) over
+(:class:`~ardiff_policies.lingbot_va.policy.LingBotVAPolicy`, whose sessions, recordings and replies it keeps) over
 Zero-WAM's episode logic (``zero_wam_episode.py``).
 
 * A session is an episode. It begins on its first step: the prompt and how the episode begins
@@ -37,10 +37,10 @@ from ardiff_policies.info import PolicyInfo
 from ardiff_policies.lingbot_va.config import BUILTIN_TINY, SYNTHETIC_PREFIX
 from ardiff_policies.lingbot_va.embodiments import ZERO_WAM_ROBOTWIN
 from ardiff_policies.lingbot_va.episode_io import TEXT_LENGTH
-from ardiff_policies.lingbot_va.policy import FRAMES_PER_LATENT, LingBotVAServing, ServedSession
+from ardiff_policies.lingbot_va.policy import FRAMES_PER_LATENT, LingBotVAPolicy, ServedSession
 from ardiff_policies.lingbot_va.zero_wam_config import BUILTIN_DEMONSTRATIONS, MAX_GUIDANCE, ZeroWAMPolicyConfig
 from ardiff_policies.lingbot_va.zero_wam_demonstration import DemonstrationGeometry
-from ardiff_policies.lingbot_va.zero_wam_episode import CommitRequest, EpisodeError, InferRequest, ZeroWAMPolicy
+from ardiff_policies.lingbot_va.zero_wam_episode import CommitRequest, EpisodeError, InferRequest, ZeroWAMEpisodes
 from ardiff_policies.observation import RobotObservation, UnsupportedObservation
 
 logger = logging.getLogger(__name__)
@@ -48,10 +48,10 @@ logger = logging.getLogger(__name__)
 DEMONSTRATION_KEY = "icl_demo_id"  # upstream's reset key, and the OpenPI request's on a session's first call
 
 
-class ZeroWAMServing(LingBotVAServing):
+class ZeroWAMPolicy(LingBotVAPolicy):
     family = "zero_wam"
 
-    def __init__(self, episodes: ZeroWAMPolicy, config: ZeroWAMPolicyConfig, checkpoint: str, *, record: bool = False) -> None:
+    def __init__(self, episodes: ZeroWAMEpisodes, config: ZeroWAMPolicyConfig, checkpoint: str, *, record: bool = False) -> None:
         super().__init__(episodes, config, checkpoint, record=record)  # type: ignore[arg-type]
 
     # -- what clients are told ------------------------------------------------------------------
@@ -202,7 +202,7 @@ def load_empty_text(path: Path, text_dim: int) -> torch.Tensor:
     return tensor[None]
 
 
-def build_zero_wam(config: ZeroWAMPolicyConfig, options: RuntimeOptions) -> ZeroWAMServing:
+def build_zero_wam(config: ZeroWAMPolicyConfig, options: RuntimeOptions) -> ZeroWAMPolicy:
     for name, value in (("engine.compile", options.compile), ("engine.cuda_graphs", options.cuda_graphs)):
         if value:
             raise StartRefused(f"{name}: not supported by the zero_wam policy yet; unset it")
@@ -226,7 +226,7 @@ def build_zero_wam(config: ZeroWAMPolicyConfig, options: RuntimeOptions) -> Zero
         from ardiff_policies.lingbot_va.synthetic import synthetic_zero_wam_policy
 
         episodes = synthetic_zero_wam_policy(config.checkpoint, embodiment, device=options.device, dtype=dtype, **keywords)
-        return ZeroWAMServing(episodes, config, config.checkpoint, record=options.record)
+        return ZeroWAMPolicy(episodes, config, config.checkpoint, record=options.record)
     if config.checkpoint == BUILTIN_TINY:
         from ardiff_policies.lingbot_va.zero_wam_tiny import ensure_tiny_zero_wam_checkpoint
 
@@ -240,10 +240,10 @@ def build_zero_wam(config: ZeroWAMPolicyConfig, options: RuntimeOptions) -> Zero
         path = config.model_copy(update={"checkpoint": str(checkpoint)}).empty_text_path()
         keywords["empty_text"] = load_empty_text(path, text_dim)
     try:
-        episodes = ZeroWAMPolicy.load(checkpoint, embodiment, device=options.device, dtype=dtype, **keywords)
+        episodes = ZeroWAMEpisodes.load(checkpoint, embodiment, device=options.device, dtype=dtype, **keywords)
     except ValueError as exc:  # a window the server cannot hold, an empty text of another shape: named at start-up
         raise StartRefused(f"policy.checkpoint: {exc}") from None
     from ardiff_policies.lingbot_va.zero_wam_memory import describe_loaded
 
     logger.info("%s", describe_loaded(episodes, options.max_sessions))
-    return ZeroWAMServing(episodes, config, str(checkpoint), record=options.record)
+    return ZeroWAMPolicy(episodes, config, str(checkpoint), record=options.record)

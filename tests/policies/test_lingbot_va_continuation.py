@@ -1,4 +1,4 @@
-"""LingBot-VA continues its chunks (``policies/lingbot_va/episode_logic.py``): an ``infer`` asked while the last chunk
+"""LingBot-VA continues its chunks (``policies/lingbot_va/episode.py``): an ``infer`` asked while the last chunk
 executes is the model's next chunk over the last one's predicted (provisional) K/V, its first ``delay`` actions the
 last chunk's ``[executed, executed + delay)`` exactly; a commit replaces the provisional entries with the real ones;
 nothing leaks; a refused or failed call leaves the session as it was; batched equals alone."""
@@ -11,7 +11,7 @@ import pytest
 from ardiff_kv import EntryKind
 from ardiff_policies.continuation import APPLIED, NO_PREVIOUS_CHUNK, UNKNOWN_CHUNK_ID, Continuation
 from ardiff_policies.episode import EpisodeCall
-from ardiff_policies.lingbot_va.episode_logic import LingBotVAPolicy
+from ardiff_policies.lingbot_va.episode import LingBotVAEpisodes
 from ardiff_policies.observation import RobotObservation
 from ardiff_server.config import load_config
 from ardiff_server.engine.builder import build_engine
@@ -129,7 +129,7 @@ def test_batched_equals_alone_and_a_failed_batch_puts_its_members_back(engine, m
         lambda sid, out: infer(engine, 1, 4, Continuation(8, 8, chunk_id=2)),
         lambda sid, out: commit(engine, 8, 5, out[sid][1]),
     ]
-    stand_in, failures = LingBotVAPolicy._stand_in, []
+    stand_in, failures = LingBotVAEpisodes._stand_in, []
 
     def fails_once(self, session, chunk):
         if session.session_id == "b" and not failures:
@@ -137,7 +137,7 @@ def test_batched_equals_alone_and_a_failed_batch_puts_its_members_back(engine, m
             raise RuntimeError("injected")
         return stand_in(self, session, chunk)
 
-    monkeypatch.setattr(LingBotVAPolicy, "_stand_in", fails_once)
+    monkeypatch.setattr(LingBotVAEpisodes, "_stand_in", fails_once)
     out = {"a": [], "b": []}
     ids = iter(range(100, 200))
     for make in steps:
@@ -162,7 +162,7 @@ def test_a_call_that_fails_ends_its_session_and_returns_every_page(engine, monke
     def broken(self, session, chunk):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(LingBotVAPolicy, "_stand_in", broken)
+    monkeypatch.setattr(LingBotVAEpisodes, "_stand_in", broken)
     (reply,) = engine.run([Infer(1, "failing", infer(engine, 1, 4, Continuation(8, 8)))])
     assert isinstance(reply, ErrorReply) and reply.kind is ErrorKind.POLICY and "injected" in reply.message
     assert "failing" not in engine.sessions and engine.cache.pool.num_free == engine.cache.pool.capacity

@@ -13,7 +13,7 @@ import pytest
 
 from ardiff_policies.episode import EpisodeCall
 from ardiff_policies.inference_steps import StepBounds
-from ardiff_policies.lingbot_va.episode_logic import EpisodeError, InferRequest, LingBotVAPolicy
+from ardiff_policies.lingbot_va.episode import EpisodeError, InferRequest, LingBotVAEpisodes
 from ardiff_policies.lingbot_va.tiny import TINY_EMBODIMENT, ensure_tiny_checkpoint
 from ardiff_policies.observation import RobotObservation
 from ardiff_server.config import load_config
@@ -28,14 +28,14 @@ CONFIGURED = (TINY_EMBODIMENT.num_inference_steps, TINY_EMBODIMENT.action_num_in
 
 
 @pytest.fixture(scope="module")
-def policy() -> LingBotVAPolicy:
-    return LingBotVAPolicy.load(ensure_tiny_checkpoint(), TINY_EMBODIMENT)
+def policy() -> LingBotVAEpisodes:
+    return LingBotVAEpisodes.load(ensure_tiny_checkpoint(), TINY_EMBODIMENT)
 
 
 class Forwards:
     """Counts the transformer's forwards (one per batched forward, whatever the batch)."""
 
-    def __init__(self, policy: LingBotVAPolicy) -> None:
+    def __init__(self, policy: LingBotVAEpisodes) -> None:
         self.count = 0
         self._handle = policy.transformer.register_forward_hook(self._hook)
 
@@ -50,7 +50,7 @@ class Forwards:
         self._handle.remove()
 
 
-def episode(policy: LingBotVAPolicy, sid: str, steps: dict, chunks: int = 2, seed: int = 0) -> tuple[list, list]:
+def episode(policy: LingBotVAEpisodes, sid: str, steps: dict, chunks: int = 2, seed: int = 0) -> tuple[list, list]:
     """``chunks`` x (infer asking ``steps``, commit of its key frames); each infer's actions and forwards."""
     cache = make_cache(policy)
     session = policy.start_session(sid, cache.open_session(sid))
@@ -83,7 +83,7 @@ def test_fewer_steps_denoise_as_an_embodiment_configured_for_them_with_fewer_for
         num_inference_steps=steps.get("num_inference_steps", CONFIGURED[0]),
         action_num_inference_steps=steps.get("action_num_inference_steps", CONFIGURED[1]),
     )
-    reference = LingBotVAPolicy(policy.transformer, policy.vae, policy.text_encoder, policy.tokenizer, configured)
+    reference = LingBotVAEpisodes(policy.transformer, policy.vae, policy.text_encoder, policy.tokenizer, configured)
     asked, asked_forwards = episode(policy, "asked", steps)
     expected, expected_forwards = episode(reference, "configured", {})
     default, default_forwards = episode(policy, "default", {})

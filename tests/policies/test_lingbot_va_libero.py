@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from ardiff_policies.lingbot_va import upstream_configs
-from ardiff_policies.lingbot_va.episode_logic import InferRequest, LingBotVAPolicy, kv_spec
+from ardiff_policies.lingbot_va.episode import InferRequest, LingBotVAEpisodes, kv_spec
 from ardiff_policies.lingbot_va.tiny import TINY_LIBERO_EMBODIMENT, TINY_TRANSFORMER, ensure_tiny_checkpoint
 from ardiff_policies.lingbot_va.upstream_configs import DEMO, LIBERO, LIBERO_CFG, UpstreamConfig, embodiment_from_upstream
 from ardiff_policies.wan.tiny import tree_digest
@@ -74,8 +74,8 @@ def test_deployment_keys_are_named_not_embodiment():
 
 
 @pytest.fixture(scope="module")
-def policy() -> LingBotVAPolicy:
-    return LingBotVAPolicy.load(ensure_tiny_checkpoint(), TINY_LIBERO_EMBODIMENT)
+def policy() -> LingBotVAEpisodes:
+    return LingBotVAEpisodes.load(ensure_tiny_checkpoint(), TINY_LIBERO_EMBODIMENT)
 
 
 def test_libero_actions_are_channels_0_to_6_and_the_gripper_round_trips(policy):

@@ -34,7 +34,7 @@ def test_the_pools_reserved_pages_are_what_the_engine_keeps_free():
     """Scratch per batch slot and branch, and for batches of more than one the undo headroom: a budget of the plan's
     reserved bytes plus n sessions holds exactly n sessions in the engine's sizing (``PagedKVCache.sessions_for_budget``)."""
     from ardiff_kv import PagedKVCache
-    from ardiff_policies.lingbot_va.episode_logic import kv_spec
+    from ardiff_policies.lingbot_va.episode import kv_spec
 
     spec = kv_spec(ROBOTWIN, memory.RELEASED, torch.bfloat16)
     alone, batched = memory.plan("x", ROBOTWIN), memory.plan("x", ROBOTWIN, max_batch=4)

@@ -1,4 +1,4 @@
-"""A failed batched LingBot-VA call is retried member by member (``episode_logic.py``, ``ardiff_policies.batch_retry.run_batched``): every member is put
+"""A failed batched LingBot-VA call is retried member by member (``episode.py``, ``ardiff_policies.batch_retry.run_batched``): every member is put
 back as it was (KV pages and lengths of both CFG branches, VAE stream caches, noise generator, frame position) and
 run alone; only the member that fails alone fails (the engine ends it, its pages back in the pool), the others get
 exactly what they get alone, in that call and every later one."""
@@ -94,7 +94,7 @@ def test_one_failing_member_costs_the_others_nothing(engine, alone, monkeypatch,
 
     pool = engine.cache.pool
     members = [(f"batch-{role}", role) for role in ROLES]
-    with caplog.at_level(logging.WARNING, logger="ardiff_policies.lingbot_va.episode_logic"):
+    with caplog.at_level(logging.WARNING, logger="ardiff_policies.lingbot_va.episode"):
         out = episode(engine, members, fail_at=fail_at, fail=fail, monkeypatch=monkeypatch)
     assert "retrying each alone" in caplog.text  # the batch was retried, not run one by one for want of pages
     bad = out["bad"][fail_at]
@@ -119,7 +119,7 @@ def test_without_spare_pages_a_batch_runs_one_by_one_and_equals_alone(engine, al
     episodes = engine.policy.episodes
     monkeypatch.setattr(episodes, "_warned_headroom", False)
     monkeypatch.setattr(type(engine.cache.pool), "num_free", property(lambda pool: 0))
-    with caplog.at_level(logging.WARNING, logger="ardiff_policies.lingbot_va.episode_logic"):
+    with caplog.at_level(logging.WARNING, logger="ardiff_policies.lingbot_va.episode"):
         out = episode(engine, [("tight-a", "a"), ("tight-b", "b")])
     monkeypatch.undo()
     assert "one session at a time" in caplog.text

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ardiff_policies.lingbot_va.episode_logic import EpisodeError
+from ardiff_policies.lingbot_va.episode import EpisodeError
 from ardiff_policies.lingbot_va.zero_wam_demonstration import DemonstrationError, DemonstrationStore
 
 C, F, H, W, TEXT_DIM = 48, 3, 4, 6, 32

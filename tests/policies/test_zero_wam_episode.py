@@ -25,7 +25,7 @@ from ardiff_policies.lingbot_va.embodiments import ZERO_WAM_ROBOTWIN
 from ardiff_policies.lingbot_va.episode_io import EpisodeError
 from ardiff_policies.lingbot_va.zero_wam_checkpoint import ZeroWAMConfig
 from ardiff_policies.lingbot_va.zero_wam_demonstration import DemonstrationGeometry
-from ardiff_policies.lingbot_va.zero_wam_episode import CommitRequest, InferRequest, ZeroWAMPolicy, kv_spec
+from ardiff_policies.lingbot_va.zero_wam_episode import CommitRequest, InferRequest, ZeroWAMEpisodes, kv_spec
 from ardiff_policies.lingbot_va.zero_wam_tiny import (
     TINY_DEMONSTRATIONS,
     TINY_ZERO_WAM,
@@ -44,8 +44,8 @@ ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def policy() -> ZeroWAMPolicy:
-    return ZeroWAMPolicy.load(
+def policy() -> ZeroWAMEpisodes:
+    return ZeroWAMEpisodes.load(
         ensure_tiny_zero_wam_checkpoint(),
         TINY_ZERO_WAM_EMBODIMENT,
         demonstrations=TINY_DEMONSTRATIONS,
@@ -303,13 +303,13 @@ def test_a_failed_batch_is_retried_member_by_member_and_a_member_that_fails_alon
         sessions = ()
 
     holder = Holder()
-    original = ZeroWAMPolicy._forward
+    original = ZeroWAMEpisodes._forward
 
     def forward(self, rows, *args, **kwargs):
         holder.sessions = [row.session for row in rows]
         return original(self, rows, *args, **kwargs)
 
-    monkeypatch.setattr(ZeroWAMPolicy, "_forward", forward)
+    monkeypatch.setattr(ZeroWAMEpisodes, "_forward", forward)
     _fail_when(policy, monkeypatch, predicate)
     out = policy.infer_batch([InferRequest(good, []), InferRequest(bad, [])])
     np.testing.assert_allclose(out[0], alone[5][1], atol=ATOL, rtol=0)

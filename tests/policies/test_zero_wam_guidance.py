@@ -42,7 +42,7 @@ def test_no_guidance_one_half():
     ],
 )
 def test_a_bad_key_is_named(kwargs, message):
-    from ardiff_policies.lingbot_va.episode_logic import EpisodeError
+    from ardiff_policies.lingbot_va.episode import EpisodeError
 
     with pytest.raises(EpisodeError, match=re.escape(message)):
         plan_guidance(**({"use_icl": True, "video_guidance_scale": -1, "icl_guidance_scale": 5} | kwargs))

@@ -3,7 +3,7 @@
 ``tests/reference_data/upstream_zero_wam_tiny.*``'s ``serving.*`` entries are what upstream's ``VA_Server`` returned on
 the tiny checkpoint over its RoboTwin client's call order (scripts/record_upstream_zero_wam.py): two episodes of four
 chunks, episode 0 in-context guidance 5 with the empty text as target (``video_guidance_scale`` -1), episode 1 text
-guidance 5 (``icl_guidance_scale`` 1) with its demonstration pinned all the same. Here ``ZeroWAMPolicy`` is driven in
+guidance 5 (``icl_guidance_scale`` 1) with its demonstration pinned all the same. Here ``ZeroWAMEpisodes`` is driven in
 that order with exactly the recorded inputs (each checked against the sha256 the JSON holds): the checkpoint, the
 embodiment, the two demonstrations, the prompts and scales, the seed upstream's global generator got right after each
 reset, the first observation and every chunk's key frames. Every chunk's actions and the first encoded observation
@@ -30,9 +30,9 @@ from ardiff_policies.episode import EpisodeCall, EpisodeStart
 from ardiff_policies.lingbot_va.episode_io import LATENT_CHANNELS
 from ardiff_policies.lingbot_va.zero_wam_config import ZeroWAMPolicyConfig
 from ardiff_policies.lingbot_va.zero_wam_demonstration import DemonstrationGeometry
-from ardiff_policies.lingbot_va.zero_wam_episode import ZeroWAMPolicy
+from ardiff_policies.lingbot_va.zero_wam_episode import ZeroWAMEpisodes
 from ardiff_policies.lingbot_va.zero_wam_guidance import GuidanceMode
-from ardiff_policies.lingbot_va.zero_wam_policy import ZeroWAMServing
+from ardiff_policies.lingbot_va.zero_wam_policy import ZeroWAMPolicy
 from ardiff_policies.lingbot_va.zero_wam_tiny import TINY_ZERO_WAM, ensure_tiny_zero_wam_checkpoint
 from ardiff_policies.observation import RobotObservation
 from ardiff_policies.wan.tiny import tree_digest
@@ -78,11 +78,11 @@ def demonstration_root(reference, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def policy(demonstration_root) -> ZeroWAMPolicy:
+def policy(demonstration_root) -> ZeroWAMEpisodes:
     """float32 on the CPU; demonstrations of the recorded 4x6 latent frames, up to the longest recorded (3 frames)."""
     geometry = DemonstrationGeometry(latent_size=(4, 6), max_frames=max(e["demo"]["frames"] for e in RECORD.EPISODES))
     assert all((e["demo"]["height"], e["demo"]["width"]) == geometry.latent_size for e in RECORD.EPISODES)
-    return ZeroWAMPolicy.load(ensure_tiny_zero_wam_checkpoint(), EMBODIMENT, demonstrations=geometry, demonstration_root=demonstration_root)
+    return ZeroWAMEpisodes.load(ensure_tiny_zero_wam_checkpoint(), EMBODIMENT, demonstrations=geometry, demonstration_root=demonstration_root)
 
 
 def _messages(meta: dict, episode: int, kind: str) -> list[dict]:
@@ -167,11 +167,11 @@ def _step(engine: SessionEngine, kind: str, *sessions: tuple[Recorded, list | No
 
 
 def test_batched_with_another_robot_through_the_engine_policy_upstreams_actions(reference, policy):
-    """The same episodes through the engine's policy (``ZeroWAMServing``) with a second robot in every step: the other
+    """The same episodes through the engine's policy (``ZeroWAMPolicy``) with a second robot in every step: the other
     episode's prompt, demonstration and guidance on other frames, so each batch mixes in-context and text guidance (one
     batch of both sessions' halves), and the robot's actions are still upstream's within 1e-5."""
     meta, tensors = reference
-    serving = ZeroWAMServing(policy, ZeroWAMPolicyConfig(seed=meta["serving"]["seed"]), "builtin:tiny")
+    serving = ZeroWAMPolicy(policy, ZeroWAMPolicyConfig(seed=meta["serving"]["seed"]), "builtin:tiny")
     assert serving.cameras == tuple(c.removeprefix("observation.images.") for c in EMBODIMENT.cameras)
     spec = policy.kv_spec()
     pages = 2 * spec.reservation(2) + PagedKVCache.undo_headroom(spec, 2, 2) + 1

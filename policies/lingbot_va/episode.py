@@ -31,7 +31,7 @@ schedule exactly); noise comes from a per-session generator seeded at reset.
 Several robots' calls run batched (``infer_batch`` / ``compute_kv_cache_batch``). If a batched call raises (a CUDA
 error, one member's bad data, a bug), every member is put back as it was before the call (its KV pages and lengths:
 :meth:`SessionKV.snapshot`; its VAE streams' feature caches; its generator; its frame position) and retried alone
-(:func:`ardiff_policies.batch_retry.run_batched`, with :meth:`LingBotVAPolicy._keep` as its undo): only a member that
+(:func:`ardiff_policies.batch_retry.run_batched`, with :meth:`LingBotVAEpisodes._keep` as its undo): only a member that
 fails alone fails, the others get what they would have got alone.
 """
 
@@ -198,7 +198,7 @@ class _Saved:
         self.session.kv.release()
 
 
-class LingBotVAPolicy(EpisodeIO):
+class LingBotVAEpisodes(EpisodeIO):
     def __init__(
         self,
         transformer: LingBotVATransformer,
@@ -216,7 +216,7 @@ class LingBotVAPolicy(EpisodeIO):
         self.transformer = transformer
 
     @classmethod
-    def load(cls, checkpoint: str | Path, embodiment: Embodiment, *, device="cpu", dtype=torch.float32) -> LingBotVAPolicy:
+    def load(cls, checkpoint: str | Path, embodiment: Embodiment, *, device="cpu", dtype=torch.float32) -> LingBotVAEpisodes:
         """A released checkpoint directory (``transformer/``, ``vae/``, ``text_encoder/``, ``tokenizer/``)."""
         root = Path(checkpoint)
         transformer = load_transformer(root / "transformer", dtype=dtype, device=device)

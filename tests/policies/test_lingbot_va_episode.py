@@ -1,4 +1,4 @@
-"""LingBot-VA's episode logic (policies/lingbot_va/episode_logic.py) against upstream's own server on the tiny checkpoint.
+"""LingBot-VA's episode logic (policies/lingbot_va/episode.py) against upstream's own server on the tiny checkpoint.
 
 The reference (scripts/record_upstream_lingbot_va.py, ``policy.*``) is a whole episode of upstream's ``VA_Server``:
 reset, four chunks of infer + compute_kv_cache with the RoboTwin client's messages, the window sliding twice, its
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from ardiff_policies.lingbot_va.episode_logic import CommitRequest, EpisodeError, InferRequest, LingBotVAPolicy
+from ardiff_policies.lingbot_va.episode import CommitRequest, EpisodeError, InferRequest, LingBotVAEpisodes
 from ardiff_policies.lingbot_va.tiny import TINY_EMBODIMENT, ensure_tiny_checkpoint
 from tests.helpers.lingbot_va import ATOL, load_reference, make_cache
 from tests.helpers.scripts import load_script
@@ -26,8 +26,8 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def policy() -> LingBotVAPolicy:
-    return LingBotVAPolicy.load(ensure_tiny_checkpoint(), TINY_EMBODIMENT)
+def policy() -> LingBotVAEpisodes:
+    return LingBotVAEpisodes.load(ensure_tiny_checkpoint(), TINY_EMBODIMENT)
 
 
 def chunk(policy, session, index, seed_offset=0):
@@ -194,7 +194,7 @@ def test_a_repeated_first_infer_in_a_failed_batch_is_retried_alone_and_still_the
 def test_the_kv_geometry_of_the_shipped_embodiments():
     from ardiff_policies.lingbot_va.checkpoint import TransformerConfig
     from ardiff_policies.lingbot_va.embodiments import FRANKA, ROBOTWIN
-    from ardiff_policies.lingbot_va.episode_logic import kv_spec
+    from ardiff_policies.lingbot_va.episode import kv_spec
 
     full = TransformerConfig()
     robotwin = kv_spec(ROBOTWIN, full, torch.bfloat16)

@@ -28,8 +28,7 @@ from ardiff_policies.inference_steps import STEP_KEYS, check_steps
 from ardiff_policies.observation import RobotObservation, UnsupportedObservation
 from ardiff_server.engine.client import EngineClient
 from ardiff_server.engine.messages import EngineError
-from ardiff_server.frontend.openpi import chunk_info
-from ardiff_server.frontend.replies import Replies, RequestClock
+from ardiff_server.frontend.replies import Replies, RequestClock, chunk_info
 from ardiff_server.frontend.sessions import Connection, SessionTable
 from ardiff_server.wire.lingbot_va import LingBotVARequest, action_reply
 from ardiff_server.wire.protocol import pack

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ardiff_server.engine.messages import EngineError, InferReply, scalar_info
-from ardiff_server.frontend.replies import Replies, RequestClock
+from ardiff_server.frontend.replies import Replies, RequestClock, chunk_info
 from ardiff_server.frontend.sessions import Connection, SessionTable
 from ardiff_server.wire.openpi import OpenPIRequest
 from ardiff_server.wire.protocol import pack
@@ -80,17 +80,6 @@ class OpenPIHandler:
             **chunk_info(reply),
             **({"safety": reply.info["safety"]} if reply.info.get("safety") else {}),  # the gate clamped (policy.safety)
         }
-
-
-# The policy's chunk facts, read here and nowhere else in the front end: ``chunk_id`` / ``frozen`` (and, when the
-# request asked for a continuation, ``continuation``: applied or why not) as top-level keys of the dict reply
-# (``ardiff_policies.continuation``), every scalar fact (``call``, ``execute_from``, ...) in its ``session`` map.
-def chunk_info(reply: InferReply) -> dict[str, Any]:
-    """``chunk_id`` and ``frozen`` (and, when the request asked for a continuation, ``continuation``: applied or why
-    not): also top-level keys of the dict reply (ardiff_policies.continuation)."""
-    chunk = reply.chunk
-    top = {"chunk_id": chunk.chunk_id, "frozen": chunk.frozen, "continuation": chunk.continuation}
-    return {key: value for key, value in top.items() if value is not None}
 
 
 def session_info(session_id: str, reply: InferReply) -> dict[str, Any]:

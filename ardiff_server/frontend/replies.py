@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from ardiff_policies.safety import rejected_check
 from ardiff_server.engine.messages import EngineError, ErrorKind, InferReply, capacity_line
@@ -124,3 +125,14 @@ class Replies:
         if self.debug and exc.traceback:
             message += "\n" + exc.traceback
         return message
+
+
+# The policy's chunk facts, read here and nowhere else in the front end (both protocols' handlers): ``chunk_id`` / ``frozen`` (and, when the
+# request asked for a continuation, ``continuation``: applied or why not) as top-level keys of the dict reply
+# (``ardiff_policies.continuation``), every scalar fact (``call``, ``execute_from``, ...) in its ``session`` map.
+def chunk_info(reply: InferReply) -> dict[str, Any]:
+    """``chunk_id`` and ``frozen`` (and, when the request asked for a continuation, ``continuation``: applied or why
+    not): also top-level keys of the dict reply (ardiff_policies.continuation)."""
+    chunk = reply.chunk
+    top = {"chunk_id": chunk.chunk_id, "frozen": chunk.frozen, "continuation": chunk.continuation}
+    return {key: value for key, value in top.items() if value is not None}

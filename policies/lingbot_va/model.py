@@ -28,7 +28,7 @@ arithmetic is upstream's; attention, RoPE and the blocks are written out here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -151,22 +151,37 @@ class Attention(nn.Module):
         """Cross-attention K/V of projected text tokens (B, T, dim): computed once per prompt."""
         return self._heads(self.norm_k(self.to_k(text))), self._heads(self.to_v(text))
 
-    def self_attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], self_kv: LayerKV) -> torch.Tensor:
-        q = apply_rope(self._heads(self.norm_q(self.to_q(x))), *rope)
-        k = apply_rope(self._heads(self.norm_k(self.to_k(x))), *rope)
-        v = self._heads(self.to_v(x))
+    # The projections a stream reads. LingBot-VA's two streams share one set; Zero-WAM's action expert
+    # (``zero_wam_model.ExpertAttention``) answers with its own for ``action_mode``.
+    def query_out(self, action_mode: bool) -> tuple[nn.Module, nn.Module, nn.Module]:
+        """The stream's query projection, query norm and output projection."""
+        return self.to_q, self.norm_q, self.to_out[0]
+
+    def key_value(self, action_mode: bool) -> tuple[nn.Module, nn.Module, nn.Module]:
+        """The stream's key projection, key norm and value projection (self-attention)."""
+        return self.to_k, self.norm_k, self.to_v
+
+    def self_attention(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], self_kv: LayerKV, *, action_mode: bool = False
+    ) -> torch.Tensor:
+        to_q, norm_q, to_out = self.query_out(action_mode)
+        to_k, norm_k, to_v = self.key_value(action_mode)
+        q = apply_rope(self._heads(norm_q(to_q(x))), *rope)
+        k = apply_rope(self._heads(norm_k(to_k(x))), *rope)
+        v = self._heads(to_v(x))
         scale = self.head_dim**-0.5
         if isinstance(self_kv, PagedLayerInputs):  # B sequences, each over its own pages
             out = paged_write_attend(self_kv, q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), None, None, scale)
             out = out.view(q.shape)
         else:
             out = _sdpa(q, k, v, scale)
-        return self.to_out[0](out.flatten(2).type_as(x))
+        return to_out(out.flatten(2).type_as(x))
 
-    def cross_attention(self, x: torch.Tensor, text_kv: TextKV) -> torch.Tensor:
-        q = self._heads(self.norm_q(self.to_q(x)))
+    def cross_attention(self, x: torch.Tensor, text_kv: TextKV, *, action_mode: bool = False) -> torch.Tensor:
+        to_q, norm_q, to_out = self.query_out(action_mode)
+        q = self._heads(norm_q(to_q(x)))
         out = _sdpa(q, *text_kv, self.head_dim**-0.5)
-        return self.to_out[0](out.flatten(2).type_as(x))
+        return to_out(out.flatten(2).type_as(x))
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -179,12 +194,20 @@ class TransformerBlock(nn.Module):
         super().__init__()
         dim = cfg.dim
         self.norm1 = FP32LayerNorm(dim, cfg.eps, elementwise_affine=False)
-        self.attn1 = Attention(dim, cfg.num_attention_heads, cfg.eps)
-        self.attn2 = Attention(dim, cfg.num_attention_heads, cfg.eps)
+        self.attn1 = self.attention(cfg, cross=False)
+        self.attn2 = self.attention(cfg, cross=True)
         self.norm2 = FP32LayerNorm(dim, cfg.eps, elementwise_affine=True) if cfg.cross_attn_norm else nn.Identity()
         self.ffn = FeedForward(dim, inner_dim=cfg.ffn_dim, activation_fn="gelu-approximate")
         self.norm3 = FP32LayerNorm(dim, cfg.eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
+
+    def attention(self, cfg: TransformerConfig, *, cross: bool) -> Attention:
+        """``attn1`` (self) or ``attn2`` (cross); Zero-WAM's block adds the action expert's projections."""
+        return Attention(cfg.dim, cfg.num_attention_heads, cfg.eps)
+
+    def stream_modules(self, action_mode: bool) -> tuple[torch.Tensor, nn.Module, nn.Module, nn.Module, nn.Module]:
+        """The stream's modulation table, norm1, norm2, feed-forward and norm3: one set for both streams here."""
+        return self.scale_shift_table, self.norm1, self.norm2, self.ffn, self.norm3
 
     def forward(
         self,
@@ -193,31 +216,50 @@ class TransformerBlock(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         text_kv: TextKV,
         self_kv: LayerKV,
+        *,
+        action_mode: bool = False,
     ) -> torch.Tensor:
+        table, norm1, norm2, ffn, norm3 = self.stream_modules(action_mode)
         # modulation (B, L, 6, dim), per token; the sums are float32 like upstream's
-        shift, scale, gate, c_shift, c_scale, c_gate = (self.scale_shift_table[None] + modulation.float()).unbind(2)
-        h = (self.norm1(x.float()) * (1.0 + scale) + shift).type_as(x)
-        x = (x.float() + self.attn1.self_attention(h, rope, self_kv) * gate).type_as(x)
-        x = x + self.attn2.cross_attention(self.norm2(x.float()).type_as(x), text_kv)
-        h = (self.norm3(x.float()) * (1.0 + c_scale) + c_shift).type_as(x)
-        return (x.float() + self.ffn(h).float() * c_gate).type_as(x)
+        shift, scale, gate, c_shift, c_scale, c_gate = (table[None] + modulation.float()).unbind(2)
+        h = (norm1(x.float()) * (1.0 + scale) + shift).type_as(x)
+        x = (x.float() + self.attn1.self_attention(h, rope, self_kv, action_mode=action_mode) * gate).type_as(x)
+        x = x + self.attn2.cross_attention(norm2(x.float()).type_as(x), text_kv, action_mode=action_mode)
+        h = (norm3(x.float()) * (1.0 + c_scale) + c_shift).type_as(x)
+        return (x.float() + ffn(h).float() * c_gate).type_as(x)
 
 
 class LingBotVATransformer(nn.Module):
-    def __init__(self, cfg: TransformerConfig) -> None:
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        *,
+        block: Callable[[], TransformerBlock] | None = None,
+        action_embedder_bias: bool = True,
+    ) -> None:
+        """``block`` and ``action_embedder_bias``: what Zero-WAM's transformer (a subclass) builds differently."""
         super().__init__()
         self.config = cfg
         dim = cfg.dim
         self.rope = RotaryPositions(cfg.attention_head_dim)
         self.patch_embedding_mlp = nn.Linear(cfg.in_channels * cfg.patch_volume, dim)
-        self.action_embedder = nn.Linear(cfg.action_dim, dim)
+        self.action_embedder = nn.Linear(cfg.action_dim, dim, bias=action_embedder_bias)
         self.condition_embedder = TimeTextEmbedding(dim, cfg.freq_dim, cfg.text_dim)
         self.condition_embedder_action = TimeTextEmbedding(dim, cfg.freq_dim, cfg.text_dim, with_text=False)
-        self.blocks = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.num_layers)])
+        self.blocks = nn.ModuleList([TransformerBlock(cfg) if block is None else block() for _ in range(cfg.num_layers)])
         self.norm_out = FP32LayerNorm(dim, cfg.eps, elementwise_affine=False)
         self.proj_out = nn.Linear(dim, cfg.out_channels * cfg.patch_volume)
         self.action_proj_out = nn.Linear(dim, cfg.action_dim)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
+
+    @property
+    def stream_config(self) -> TransformerConfig:
+        """The sizes both streams are built and run with (Zero-WAM's ``config`` holds them as ``base``)."""
+        return self.config
+
+    def output_modules(self, action_mode: bool) -> tuple[torch.Tensor, nn.Module]:
+        """The stream's output modulation table and norm: the video's for both streams here."""
+        return self.scale_shift_table, self.norm_out
 
     # -- text ----------------------------------------------------------------------------
 
@@ -246,7 +288,7 @@ class LingBotVATransformer(nn.Module):
         ``self_kv``: per layer, or None for attention over this call's tokens only.
         Returns the velocity in the input's layout.
         """
-        cfg = self.config
+        cfg = self.stream_config
         batch, _, frames, height, width = inputs.shape
         if action_mode:
             x = self.action_embedder(inputs.flatten(2).transpose(1, 2))  # one token per (frame, action)
@@ -260,9 +302,10 @@ class LingBotVATransformer(nn.Module):
         embedder = self.condition_embedder_action if action_mode else self.condition_embedder
         temb, modulation = embedder(timesteps.repeat_interleave(tokens_per_frame, dim=1), dtype=x.dtype)
         for i, block in enumerate(self.blocks):
-            x = block(x, modulation, rope, text[i], None if self_kv is None else self_kv[i])
-        shift, scale = (self.scale_shift_table[None] + temb[:, :, None]).unbind(2)
-        x = (self.norm_out(x.float()) * (1.0 + scale) + shift).type_as(x)
+            x = block(x, modulation, rope, text[i], None if self_kv is None else self_kv[i], action_mode=action_mode)
+        table, norm_out = self.output_modules(action_mode)
+        shift, scale = (table[None] + temb[:, :, None]).unbind(2)
+        x = (norm_out(x.float()) * (1.0 + scale) + shift).type_as(x)
         if action_mode:
             # b (f n) c -> b c f n 1
             return self.action_proj_out(x).transpose(1, 2).reshape(batch, cfg.action_dim, frames, height, width)
@@ -275,17 +318,9 @@ class LingBotVATransformer(nn.Module):
 def load_transformer(directory: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> LingBotVATransformer:
     """A released ``transformer/`` directory (config.json + diffusion_pytorch_model*.safetensors, sharded or not):
     every tensor name and shape must be upstream's (strict), except :data:`UNUSED_PREFIXES`."""
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     cfg = TransformerConfig.from_file(directory / "config.json")
-    shards = sorted(directory.glob("diffusion_pytorch_model*.safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"{directory}: no diffusion_pytorch_model*.safetensors")
-    state: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        state |= load_file(shard)
-    state = {k: v for k, v in state.items() if not k.startswith(UNUSED_PREFIXES)}
+    state = {k: v for k, v in read_released_state(directory).items() if not k.startswith(UNUSED_PREFIXES)}
     with torch.device("meta"):
         model = LingBotVATransformer(cfg)
     missing, unexpected = _check_names(model, state)
@@ -296,6 +331,19 @@ def load_transformer(directory: str | Path, dtype: torch.dtype = torch.float32, 
         )
     model.load_state_dict(state, strict=True, assign=True)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def read_released_state(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a released ``transformer/`` directory's diffusion_pytorch_model*.safetensors, sharded or not."""
+    from safetensors.torch import load_file
+
+    shards = sorted(directory.glob("diffusion_pytorch_model*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{directory}: no diffusion_pytorch_model*.safetensors")
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state |= load_file(shard)
+    return state
 
 
 def _check_names(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:

@@ -28,7 +28,6 @@ projection. Each is checked by name and shape; anything else is refused.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -36,10 +35,9 @@ import torch.nn as nn
 from diffusers.models.attention import FeedForward
 from diffusers.models.normalization import FP32LayerNorm
 
-from ardiff_kv import PagedLayerInputs, paged_write_attend
-from ardiff_policies.lingbot_va.model import Attention, LayerKV, RotaryPositions, TextKV, TimeTextEmbedding, _sdpa, patchify, unpatchify
+from ardiff_policies.lingbot_va.checkpoint import TransformerConfig
+from ardiff_policies.lingbot_va.model import Attention, LingBotVATransformer, TransformerBlock, read_released_state
 from ardiff_policies.lingbot_va.zero_wam_checkpoint import ZeroWAMConfig
-from ardiff_policies.wan.rope import apply_rope
 
 # The action embedder's never-read copy of the text projection (upstream deep-copies the video embedder).
 UNUSED_TEXT_COPY = "condition_embedder_action.text_embedder."
@@ -71,128 +69,57 @@ class ExpertAttention(Attention):
             self.action_to_v = nn.Linear(dim, dim)
             self.action_norm_k = nn.RMSNorm(dim, eps=eps)
 
-    def stream_self_attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], self_kv: LayerKV, *, action_mode: bool) -> torch.Tensor:
+    def query_out(self, action_mode: bool) -> tuple[nn.Module, nn.Module, nn.Module]:
         if not action_mode:
-            return self.self_attention(x, rope, self_kv)
-        q = apply_rope(self._heads(self.action_norm_q(self.action_to_q(x))), *rope)
-        k = apply_rope(self._heads(self.action_norm_k(self.action_to_k(x))), *rope)
-        v = self._heads(self.action_to_v(x))
-        scale = self.head_dim**-0.5
-        if isinstance(self_kv, PagedLayerInputs):
-            out = paged_write_attend(self_kv, q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), None, None, scale).view(q.shape)
-        else:
-            out = _sdpa(q, k, v, scale)
-        return self.action_to_out[0](out.flatten(2).type_as(x))
+            return super().query_out(action_mode)
+        return self.action_to_q, self.action_norm_q, self.action_to_out[0]
 
-    def stream_cross_attention(self, x: torch.Tensor, text_kv: TextKV, *, action_mode: bool) -> torch.Tensor:
+    def key_value(self, action_mode: bool) -> tuple[nn.Module, nn.Module, nn.Module]:
         if not action_mode:
-            return self.cross_attention(x, text_kv)
-        q = self._heads(self.action_norm_q(self.action_to_q(x)))
-        out = _sdpa(q, *text_kv, self.head_dim**-0.5)
-        return self.action_to_out[0](out.flatten(2).type_as(x))
+            return super().key_value(action_mode)
+        return self.action_to_k, self.action_norm_k, self.action_to_v
 
 
-class ZeroWAMBlock(nn.Module):
+class ZeroWAMBlock(TransformerBlock):
+    """LingBot-VA's block (the video stream, names and all; its arithmetic for both streams) plus the action expert."""
+
     def __init__(self, cfg: ZeroWAMConfig) -> None:
-        super().__init__()
         base, dim = cfg.base, cfg.dim
-        heads, eps = base.num_attention_heads, base.eps
-        # the video stream: LingBot-VA's block, names and all
-        self.norm1 = FP32LayerNorm(dim, eps, elementwise_affine=False)
-        self.attn1 = ExpertAttention(dim, heads, eps, cross=False)
-        self.attn2 = ExpertAttention(dim, heads, eps, cross=True)
-        self.norm2 = FP32LayerNorm(dim, eps, elementwise_affine=True) if base.cross_attn_norm else nn.Identity()
-        self.ffn = FeedForward(dim, inner_dim=base.ffn_dim, activation_fn="gelu-approximate")
-        self.norm3 = FP32LayerNorm(dim, eps, elementwise_affine=False)
-        self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
-        # the action expert
-        self.action_norm1 = FP32LayerNorm(dim, eps, elementwise_affine=False)
-        self.action_norm2 = FP32LayerNorm(dim, eps, elementwise_affine=True) if base.cross_attn_norm else nn.Identity()
+        super().__init__(base)
+        self.action_norm1 = FP32LayerNorm(dim, base.eps, elementwise_affine=False)
+        self.action_norm2 = FP32LayerNorm(dim, base.eps, elementwise_affine=True) if base.cross_attn_norm else nn.Identity()
         self.action_ffn = FeedForward(dim, inner_dim=cfg.action_ffn_dim, activation_fn="gelu-approximate")
-        self.action_norm3 = FP32LayerNorm(dim, eps, elementwise_affine=False)
+        self.action_norm3 = FP32LayerNorm(dim, base.eps, elementwise_affine=False)
         self.scale_shift_table_action = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        modulation: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        text_kv: TextKV,
-        self_kv: LayerKV,
-        *,
-        action_mode: bool,
-    ) -> torch.Tensor:
-        # LingBot-VA's block arithmetic (float32 sums, per-token modulation) over the stream's own modules
-        if action_mode:
-            table, norm1, norm2, ffn, norm3 = self.scale_shift_table_action, self.action_norm1, self.action_norm2, self.action_ffn, self.action_norm3
-        else:
-            table, norm1, norm2, ffn, norm3 = self.scale_shift_table, self.norm1, self.norm2, self.ffn, self.norm3
-        shift, scale, gate, c_shift, c_scale, c_gate = (table[None] + modulation.float()).unbind(2)
-        h = (norm1(x.float()) * (1.0 + scale) + shift).type_as(x)
-        x = (x.float() + self.attn1.stream_self_attention(h, rope, self_kv, action_mode=action_mode) * gate).type_as(x)
-        x = x + self.attn2.stream_cross_attention(norm2(x.float()).type_as(x), text_kv, action_mode=action_mode)
-        h = (norm3(x.float()) * (1.0 + c_scale) + c_shift).type_as(x)
-        return (x.float() + ffn(h).float() * c_gate).type_as(x)
+    def attention(self, cfg: TransformerConfig, *, cross: bool) -> Attention:
+        return ExpertAttention(cfg.dim, cfg.num_attention_heads, cfg.eps, cross=cross)
+
+    def stream_modules(self, action_mode: bool) -> tuple[torch.Tensor, nn.Module, nn.Module, nn.Module, nn.Module]:
+        if not action_mode:
+            return super().stream_modules(action_mode)
+        return self.scale_shift_table_action, self.action_norm1, self.action_norm2, self.action_ffn, self.action_norm3
 
 
-class ZeroWAMTransformer(nn.Module):
+class ZeroWAMTransformer(LingBotVATransformer):
+    """LingBot-VA's transformer, its forward included, with :class:`ZeroWAMBlock` blocks and the action stream's own
+    output norm and table. ``config`` is the :class:`ZeroWAMConfig`; the shared sizes are its ``base``."""
+
     def __init__(self, cfg: ZeroWAMConfig) -> None:
-        super().__init__()
+        super().__init__(cfg.base, block=lambda: ZeroWAMBlock(cfg), action_embedder_bias=cfg.action_embedder_bias)
         self.config = cfg
-        base, dim = cfg.base, cfg.dim
-        self.rope = RotaryPositions(base.attention_head_dim)
-        self.patch_embedding_mlp = nn.Linear(base.in_channels * base.patch_volume, dim)
-        self.action_embedder = nn.Linear(base.action_dim, dim, bias=cfg.action_embedder_bias)
-        self.condition_embedder = TimeTextEmbedding(dim, base.freq_dim, base.text_dim)
-        self.condition_embedder_action = TimeTextEmbedding(dim, base.freq_dim, base.text_dim, with_text=False)
-        self.blocks = nn.ModuleList([ZeroWAMBlock(cfg) for _ in range(base.num_layers)])
-        self.norm_out = FP32LayerNorm(dim, base.eps, elementwise_affine=False)
-        self.action_norm_out = FP32LayerNorm(dim, base.eps, elementwise_affine=False)
-        self.proj_out = nn.Linear(dim, base.out_channels * base.patch_volume)
-        self.action_proj_out = nn.Linear(dim, base.action_dim)
-        self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
+        dim = cfg.dim
+        self.action_norm_out = FP32LayerNorm(dim, cfg.base.eps, elementwise_affine=False)
         self.scale_shift_table_action = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
 
-    def project_text(self, text_embeddings: torch.Tensor) -> list[TextKV]:
-        """Every layer's cross-attention K/V for UMT5 embeddings (B, 512, text_dim), shared by both streams."""
-        text = self.condition_embedder.text_embedder(text_embeddings)
-        return [block.attn2.project_text(text) for block in self.blocks]
+    @property
+    def stream_config(self) -> TransformerConfig:
+        return self.config.base
 
-    def forward(
-        self,
-        inputs: torch.Tensor,
-        timesteps: torch.Tensor,
-        grid: torch.Tensor,
-        text: torch.Tensor | Sequence[TextKV],
-        *,
-        action_mode: bool,
-        self_kv: Sequence[LayerKV] | None = None,
-    ) -> torch.Tensor:
-        """One stream's forward, with LingBot-VA's arguments (:meth:`LingBotVATransformer.forward`): latents
-        (B, C, F, H, W) or actions (B, action_dim, F, N, 1), per-frame ``timesteps`` (B, F), positions ``grid``
-        (B, 3, L), text embeddings or :meth:`project_text`'s K/V, per-layer ``self_kv``. The velocity, in the
-        input's layout."""
-        base = self.config.base
-        batch, _, frames, height, width = inputs.shape
-        if action_mode:
-            x = self.action_embedder(inputs.flatten(2).transpose(1, 2))
-            tokens_per_frame = height * width
-        else:
-            x = self.patch_embedding_mlp(patchify(inputs, base.patch_size))
-            tokens_per_frame = (height // base.patch_size[1]) * (width // base.patch_size[2])
-        if isinstance(text, torch.Tensor):
-            text = self.project_text(text)
-        rope = self.rope(grid)
-        embedder = self.condition_embedder_action if action_mode else self.condition_embedder
-        temb, modulation = embedder(timesteps.repeat_interleave(tokens_per_frame, dim=1), dtype=x.dtype)
-        for i, block in enumerate(self.blocks):
-            x = block(x, modulation, rope, text[i], None if self_kv is None else self_kv[i], action_mode=action_mode)
-        table, norm_out = (self.scale_shift_table_action, self.action_norm_out) if action_mode else (self.scale_shift_table, self.norm_out)
-        shift, scale = (table[None] + temb[:, :, None]).unbind(2)
-        x = (norm_out(x.float()) * (1.0 + scale) + shift).type_as(x)
-        if action_mode:
-            return self.action_proj_out(x).transpose(1, 2).reshape(batch, base.action_dim, frames, height, width)
-        return unpatchify(self.proj_out(x), base.patch_size, base.out_channels, (frames, height, width))
+    def output_modules(self, action_mode: bool) -> tuple[torch.Tensor, nn.Module]:
+        if not action_mode:
+            return super().output_modules(action_mode)
+        return self.scale_shift_table_action, self.action_norm_out
 
 
 # ----------------------------------------------------------------------------- the released state dict
@@ -265,16 +192,9 @@ def split_released_state(cfg: ZeroWAMConfig, model: nn.Module, state: dict[str, 
 
 def load_zero_wam_transformer(directory: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> ZeroWAMTransformer:
     """A released ``transformer/`` directory (config.json + diffusion_pytorch_model*.safetensors, sharded or not)."""
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     cfg = ZeroWAMConfig.from_file(directory / "config.json")
-    shards = sorted(directory.glob("diffusion_pytorch_model*.safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"{directory}: no diffusion_pytorch_model*.safetensors")
-    state: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        state |= load_file(shard)
+    state = read_released_state(directory)
     with torch.device("meta"):
         model = ZeroWAMTransformer(cfg)
     model.load_state_dict(split_released_state(cfg, model, state, str(directory)), strict=True, assign=True)

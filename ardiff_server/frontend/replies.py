@@ -127,12 +127,10 @@ class Replies:
         return message
 
 
-# The policy's chunk facts, read here and nowhere else in the front end (both protocols' handlers): ``chunk_id`` / ``frozen`` (and, when the
-# request asked for a continuation, ``continuation``: applied or why not) as top-level keys of the dict reply
-# (``ardiff_policies.continuation``), every scalar fact (``call``, ``execute_from``, ...) in its ``session`` map.
 def chunk_info(reply: InferReply) -> dict[str, Any]:
-    """``chunk_id`` and ``frozen`` (and, when the request asked for a continuation, ``continuation``: applied or why
-    not): also top-level keys of the dict reply (ardiff_policies.continuation)."""
+    """The policy's chunk facts as top-level keys of a dict reply, for both protocols' handlers: ``chunk_id`` and
+    ``frozen`` (and, when the request asked for a continuation, ``continuation``: applied or why not;
+    ``ardiff_policies.continuation``). Every scalar fact (``call``, ``execute_from``, ...) goes in the ``session`` map."""
     chunk = reply.chunk
     top = {"chunk_id": chunk.chunk_id, "frozen": chunk.frozen, "continuation": chunk.continuation}
     return {key: value for key, value in top.items() if value is not None}
